@@ -1,0 +1,374 @@
+//! [`Idem`]: the state machine's front door, over any [`Store`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordId;
+use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
+use crate::store::{Begin, BeginRequest, Store};
+
+/// What to do when the work fails for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// Forget the key, so a retry runs the work again (the default).
+    #[default]
+    Release,
+    /// Store the failure, and replay it to every retry like a success.
+    Store,
+}
+
+/// Settings of an [`Idem`]. Every field has a documented default.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How long a lease lasts before another worker may take the key over. Default: 30 s.
+    pub lease: Duration,
+    /// How long a completed record is kept (and an abandoned in-progress record is kept past
+    /// its deadline). Default: 24 h.
+    pub retention: Duration,
+    /// When set, `begin` on a key held by another worker waits up to this long for the
+    /// holder to finish, instead of answering in flight at once. Default: `None`.
+    pub wait: Option<Duration>,
+    /// The longest pause between two looks at a held key while waiting. Default: 50 ms.
+    pub max_poll: Duration,
+    /// What [`Idem::fail`] does. Default: [`FailurePolicy::Release`].
+    pub failure: FailurePolicy,
+    /// The longest any one store call may take before it counts as
+    /// [`Error::Unavailable`]. Default: 5 s.
+    pub store_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+            wait: None,
+            max_poll: Duration::from_millis(50),
+            failure: FailurePolicy::Release,
+            store_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The idempotency engine: [`Store`] steps plus waiting, failure policy, time limits and
+/// [`Idem::execute_once`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_core::Error> {
+/// use idem_core::{Begin, Fingerprint, Idem, Key, MemoryStore, RecordId, Response, Scope};
+///
+/// let idem = Idem::new(MemoryStore::new());
+/// let id = RecordId::new(Scope::new("tenant-1").unwrap(), Key::new("order-42").unwrap());
+/// let fp = Fingerprint::of_bytes(b"charge 12.50 EUR");
+///
+/// match idem.begin(&id, fp).await? {
+///     Begin::Acquired(lease) | Begin::TookOver(lease) => {
+///         // ... charge the card, once ...
+///         idem.complete(&lease, Response::new(201, "charged")).await?;
+///     }
+///     other => panic!("a fresh key is acquired, got {other:?}"),
+/// }
+/// // A retry gets the stored response, and the card is not charged again.
+/// let Begin::Replay(replay) = idem.begin(&id, fp).await? else { panic!() };
+/// assert_eq!(replay.completion.response.body, "charged");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Idem {
+    store: Arc<dyn Store>,
+    config: Config,
+}
+
+/// What [`Idem::execute_once`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Once<T> {
+    /// The work ran now (`attempt` > 1 after a takeover) and its value was stored.
+    Executed {
+        /// The work's value.
+        value: T,
+        /// Acquisitions of the key so far.
+        attempt: u32,
+    },
+    /// The work ran before; this is its stored value.
+    Replayed(T),
+    /// The work failed for good before and the failure was stored; this is its message.
+    FailedBefore(String),
+    /// Another worker holds the key. Do not drop the message: try again after `retry_after`.
+    InFlight {
+        /// The holder's lease time left.
+        retry_after: Duration,
+    },
+    /// The key was used for a different request or message.
+    Mismatch,
+}
+
+/// How the work of [`Idem::execute_once`] failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure<E> {
+    /// Worth another try: the key is released so a retry runs the work again.
+    Retryable(E),
+    /// Will fail again: handled by the [`FailurePolicy`].
+    Terminal(E),
+}
+
+/// The error of [`Idem::execute_once`].
+#[derive(Debug, thiserror::Error)]
+pub enum OnceError<E> {
+    /// The work failed; `stored` tells whether the failure was stored for replay (a terminal
+    /// failure under [`FailurePolicy::Store`]) or the key released.
+    #[error("the work failed ({}): {error}", if *.stored { "stored" } else { "key released" })]
+    Work {
+        /// The work's error.
+        error: E,
+        /// Whether the failure was stored.
+        stored: bool,
+    },
+    /// The store failed, or the lease was lost while the work ran. When the lease was lost
+    /// the work was cancelled at its next `.await`; what it did before then stands.
+    #[error(transparent)]
+    Store(#[from] Error),
+    /// The stored value could not be encoded or decoded as JSON.
+    #[error("stored value is not the expected JSON: {0}")]
+    Codec(#[source] serde_json::Error),
+}
+
+impl Idem {
+    /// An engine over `store` with the default [`Config`].
+    pub fn new(store: impl Store + 'static) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// An engine over a shared store.
+    pub fn from_arc(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            config: Config::default(),
+        }
+    }
+
+    /// Replaces the configuration.
+    pub fn with_config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Claims `id` for a request with fingerprint `fingerprint`. With [`Config::wait`] set, a
+    /// key held by another worker is watched until the holder finishes (answering
+    /// [`Begin::Replay`]), its lease expires (answering [`Begin::TookOver`]) or the wait runs
+    /// out (answering [`Begin::InFlight`]).
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Unavailable`] when a store call takes longer than
+    /// [`Config::store_timeout`].
+    pub async fn begin(&self, id: &RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
+        let token = FencingToken::random();
+        let give_up = self.config.wait.map(|w| Instant::now() + w);
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let req = BeginRequest {
+                id,
+                fingerprint,
+                token,
+                lease: self.config.lease,
+                retention: self.config.retention,
+            };
+            let answer = self.timed(self.store.begin(req)).await?;
+            let (Begin::InFlight { retry_after }, Some(give_up)) = (&answer, give_up) else {
+                return Ok(answer);
+            };
+            let now = Instant::now();
+            if now >= give_up {
+                return Ok(answer);
+            }
+            // Poll with a growing pause, never past the holder's deadline or our own.
+            let sleep = pause
+                .min(*retry_after + Duration::from_millis(1))
+                .min(give_up - now);
+            tokio::time::sleep(sleep).await;
+            pause = (pause * 2).min(self.config.max_poll);
+        }
+    }
+
+    /// Stores `response` as the key's successful outcome, kept for [`Config::retention`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
+    pub async fn complete(&self, lease: &Lease, response: Response) -> Result<(), Error> {
+        let completion = Completion::succeeded(response);
+        self.timed(
+            self.store
+                .complete(lease, &completion, self.config.retention),
+        )
+        .await
+    }
+
+    /// Handles a terminal failure by [`Config::failure`]: releases the key, or stores
+    /// `response` as a failure replayed to every retry. Returns whether it was stored.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
+    pub async fn fail(&self, lease: &Lease, response: Response) -> Result<bool, Error> {
+        match self.config.failure {
+            FailurePolicy::Release => self.release(lease).await.map(|()| false),
+            FailurePolicy::Store => {
+                let completion = Completion::failed(response);
+                self.timed(
+                    self.store
+                        .complete(lease, &completion, self.config.retention),
+                )
+                .await
+                .map(|()| true)
+            }
+        }
+    }
+
+    /// Forgets the key so that a retry runs the work again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
+    pub async fn release(&self, lease: &Lease) -> Result<(), Error> {
+        self.timed(self.store.release(lease)).await
+    }
+
+    /// Renews the lease for another [`Config::lease`] (a heartbeat for long work).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
+    pub async fn extend(&self, lease: &Lease) -> Result<Lease, Error> {
+        self.timed(self.store.extend(lease, self.config.lease))
+            .await
+    }
+
+    /// Runs `work` at most once per key and hands every later call its stored value: the
+    /// helper for message consumers and plain functions. The value is stored as JSON.
+    ///
+    /// While `work` runs, the lease is extended every third of [`Config::lease`]; if an
+    /// extension finds the lease lost, `work` is dropped at its next `.await` and
+    /// [`Error::LeaseLost`] is returned.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use idem_core::{Failure, Fingerprint, Idem, Key, MemoryStore, Once, RecordId, Scope};
+    /// let idem = Idem::new(MemoryStore::new());
+    /// let id = RecordId::new(Scope::new("billing").unwrap(), Key::new("msg-7").unwrap());
+    /// let fp = Fingerprint::of_bytes(b"payload");
+    /// let first = idem.execute_once(&id, fp, |_lease| async { Ok::<_, Failure<String>>(42) }).await.unwrap();
+    /// assert_eq!(first, Once::Executed { value: 42, attempt: 1 });
+    /// let again = idem.execute_once(&id, fp, |_lease| async { Ok::<_, Failure<String>>(0) }).await.unwrap();
+    /// assert_eq!(again, Once::Replayed(42));
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`OnceError::Work`] when `work` fails (the key is released or the failure stored, per
+    /// [`Failure`] and [`FailurePolicy`]); [`OnceError::Store`] on store errors and lost
+    /// leases; [`OnceError::Codec`] when a stored value does not decode as `T`.
+    pub async fn execute_once<T, E, F, Fut>(
+        &self,
+        id: &RecordId,
+        fingerprint: Fingerprint,
+        work: F,
+    ) -> Result<Once<T>, OnceError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: std::fmt::Display,
+        F: FnOnce(Lease) -> Fut,
+        Fut: Future<Output = Result<T, Failure<E>>>,
+    {
+        let lease = match self.begin(id, fingerprint).await? {
+            Begin::Acquired(lease) | Begin::TookOver(lease) => lease,
+            Begin::Replay(Replay { completion, .. }) => {
+                return match completion.kind {
+                    CompletionKind::Succeeded => serde_json::from_slice(&completion.response.body)
+                        .map(Once::Replayed)
+                        .map_err(OnceError::Codec),
+                    CompletionKind::Failed => Ok(Once::FailedBefore(
+                        String::from_utf8_lossy(&completion.response.body).into_owned(),
+                    )),
+                };
+            }
+            Begin::InFlight { retry_after } => return Ok(Once::InFlight { retry_after }),
+            Begin::Mismatch => return Ok(Once::Mismatch),
+        };
+        let attempt = lease.attempt();
+        let (lease, outcome) = self.run_with_heartbeat(lease.clone(), work(lease)).await?;
+        match outcome {
+            Ok(value) => {
+                let body = match serde_json::to_vec(&value) {
+                    Ok(body) => body,
+                    Err(e) => {
+                        // Nothing can be stored: let a retry run it again.
+                        self.release(&lease).await?;
+                        return Err(OnceError::Codec(e));
+                    }
+                };
+                self.complete(&lease, Response::new(0, body)).await?;
+                Ok(Once::Executed { value, attempt })
+            }
+            Err(Failure::Retryable(error)) => {
+                self.release(&lease).await?;
+                Err(OnceError::Work {
+                    error,
+                    stored: false,
+                })
+            }
+            Err(Failure::Terminal(error)) => {
+                let stored = self
+                    .fail(&lease, Response::new(0, error.to_string()))
+                    .await?;
+                Err(OnceError::Work { error, stored })
+            }
+        }
+    }
+
+    /// Drives `work` while renewing `lease`; returns the latest lease with the work's output.
+    async fn run_with_heartbeat<O>(
+        &self,
+        mut lease: Lease,
+        work: impl Future<Output = O>,
+    ) -> Result<(Lease, O), Error> {
+        let every = (self.config.lease / 3).max(Duration::from_millis(1));
+        let mut work = std::pin::pin!(work);
+        loop {
+            tokio::select! {
+                // The work finishing wins over a due heartbeat.
+                biased;
+                out = &mut work => return Ok((lease, out)),
+                () = tokio::time::sleep(every) => {
+                    // A lost lease ends here: the work future is dropped with this frame.
+                    lease = self.extend(&lease).await?;
+                }
+            }
+        }
+    }
+
+    async fn timed<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+        match tokio::time::timeout(self.config.store_timeout, call).await {
+            Ok(result) => result,
+            Err(elapsed) => Err(Error::unavailable(self.store.name(), elapsed)),
+        }
+    }
+}

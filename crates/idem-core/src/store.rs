@@ -1,0 +1,133 @@
+//! The storage trait that every backend implements.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordId;
+use crate::record::{Completion, FencingToken, Lease, Record, Replay};
+
+/// What `begin` asks of a store.
+#[derive(Debug, Clone)]
+pub struct BeginRequest<'a> {
+    /// The record.
+    pub id: &'a RecordId,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// A fresh token for this attempt. Sending the same request again (after a lost reply)
+    /// with the same token must hand back the same lease.
+    pub token: FencingToken,
+    /// How long the lease lasts, by the store's clock.
+    pub lease: Duration,
+    /// How long an in-progress record is kept after its lease deadline (so a takeover still
+    /// counts attempts and sees the fingerprint), and how long a completed record is kept by
+    /// default.
+    pub retention: Duration,
+}
+
+/// The answer to `begin`: one of five outcomes, all of them values.
+#[derive(Debug, Clone)]
+pub enum Begin {
+    /// The key was absent (or released): the caller holds a fresh lease (attempt 1) and must
+    /// run the work, then complete, fail or release.
+    Acquired(Lease),
+    /// The previous holder's lease expired without a completion: the caller took it over
+    /// and must run the work. [`Lease::attempt`] counts the acquisitions so far.
+    TookOver(Lease),
+    /// The work was done: hand the stored outcome to the caller.
+    Replay(Replay),
+    /// Another worker holds a live lease on the key. Try again after `retry_after` (the
+    /// holder's lease time left), or wait.
+    InFlight {
+        /// The live lease's time left, by the store's clock.
+        retry_after: Duration,
+    },
+    /// The key was used with a different fingerprint: the request is not a retry of the
+    /// original one and must be refused.
+    Mismatch,
+}
+
+/// A storage backend: the atomic steps of the state machine.
+///
+/// # Contract
+///
+/// Implementors must make each method a single atomic step with respect to every other
+/// call on the same record, from any process:
+///
+/// - **Clock.** Lease deadlines and expiries are decided by the store's own clock, never by
+///   the caller's. All durations are relative to it.
+/// - **`begin`.** If the record is absent: insert it in progress with `req.token`, attempt 1,
+///   lease deadline `now + req.lease`, kept until `deadline + req.retention`, and answer
+///   [`Begin::Acquired`]. If present with another fingerprint: [`Begin::Mismatch`], whatever
+///   its state. If completed: [`Begin::Replay`]. If in progress with `req.token` (the same
+///   attempt sent twice): answer with that same lease again. If in progress with a live
+///   lease: [`Begin::InFlight`] with the time left. If in progress with an expired lease:
+///   replace the token with `req.token`, increment the attempt, set a new deadline and answer
+///   [`Begin::TookOver`].
+/// - **Fencing.** `complete`, `release` and `extend` change the record only while it is in
+///   progress with the lease's token; otherwise they return [`Error::LeaseLost`] and change
+///   nothing. A lease whose deadline passed but which nobody took over still matches: its
+///   holder may complete, release or extend it.
+/// - **`complete`** replaces the record by the completion, kept for `retention`; **`release`**
+///   deletes it (the next `begin` is attempt 1 again); **`extend`** sets the deadline to
+///   `now + by` and moves the record's expiry by as much as the deadline moved, so the
+///   margin after the deadline stays what `begin` set.
+/// - **Expiry.** Records past their expiry behave as absent and must not accumulate.
+/// - **Errors.** Unreachable, timed-out or overloaded stores give [`Error::Unavailable`]
+///   within a bounded time; undecodable records give [`Error::Corrupt`] and are left alone.
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug {
+    /// A short name for errors and metrics: `"memory"`, `"redis"`, `"postgres"`.
+    fn name(&self) -> &'static str;
+
+    /// Claims the key, or reports why not. See the trait's contract.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`], [`Error::Backend`] or [`Error::Corrupt`].
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error>;
+
+    /// Stores the outcome and ends the lease. The completion is kept for `retention`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease no longer holds the record; store errors.
+    async fn complete(
+        &self,
+        lease: &Lease,
+        completion: &Completion,
+        retention: Duration,
+    ) -> Result<(), Error>;
+
+    /// Ends the lease and forgets the record, so a retry runs the work again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease no longer holds the record; store errors.
+    async fn release(&self, lease: &Lease) -> Result<(), Error>;
+
+    /// Moves the lease deadline to `by` from now (a heartbeat for long work), returning the
+    /// renewed lease.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease no longer holds the record; store errors.
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error>;
+
+    /// Reads a record, for inspection. `None` when it is absent or expired.
+    ///
+    /// # Errors
+    ///
+    /// Store errors.
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error>;
+
+    /// Deletes a record whatever its state (an operator's tool). Returns whether it existed.
+    ///
+    /// # Errors
+    ///
+    /// Store errors.
+    async fn evict(&self, id: &RecordId) -> Result<bool, Error>;
+}
