@@ -15,7 +15,7 @@
 //! let id = RecordId::new(Scope::new("orders").unwrap(), Key::new("order-1").unwrap());
 //! let fp = Fingerprint::of_bytes(b"create order 1");
 //! let once = idem
-//!     .execute_once(&id, fp, |_lease| async { Ok::<_, Failure<String>>("created") })
+//!     .execute_once(&id, fp, |_lease| async { Ok::<_, Failure<String>>("created".to_owned()) })
 //!     .await
 //!     .unwrap();
 //! assert!(matches!(once, Once::Executed { .. }));
@@ -23,3 +23,8 @@
 //! ```
 
 pub use idem_core::*;
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
