@@ -1,0 +1,573 @@
+//! The consumer's decisions, on the in-memory store (no broker needed).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_consumer::{
+    Consumer, DeadLetterReason, Delivery, InvalidMessage, Message, OnTerminal, Outcome, Policy,
+    RequeueReason, ATTEMPT_HEADER, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_SCOPE_HEADER,
+    MIN_REQUEUE_DELAY,
+};
+use idem_core::{
+    Begin, BeginRequest, Completion, Config, Error, Failure, Idem, Key, Lease, ManualClock,
+    MemoryStore, Record, RecordId, Scope, Store,
+};
+
+fn scope() -> Scope {
+    Scope::new(format!("test-{}", uuid::Uuid::new_v4())).unwrap()
+}
+
+fn msg(key: &str, payload: &str) -> Message {
+    Message::new(payload.as_bytes().to_vec()).with_header(IDEMPOTENCY_KEY_HEADER, key)
+}
+
+fn consumer(store: MemoryStore, policy: Policy) -> Consumer {
+    Consumer::new(Idem::new(store), scope()).with_policy(policy)
+}
+
+/// A handler that counts its runs and returns `result`.
+async fn counted(
+    runs: &AtomicU32,
+    result: Result<u32, Failure<&'static str>>,
+) -> Result<u32, Failure<&'static str>> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    result
+}
+
+#[tokio::test]
+async fn duplicates_are_acked_with_the_stored_value_and_do_not_run_again() {
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let runs = AtomicU32::new(0);
+    let m = msg("order-1", r#"{"amount": 5}"#);
+    let first = c.process(&m, |_| counted(&runs, Ok(7))).await;
+    assert!(matches!(
+        first,
+        Delivery::Ack(Outcome::Executed {
+            value: 7,
+            attempt: 1
+        })
+    ));
+    for _ in 0..3 {
+        let again = c.process(&m, |_| counted(&runs, Ok(8))).await;
+        assert!(matches!(again, Delivery::Ack(Outcome::Replayed(7))));
+        assert_eq!(again.value(), Some(&7));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_run_once_and_the_others_are_requeued_not_dropped() {
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let runs = Arc::new(AtomicU32::new(0));
+    let m = msg("order-2", "{}");
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (c, m, runs) = (c.clone(), m.clone(), runs.clone());
+        tasks.push(tokio::spawn(async move {
+            c.process(&m, |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok::<_, Failure<String>>(1u8)
+            })
+            .await
+        }));
+    }
+    let (mut executed, mut requeued) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Delivery::Ack(Outcome::Executed { .. }) => executed += 1,
+            Delivery::Ack(Outcome::Replayed(_)) => {}
+            Delivery::Requeue {
+                after,
+                reason: RequeueReason::InFlight,
+            } => {
+                assert!(after >= MIN_REQUEUE_DELAY && after <= Duration::from_secs(5));
+                requeued += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(executed, 1);
+    assert!(requeued > 0, "a duplicate arriving mid-work is requeued");
+    // The requeued copies come back once the work is done: acked as duplicates.
+    let back = c
+        .process(&m, |_| async { Ok::<_, Failure<String>>(2u8) })
+        .await;
+    assert!(matches!(back, Delivery::Ack(Outcome::Replayed(1))));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_duplicate_can_wait_for_the_holders_result() {
+    let store = MemoryStore::new();
+    let config = Config {
+        wait: Some(Duration::from_secs(5)),
+        ..Config::default()
+    };
+    let c = Consumer::new(Idem::new(store).with_config(config), scope());
+    let m = msg("order-3", "{}");
+    let holder = {
+        let (c, m) = (c.clone(), m.clone());
+        tokio::spawn(async move {
+            c.process(&m, |_| async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<_, Failure<String>>("done".to_string())
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let waited = c
+        .process(&m, |_| async {
+            Ok::<_, Failure<String>>("second run".to_string())
+        })
+        .await;
+    assert!(matches!(waited, Delivery::Ack(Outcome::Replayed(ref v)) if v == "done"));
+    assert!(matches!(
+        holder.await.unwrap(),
+        Delivery::Ack(Outcome::Executed { .. })
+    ));
+}
+
+#[tokio::test]
+async fn transient_failures_are_nacked_with_backoff_then_succeed_once() {
+    let policy = Policy {
+        retry_delay: Duration::from_millis(100),
+        ..Policy::default()
+    };
+    let c = consumer(MemoryStore::new(), policy);
+    let runs = AtomicU32::new(0);
+    let mut m = msg("order-4", "{}");
+    // Attempts 1 and 2 fail; the broker redelivers with the attempt header set.
+    for expected in 1..=2u32 {
+        let d = c
+            .process(&m, |ctx| {
+                assert_eq!(ctx.attempt(), expected);
+                counted(&runs, Err(Failure::Retryable("timeout")))
+            })
+            .await;
+        let Delivery::Nack {
+            after,
+            attempt,
+            error,
+        } = d
+        else {
+            panic!("expected a nack, got {d:?}");
+        };
+        assert_eq!(attempt, expected);
+        assert_eq!(error, "timeout");
+        assert_eq!(after, Duration::from_millis(100) * 2u32.pow(expected - 1));
+        m = m.with_header(ATTEMPT_HEADER, attempt);
+    }
+    let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
+    assert!(matches!(
+        d,
+        Delivery::Ack(Outcome::Executed {
+            value: 1,
+            attempt: 3
+        })
+    ));
+    let dup = c.process(&m, |_| counted(&runs, Ok(2))).await;
+    assert!(matches!(dup, Delivery::Ack(Outcome::Replayed(1))));
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn a_handler_that_always_fails_is_dead_lettered_after_max_attempts_never_acked() {
+    for on_terminal in [
+        OnTerminal::DeadLetter,
+        OnTerminal::StoreAndAck,
+        OnTerminal::StoreAndDeadLetter,
+    ] {
+        let policy = Policy {
+            max_attempts: 3,
+            on_terminal,
+            ..Policy::default()
+        };
+        let c = consumer(MemoryStore::new(), policy);
+        let runs = AtomicU32::new(0);
+        let mut m = msg("order-5", "{}");
+        let mut decisions = Vec::new();
+        loop {
+            let d = c
+                .process(&m, |_| counted(&runs, Err(Failure::Retryable("down"))))
+                .await;
+            match d {
+                Delivery::Nack { attempt, .. } => m = m.with_header(ATTEMPT_HEADER, attempt),
+                Delivery::DeadLetter { .. } => {
+                    decisions.push(d);
+                    break;
+                }
+                other => panic!("{on_terminal:?}: unexpected {other:?}"),
+            }
+            assert!(
+                runs.load(Ordering::SeqCst) <= 3,
+                "{on_terminal:?}: runs away"
+            );
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{on_terminal:?}");
+        let Delivery::DeadLetter {
+            reason: DeadLetterReason::Exhausted { error, stored },
+            attempt: 3,
+        } = &decisions[0]
+        else {
+            panic!("{on_terminal:?}: {:?}", decisions[0]);
+        };
+        assert_eq!(error, "down");
+        assert_eq!(*stored, on_terminal != OnTerminal::DeadLetter);
+    }
+}
+
+#[tokio::test]
+async fn terminal_failures_follow_the_policy() {
+    let fail = |runs: &AtomicU32| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        async { Err::<u8, _>(Failure::Terminal("card declined")) }
+    };
+
+    // DeadLetter: the key is released, so a duplicate runs (and fails) again.
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let runs = AtomicU32::new(0);
+    let m = msg("k", "{}");
+    for _ in 0..2 {
+        let d = c.process(&m, |_| fail(&runs)).await;
+        assert!(
+            matches!(&d, Delivery::DeadLetter { reason: DeadLetterReason::Terminal { error, stored: false }, attempt: 1 } if error == "card declined"),
+            "{d:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // StoreAndAck: acked with the failure; a duplicate is acked without running.
+    let policy = Policy {
+        on_terminal: OnTerminal::StoreAndAck,
+        ..Policy::default()
+    };
+    let c = consumer(MemoryStore::new(), policy);
+    let runs = AtomicU32::new(0);
+    let d = c.process(&m, |_| fail(&runs)).await;
+    assert!(
+        matches!(&d, Delivery::Ack(Outcome::Failed { error, attempt: 1 }) if error == "card declined"),
+        "{d:?}"
+    );
+    let d = c.process(&m, |_| fail(&runs)).await;
+    assert!(
+        matches!(&d, Delivery::Ack(Outcome::FailedBefore(e)) if e == "card declined"),
+        "{d:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // StoreAndDeadLetter: dead-lettered once; a duplicate is acked without running.
+    let policy = Policy {
+        on_terminal: OnTerminal::StoreAndDeadLetter,
+        ..Policy::default()
+    };
+    let c = consumer(MemoryStore::new(), policy);
+    let runs = AtomicU32::new(0);
+    let d = c.process(&m, |_| fail(&runs)).await;
+    assert!(
+        matches!(
+            &d,
+            Delivery::DeadLetter {
+                reason: DeadLetterReason::Terminal { stored: true, .. },
+                ..
+            }
+        ),
+        "{d:?}"
+    );
+    let d = c.process(&m, |_| fail(&runs)).await;
+    assert!(
+        matches!(&d, Delivery::Ack(Outcome::FailedBefore(_))),
+        "{d:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_key_reused_with_another_payload_is_dead_lettered_not_acked() {
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let runs = AtomicU32::new(0);
+    let d = c
+        .process(&msg("k", r#"{"amount": 5}"#), |_| counted(&runs, Ok(1)))
+        .await;
+    assert!(matches!(d, Delivery::Ack(_)));
+    let d = c
+        .process(&msg("k", r#"{"amount": 500}"#), |_| counted(&runs, Ok(2)))
+        .await;
+    assert!(matches!(
+        d,
+        Delivery::DeadLetter {
+            reason: DeadLetterReason::Mismatch,
+            ..
+        }
+    ));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_message_without_a_key_is_dead_lettered_and_not_handled() {
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let runs = AtomicU32::new(0);
+    let d = c
+        .process(&Message::new(b"{}".to_vec()), |_| counted(&runs, Ok(1)))
+        .await;
+    assert!(matches!(
+        d,
+        Delivery::DeadLetter {
+            reason: DeadLetterReason::Invalid(InvalidMessage::MissingKey { .. }),
+            attempt: 0
+        }
+    ));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn the_scope_header_keeps_tenants_apart() {
+    let c = Consumer::new(Idem::new(MemoryStore::new()), scope())
+        .with_scope_header(IDEMPOTENCY_SCOPE_HEADER);
+    let runs = AtomicU32::new(0);
+    for tenant in ["tenant-a", "tenant-b"] {
+        let m = msg("same-key", "{}").with_header(IDEMPOTENCY_SCOPE_HEADER, tenant);
+        let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
+        assert!(
+            matches!(d, Delivery::Ack(Outcome::Executed { .. })),
+            "{d:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let d = c
+        .process(&msg("same-key", "{}"), |_| counted(&runs, Ok(1)))
+        .await;
+    assert!(matches!(
+        d,
+        Delivery::DeadLetter {
+            reason: DeadLetterReason::Invalid(InvalidMessage::MissingScope { .. }),
+            ..
+        }
+    ));
+}
+
+/// A store that is down.
+#[derive(Debug)]
+struct Down;
+
+#[async_trait]
+impl Store for Down {
+    fn name(&self) -> &'static str {
+        "down"
+    }
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
+        Err(Error::unavailable("down", "connection refused"))
+    }
+    async fn complete(&self, _: &Lease, _: &Completion, _: Duration) -> Result<(), Error> {
+        Err(Error::unavailable("down", "connection refused"))
+    }
+    async fn release(&self, _: &Lease) -> Result<(), Error> {
+        Err(Error::unavailable("down", "connection refused"))
+    }
+    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, Error> {
+        Err(Error::unavailable("down", "connection refused"))
+    }
+    async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
+        Err(Error::unavailable("down", "connection refused"))
+    }
+    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
+        Err(Error::unavailable("down", "connection refused"))
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_is_down_means_requeue_and_the_handler_never_runs_unguarded() {
+    let c = Consumer::new(Idem::new(Down), scope());
+    let runs = AtomicU32::new(0);
+    let d = c.process(&msg("k", "{}"), |_| counted(&runs, Ok(1))).await;
+    let Delivery::Requeue {
+        after,
+        reason: RequeueReason::Store(e),
+    } = d
+    else {
+        panic!("{d:?}");
+    };
+    assert!(e.is_retryable());
+    assert_eq!(after, Policy::default().unavailable_delay);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_message_whose_consumers_keep_crashing_is_dead_lettered_without_running_again() {
+    let clock = ManualClock::new();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let config = Config {
+        lease: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let idem = Idem::from_arc(store).with_config(config);
+    let policy = Policy {
+        max_attempts: 3,
+        ..Policy::default()
+    };
+    let c = Consumer::new(idem.clone(), scope()).with_policy(policy);
+    let m = msg("poison", "{}");
+    let (id, fp) = c.identify(&m).unwrap();
+    // Three consumers took the key and died holding it.
+    for _ in 0..3 {
+        let lease = idem.begin(&id, fp).await.unwrap();
+        assert!(matches!(lease, Begin::Acquired(_) | Begin::TookOver(_)));
+        clock.advance(Duration::from_secs(11));
+    }
+    let runs = AtomicU32::new(0);
+    let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
+    assert!(
+        matches!(
+            d,
+            Delivery::DeadLetter {
+                reason: DeadLetterReason::Exhausted { .. },
+                attempt: 3
+            }
+        ),
+        "{d:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_takeover_counts_as_an_attempt_and_a_live_holder_means_requeue() {
+    let clock = ManualClock::new();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let config = Config {
+        lease: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let idem = Idem::from_arc(store).with_config(config);
+    let c = Consumer::new(idem.clone(), scope());
+    let m = msg("crashed", "{}");
+    let (id, fp) = c.identify(&m).unwrap();
+    let Begin::Acquired(_) = idem.begin(&id, fp).await.unwrap() else {
+        panic!()
+    };
+    // The holder's lease is live: requeue after its time left, capped by the policy.
+    let runs = AtomicU32::new(0);
+    let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
+    assert!(
+        matches!(d, Delivery::Requeue { after, reason: RequeueReason::InFlight } if after == Duration::from_secs(5)),
+        "{d:?}"
+    );
+    clock.advance(Duration::from_secs(8));
+    let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
+    assert!(
+        matches!(d, Delivery::Requeue { after, .. } if after == Duration::from_secs(2)),
+        "{d:?}"
+    );
+    // The holder died: after its lease, the key is taken over as attempt 2.
+    clock.advance(Duration::from_secs(3));
+    let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
+    assert!(
+        matches!(
+            d,
+            Delivery::Ack(Outcome::Executed {
+                value: 1,
+                attempt: 2
+            })
+        ),
+        "{d:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_lost_lease_cancels_the_handler_and_requeues() {
+    let store = Arc::new(MemoryStore::new());
+    let config = Config {
+        lease: Duration::from_millis(150),
+        ..Config::default()
+    };
+    let idem = Idem::from_arc(store.clone()).with_config(config);
+    let c = Consumer::new(idem, scope());
+    let m = msg("lost", "{}");
+    let (id, _) = c.identify(&m).unwrap();
+    let finished = Arc::new(AtomicU32::new(0));
+    let evictor = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            // An operator evicts the record while the handler runs: the next heartbeat
+            // finds the lease gone.
+            store.evict(&id).await.unwrap()
+        })
+    };
+    let f = finished.clone();
+    let d = c
+        .process(&m, |_| async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            f.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(1u8)
+        })
+        .await;
+    assert!(evictor.await.unwrap());
+    assert!(
+        matches!(
+            d,
+            Delivery::Requeue {
+                reason: RequeueReason::LeaseLost,
+                ..
+            }
+        ),
+        "{d:?}"
+    );
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "the handler was cancelled"
+    );
+}
+
+#[tokio::test]
+async fn a_stored_value_of_another_type_is_dead_lettered() {
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let m = msg("typed", "{}");
+    let d = c
+        .process(&m, |_| async {
+            Ok::<_, Failure<String>>("text".to_string())
+        })
+        .await;
+    assert!(matches!(d, Delivery::Ack(_)));
+    let d = c
+        .process(&m, |_| async { Ok::<_, Failure<String>>(1u32) })
+        .await;
+    assert!(
+        matches!(
+            d,
+            Delivery::DeadLetter {
+                reason: DeadLetterReason::Codec(_),
+                ..
+            }
+        ),
+        "{d:?}"
+    );
+}
+
+#[tokio::test]
+async fn child_keys_in_the_context_are_stable_across_redeliveries() {
+    let c = consumer(MemoryStore::new(), Policy::default());
+    let mut m = msg("parent-key", "{}");
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let d = c
+            .process(&m, |ctx| {
+                seen.push(ctx.child_key("send-email"));
+                async { Err::<u8, _>(Failure::Retryable("smtp down")) }
+            })
+            .await;
+        let Delivery::Nack { attempt, .. } = d else {
+            panic!("{d:?}")
+        };
+        m = m.with_header(ATTEMPT_HEADER, attempt);
+    }
+    assert_eq!(seen[0], seen[1]);
+    assert_eq!(
+        seen[0],
+        idem_consumer::child_key(&Key::new("parent-key").unwrap(), "send-email")
+    );
+}
