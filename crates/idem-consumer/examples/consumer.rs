@@ -1,1 +1,114 @@
-fn main() {}
+//! An idempotent RabbitMQ consumer: each payment is charged once, however many times its
+//! message is published or delivered.
+//!
+//! ```text
+//! cargo run -p idem-consumer --features rabbitmq --example consumer
+//! ```
+//!
+//! It connects to `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`), publishes
+//! five messages for three payments (a publisher that retried sends a payment twice, with
+//! the same `x-idempotency-key` as the HTTP request that created it), consumes them until
+//! they are all settled or Ctrl-C, prints what happened, and deletes its queues.
+//!
+//! The store here is in memory, which is right for one process only: consumers in several
+//! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
+//! process is recognised.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_consumer::rabbitmq::{with_idempotency_key, Topology, Worker};
+use idem_consumer::{Consumer, Message, Policy};
+use idem_core::{Config, Failure, Idem, Key, MemoryStore, Scope};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_string());
+    let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+
+    // payments, payments.retry (backoff before a retry) and payments.dead (dead letters).
+    let topology = Topology::for_queue(format!("idem-example-payments-{}", std::process::id()))
+        .with_expires(Duration::from_secs(600));
+    topology.declare(&channel).await?;
+
+    // What `POST /payments` would publish: the request's idempotency key travels in a
+    // header. A retried request publishes the same payment again.
+    for (key, amount) in [
+        ("pay-1", 1250),
+        ("pay-2", 990),
+        ("pay-1", 1250),
+        ("pay-3", 4000),
+        ("pay-2", 990),
+    ] {
+        let properties = with_idempotency_key(BasicProperties::default(), &Key::new(key)?, None);
+        let payload = format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#);
+        channel
+            .basic_publish(
+                "".into(),
+                topology.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                payload.as_bytes(),
+                properties,
+            )
+            .await?
+            .await?;
+    }
+
+    // Records live in the worker's own scope (not the HTTP requests'), for 24 h by default;
+    // a lease of 30 s is renewed while a handler runs.
+    let idem = Idem::new(MemoryStore::new()).with_config(Config::default());
+    let consumer =
+        Consumer::new(idem, Scope::new("payments-worker")?).with_policy(Policy::default());
+
+    let charges = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let charges = charges.clone();
+        move |message: Message, ctx: idem_consumer::Context| {
+            let charges = charges.clone();
+            async move {
+                let payment: serde_json::Value = serde_json::from_slice(message.payload())
+                    .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
+                // The provider gets a key derived from the message's, so that a retry after a
+                // crash cannot charge twice at the provider either.
+                let provider_key = ctx.child_key("charge-card");
+                charges.fetch_add(1, Ordering::SeqCst);
+                println!(
+                    "charging {} {} for {} (attempt {}, provider key {provider_key})",
+                    payment["amount"],
+                    payment["currency"].as_str().unwrap_or("?"),
+                    ctx.key(),
+                    ctx.attempt(),
+                );
+                Ok::<_, Failure<String>>(format!("ch_{}", ctx.key()))
+            }
+        }
+    };
+
+    // Stop on Ctrl-C, or after two seconds: enough for this demo.
+    let stop = async {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    };
+    let summary = Worker::new(consumer, topology.clone())
+        .with_prefetch(16)
+        .with_concurrency(4)
+        .run(&conn, handler, stop)
+        .await?;
+    println!(
+        "{} deliveries acked, {} charges made: {summary:?}",
+        summary.acked,
+        charges.load(Ordering::SeqCst)
+    );
+    topology.delete(&channel).await?;
+    Ok(())
+}

@@ -1,4 +1,82 @@
-//! wip docs
+//! # idem-consumer
+//!
+//! Exactly-once processing over an at-least-once broker. Brokers redeliver, publishers
+//! retry and consumers crash, so a message can arrive many times; with idem its handler
+//! changes the world once per idempotency key, and every copy is settled correctly:
+//!
+//! ```text
+//!   message ──▶ key + fingerprint ──▶ Idem::execute_once ──▶ Delivery
+//!   (headers,    (KeySource,            (the store decides,      Ack          done now or before
+//!    payload)     FingerprintSource)     fenced by the lease)    Requeue      held elsewhere / store down
+//!                                                                Nack         retryable failure, key released
+//!                                                                DeadLetter   terminal, exhausted, invalid
+//! ```
+//!
+//! - [`Consumer::process`] runs a handler under [`idem_core::Idem::execute_once`] and
+//!   returns a [`Delivery`]: what to do with the message on the broker. A duplicate of
+//!   finished work is acked with the stored value; a duplicate of work in progress (or of a
+//!   consumer that died holding the key) is requeued, never dropped, until the holder
+//!   finishes or its lease runs out; a store that is down means requeue, never running the
+//!   handler unguarded; a retryable failure releases the key and asks for a delayed retry; a
+//!   terminal failure, or retries that run out ([`Policy::max_attempts`], counting consumers
+//!   that crashed mid-work), is dead-lettered (or stored, per [`OnTerminal`]), never acked
+//!   silently.
+//! - Keys come from a header ([`IDEMPOTENCY_KEY_HEADER`], propagated from the HTTP request
+//!   that published the message, so the HTTP entry point and the worker share one
+//!   idempotency boundary) or from a canonical hash of chosen payload fields
+//!   ([`KeySource::PayloadHash`], volatile fields left out). [`child_key`] derives stable
+//!   keys for the calls a handler makes downstream.
+//! - With the `rabbitmq` feature, [`rabbitmq::Worker`] does all of it on RabbitMQ through
+//!   lapin: prefetch, concurrency, delayed retries through a retry queue, a dead-letter
+//!   queue, clean shutdown.
+//!
+//! Use a consumer scope of its own (the consumer group or queue): the record of a message is
+//! not the record of the HTTP request that published it, even though both have the same key.
+//!
+//! ## Quick start
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_consumer::{Consumer, Delivery, Message, Outcome, IDEMPOTENCY_KEY_HEADER};
+//! use idem_core::{Failure, Idem, MemoryStore, Scope};
+//!
+//! let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("emails")?);
+//! let message = Message::new(br#"{"to": "ada@example.com"}"#.to_vec())
+//!     .with_header(IDEMPOTENCY_KEY_HEADER, "signup-7f3a");
+//!
+//! let mut decisions = Vec::new();
+//! for _delivery in 0..3 {
+//!     let decision = consumer
+//!         .process(&message, |ctx| async move {
+//!             // ... send the welcome e-mail, with ctx.child_key("welcome") as the
+//!             // provider's idempotency key ...
+//!             Ok::<_, Failure<String>>(format!("sent for {}", ctx.key()))
+//!         })
+//!         .await;
+//!     match &decision {
+//!         Delivery::Ack(_) => { /* basic.ack */ }
+//!         Delivery::Requeue { .. } => { /* put it back after `after` */ }
+//!         Delivery::Nack { .. } => { /* redeliver after `after` as attempt + 1 */ }
+//!         Delivery::DeadLetter { .. } => { /* move it to the dead-letter queue */ }
+//!     }
+//!     decisions.push(decision);
+//! }
+//! // The handler ran once; the later deliveries were acked with its stored value.
+//! assert!(matches!(decisions[0], Delivery::Ack(Outcome::Executed { attempt: 1, .. })));
+//! assert!(matches!(&decisions[2], Delivery::Ack(Outcome::Replayed(v)) if v == "sent for signup-7f3a"));
+//! # Ok(()) }
+//! ```
+//!
+//! ## Attempts
+//!
+//! An attempt is counted when the handler starts. The count is the failed attempts carried
+//! in [`ATTEMPT_HEADER`] (an integration that delays a retry by republishing sets it from
+//! [`Delivery::Nack`]) plus the acquisitions of the key in the store (1, plus one for every
+//! takeover of a consumer that died or lost its lease while running the handler). Broker
+//! counters such as `x-delivery-count` are not used: requeueing a copy of a message in
+//! progress elsewhere is not a failed attempt.
+
+#![forbid(unsafe_code)]
 
 mod consumer;
 mod key;

@@ -1,1 +1,748 @@
-//! wip
+//! A RabbitMQ worker on [`lapin`]: consume a queue, run each delivery through a
+//! [`Consumer`], and ack, requeue, retry or dead-letter it as decided. Small enough to copy
+//! into a service and change.
+//!
+//! # Topology
+//!
+//! [`Topology::for_queue`] names three durable queues, and [`Topology::declare`] declares
+//! them:
+//!
+//! ```text
+//!  publishers ──▶ <queue> ──▶ Worker ──ack──▶ (done)
+//!                   ▲   ▲        │ │
+//!   requeue: nack + │   │        │ └─ dead letter: publish a copy to <queue>.dead
+//!   requeue after a │   │        │    (+ x-idem-dead-letter-reason), then ack
+//!   sleep ──────────┘   │        │
+//!                       │        └─ retry: publish a copy to <queue>.retry with
+//!   the copy's TTL ends:│           expiration = backoff and x-idem-attempt = n,
+//!   dead-lettered back ─┘           then ack
+//!   to <queue>         <queue>.retry (no consumer; x-dead-letter-exchange "",
+//!                                     x-dead-letter-routing-key <queue>)
+//! ```
+//!
+//! - **Ack** ([`Delivery::Ack`]): `basic.ack`.
+//! - **Requeue** ([`Delivery::Requeue`]: another consumer holds the key, or the store is
+//!   down): the delivery is held for `after` (without a concurrency slot, but within the
+//!   prefetch window), then `basic.nack` with `requeue = true`. Not an attempt, so the
+//!   attempt header is unchanged. On shutdown the sleep is cut short.
+//! - **Retry** ([`Delivery::Nack`]: a retryable failure, its key released): a copy goes to
+//!   the retry queue with a per-message TTL of the backoff and [`ATTEMPT_HEADER`] set to the
+//!   attempts made; once the copy is confirmed by the broker, the original is acked. When the
+//!   TTL runs out the broker dead-letters the copy back to the main queue. This counts
+//!   attempts on any queue type (classic or quorum); `x-delivery-count` is not used, because
+//!   requeueing a duplicate of a message in progress would count as a failed attempt.
+//!   RabbitMQ expires messages only at the head of a queue, so a copy with a short TTL
+//!   behind one with a long TTL waits for it: a retry may come later than its backoff,
+//!   never earlier, and is never lost.
+//! - **Dead letter** ([`Delivery::DeadLetter`]): a copy goes to the dead-letter queue with
+//!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once confirmed, the original is
+//!   acked.
+//!
+//! A copy is published before the original is acked, so a crash in between leaves both: the
+//! message is then delivered twice, which the idempotency key makes harmless (a dead-letter
+//! queue may hold a copy twice). If the broker refuses the copy, the original is requeued
+//! instead of acked: a message is never dropped.
+//!
+//! A consumer that dies (or a handler that panics) while holding a message: the broker
+//! redelivers it when the channel closes; the copy finds the key held by the dead consumer's
+//! lease and is requeued until that lease runs out, then takes the key over (counted as an
+//! attempt, so a message that kills every consumer is dead-lettered after
+//! [`Policy::max_attempts`](crate::Policy::max_attempts)).
+//!
+//! # Shutdown
+//!
+//! When the `shutdown` future of [`Worker::run`] completes: the worker cancels its
+//! consumer (no new deliveries), stops taking deliveries from its buffer, lets the handlers
+//! in progress finish and settles their deliveries (held requeues are nacked at once), then
+//! closes its channel, which hands every delivery it had not started back to the broker.
+
+use std::fmt;
+use std::future::{poll_fn, Future};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_core::Stream;
+use idem_core::{Failure, Key, Scope};
+use lapin::message::Delivery as AmqpDelivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::consumer::{Consumer, Context, Delivery};
+use crate::message::{
+    HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
+    IDEMPOTENCY_SCOPE_HEADER,
+};
+
+/// What went wrong with the broker.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The broker or the connection failed.
+    #[error("AMQP: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The consumer failed while running (the channel or connection closed under it). The
+    /// handlers in progress were finished first; `summary` says what was done.
+    #[error("the consumer failed: {source}")]
+    ConsumerFailed {
+        /// The broker's error.
+        #[source]
+        source: lapin::Error,
+        /// What the worker did before.
+        summary: Summary,
+    },
+    /// A queue name or consumer tag is longer than AMQP allows.
+    #[error("{what} {name:?} is longer than 255 bytes")]
+    NameTooLong {
+        /// `"queue"`, `"consumer tag"`, ...
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+}
+
+/// The queues a [`Worker`] uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// The queue consumed.
+    pub queue: String,
+    /// Where retries wait out their backoff before they are dead-lettered back to `queue`.
+    pub retry_queue: String,
+    /// Where dead letters go.
+    pub dead_letter_queue: String,
+    /// When set, [`Topology::declare`] gives each queue this `x-expires`: the broker deletes
+    /// a queue unused (no consumer, no `basic.get`) that long, messages and all. For tests
+    /// and temporary queues. Default: `None`.
+    pub expires: Option<Duration>,
+}
+
+impl Topology {
+    /// `queue`, `"<queue>.retry"` and `"<queue>.dead"`.
+    pub fn for_queue(queue: impl Into<String>) -> Self {
+        let queue = queue.into();
+        Self {
+            retry_queue: format!("{queue}.retry"),
+            dead_letter_queue: format!("{queue}.dead"),
+            queue,
+            expires: None,
+        }
+    }
+
+    /// Sets [`Topology::expires`].
+    pub fn with_expires(mut self, expires: Duration) -> Self {
+        self.expires = Some(expires);
+        self
+    }
+
+    fn arguments(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        if let Some(expires) = self.expires {
+            // A signed 64-bit integer: the table type RabbitMQ reads for every integer.
+            let millis = i64::try_from(expires.as_millis().max(1)).unwrap_or(i64::MAX);
+            args.insert("x-expires".into(), AMQPValue::LongLongInt(millis));
+        }
+        args
+    }
+
+    /// Declares the three queues, durable. The main queue is declared without arguments
+    /// other than [`Topology::expires`] (declare it yourself beforehand if it needs some,
+    /// e.g. `x-queue-type: quorum`, and skip this; a redeclaration with other arguments fails
+    /// with `PRECONDITION_FAILED`). The retry queue
+    /// dead-letters expired messages to the default exchange with the main queue's name as
+    /// routing key.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Amqp`] from the broker; [`Error::NameTooLong`].
+    pub async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(short("queue", &self.queue)?, durable, self.arguments())
+            .await?;
+        let mut retry_args = self.arguments();
+        retry_args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from("")),
+        );
+        retry_args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(LongString::from(self.queue.as_str())),
+        );
+        channel
+            .queue_declare(
+                short("retry queue", &self.retry_queue)?,
+                durable,
+                retry_args,
+            )
+            .await?;
+        channel
+            .queue_declare(
+                short("dead-letter queue", &self.dead_letter_queue)?,
+                durable,
+                self.arguments(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes the three queues and the messages in them (for tests and teardown).
+    ///
+    /// # Errors
+    ///
+    /// The broker's errors.
+    pub async fn delete(&self, channel: &Channel) -> Result<(), Error> {
+        for queue in [&self.queue, &self.retry_queue, &self.dead_letter_queue] {
+            channel
+                .queue_delete(short("queue", queue)?, QueueDeleteOptions::default())
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// Counts of what one [`Worker::run`] did with its deliveries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Deliveries acked as done (now, before, or as a stored failure).
+    pub acked: u64,
+    /// Deliveries requeued with `basic.nack` (key in flight elsewhere, store down, handler
+    /// panicked).
+    pub requeued: u64,
+    /// Deliveries republished to the retry queue after a retryable failure.
+    pub retried: u64,
+    /// Deliveries republished to the dead-letter queue.
+    pub dead_lettered: u64,
+    /// Deliveries that could not be settled (the channel failed): the broker redelivers
+    /// them.
+    pub unsettled: u64,
+}
+
+/// Consumes a queue and runs each delivery through a [`Consumer`]. See the
+/// [module docs](self) for what each decision does on the broker, and for shutdown.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_consumer::rabbitmq::{Topology, Worker};
+/// use idem_consumer::Consumer;
+/// use idem_core::{Failure, Idem, MemoryStore, Scope};
+///
+/// let conn = lapin::Connection::connect(
+///     "amqp://guest:guest@127.0.0.1:5672/%2f",
+///     lapin::ConnectionProperties::default(),
+/// )
+/// .await?;
+/// let topology = Topology::for_queue("payments");
+/// topology.declare(&conn.create_channel().await?).await?;
+/// // MemoryStore is per process: give consumers in several processes a shared store.
+/// let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("payments-worker").unwrap());
+/// let summary = Worker::new(consumer, topology)
+///     .with_prefetch(32)
+///     .with_concurrency(8)
+///     .run(
+///         &conn,
+///         |message, ctx| async move {
+///             // ... charge the card with ctx.child_key("charge") as the provider's key ...
+///             Ok::<_, Failure<String>>(message.payload().len())
+///         },
+///         async { tokio::signal::ctrl_c().await.ok(); },
+///     )
+///     .await?;
+/// println!("{summary:?}");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Worker {
+    consumer: Consumer,
+    topology: Topology,
+    prefetch: u16,
+    concurrency: usize,
+    consumer_tag: String,
+}
+
+impl Worker {
+    /// A worker for `topology.queue`, with prefetch 16, concurrency 4 and a consumer tag the
+    /// broker picks.
+    pub fn new(consumer: Consumer, topology: Topology) -> Self {
+        Self {
+            consumer,
+            topology,
+            prefetch: 16,
+            concurrency: 4,
+            consumer_tag: String::new(),
+        }
+    }
+
+    /// How many unacked deliveries the broker hands this worker at once (`basic.qos`).
+    /// Deliveries held for a delayed requeue count too, so keep it above the concurrency.
+    /// 0 means no limit. Default: 16.
+    pub fn with_prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// How many handlers run at once (at least 1). Default: 4.
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// The consumer tag. Default: empty, so the broker picks one.
+    pub fn with_consumer_tag(mut self, tag: impl Into<String>) -> Self {
+        self.consumer_tag = tag.into();
+        self
+    }
+
+    /// Consumes the queue on a new channel of `connection` until `shutdown` completes or the
+    /// broker cancels the consumer, then shuts down cleanly (see the [module docs](self)).
+    /// `handler` gets each message and its [`Context`]; its value is stored as JSON and
+    /// handed to duplicates.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Amqp`] when opening the channel, setting the prefetch, enabling publisher
+    /// confirms or starting the consumer fails; [`Error::ConsumerFailed`] when the channel or
+    /// connection fails while consuming (after the handlers in progress finished; the
+    /// deliveries not settled go back to the queue); [`Error::NameTooLong`].
+    pub async fn run<T, E, H, Fut>(
+        &self,
+        connection: &Connection,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Summary, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+    {
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await?;
+        // Copies for retries and dead letters are acked only once the broker confirms them.
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let mut deliveries = channel
+            .basic_consume(
+                short("queue", &self.topology.queue)?,
+                short("consumer tag", &self.consumer_tag)?,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let tag = deliveries.tag();
+        tracing::info!(queue = %self.topology.queue, %tag, "consuming");
+
+        let handler = Arc::new(handler);
+        let slots = Arc::new(Semaphore::new(self.concurrency));
+        // Tells held requeues to stop sleeping when shutdown starts.
+        let (stopping_tx, stopping) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        let mut summary = Summary::default();
+        let mut failure = None;
+        let mut shutdown = std::pin::pin!(shutdown);
+
+        loop {
+            // A free handler slot first, so that deliveries wait in the broker's prefetch
+            // window rather than as tasks here.
+            let slot = tokio::select! {
+                () = &mut shutdown => break,
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    count(&mut summary, done);
+                    continue;
+                }
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    // The semaphore is never closed; leave the loop if it ever is.
+                    Err(_) => break,
+                },
+            };
+            let next = tokio::select! {
+                () = &mut shutdown => break,
+                next = poll_fn(|cx| std::pin::Pin::new(&mut deliveries).poll_next(cx)) => next,
+            };
+            let delivery = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(e)) => {
+                    tracing::error!(error = %e, "consumer failed");
+                    failure = Some(e);
+                    break;
+                }
+                // The broker cancelled the consumer (the queue was deleted, for instance).
+                None => {
+                    tracing::warn!(%tag, "consumer cancelled by the broker");
+                    break;
+                }
+            };
+            let settle = Settle {
+                consumer: self.consumer.clone(),
+                topology: self.topology.clone(),
+                channel: channel.clone(),
+                stopping: stopping.clone(),
+            };
+            let handler = handler.clone();
+            tasks.spawn(settle.run(delivery, handler, slot));
+        }
+
+        // Shutdown, step 1: no new deliveries. The channel may already be gone.
+        let _ = stopping_tx.send(true);
+        if failure.is_none() {
+            if let Err(e) = channel
+                .basic_cancel(tag.clone(), BasicCancelOptions::default())
+                .await
+            {
+                tracing::warn!(error = %e, "basic.cancel failed");
+            }
+        }
+        // Step 2: let the handlers in progress finish and settle their deliveries.
+        while let Some(done) = tasks.join_next().await {
+            count(&mut summary, done);
+        }
+        // Step 3: close the channel; the broker requeues what was delivered but not started.
+        if let Err(e) = channel.close(200, "OK".into()).await {
+            tracing::debug!(error = %e, "channel close");
+        }
+        tracing::info!(queue = %self.topology.queue, ?summary, "stopped");
+        match failure {
+            Some(source) => Err(Error::ConsumerFailed { source, summary }),
+            None => Ok(summary),
+        }
+    }
+}
+
+/// How one delivery ended on the broker.
+#[derive(Debug, Clone, Copy)]
+enum Settled {
+    Acked,
+    Requeued,
+    Retried,
+    DeadLettered,
+    Unsettled,
+}
+
+fn count(summary: &mut Summary, done: Result<Settled, tokio::task::JoinError>) {
+    match done {
+        Ok(Settled::Acked) => summary.acked += 1,
+        Ok(Settled::Requeued) => summary.requeued += 1,
+        Ok(Settled::Retried) => summary.retried += 1,
+        Ok(Settled::DeadLettered) => summary.dead_lettered += 1,
+        Ok(Settled::Unsettled) => summary.unsettled += 1,
+        // The settling code itself does not panic; count it as unsettled if it ever does.
+        Err(e) => {
+            tracing::error!(error = %e, "delivery task failed");
+            summary.unsettled += 1;
+        }
+    }
+}
+
+/// What a delivery task needs to settle its delivery.
+struct Settle {
+    consumer: Consumer,
+    topology: Topology,
+    channel: Channel,
+    stopping: watch::Receiver<bool>,
+}
+
+impl Settle {
+    async fn run<T, E, H, Fut>(
+        mut self,
+        delivery: AmqpDelivery,
+        handler: Arc<H>,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Settled
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+    {
+        let message = message_of(&delivery);
+        // The handler runs in a task of its own, so that a panic in it is caught here and
+        // the delivery is still settled (requeued; its lease runs out and the next attempt
+        // is counted).
+        let consumer = self.consumer.clone();
+        let decision = tokio::spawn(async move {
+            consumer
+                .process(&message, |ctx| handler(message.clone(), ctx))
+                .await
+        })
+        .await;
+        let decision = match decision {
+            Ok(decision) => decision,
+            Err(e) => {
+                tracing::error!(error = %e, "handler panicked; requeueing");
+                drop(slot);
+                let after = self.consumer.policy().unavailable_delay;
+                return self.requeue(&delivery, after).await;
+            }
+        };
+        drop(slot);
+        match decision {
+            Delivery::Ack(_) => match delivery.acker.ack(BasicAckOptions::default()).await {
+                Ok(true) => Settled::Acked,
+                // `Ok(false)`: the channel is gone (lapin poisons its ackers).
+                Ok(false) => {
+                    tracing::warn!("channel closed before the ack; the broker will redeliver");
+                    Settled::Unsettled
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "ack failed; the broker will redeliver");
+                    Settled::Unsettled
+                }
+            },
+            Delivery::Requeue { after, .. } => self.requeue(&delivery, after).await,
+            Delivery::Nack { after, attempt, .. } => {
+                let mut headers = headers_of(&delivery);
+                headers.insert(
+                    ATTEMPT_HEADER.into(),
+                    AMQPValue::LongLongInt(attempt.into()),
+                );
+                // Milliseconds as text, as RabbitMQ wants; at least 1 so it is a delay.
+                let ttl = after.as_millis().clamp(1, u128::from(u32::MAX)).to_string();
+                let properties = copy_properties(&delivery.properties, headers, Some(ttl.into()));
+                let queue = self.topology.retry_queue.clone();
+                match self.copy_then_ack(&delivery, &queue, properties).await {
+                    true => Settled::Retried,
+                    false => self.requeue(&delivery, after).await,
+                }
+            }
+            Delivery::DeadLetter { reason, attempt } => {
+                let mut headers = headers_of(&delivery);
+                headers.insert(
+                    ATTEMPT_HEADER.into(),
+                    AMQPValue::LongLongInt(attempt.into()),
+                );
+                headers.insert(
+                    DEAD_LETTER_REASON_HEADER.into(),
+                    AMQPValue::LongString(reason.to_string().into()),
+                );
+                let properties = copy_properties(&delivery.properties, headers, None);
+                let queue = self.topology.dead_letter_queue.clone();
+                match self.copy_then_ack(&delivery, &queue, properties).await {
+                    true => Settled::DeadLettered,
+                    false => {
+                        let after = self.consumer.policy().unavailable_delay;
+                        self.requeue(&delivery, after).await
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes a copy of the delivery to `queue`, and acks the original once the broker
+    /// confirms the copy. Returns false (original not acked) when the copy was not
+    /// confirmed.
+    async fn copy_then_ack(
+        &self,
+        delivery: &AmqpDelivery,
+        queue: &str,
+        properties: BasicProperties,
+    ) -> bool {
+        let Ok(routing_key) = short("queue", queue) else {
+            return false;
+        };
+        let published = self
+            .channel
+            .basic_publish(
+                ShortString::from(""),
+                routing_key,
+                // Mandatory: a queue that does not exist returns the copy, and it counts as
+                // not confirmed.
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &delivery.data,
+                properties,
+            )
+            .await;
+        let confirmed = match published {
+            Ok(confirm) => match confirm.await {
+                Ok(lapin::Confirmation::Ack(None)) => true,
+                Ok(other) => {
+                    tracing::warn!(%queue, confirmation = ?other, "copy not accepted");
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!(%queue, error = %e, "copy not confirmed");
+                    false
+                }
+            },
+            Err(e) => {
+                tracing::warn!(%queue, error = %e, "publish failed");
+                false
+            }
+        };
+        if !confirmed {
+            return false;
+        }
+        if !matches!(
+            delivery.acker.ack(BasicAckOptions::default()).await,
+            Ok(true)
+        ) {
+            // The copy is out and the original comes back: a harmless duplicate.
+            tracing::warn!("ack after copy failed; the broker will redeliver the original");
+        }
+        true
+    }
+
+    /// Holds the delivery for `after` (less if shutdown starts), then nacks it with requeue.
+    async fn requeue(&mut self, delivery: &AmqpDelivery, after: Duration) -> Settled {
+        if !*self.stopping.borrow() {
+            tokio::select! {
+                () = tokio::time::sleep(after) => {}
+                _ = self.stopping.changed() => {}
+            }
+        }
+        let nack = BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        };
+        match delivery.acker.nack(nack).await {
+            Ok(true) => Settled::Requeued,
+            Ok(false) => {
+                tracing::warn!("channel closed before the nack; the broker will redeliver");
+                Settled::Unsettled
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "nack failed; the broker will redeliver");
+                Settled::Unsettled
+            }
+        }
+    }
+}
+
+/// The [`Message`] of a delivery: its payload, and its text and integer headers (others,
+/// such as `x-death`, are left out).
+pub fn message_of(delivery: &AmqpDelivery) -> Message {
+    let mut message = Message::new(delivery.data.clone());
+    if let Some(headers) = delivery.properties.headers() {
+        for (name, value) in headers.inner() {
+            if let Some(value) = header_value(value) {
+                message = message.with_header(name.as_str(), value);
+            }
+        }
+    }
+    message
+}
+
+fn header_value(value: &AMQPValue) -> Option<HeaderValue> {
+    Some(match value {
+        AMQPValue::LongString(s) => {
+            HeaderValue::Text(std::str::from_utf8(s.as_bytes()).ok()?.to_owned())
+        }
+        AMQPValue::ShortString(s) => HeaderValue::Text(s.as_str().to_owned()),
+        AMQPValue::ShortShortInt(n) => HeaderValue::Int((*n).into()),
+        AMQPValue::ShortShortUInt(n) => HeaderValue::Int((*n).into()),
+        AMQPValue::ShortInt(n) => HeaderValue::Int((*n).into()),
+        AMQPValue::ShortUInt(n) => HeaderValue::Int((*n).into()),
+        AMQPValue::LongInt(n) => HeaderValue::Int((*n).into()),
+        AMQPValue::LongUInt(n) => HeaderValue::Int((*n).into()),
+        AMQPValue::LongLongInt(n) => HeaderValue::Int(*n),
+        _ => return None,
+    })
+}
+
+/// Adds the headers that carry `key` (and, when given, the publishing request's `scope`, for
+/// [`Consumer::with_scope_header`]) to a message's properties, keeping its other headers:
+/// publish with these from the HTTP handler whose request had `key`.
+///
+/// ```
+/// use idem_consumer::rabbitmq::with_idempotency_key;
+/// use idem_core::{Key, Scope};
+/// let key = Key::new("3f9c-payment").unwrap();
+/// let props = with_idempotency_key(lapin::BasicProperties::default(), &key, Some(&Scope::new("tenant-1").unwrap()));
+/// let headers = props.headers().as_ref().unwrap();
+/// assert!(headers.contains_key("x-idempotency-key"));
+/// assert!(headers.contains_key("x-idempotency-scope"));
+/// ```
+pub fn with_idempotency_key(
+    properties: BasicProperties,
+    key: &Key,
+    scope: Option<&Scope>,
+) -> BasicProperties {
+    let mut headers = properties.headers().clone().unwrap_or_default();
+    headers.insert(
+        IDEMPOTENCY_KEY_HEADER.into(),
+        AMQPValue::LongString(key.as_str().into()),
+    );
+    if let Some(scope) = scope {
+        headers.insert(
+            IDEMPOTENCY_SCOPE_HEADER.into(),
+            AMQPValue::LongString(scope.as_str().into()),
+        );
+    }
+    properties.with_headers(headers)
+}
+
+fn headers_of(delivery: &AmqpDelivery) -> FieldTable {
+    delivery.properties.headers().clone().unwrap_or_default()
+}
+
+/// The properties of a copy: the original's, without `user-id` (the broker refuses a
+/// publish whose `user-id` is not the connection's user, closing the channel), persistent,
+/// and with `headers` and `expiration` as given (a TTL the original came with must not
+/// expire its dead letter). lapin's builder can only set fields, so this starts afresh.
+fn copy_properties(
+    p: &BasicProperties,
+    headers: FieldTable,
+    expiration: Option<ShortString>,
+) -> BasicProperties {
+    let mut out = BasicProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(2);
+    if let Some(v) = expiration {
+        out = out.with_expiration(v);
+    }
+    if let Some(v) = p.content_type() {
+        out = out.with_content_type(v.clone());
+    }
+    if let Some(v) = p.content_encoding() {
+        out = out.with_content_encoding(v.clone());
+    }
+    if let Some(v) = p.priority() {
+        out = out.with_priority(*v);
+    }
+    if let Some(v) = p.correlation_id() {
+        out = out.with_correlation_id(v.clone());
+    }
+    if let Some(v) = p.reply_to() {
+        out = out.with_reply_to(v.clone());
+    }
+    if let Some(v) = p.message_id() {
+        out = out.with_message_id(v.clone());
+    }
+    if let Some(v) = p.timestamp() {
+        out = out.with_timestamp(*v);
+    }
+    if let Some(v) = p.kind() {
+        out = out.with_type(v.clone());
+    }
+    if let Some(v) = p.app_id() {
+        out = out.with_app_id(v.clone());
+    }
+    if let Some(v) = p.cluster_id() {
+        out = out.with_cluster_id(v.clone());
+    }
+    out
+}
+
+/// A queue name or tag as an AMQP short string, refused (not panicking) past 255 bytes.
+fn short(what: &'static str, name: &str) -> Result<ShortString, Error> {
+    ShortString::try_new(name).map_err(|_| Error::NameTooLong {
+        what,
+        name: name.to_owned(),
+    })
+}

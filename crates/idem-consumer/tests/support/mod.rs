@@ -1,0 +1,5 @@
+//! Shared test support.
+
+#![allow(dead_code)]
+
+pub mod file_store;
