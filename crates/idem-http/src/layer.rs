@@ -113,7 +113,10 @@ impl fmt::Debug for IdempotencyLayer {
             .field("idem", &self.shared.idem)
             .field("config", &self.shared.config)
             .field("scope", &self.shared.scope.as_ref().map(|_| "Fn(&Parts)"))
-            .field("observer", &self.shared.observer.as_ref().map(|_| "Fn(Outcome)"))
+            .field(
+                "observer",
+                &self.shared.observer.as_ref().map(|_| "Fn(Outcome)"),
+            )
             .finish()
     }
 }
@@ -134,7 +137,11 @@ impl<S> Layer<S> for IdempotencyLayer {
 /// authenticated principal (for example from an extension an authentication layer put
 /// there) when a principal holds several tokens.
 pub fn bearer_scope(parts: &Parts) -> Option<Scope> {
-    let value = parts.headers.get(http::header::AUTHORIZATION)?.to_str().ok()?;
+    let value = parts
+        .headers
+        .get(http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
     let (scheme, token) = value.trim().split_once(' ')?;
     let token = token.trim();
     if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
@@ -161,7 +168,10 @@ mod tests {
         let alice = bearer_scope(&parts(Some("Bearer alice"))).unwrap();
         assert!(alice.as_str().starts_with("bearer:"));
         assert!(!alice.as_str().contains("alice"));
-        assert_eq!(bearer_scope(&parts(Some("bearer  alice "))), Some(alice.clone()));
+        assert_eq!(
+            bearer_scope(&parts(Some("bearer  alice "))),
+            Some(alice.clone())
+        );
         assert_ne!(bearer_scope(&parts(Some("Bearer bob"))), Some(alice));
         assert_eq!(bearer_scope(&parts(Some("Basic YWxpY2U6"))), None);
         assert_eq!(bearer_scope(&parts(Some("Bearer "))), None);

@@ -194,7 +194,13 @@ where
             let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
             return pass(inner, req).await;
         }
-        Err(e) => return Ok(refuse(&shared, Outcome::StoreError, store_problem(config, &e))),
+        Err(e) => {
+            return Ok(refuse(
+                &shared,
+                Outcome::StoreError,
+                store_problem(config, &e),
+            ))
+        }
     };
 
     let mut req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
@@ -357,13 +363,9 @@ fn fingerprint(config: &Config, parts: &Parts, body: &[u8]) -> Fingerprint {
         fp = fp.bytes(&format!("header {name}"), &joined);
     }
     if is_json(&parts.headers) && !body.is_empty() {
-        match fp
-            .clone()
-            .json("json body", body, &config.json_selection)
-        {
-            Ok(with_body) => return with_body.finish(),
-            // Not JSON after all: the raw bytes below identify it.
-            Err(_) => {}
+        // Not JSON after all: the raw bytes below identify it.
+        if let Ok(with_body) = fp.clone().json("json body", body, &config.json_selection) {
+            return with_body.finish();
         }
     }
     fp.bytes("body", body).finish()
@@ -379,8 +381,7 @@ fn is_json(headers: &HeaderMap) -> bool {
         return false;
     };
     kind.eq_ignore_ascii_case("application")
-        && (subtype.eq_ignore_ascii_case("json")
-            || subtype.to_ascii_lowercase().ends_with("+json"))
+        && (subtype.eq_ignore_ascii_case("json") || subtype.to_ascii_lowercase().ends_with("+json"))
 }
 
 /// Builds the replay of a stored response: its status, body and allowed headers, plus the
@@ -388,7 +389,10 @@ fn is_json(headers: &HeaderMap) -> bool {
 fn replay_response(config: &Config, replay: Replay) -> Response<ResponseBody> {
     let stored = replay.completion.response;
     let Ok(status) = StatusCode::from_u16(stored.status) else {
-        tracing::error!(status = stored.status, "stored response has no valid HTTP status");
+        tracing::error!(
+            status = stored.status,
+            "stored response has no valid HTTP status"
+        );
         return Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             error::KIND_BAD_RECORD,
@@ -500,33 +504,37 @@ where
 
     let mut buf = BytesMut::new();
     let mut trailers = None;
-    let oversize = body.size_hint().lower() > limit as u64 || loop {
-        let next = body.frame().await.map(|r| r.map_err(Into::<BoxError>::into));
-        match next {
-            None => break false,
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => {
-                    buf.extend_from_slice(&data);
-                    if buf.len() > limit {
-                        break true;
+    let oversize = body.size_hint().lower() > limit as u64
+        || loop {
+            let next = body
+                .frame()
+                .await
+                .map(|r| r.map_err(Into::<BoxError>::into));
+            match next {
+                None => break false,
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        buf.extend_from_slice(&data);
+                        if buf.len() > limit {
+                            break true;
+                        }
                     }
-                }
-                Err(frame) => {
-                    if let Ok(t) = frame.into_trailers() {
-                        trailers = Some(t);
+                    Err(frame) => {
+                        if let Ok(t) = frame.into_trailers() {
+                            trailers = Some(t);
+                        }
                     }
+                },
+                Some(Err(e)) => {
+                    // The body broke off: nothing complete to store. The client sees the same
+                    // break it would have seen without the layer.
+                    release(&shared.idem, &lease, "the response body failed").await;
+                    shared.observe(Outcome::NotStored);
+                    let body = Broken::new(buf.freeze(), e);
+                    return Response::from_parts(parts, ResponseBody::new(body));
                 }
-            },
-            Some(Err(e)) => {
-                // The body broke off: nothing complete to store. The client sees the same
-                // break it would have seen without the layer.
-                release(&shared.idem, &lease, "the response body failed").await;
-                shared.observe(Outcome::NotStored);
-                let body = Broken::new(buf.freeze(), e);
-                return Response::from_parts(parts, ResponseBody::new(body));
             }
-        }
-    };
+        };
 
     if oversize {
         tracing::warn!(key = %lease.id(), limit, "response too large to store; sent unstored");
@@ -539,9 +547,16 @@ where
     }
 
     let bytes = buf.freeze();
-    let send = |parts, bytes| Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)));
+    let send = |parts, bytes| {
+        Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
+    };
     if !(config.store_status)(parts.status) {
-        release(&shared.idem, &lease, "a response whose status is not stored").await;
+        release(
+            &shared.idem,
+            &lease,
+            "a response whose status is not stored",
+        )
+        .await;
         shared.observe(Outcome::NotStored);
         return send(parts, bytes);
     }
@@ -634,11 +649,17 @@ mod tests {
         assert_eq!(read(&[]), Ok(None));
         assert_eq!(read(&[b"abc-1"]).unwrap().unwrap().as_str(), "abc-1");
         assert_eq!(read(&[b"\"abc-1\""]).unwrap().unwrap().as_str(), "abc-1");
-        assert_eq!(read(&[br#""a\"b\\c""#]).unwrap().unwrap().as_str(), r#"a"b\c"#);
+        assert_eq!(
+            read(&[br#""a\"b\\c""#]).unwrap().unwrap().as_str(),
+            r#"a"b\c"#
+        );
         assert!(read(&[b"\"abc"]).is_err());
         assert!(read(&[b"\"a\"b\""]).is_err());
         assert!(read(&[b"\"a\\xb\""]).is_err());
-        assert!(read(&[b"\"a b\""]).is_err(), "space is not allowed in a key");
+        assert!(
+            read(&[b"\"a b\""]).is_err(),
+            "space is not allowed in a key"
+        );
         assert!(read(&[b""]).is_err());
         assert!(read(&[b"a", b"b"]).is_err());
         assert!(read(&[&[b'a'; 256]]).is_err());
@@ -660,11 +681,17 @@ mod tests {
         let fp = |p: &Parts, body: &str| fingerprint(&config, p, body.as_bytes());
         let base = fp(&parts("POST", "/p", &json), r#"{"a":1,"b":2}"#);
         // Canonical JSON: order and whitespace do not count.
-        assert_eq!(base, fp(&parts("POST", "/p", &json), r#"{ "b": 2, "a": 1 }"#));
+        assert_eq!(
+            base,
+            fp(&parts("POST", "/p", &json), r#"{ "b": 2, "a": 1 }"#)
+        );
         assert_ne!(base, fp(&parts("POST", "/p", &json), r#"{"a":1,"b":3}"#));
         assert_ne!(base, fp(&parts("PATCH", "/p", &json), r#"{"a":1,"b":2}"#));
         assert_ne!(base, fp(&parts("POST", "/q", &json), r#"{"a":1,"b":2}"#));
-        assert_ne!(base, fp(&parts("POST", "/p?x=1", &json), r#"{"a":1,"b":2}"#));
+        assert_ne!(
+            base,
+            fp(&parts("POST", "/p?x=1", &json), r#"{"a":1,"b":2}"#)
+        );
         // Not JSON: raw bytes, so whitespace counts.
         let text = parts("POST", "/p", &[("content-type", "text/plain")]);
         assert_ne!(fp(&text, "a b"), fp(&text, "a  b"));
