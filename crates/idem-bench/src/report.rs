@@ -27,21 +27,21 @@ impl PhaseReport {
         outcomes: Outcomes,
     ) -> Self {
         latencies.sort_unstable();
-        let pct = |p: f64| -> Duration {
+        // Nearest-rank percentile, in per mille and integer arithmetic (no float rounding).
+        let pct = |per_mille: usize| -> Duration {
             if latencies.is_empty() {
                 return Duration::ZERO;
             }
-            // Nearest-rank percentile.
-            let rank = ((p / 100.0) * latencies.len() as f64).ceil() as usize;
+            let rank = (per_mille * latencies.len()).div_ceil(1000);
             latencies[rank.clamp(1, latencies.len()) - 1]
         };
         Self {
             name: name.to_owned(),
             ops: latencies.len(),
             elapsed,
-            p50: pct(50.0),
-            p99: pct(99.0),
-            p999: pct(99.9),
+            p50: pct(500),
+            p99: pct(990),
+            p999: pct(999),
             outcomes,
         }
     }
