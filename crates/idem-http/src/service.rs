@@ -13,8 +13,8 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use idem_core::{
-    Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, RecordId, Replay,
-    Scope,
+    Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, Record, RecordId,
+    RecordState, Replay, Scope,
 };
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -363,7 +363,7 @@ fn fingerprint(config: &Config, parts: &Parts, body: &[u8]) -> Fingerprint {
         fp = fp.bytes(&format!("header {name}"), &joined);
     }
     if is_json(&parts.headers) && !body.is_empty() {
-        // Not JSON after all: the raw bytes below identify it.
+        // A body that does not parse as JSON is fingerprinted by its raw bytes below.
         if let Ok(with_body) = fp.clone().json("json body", body, &config.json_selection) {
             return with_body.finish();
         }
@@ -616,8 +616,9 @@ async fn store_later(shared: &Shared, lease: Lease, response: idem_core::Respons
             tokio::time::sleep(pause).await;
             match idem.complete(&lease, response.clone()).await {
                 Ok(()) => break true,
-                // A takeover: the key is another request's now, and nothing can be stored.
-                Err(Error::LeaseLost) => break false,
+                // Either a takeover (the key is another request's now, and nothing can be
+                // stored), or an earlier write of ours landed though its answer was lost.
+                Err(Error::LeaseLost) => break holds(&idem, &lease, &response).await,
                 Err(e) if Instant::now() >= give_up => {
                     tracing::error!(key = %lease.id(), error = %e,
                         "gave up storing a response; a retry after the lease expires runs the handler again");
@@ -630,6 +631,18 @@ async fn store_later(shared: &Shared, lease: Lease, response: idem_core::Respons
         let _ = done.send(outcome);
     });
     matches!(tokio::time::timeout(within, stored).await, Ok(Ok(true)))
+}
+
+/// Whether the key's record is completed with `response`: how a write whose answer was
+/// lost (a timeout after the store applied it) is told from a takeover.
+async fn holds(idem: &Idem, lease: &Lease, response: &idem_core::Response) -> bool {
+    match idem.store().get(lease.id()).await {
+        Ok(Some(Record {
+            state: RecordState::Completed(completion),
+            ..
+        })) => completion.response == *response,
+        _ => false,
+    }
 }
 
 #[cfg(test)]

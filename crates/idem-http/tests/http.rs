@@ -529,6 +529,14 @@ struct Flaky {
     complete_down: AtomicBool,
     /// `complete` fails this many more times, then works.
     complete_failures: AtomicUsize,
+    /// `complete` writes, then reports a timeout, this many more times.
+    complete_lost_answers: AtomicUsize,
+}
+
+fn take_one(counter: &AtomicUsize) -> bool {
+    counter
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
 }
 
 fn down() -> Error {
@@ -552,14 +560,14 @@ impl Store for Flaky {
         c: &Completion,
         retention: Duration,
     ) -> Result<(), Error> {
-        let failing = self
-            .complete_failures
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if failing || self.complete_down.load(Ordering::SeqCst) {
+        if take_one(&self.complete_failures) || self.complete_down.load(Ordering::SeqCst) {
             return Err(down());
         }
-        self.inner.complete(lease, c, retention).await
+        self.inner.complete(lease, c, retention).await?;
+        if take_one(&self.complete_lost_answers) {
+            return Err(down());
+        }
+        Ok(())
     }
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
         self.inner.release(lease).await
@@ -912,4 +920,73 @@ async fn an_inner_service_error_releases_the_key() {
     let replay = svc.call(request()).await.unwrap();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(runs.get(), 2);
+}
+
+#[tokio::test]
+async fn a_stored_response_whose_answer_was_lost_is_sent() {
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let store = Arc::new(Flaky::default());
+    store.complete_lost_answers.store(1, Ordering::SeqCst);
+    let server = serve(pay_app(
+        &runs,
+        layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
+    ))
+    .await;
+    let key = [("idempotency-key", "lost-answer-1"), JSON];
+
+    // The write landed but was reported failed; the retry of the write finds the record
+    // completed with this very response.
+    let first = server.post("/pay", &key, "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(outcomes.count(Outcome::Executed), 1);
+    let again = server.post("/pay", &key, "{}").await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test]
+async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let store = MemoryStore::new();
+    let idem = Idem::new(store.clone()).with_config(idem_core::Config {
+        lease: Duration::from_millis(150),
+        ..idem_core::Config::default()
+    });
+    let server = Arc::new(
+        serve(pay_app(
+            &runs,
+            layer_with(idem, Config::default(), &outcomes),
+        ))
+        .await,
+    );
+    let headers = [
+        ("idempotency-key", "evicted-1"),
+        ("x-delay-ms", "600"),
+        JSON,
+    ];
+
+    let first = {
+        let server = server.clone();
+        tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // An operator evicts the key while the handler runs: the lease is gone.
+    let id = RecordId::new(Scope::global(), idem_core::Key::new("evicted-1").unwrap());
+    assert!(store.evict(&id).await.unwrap());
+    let first = first.await.unwrap();
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the handler's answer is still sent"
+    );
+    assert!(!first.replayed());
+    assert_eq!(outcomes.count(Outcome::NotStored), 1);
+    assert_eq!(
+        store.get(&id).await.unwrap(),
+        None,
+        "nothing was stored under a lost lease"
+    );
 }
