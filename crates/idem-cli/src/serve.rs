@@ -161,13 +161,13 @@ fn caller(headers: &HeaderMap) -> Option<String> {
 }
 
 fn problem(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Response {
-    let doc = serde_json::json!({
-        "type": format!("urn:idem:demo:{kind}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail.into(),
-    });
-    let mut response = (status, doc.to_string()).into_response();
+    let doc = idem_http::problem_json(
+        &format!("urn:idem:demo:{kind}"),
+        title,
+        status,
+        &detail.into(),
+    );
+    let mut response = (status, doc).into_response();
     response.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static(idem_http::PROBLEM_JSON),

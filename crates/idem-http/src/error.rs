@@ -54,13 +54,13 @@ impl Problem {
     }
 
     pub(crate) fn into_response(self) -> Response<ResponseBody> {
-        let doc = serde_json::json!({
-            "type": format!("urn:idem:problem:{}", self.kind),
-            "title": self.title,
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        let mut response = Response::new(ResponseBody::full(doc.to_string()));
+        let doc = problem_json(
+            &format!("urn:idem:problem:{}", self.kind),
+            self.title,
+            self.status,
+            &self.detail,
+        );
+        let mut response = Response::new(ResponseBody::full(doc));
         *response.status_mut() = self.status;
         response
             .headers_mut()
@@ -74,6 +74,25 @@ impl Problem {
     }
 }
 
+/// An RFC 9457 problem document (`application/problem+json`) with its members in the RFC's
+/// order, `type`, `title`, `status`, `detail`, which `serde_json`'s sorted maps would not
+/// keep. The layer writes its own refusals with it; services can write theirs alike.
+///
+/// ```
+/// let doc = idem_http::problem_json("urn:example:out-of-stock", "Out of stock", http::StatusCode::CONFLICT, "no more \"blue\"");
+/// assert_eq!(doc, r#"{"type":"urn:example:out-of-stock","title":"Out of stock","status":409,"detail":"no more \"blue\""}"#);
+/// ```
+pub fn problem_json(type_uri: &str, title: &str, status: StatusCode, detail: &str) -> String {
+    let s = |v: &str| serde_json::Value::from(v).to_string();
+    format!(
+        "{{\"type\":{},\"title\":{},\"status\":{},\"detail\":{}}}",
+        s(type_uri),
+        s(title),
+        status.as_u16(),
+        s(detail)
+    )
+}
+
 /// Whole seconds for `Retry-After`, rounded up and at least 1, so that a client never
 /// retries before the hint has passed.
 pub(crate) fn retry_after_secs(after: Duration) -> u64 {
@@ -84,6 +103,17 @@ pub(crate) fn retry_after_secs(after: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn problem_documents_escape_and_keep_order() {
+        let doc = problem_json("urn:x", "T", StatusCode::CONFLICT, "say \"hi\"\n");
+        assert_eq!(
+            doc,
+            r#"{"type":"urn:x","title":"T","status":409,"detail":"say \"hi\"\n"}"#
+        );
+        let parsed: serde_json::Value = serde_json::from_str(&doc).unwrap();
+        assert_eq!(parsed["detail"], "say \"hi\"\n");
+    }
 
     #[test]
     fn retry_after_rounds_up() {

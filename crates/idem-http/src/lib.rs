@@ -114,7 +114,7 @@ mod service;
 
 pub use body::{RequestBody, ResponseBody};
 pub use config::{Config, MissingKey, StatusFilter, Unstored};
-pub use error::PROBLEM_JSON;
+pub use error::{problem_json, PROBLEM_JSON};
 pub use future::ResponseFuture;
 pub use layer::{bearer_scope, IdempotencyLayer, ObserverFn, ScopeFn};
 pub use outcome::{IdempotencyInfo, Outcome};

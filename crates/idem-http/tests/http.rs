@@ -846,7 +846,7 @@ async fn a_slow_handler_keeps_its_lease_alive() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
     let idem = Idem::new(MemoryStore::new()).with_config(idem_core::Config {
-        lease: Duration::from_millis(300),
+        lease: Duration::from_millis(600),
         ..idem_core::Config::default()
     });
     let server = Arc::new(
@@ -856,14 +856,14 @@ async fn a_slow_handler_keeps_its_lease_alive() {
         ))
         .await,
     );
-    let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "1200"), JSON];
+    let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "2000"), JSON];
 
     let first = {
         let server = server.clone();
         tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
     };
     // Well past the first lease's length: without renewal a retry would take the key over.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
     let retry = server.post("/pay", &headers, "{}").await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
@@ -952,7 +952,7 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
     let outcomes = Outcomes::default();
     let store = MemoryStore::new();
     let idem = Idem::new(store.clone()).with_config(idem_core::Config {
-        lease: Duration::from_millis(150),
+        lease: Duration::from_millis(300),
         ..idem_core::Config::default()
     });
     let server = Arc::new(
@@ -964,7 +964,7 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
     );
     let headers = [
         ("idempotency-key", "evicted-1"),
-        ("x-delay-ms", "600"),
+        ("x-delay-ms", "1500"),
         JSON,
     ];
 
@@ -972,7 +972,7 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
         let server = server.clone();
         tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
     // An operator evicts the key while the handler runs: the lease is gone.
     let id = RecordId::new(Scope::global(), idem_core::Key::new("evicted-1").unwrap());
     assert!(store.evict(&id).await.unwrap());
