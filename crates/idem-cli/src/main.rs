@@ -82,7 +82,11 @@ struct RecordArgs {
 struct StatsArgs {
     #[command(flatten)]
     store: StoreArg,
-    /// In-progress records older than this many seconds count as stuck.
+    /// Count one scope only (all scopes when absent).
+    #[arg(long)]
+    scope: Option<String>,
+    /// In-progress records whose lease expired more than this many seconds ago count as
+    /// stuck.
     #[arg(long, default_value_t = 300, value_name = "SECS")]
     stuck_after: u64,
     /// Print JSON instead of text.
@@ -186,8 +190,15 @@ async fn run(command: Command) -> Result<String, CliError> {
         }
         Command::Stats(args) => {
             let url = StoreUrl::parse(&args.store.store)?;
-            let _ = (args.stuck_after, args.json);
-            Err(ops::stats_unsupported(url.backend()))
+            refuse_memory(&url)?;
+            let scope = args
+                .scope
+                .map(Scope::new)
+                .transpose()
+                .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
+            let store = url.open().await?;
+            let stuck_after = Duration::from_secs(args.stuck_after);
+            ops::stats(store.as_ref(), scope.as_ref(), stuck_after, args.json).await
         }
     }
 }
@@ -202,14 +213,21 @@ async fn open_for_record(
     let scope = Scope::new(args.scope.clone())
         .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
     let url = StoreUrl::parse(&args.store.store)?;
-    if url == StoreUrl::Memory {
+    refuse_memory(&url)?;
+    Ok((url.open().await?, RecordId::new(scope, key)))
+}
+
+/// The operator commands refuse the memory store: it lives inside one process, so another
+/// process has nothing to read.
+fn refuse_memory(url: &StoreUrl) -> Result<(), CliError> {
+    if *url == StoreUrl::Memory {
         return Err(CliError::Unsupported(
             "the memory store lives inside one `idem serve` process and cannot be read from \
              another; pass --store with a shared store (redis://..., postgres://...)"
                 .into(),
         ));
     }
-    Ok((url.open().await?, RecordId::new(scope, key)))
+    Ok(())
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use idem_core::{CompletionKind, Record, RecordId, RecordState, Store};
+use idem_core::{CompletionKind, Record, RecordId, RecordState, Scope, Store};
 
 use crate::CliError;
 
@@ -52,14 +52,56 @@ pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Strin
     })
 }
 
-/// What `idem stats` would need and the store interface does not offer.
-pub fn stats_unsupported(backend: &str) -> CliError {
-    CliError::Unsupported(format!(
-        "idem stats is not implemented: counting records by state and finding in-progress \
-         records older than a threshold needs a scan or count operation, which the Store \
-         interface of idem-core does not have yet (it offers begin, complete, release, \
-         extend, get and evict only); nothing was read from the {backend} store"
-    ))
+/// Counts records by state; in-progress records whose lease expired more than
+/// `stuck_after` ago are the "stuck" alarm.
+///
+/// # Errors
+///
+/// Store errors, [`idem_core::Error::Unsupported`] included.
+pub async fn stats(
+    store: &dyn Store,
+    scope: Option<&Scope>,
+    stuck_after: Duration,
+    json: bool,
+) -> Result<String, CliError> {
+    let stats = store.stats(scope, stuck_after).await?;
+    Ok(if json {
+        format!(
+            "{}\n",
+            serde_json::json!({
+                "scope": scope.map(Scope::as_str),
+                "in_flight": stats.in_flight,
+                "expired_leases": stats.expired_leases,
+                "stuck": stats.stuck,
+                "stuck_after_ms": millis(stuck_after),
+                "succeeded": stats.succeeded,
+                "failed": stats.failed,
+            })
+        )
+    } else {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "scope           {}",
+            scope.map_or("(all)", |s| if s.as_str().is_empty() {
+                "(global)"
+            } else {
+                s.as_str()
+            })
+        );
+        let _ = writeln!(out, "in flight       {}", stats.in_flight);
+        let _ = writeln!(out, "expired leases  {}", stats.expired_leases);
+        let _ = writeln!(
+            out,
+            "stuck           {} (lease expired over {} ago, no retry came){}",
+            stats.stuck,
+            human(stuck_after),
+            if stats.stuck > 0 { "  <- ALARM" } else { "" }
+        );
+        let _ = writeln!(out, "succeeded       {}", stats.succeeded);
+        let _ = writeln!(out, "failed          {}", stats.failed);
+        out
+    })
 }
 
 fn describe(id: &RecordId) -> String {
@@ -249,6 +291,38 @@ mod tests {
             idem.begin(&id("k1"), fp).await.unwrap(),
             Begin::Acquired(_)
         ));
+    }
+
+    #[tokio::test]
+    async fn stats_over_a_store() {
+        let store = MemoryStore::new();
+        let idem = Idem::new(store.clone());
+        let fp = Fingerprint::of_bytes(b"req");
+        let Begin::Acquired(_held) = idem.begin(&id("k1"), fp).await.unwrap() else {
+            panic!("fresh key")
+        };
+        let Begin::Acquired(done) = idem.begin(&id("k2"), fp).await.unwrap() else {
+            panic!("fresh key")
+        };
+        idem.complete(&done, Response::new(201, "ok"))
+            .await
+            .unwrap();
+        let scope = Scope::new("alice").unwrap();
+        let text = stats(&store, Some(&scope), Duration::from_secs(300), false)
+            .await
+            .unwrap();
+        assert!(text.contains("in flight       1"), "{text}");
+        assert!(text.contains("succeeded       1"), "{text}");
+        assert!(!text.contains("ALARM"), "{text}");
+        let doc: serde_json::Value = serde_json::from_str(
+            &stats(&store, None, Duration::from_secs(300), true)
+                .await
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(doc["in_flight"], 1);
+        assert_eq!(doc["stuck"], 0);
+        assert_eq!(doc["scope"], serde_json::Value::Null);
     }
 
     #[test]
