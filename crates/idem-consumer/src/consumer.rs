@@ -369,8 +369,8 @@ impl Consumer {
     /// Appends the text of header `name` (for example
     /// [`IDEMPOTENCY_SCOPE_HEADER`](crate::IDEMPOTENCY_SCOPE_HEADER), the tenant of the HTTP
     /// request) to the scope: records then live in `"<scope>/<header>"`, so tenants that pick
-    /// the same key never share a record. A message without the header is dead-lettered.
-    /// Default: not set.
+    /// the same key never share a record. A message without the header, or whose combined
+    /// scope is longer than [`idem_core::MAX_SCOPE_LEN`], is dead-lettered. Default: not set.
     pub fn with_scope_header(mut self, name: impl Into<String>) -> Self {
         self.scope_header = Some(name.into());
         self

@@ -1,9 +1,9 @@
 //! Where a message's idempotency key and fingerprint come from, and stable child keys for
 //! the calls a handler makes downstream.
 
-use idem_core::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection, Key, KeyError};
+use idem_core::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection, Key, KeyError, Scope};
 
-use crate::message::{Message, IDEMPOTENCY_KEY_HEADER};
+use crate::message::{Message, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_SCOPE_HEADER};
 
 /// Where the [`Consumer`](crate::Consumer) finds a message's idempotency key.
 ///
@@ -158,6 +158,38 @@ pub fn child_key(parent: &Key, step: &str) -> Key {
         .finish();
     Key::new(format!("ck-{}", digest.to_hex()))
         .expect("\"ck-\" and 64 hex digits are 67 visible ASCII bytes, a valid key")
+}
+
+/// The headers a publisher sets so that consumers share its idempotency boundary: `key` in
+/// [`IDEMPOTENCY_KEY_HEADER`] and, when given, the publishing request's `scope` in
+/// [`IDEMPOTENCY_SCOPE_HEADER`] (read by
+/// [`Consumer::with_scope_header`](crate::Consumer::with_scope_header)). For any broker with
+/// text headers; `rabbitmq::with_idempotency_key` sets them on AMQP properties.
+///
+/// An HTTP handler behind idem-http finds its request's record in the `IdempotencyInfo`
+/// request extension: publish with `info.id.key()` and `info.id.scope()`. When one request
+/// publishes several messages, give each its own key with [`child_key`] (for example
+/// `child_key(info.id.key(), "payment-initiated")`), or their consumers would take the
+/// second for a duplicate of the first.
+///
+/// ```
+/// use idem_consumer::{propagation_headers, Message};
+/// use idem_core::{Key, Scope};
+/// let key = Key::new("3f9c-payment").unwrap();
+/// let headers = propagation_headers(&key, Some(&Scope::new("tenant-1").unwrap()));
+/// let mut message = Message::new(b"{}".to_vec());
+/// for (name, value) in headers {
+///     message = message.with_header(name, value);
+/// }
+/// assert_eq!(message.text_header("x-idempotency-key"), Some("3f9c-payment"));
+/// assert_eq!(message.text_header("x-idempotency-scope"), Some("tenant-1"));
+/// ```
+pub fn propagation_headers(key: &Key, scope: Option<&Scope>) -> Vec<(&'static str, String)> {
+    let mut headers = vec![(IDEMPOTENCY_KEY_HEADER, key.as_str().to_owned())];
+    if let Some(scope) = scope {
+        headers.push((IDEMPOTENCY_SCOPE_HEADER, scope.as_str().to_owned()));
+    }
+    headers
 }
 
 #[cfg(test)]

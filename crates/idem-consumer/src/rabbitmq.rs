@@ -77,10 +77,8 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::consumer::{Consumer, Context, Delivery};
-use crate::message::{
-    HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
-    IDEMPOTENCY_SCOPE_HEADER,
-};
+use crate::key::propagation_headers;
+use crate::message::{HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER};
 
 /// What went wrong with the broker.
 #[derive(Debug, thiserror::Error)]
@@ -655,9 +653,9 @@ fn header_value(value: &AMQPValue) -> Option<HeaderValue> {
     })
 }
 
-/// Adds the headers that carry `key` (and, when given, the publishing request's `scope`, for
-/// [`Consumer::with_scope_header`]) to a message's properties, keeping its other headers:
-/// publish with these from the HTTP handler whose request had `key`.
+/// Adds the headers of [`propagation_headers`] (`key`, and when given the publishing
+/// request's `scope`, for [`Consumer::with_scope_header`]) to a message's properties, keeping
+/// its other headers: publish with these from the HTTP handler whose request had `key`.
 ///
 /// ```
 /// use idem_consumer::rabbitmq::with_idempotency_key;
@@ -674,15 +672,8 @@ pub fn with_idempotency_key(
     scope: Option<&Scope>,
 ) -> BasicProperties {
     let mut headers = properties.headers().clone().unwrap_or_default();
-    headers.insert(
-        IDEMPOTENCY_KEY_HEADER.into(),
-        AMQPValue::LongString(key.as_str().into()),
-    );
-    if let Some(scope) = scope {
-        headers.insert(
-            IDEMPOTENCY_SCOPE_HEADER.into(),
-            AMQPValue::LongString(scope.as_str().into()),
-        );
+    for (name, value) in propagation_headers(key, scope) {
+        headers.insert(name.into(), AMQPValue::LongString(value.into()));
     }
     properties.with_headers(headers)
 }

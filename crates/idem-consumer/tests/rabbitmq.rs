@@ -15,891 +15,898 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+/// Named after the backend, so that `cargo test rabbitmq` runs these.
+mod rabbitmq {
 
-use idem_consumer::rabbitmq::{with_idempotency_key, Summary, Topology, Worker};
-use idem_consumer::{
-    Consumer, Policy, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
-};
-use idem_core::{Config, Failure, Idem, Key, MemoryStore, Scope, Store};
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use tokio::sync::oneshot;
-use tokio::time::{sleep, timeout, Instant};
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::io::Write;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
 
-use support::file_store::FileStore;
+    use idem_consumer::rabbitmq::{with_idempotency_key, Summary, Topology, Worker};
+    use idem_consumer::{
+        Consumer, Policy, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
+    };
+    use idem_core::{Config, Failure, Idem, Key, MemoryStore, Scope, Store};
+    use lapin::options::{
+        BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+        QueueDeclareOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+    use tokio::sync::oneshot;
+    use tokio::time::{sleep, timeout, Instant};
 
-fn amqp_url() -> Option<String> {
-    idem_testkit::harness::url_from_env("IDEM_TEST_AMQP_URL", "RabbitMQ")
-}
+    use crate::support::file_store::FileStore;
 
-async fn connect(url: &str) -> Connection {
-    Connection::connect(url, ConnectionProperties::default())
-        .await
-        .expect("connect to RabbitMQ")
-}
-
-/// Fresh queues named after the test, deleted by the broker after 5 idle minutes if the
-/// test fails before deleting them.
-fn topology(test: &str) -> Topology {
-    Topology::for_queue(format!("idem-test-{test}-{}", uuid::Uuid::new_v4()))
-        .with_expires(Duration::from_secs(300))
-}
-
-/// A channel with publisher confirms, for the test's own publishing and inspection.
-async fn admin_channel(conn: &Connection) -> Channel {
-    let channel = conn.create_channel().await.expect("channel");
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirm_select");
-    channel
-}
-
-/// Publishes `payload` with `key` propagated in its headers, and waits for the broker's
-/// confirm.
-async fn publish(channel: &Channel, queue: &str, key: &str, payload: &str) {
-    let props = with_idempotency_key(
-        BasicProperties::default().with_delivery_mode(2),
-        &Key::new(key).expect("test keys are valid"),
-        None,
-    );
-    let confirm = channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            payload.as_bytes(),
-            props,
-        )
-        .await
-        .expect("publish")
-        .await
-        .expect("confirm");
-    assert!(confirm.is_ack(), "the broker refused a test message");
-}
-
-/// Messages ready in `queue` (not counting deliveries held unacked by consumers).
-async fn ready(channel: &Channel, queue: &str) -> u32 {
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions::default().passive(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("passive declare")
-        .message_count()
-}
-
-/// Polls `check` every 50 ms until it holds; panics with `what` after `limit`.
-async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        sleep(Duration::from_millis(50)).await;
+    fn amqp_url() -> Option<String> {
+        idem_testkit::harness::url_from_env("IDEM_TEST_AMQP_URL", "RabbitMQ")
     }
-}
 
-/// Waits until the main and retry queues have had no ready message for 500 ms.
-async fn wait_for_empty_queues(channel: &Channel, topology: &Topology, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    let mut empty_since: Option<Instant> = None;
-    loop {
-        let empty = ready(channel, &topology.queue).await == 0
-            && ready(channel, &topology.retry_queue).await == 0;
-        match (empty, empty_since) {
-            (true, Some(since)) if since.elapsed() >= Duration::from_millis(500) => return,
-            (true, None) => empty_since = Some(Instant::now()),
-            (true, Some(_)) => {}
-            (false, _) => empty_since = None,
-        }
-        assert!(Instant::now() < deadline, "the queues did not drain");
-        sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Runs `worker` in a task until the returned sender is used (or dropped).
-fn spawn_worker<F>(
-    worker: Worker,
-    conn: Arc<Connection>,
-    handler: F,
-) -> (
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<Summary, idem_consumer::rabbitmq::Error>>,
-)
-where
-    F: Fn(
-            idem_consumer::Message,
-            idem_consumer::Context,
-        ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<u32, Failure<String>>> + Send>,
-        > + Send
-        + Sync
-        + 'static,
-{
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        worker
-            .run(&conn, handler, async {
-                let _ = stopped.await;
-            })
+    async fn connect(url: &str) -> Connection {
+        Connection::connect(url, ConnectionProperties::default())
             .await
-    });
-    (stop, task)
-}
-
-type Effects = Arc<Mutex<BTreeMap<String, u32>>>;
-
-/// N business messages, each published three times, consumed by three workers on their own
-/// connections; one worker's connection is closed while it holds deliveries whose work is
-/// done but not acked, so the broker redelivers them. The side effect happens exactly N
-/// times.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicates_and_redeliveries_have_their_effect_exactly_once() {
-    let Some(url) = amqp_url() else { return };
-    const N: u32 = 40;
-    let admin_conn = connect(&url).await;
-    let admin = admin_channel(&admin_conn).await;
-    let topology = topology("exactly-once");
-    topology.declare(&admin).await.expect("declare");
-    for copy in 0..3 {
-        for i in 0..N {
-            // The third round publishes in reverse, so copies meet each other mid-flight.
-            let i = if copy == 2 { N - 1 - i } else { i };
-            let payload = format!(r#"{{"order": {i}, "amount": {}}}"#, 100 + i);
-            publish(&admin, &topology.queue, &format!("order-{i}"), &payload).await;
-        }
+            .expect("connect to RabbitMQ")
     }
 
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let policy = Policy {
-        max_in_flight_delay: Duration::from_millis(200),
-        ..Policy::default()
-    };
-    let config = Config {
-        lease: Duration::from_secs(5),
-        ..Config::default()
-    };
-    let consumer = Consumer::new(
-        Idem::from_arc(store).with_config(config),
-        Scope::new("exactly-once-test").unwrap(),
-    )
-    .with_policy(policy);
-    let effects: Effects = Arc::default();
-    let handler = |effects: Effects, work: Duration, starts: Arc<AtomicU32>| {
-        move |message: idem_consumer::Message, ctx: idem_consumer::Context| {
-            let effects = effects.clone();
-            let starts = starts.clone();
-            Box::pin(async move {
-                starts.fetch_add(1, Ordering::SeqCst);
-                sleep(work).await;
-                let order: serde_json::Value = serde_json::from_slice(message.payload())
-                    .map_err(|e| Failure::Terminal(format!("bad payload: {e}")))?;
-                *effects
-                    .lock()
-                    .unwrap()
-                    .entry(ctx.key().to_string())
-                    .or_insert(0) += 1;
-                Ok(order["order"].as_u64().unwrap_or(0) as u32)
-            }) as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
-        }
-    };
-
-    let mut running = Vec::new();
-    for _ in 0..2 {
-        let conn = Arc::new(connect(&url).await);
-        let worker = Worker::new(consumer.clone(), topology.clone())
-            .with_prefetch(8)
-            .with_concurrency(3);
-        let starts = Arc::new(AtomicU32::new(0));
-        running.push(spawn_worker(
-            worker,
-            conn,
-            handler(effects.clone(), Duration::from_millis(10), starts),
-        ));
+    /// Fresh queues named after the test, deleted by the broker after 5 idle minutes if the
+    /// test fails before deleting them.
+    fn topology(test: &str) -> Topology {
+        Topology::for_queue(format!("idem-test-{test}-{}", uuid::Uuid::new_v4()))
+            .with_expires(Duration::from_secs(300))
     }
-    // The doomed worker: slow handlers, so that some are mid-work when its connection
-    // closes; their work completes and is stored, but their acks cannot be sent.
-    let doomed_conn = Arc::new(connect(&url).await);
-    let doomed_starts = Arc::new(AtomicU32::new(0));
-    let (_doomed_stop, doomed) = spawn_worker(
-        Worker::new(consumer.clone(), topology.clone())
-            .with_prefetch(8)
-            .with_concurrency(4),
-        doomed_conn.clone(),
-        handler(
-            effects.clone(),
-            Duration::from_millis(400),
-            doomed_starts.clone(),
-        ),
-    );
-    wait_until(Duration::from_secs(30), "the doomed worker runs", || {
-        let starts = doomed_starts.clone();
-        async move { starts.load(Ordering::SeqCst) >= 3 }
-    })
-    .await;
-    doomed_conn
-        .close(320, "test: connection lost".into())
-        .await
-        .expect("close the doomed connection");
-    let doomed_summary = match timeout(Duration::from_secs(30), doomed)
-        .await
-        .expect("the doomed worker stops")
-        .expect("no panic")
-    {
-        Ok(summary) | Err(idem_consumer::rabbitmq::Error::ConsumerFailed { summary, .. }) => {
-            summary
-        }
-        Err(e) => panic!("the doomed worker failed to start: {e}"),
-    };
 
-    wait_until(
-        Duration::from_secs(60),
-        "every order has its effect",
-        || {
-            let effects = effects.clone();
-            async move { effects.lock().unwrap().len() == N as usize }
-        },
-    )
-    .await;
-    wait_for_empty_queues(&admin, &topology, Duration::from_secs(60)).await;
-    let mut summaries = Vec::new();
-    for (stop, task) in running {
-        let _ = stop.send(());
-        summaries.push(
-            timeout(Duration::from_secs(30), task)
-                .await
-                .expect("clean shutdown")
-                .expect("no panic")
-                .expect("worker ran"),
-        );
-    }
-    // Held requeues are nacked back at shutdown: a last worker drains them, all duplicates.
-    let drain_conn = Arc::new(connect(&url).await);
-    let (stop, task) = spawn_worker(
-        Worker::new(consumer.clone(), topology.clone()),
-        drain_conn,
-        handler(effects.clone(), Duration::ZERO, Arc::new(AtomicU32::new(0))),
-    );
-    wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
-    let _ = stop.send(());
-    summaries.push(task.await.expect("no panic").expect("worker ran"));
-
-    let effects = effects.lock().unwrap().clone();
-    assert_eq!(effects.len(), N as usize, "every order was handled");
-    for (key, count) in &effects {
-        assert_eq!(*count, 1, "{key} had its effect {count} times");
-    }
-    let acked: u64 = summaries.iter().map(|s| s.acked).sum();
-    assert!(
-        acked + doomed_summary.acked >= u64::from(3 * N),
-        "{summaries:?}"
-    );
-    assert!(
-        doomed_summary.unsettled > 0,
-        "the doomed worker held done-but-unacked deliveries: {doomed_summary:?}"
-    );
-    assert_eq!(ready(&admin, &topology.dead_letter_queue).await, 0);
-    topology.delete(&admin).await.expect("delete queues");
-}
-
-/// A handler that fails transiently succeeds in the end, once; one that always fails is
-/// dead-lettered after the policy's attempts, and one that fails for good at once, never
-/// acked silently.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-    let Some(url) = amqp_url() else { return };
-    let admin_conn = connect(&url).await;
-    let admin = admin_channel(&admin_conn).await;
-    let topology = topology("retries");
-    topology.declare(&admin).await.expect("declare");
-    let flaky: Vec<String> = (0..5).map(|i| format!("flaky-{i}")).collect();
-    let broken: Vec<String> = (0..3).map(|i| format!("broken-{i}")).collect();
-    for key in flaky.iter().chain(&broken) {
-        publish(&admin, &topology.queue, key, "{}").await;
-    }
-    publish(&admin, &topology.queue, "declined", "{}").await;
-
-    let policy = Policy {
-        max_attempts: 3,
-        retry_delay: Duration::from_millis(100),
-        max_retry_delay: Duration::from_millis(400),
-        ..Policy::default()
-    };
-    let consumer = Consumer::new(
-        Idem::new(MemoryStore::new()),
-        Scope::new("retry-test").unwrap(),
-    )
-    .with_policy(policy);
-    let runs: Arc<Mutex<BTreeMap<String, Vec<u32>>>> = Arc::default();
-    let effects: Effects = Arc::default();
-    let conn = Arc::new(connect(&url).await);
-    let (stop, task) = {
-        let (runs, effects) = (runs.clone(), effects.clone());
-        spawn_worker(
-            Worker::new(consumer, topology.clone()).with_concurrency(2),
-            conn,
-            move |_message, ctx| {
-                let (runs, effects) = (runs.clone(), effects.clone());
-                Box::pin(async move {
-                    let key = ctx.key().to_string();
-                    runs.lock()
-                        .unwrap()
-                        .entry(key.clone())
-                        .or_default()
-                        .push(ctx.attempt());
-                    if key == "declined" {
-                        return Err(Failure::Terminal("card declined".to_string()));
-                    }
-                    if key.starts_with("broken") || ctx.attempt() < 3 {
-                        return Err(Failure::Retryable(format!(
-                            "gateway timeout on attempt {}",
-                            ctx.attempt()
-                        )));
-                    }
-                    *effects.lock().unwrap().entry(key).or_insert(0) += 1;
-                    Ok(ctx.attempt())
-                })
-            },
-        )
-    };
-    wait_until(Duration::from_secs(60), "4 dead letters", || {
-        let admin = &admin;
-        let dlq = topology.dead_letter_queue.clone();
-        async move { ready(admin, &dlq).await == 4 }
-    })
-    .await;
-    wait_until(Duration::from_secs(60), "the flaky ones succeed", || {
-        let effects = effects.clone();
-        async move { effects.lock().unwrap().len() == 5 }
-    })
-    .await;
-    wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
-    let _ = stop.send(());
-    let summary = task.await.expect("no panic").expect("worker ran");
-
-    let runs = runs.lock().unwrap().clone();
-    for key in &flaky {
-        assert_eq!(runs[key], vec![1, 2, 3], "{key}");
-        assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
-    }
-    for key in &broken {
-        assert_eq!(
-            runs[key],
-            vec![1, 2, 3],
-            "{key} ran exactly max_attempts times"
-        );
-        assert!(!effects.lock().unwrap().contains_key(key));
-    }
-    assert_eq!(
-        runs["declined"],
-        vec![1],
-        "a terminal failure is not retried"
-    );
-    assert_eq!(summary.acked, 5, "{summary:?}");
-    assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
-    assert_eq!(summary.dead_lettered, 4, "{summary:?}");
-
-    // Each dead letter says why, and how many attempts it had.
-    let mut dead = BTreeMap::new();
-    while let Some(got) = admin
-        .basic_get(
-            topology.dead_letter_queue.as_str().into(),
-            BasicGetOptions::default(),
-        )
-        .await
-        .expect("basic.get")
-    {
-        let headers = got.delivery.properties.headers().clone().expect("headers");
-        let text = |name: &str| match headers.inner().get(name) {
-            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-            other => panic!("{name}: {other:?}"),
-        };
-        let attempt = match headers.inner().get(ATTEMPT_HEADER) {
-            Some(AMQPValue::LongLongInt(n)) => *n,
-            other => panic!("attempt header: {other:?}"),
-        };
-        dead.insert(
-            text(IDEMPOTENCY_KEY_HEADER),
-            (text(DEAD_LETTER_REASON_HEADER), attempt),
-        );
-        got.delivery
-            .acker
-            .ack(BasicAckOptions::default())
+    /// A channel with publisher confirms, for the test's own publishing and inspection.
+    async fn admin_channel(conn: &Connection) -> Channel {
+        let channel = conn.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
             .await
-            .expect("ack");
-    }
-    assert_eq!(dead.len(), 4, "{dead:?}");
-    for key in &broken {
-        let (reason, attempt) = &dead[key];
-        assert!(reason.starts_with("attempts exhausted"), "{reason}");
-        assert_eq!(*attempt, 3);
-    }
-    assert_eq!(dead["declined"].0, "terminal failure: card declined");
-    topology.delete(&admin).await.expect("delete queues");
-}
-
-/// Shutdown stops consuming, lets the handlers in progress finish and acks their
-/// deliveries, and hands the deliveries not started back to the queue.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_finishes_the_work_in_progress_and_returns_the_rest() {
-    let Some(url) = amqp_url() else { return };
-    const N: usize = 12;
-    let admin_conn = connect(&url).await;
-    let admin = admin_channel(&admin_conn).await;
-    let topology = topology("shutdown");
-    topology.declare(&admin).await.expect("declare");
-    for i in 0..N {
-        publish(&admin, &topology.queue, &format!("job-{i}"), "{}").await;
-    }
-    let consumer = Consumer::new(
-        Idem::new(MemoryStore::new()),
-        Scope::new("shutdown-test").unwrap(),
-    );
-    let started = Arc::new(AtomicU32::new(0));
-    let finished: Effects = Arc::default();
-    let conn = Arc::new(connect(&url).await);
-    let (stop, task) = {
-        let (started, finished) = (started.clone(), finished.clone());
-        spawn_worker(
-            Worker::new(consumer, topology.clone())
-                .with_prefetch(6)
-                .with_concurrency(2),
-            conn,
-            move |_message, ctx| {
-                let (started, finished) = (started.clone(), finished.clone());
-                Box::pin(async move {
-                    started.fetch_add(1, Ordering::SeqCst);
-                    sleep(Duration::from_millis(500)).await;
-                    finished.lock().unwrap().insert(ctx.key().to_string(), 1);
-                    Ok(0)
-                })
-            },
-        )
-    };
-    wait_until(Duration::from_secs(30), "two handlers run", || {
-        let started = started.clone();
-        async move { started.load(Ordering::SeqCst) >= 2 }
-    })
-    .await;
-    let _ = stop.send(());
-    let summary = timeout(Duration::from_secs(30), task)
-        .await
-        .expect("shutdown completes")
-        .expect("no panic")
-        .expect("worker ran");
-    let finished = finished.lock().unwrap().len();
-    assert_eq!(
-        finished,
-        started.load(Ordering::SeqCst) as usize,
-        "every handler started ran to its end"
-    );
-    assert_eq!(summary.acked as usize, finished, "{summary:?}");
-    // Deliveries prefetched but not started went back to the queue when the channel closed.
-    wait_until(
-        Duration::from_secs(10),
-        "the rest is back in the queue",
-        || {
-            let (admin, queue) = (&admin, topology.queue.clone());
-            async move { ready(admin, &queue).await as usize == N - finished }
-        },
-    )
-    .await;
-    topology.delete(&admin).await.expect("delete queues");
-}
-
-// --- The crash test -----------------------------------------------------------------------
-
-/// The store consumer processes share. To switch to Redis once `idem-redis` is on main, add
-/// a variant built from `IDEM_TEST_REDIS_URL` and a unique key prefix, and return it from
-/// [`SharedStore::for_test`].
-enum SharedStore {
-    File(FileStore),
-}
-
-impl SharedStore {
-    fn for_test() -> Self {
-        Self::File(FileStore::temporary().expect("a temporary directory"))
+            .expect("confirm_select");
+        channel
     }
 
-    /// How a child process opens the same store.
-    fn descriptor(&self) -> String {
-        match self {
-            Self::File(store) => format!("file:{}", store.dir().display()),
-        }
-    }
-
-    fn open(descriptor: &str) -> Arc<dyn Store> {
-        match descriptor.split_once(':') {
-            Some(("file", dir)) => Arc::new(FileStore::open(dir).expect("open the file store")),
-            _ => panic!("unknown store descriptor {descriptor:?}"),
-        }
-    }
-
-    fn store(&self) -> Arc<dyn Store> {
-        match self {
-            Self::File(store) => Arc::new(store.clone()),
-        }
-    }
-}
-
-const CHILD_ENV: &str = "IDEM_CONSUMER_CHILD";
-/// The child's lease: a killed child's keys are taken over this long after its last
-/// heartbeat.
-const CHILD_LEASE: Duration = Duration::from_secs(3);
-const CHILD_CONCURRENCY: usize = 4;
-
-/// Where a child consumer process reads its settings and writes what it does.
-struct ChildFiles {
-    dir: PathBuf,
-    /// Whether dropping this removes the directory (the test's own, not a child's view).
-    owner: bool,
-}
-
-impl ChildFiles {
-    fn new() -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("idem-consumer-crash-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).expect("temporary directory");
-        Self { dir, owner: true }
-    }
-    /// One line per handler start: `<key> <attempt> <process>`.
-    fn starts(&self) -> PathBuf {
-        self.dir.join("starts")
-    }
-    /// One line per side effect: `<key> <attempt> <process>`.
-    fn effects(&self) -> PathBuf {
-        self.dir.join("effects")
-    }
-    fn stop(&self, name: &str) -> PathBuf {
-        self.dir.join(format!("stop-{name}"))
-    }
-    fn summary(&self, name: &str) -> PathBuf {
-        self.dir.join(format!("summary-{name}"))
-    }
-    fn lines(path: &Path) -> Vec<Vec<String>> {
-        std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| l.split(' ').map(str::to_owned).collect())
-            .collect()
-    }
-}
-
-impl Drop for ChildFiles {
-    fn drop(&mut self) {
-        if self.owner {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-}
-
-fn append(path: &Path, line: &str) {
-    // One `write` on a file opened for appending: lines from concurrent writers, in this
-    // process or another, do not interleave.
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .expect("open for append");
-    file.write_all(format!("{line}\n").as_bytes())
-        .expect("append");
-}
-
-/// A child process, killed when dropped, so a failing test leaves no consumer behind.
-struct ChildProcess(Child);
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-/// Starts this test binary as a consumer process named `name`; after `hang_after` handler
-/// starts, its handlers hang (holding their keys) instead of working.
-fn spawn_child(
-    files: &ChildFiles,
-    store: &SharedStore,
-    url: &str,
-    queue: &str,
-    name: &str,
-    hang_after: u32,
-) -> ChildProcess {
-    let child = Command::new(std::env::current_exe().expect("the test binary"))
-        .args([
-            "child_consumer_process",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .env("IDEM_TEST_AMQP_URL", url)
-        .env("IDEM_CHILD_QUEUE", queue)
-        .env("IDEM_CHILD_STORE", store.descriptor())
-        .env("IDEM_CHILD_DIR", &files.dir)
-        .env("IDEM_CHILD_NAME", name)
-        .env("IDEM_CHILD_HANG_AFTER", hang_after.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(
-            std::fs::File::create(files.dir.join(format!("stderr-{name}"))).expect("stderr file"),
-        )
-        .spawn()
-        .expect("spawn the consumer process");
-    ChildProcess(child)
-}
-
-/// The consumer process of [`a_killed_consumer_process_loses_nothing`]; does nothing unless
-/// that test spawned it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the consumer process of the crash test; runs only when that test spawns it"]
-async fn child_consumer_process() {
-    if std::env::var(CHILD_ENV).is_err() {
-        eprintln!("child_consumer_process runs only as the crash test's child process");
-        return;
-    }
-    let env = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is set"));
-    let url = env("IDEM_TEST_AMQP_URL");
-    let files = ChildFiles {
-        dir: PathBuf::from(env("IDEM_CHILD_DIR")),
-        owner: false,
-    };
-    let name = env("IDEM_CHILD_NAME");
-    let hang_after: u32 = env("IDEM_CHILD_HANG_AFTER").parse().expect("a number");
-    let store = SharedStore::open(&env("IDEM_CHILD_STORE"));
-
-    let config = Config {
-        lease: CHILD_LEASE,
-        ..Config::default()
-    };
-    let policy = Policy {
-        max_in_flight_delay: Duration::from_millis(300),
-        ..Policy::default()
-    };
-    let consumer = Consumer::new(
-        Idem::from_arc(store).with_config(config),
-        Scope::new("crash-test").unwrap(),
-    )
-    .with_policy(policy);
-    let conn = connect(&url).await;
-    let starts = Arc::new(AtomicU32::new(0));
-    let (starts_file, effects_file) = (files.starts(), files.effects());
-    let handler_name = name.clone();
-    let handler = move |_message: idem_consumer::Message, ctx: idem_consumer::Context| {
-        let (starts, starts_file, effects_file, name) = (
-            starts.clone(),
-            starts_file.clone(),
-            effects_file.clone(),
-            handler_name.clone(),
+    /// Publishes `payload` with `key` propagated in its headers, and waits for the broker's
+    /// confirm.
+    async fn publish(channel: &Channel, queue: &str, key: &str, payload: &str) {
+        let props = with_idempotency_key(
+            BasicProperties::default().with_delivery_mode(2),
+            &Key::new(key).expect("test keys are valid"),
+            None,
         );
-        async move {
-            let n = starts.fetch_add(1, Ordering::SeqCst) + 1;
-            let line = format!("{} {} {name}", ctx.key(), ctx.attempt());
-            append(&starts_file, &line);
-            if n > hang_after {
-                // Stuck while holding the key (its lease is extended in the background),
-                // until the process is killed.
-                sleep(Duration::from_secs(3600)).await;
-            }
-            sleep(Duration::from_millis(30)).await;
-            append(&effects_file, &line);
-            Ok::<_, Failure<String>>(n)
-        }
-    };
-    let stop_file = files.stop(&name);
-    let summary = Worker::new(consumer, Topology::for_queue(env("IDEM_CHILD_QUEUE")))
-        .with_prefetch(8)
-        .with_concurrency(CHILD_CONCURRENCY)
-        .run(&conn, handler, async move {
-            // Stop when told to, or when the test is gone (it removes the directory).
-            while !stop_file.exists() && stop_file.parent().is_some_and(Path::exists) {
-                sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("the worker runs");
-    std::fs::write(
-        files.summary(&name),
-        format!("{} {}", summary.acked, summary.requeued),
-    )
-    .expect("write the summary");
-}
-
-/// Kill a consumer process (SIGKILL) while it holds messages whose keys it holds: the broker
-/// redelivers them, another process finds the keys held and requeues them until the dead
-/// process's leases expire, then takes them over; every message is handled exactly once and
-/// none is lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_consumer_process_loses_nothing() {
-    let Some(url) = amqp_url() else { return };
-    const N: u32 = 20;
-    const QUICK: u32 = 6;
-    let admin_conn = connect(&url).await;
-    let admin = admin_channel(&admin_conn).await;
-    let topology = topology("crash");
-    topology.declare(&admin).await.expect("declare");
-    for _copy in 0..2 {
-        for i in 0..N {
-            publish(
-                &admin,
-                &topology.queue,
-                &format!("msg-{i}"),
-                &format!("{{\"i\":{i}}}"),
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                payload.as_bytes(),
+                props,
             )
-            .await;
-        }
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        assert!(confirm.is_ack(), "the broker refused a test message");
     }
-    let shared = SharedStore::for_test();
-    let files = ChildFiles::new();
 
-    // Process A works QUICK messages, then its handlers hang holding their keys.
-    let mut a = spawn_child(&files, &shared, &url, &topology.queue, "A", QUICK);
-    wait_until(
-        Duration::from_secs(60),
-        "A does its quick work and hangs on a full set of handlers",
-        || {
-            let (starts, effects) = (files.starts(), files.effects());
-            async move {
-                // All of A's handler slots hold hung handlers, so no quick one is between
-                // its side effect and storing its result.
-                ChildFiles::lines(&effects).len() == QUICK as usize
-                    && ChildFiles::lines(&starts).len() >= (QUICK as usize + CHILD_CONCURRENCY)
-            }
-        },
-    )
-    .await;
-    // SIGKILL, as `kill -9`: no cleanup, no acks, no releases.
-    a.0.kill().expect("kill -9 the consumer process");
-    a.0.wait().expect("reap it");
-    let hung: BTreeSet<String> = ChildFiles::lines(&files.starts())
-        .into_iter()
-        .skip(QUICK as usize)
-        .map(|l| l[0].clone())
-        .collect();
-    assert_eq!(hung.len(), CHILD_CONCURRENCY, "{hung:?}");
+    /// Messages ready in `queue` (not counting deliveries held unacked by consumers).
+    async fn ready(channel: &Channel, queue: &str) -> u32 {
+        channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default().passive(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("passive declare")
+            .message_count()
+    }
 
-    // Process B handles everything else, and A's hung messages once their leases expire.
-    let mut b = spawn_child(&files, &shared, &url, &topology.queue, "B", u32::MAX);
-    wait_until(
-        Duration::from_secs(90),
-        "every message has its effect",
-        || {
-            let effects = files.effects();
-            async move {
-                let keys: BTreeSet<String> = ChildFiles::lines(&effects)
-                    .into_iter()
-                    .map(|l| l[0].clone())
-                    .collect();
-                keys.len() == N as usize
-            }
-        },
-    )
-    .await;
-    wait_for_empty_queues(&admin, &topology, Duration::from_secs(60)).await;
-    std::fs::write(files.stop("B"), b"").expect("stop B");
-    let status = {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = b.0.try_wait().expect("B's status") {
-                break status;
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "B did not shut down: {}",
-                    std::fs::read_to_string(files.dir.join("stderr-B")).unwrap_or_default()
-                );
-            }
+    /// Polls `check` every 50 ms until it holds; panics with `what` after `limit`.
+    async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = Instant::now() + limit;
+        while !check().await {
+            assert!(Instant::now() < deadline, "timed out waiting until {what}");
             sleep(Duration::from_millis(50)).await;
         }
-    };
-    assert!(
-        status.success(),
-        "B failed: {}",
-        std::fs::read_to_string(files.dir.join("stderr-B")).unwrap_or_default()
-    );
-    let summary = std::fs::read_to_string(files.summary("B")).expect("B's summary");
-    let requeued: u64 = summary
-        .split(' ')
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .expect("requeued count");
-    assert!(
-        requeued > 0,
-        "B found A's keys held and requeued their messages until the leases expired"
-    );
-
-    // Anything B requeued at its shutdown is a duplicate of finished work: drain it here,
-    // over the same store, and check that no handler runs.
-    let conn = Arc::new(connect(&url).await);
-    let consumer = Consumer::new(
-        Idem::from_arc(shared.store()),
-        Scope::new("crash-test").unwrap(),
-    );
-    let reruns = Arc::new(AtomicU32::new(0));
-    let (stop, task) = {
-        let reruns = reruns.clone();
-        spawn_worker(
-            Worker::new(consumer, topology.clone()),
-            conn,
-            move |_, _| {
-                reruns.fetch_add(1, Ordering::SeqCst);
-                Box::pin(async { Ok(0) })
-            },
-        )
-    };
-    wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
-    let _ = stop.send(());
-    let drained = task.await.expect("no panic").expect("worker ran");
-    assert_eq!(
-        reruns.load(Ordering::SeqCst),
-        0,
-        "no finished work ran again"
-    );
-    assert_eq!(drained.requeued, 0, "{drained:?}");
-
-    let effects = ChildFiles::lines(&files.effects());
-    let mut per_key: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-    for line in &effects {
-        per_key
-            .entry(line[0].clone())
-            .or_default()
-            .push((line[1].clone(), line[2].clone()));
     }
-    assert_eq!(per_key.len(), N as usize, "no message lost");
-    for (key, done) in &per_key {
-        assert_eq!(
-            done.len(),
-            1,
-            "{key} had its effect {} times: {done:?}",
-            done.len()
-        );
-        if hung.contains(key) {
-            assert_eq!(
-                done[0],
-                ("2".to_string(), "B".to_string()),
-                "{key}: B took over A's key as attempt 2"
-            );
+
+    /// Waits until the main and retry queues have had no ready message for 500 ms.
+    async fn wait_for_empty_queues(channel: &Channel, topology: &Topology, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut empty_since: Option<Instant> = None;
+        loop {
+            let empty = ready(channel, &topology.queue).await == 0
+                && ready(channel, &topology.retry_queue).await == 0;
+            match (empty, empty_since) {
+                (true, Some(since)) if since.elapsed() >= Duration::from_millis(500) => return,
+                (true, None) => empty_since = Some(Instant::now()),
+                (true, Some(_)) => {}
+                (false, _) => empty_since = None,
+            }
+            assert!(Instant::now() < deadline, "the queues did not drain");
+            sleep(Duration::from_millis(50)).await;
         }
     }
-    assert_eq!(ready(&admin, &topology.dead_letter_queue).await, 0);
-    topology.delete(&admin).await.expect("delete queues");
+
+    /// Runs `worker` in a task until the returned sender is used (or dropped).
+    fn spawn_worker<F>(
+        worker: Worker,
+        conn: Arc<Connection>,
+        handler: F,
+    ) -> (
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<Summary, idem_consumer::rabbitmq::Error>>,
+    )
+    where
+        F: Fn(
+                idem_consumer::Message,
+                idem_consumer::Context,
+            ) -> std::pin::Pin<
+                Box<dyn std::future::Future<Output = Result<u32, Failure<String>>> + Send>,
+            > + Send
+            + Sync
+            + 'static,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            worker
+                .run(&conn, handler, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        (stop, task)
+    }
+
+    type Effects = Arc<Mutex<BTreeMap<String, u32>>>;
+
+    /// N business messages, each published three times, consumed by three workers on their own
+    /// connections; one worker's connection is closed while it holds deliveries whose work is
+    /// done but not acked, so the broker redelivers them. The side effect happens exactly N
+    /// times.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicates_and_redeliveries_have_their_effect_exactly_once() {
+        let Some(url) = amqp_url() else { return };
+        const N: u32 = 40;
+        let admin_conn = connect(&url).await;
+        let admin = admin_channel(&admin_conn).await;
+        let topology = topology("exactly-once");
+        topology.declare(&admin).await.expect("declare");
+        for copy in 0..3 {
+            for i in 0..N {
+                // The third round publishes in reverse, so copies meet each other mid-flight.
+                let i = if copy == 2 { N - 1 - i } else { i };
+                let payload = format!(r#"{{"order": {i}, "amount": {}}}"#, 100 + i);
+                publish(&admin, &topology.queue, &format!("order-{i}"), &payload).await;
+            }
+        }
+
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let policy = Policy {
+            max_in_flight_delay: Duration::from_millis(200),
+            ..Policy::default()
+        };
+        let config = Config {
+            lease: Duration::from_secs(5),
+            ..Config::default()
+        };
+        let consumer = Consumer::new(
+            Idem::from_arc(store).with_config(config),
+            Scope::new("exactly-once-test").unwrap(),
+        )
+        .with_policy(policy);
+        let effects: Effects = Arc::default();
+        let handler = |effects: Effects, work: Duration, starts: Arc<AtomicU32>| {
+            move |message: idem_consumer::Message, ctx: idem_consumer::Context| {
+                let effects = effects.clone();
+                let starts = starts.clone();
+                Box::pin(async move {
+                    starts.fetch_add(1, Ordering::SeqCst);
+                    sleep(work).await;
+                    let order: serde_json::Value = serde_json::from_slice(message.payload())
+                        .map_err(|e| Failure::Terminal(format!("bad payload: {e}")))?;
+                    *effects
+                        .lock()
+                        .unwrap()
+                        .entry(ctx.key().to_string())
+                        .or_insert(0) += 1;
+                    Ok(order["order"].as_u64().unwrap_or(0) as u32)
+                }) as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
+            }
+        };
+
+        let mut running = Vec::new();
+        for _ in 0..2 {
+            let conn = Arc::new(connect(&url).await);
+            let worker = Worker::new(consumer.clone(), topology.clone())
+                .with_prefetch(8)
+                .with_concurrency(3);
+            let starts = Arc::new(AtomicU32::new(0));
+            running.push(spawn_worker(
+                worker,
+                conn,
+                handler(effects.clone(), Duration::from_millis(10), starts),
+            ));
+        }
+        // The doomed worker: slow handlers, so that some are mid-work when its connection
+        // closes; their work completes and is stored, but their acks cannot be sent.
+        let doomed_conn = Arc::new(connect(&url).await);
+        let doomed_starts = Arc::new(AtomicU32::new(0));
+        let (_doomed_stop, doomed) = spawn_worker(
+            Worker::new(consumer.clone(), topology.clone())
+                .with_prefetch(8)
+                .with_concurrency(4),
+            doomed_conn.clone(),
+            handler(
+                effects.clone(),
+                Duration::from_millis(400),
+                doomed_starts.clone(),
+            ),
+        );
+        wait_until(Duration::from_secs(30), "the doomed worker runs", || {
+            let starts = doomed_starts.clone();
+            async move { starts.load(Ordering::SeqCst) >= 3 }
+        })
+        .await;
+        doomed_conn
+            .close(320, "test: connection lost".into())
+            .await
+            .expect("close the doomed connection");
+        let doomed_summary = match timeout(Duration::from_secs(30), doomed)
+            .await
+            .expect("the doomed worker stops")
+            .expect("no panic")
+        {
+            Ok(summary) | Err(idem_consumer::rabbitmq::Error::ConsumerFailed { summary, .. }) => {
+                summary
+            }
+            Err(e) => panic!("the doomed worker failed to start: {e}"),
+        };
+
+        wait_until(
+            Duration::from_secs(60),
+            "every order has its effect",
+            || {
+                let effects = effects.clone();
+                async move { effects.lock().unwrap().len() == N as usize }
+            },
+        )
+        .await;
+        wait_for_empty_queues(&admin, &topology, Duration::from_secs(60)).await;
+        let mut summaries = Vec::new();
+        for (stop, task) in running {
+            let _ = stop.send(());
+            summaries.push(
+                timeout(Duration::from_secs(30), task)
+                    .await
+                    .expect("clean shutdown")
+                    .expect("no panic")
+                    .expect("worker ran"),
+            );
+        }
+        // Held requeues are nacked back at shutdown: a last worker drains them, all duplicates.
+        let drain_conn = Arc::new(connect(&url).await);
+        let (stop, task) = spawn_worker(
+            Worker::new(consumer.clone(), topology.clone()),
+            drain_conn,
+            handler(effects.clone(), Duration::ZERO, Arc::new(AtomicU32::new(0))),
+        );
+        wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
+        let _ = stop.send(());
+        summaries.push(task.await.expect("no panic").expect("worker ran"));
+
+        let effects = effects.lock().unwrap().clone();
+        assert_eq!(effects.len(), N as usize, "every order was handled");
+        for (key, count) in &effects {
+            assert_eq!(*count, 1, "{key} had its effect {count} times");
+        }
+        let acked: u64 = summaries.iter().map(|s| s.acked).sum();
+        assert!(
+            acked + doomed_summary.acked >= u64::from(3 * N),
+            "{summaries:?}"
+        );
+        assert!(
+            doomed_summary.unsettled > 0,
+            "the doomed worker held done-but-unacked deliveries: {doomed_summary:?}"
+        );
+        assert_eq!(ready(&admin, &topology.dead_letter_queue).await, 0);
+        topology.delete(&admin).await.expect("delete queues");
+    }
+
+    /// A handler that fails transiently succeeds in the end, once; one that always fails is
+    /// dead-lettered after the policy's attempts, and one that fails for good at once, never
+    /// acked silently.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
+        let Some(url) = amqp_url() else { return };
+        let admin_conn = connect(&url).await;
+        let admin = admin_channel(&admin_conn).await;
+        let topology = topology("retries");
+        topology.declare(&admin).await.expect("declare");
+        let flaky: Vec<String> = (0..5).map(|i| format!("flaky-{i}")).collect();
+        let broken: Vec<String> = (0..3).map(|i| format!("broken-{i}")).collect();
+        for key in flaky.iter().chain(&broken) {
+            publish(&admin, &topology.queue, key, "{}").await;
+        }
+        publish(&admin, &topology.queue, "declined", "{}").await;
+
+        let policy = Policy {
+            max_attempts: 3,
+            retry_delay: Duration::from_millis(100),
+            max_retry_delay: Duration::from_millis(400),
+            ..Policy::default()
+        };
+        let consumer = Consumer::new(
+            Idem::new(MemoryStore::new()),
+            Scope::new("retry-test").unwrap(),
+        )
+        .with_policy(policy);
+        let runs: Arc<Mutex<BTreeMap<String, Vec<u32>>>> = Arc::default();
+        let effects: Effects = Arc::default();
+        let conn = Arc::new(connect(&url).await);
+        let (stop, task) = {
+            let (runs, effects) = (runs.clone(), effects.clone());
+            spawn_worker(
+                Worker::new(consumer, topology.clone()).with_concurrency(2),
+                conn,
+                move |_message, ctx| {
+                    let (runs, effects) = (runs.clone(), effects.clone());
+                    Box::pin(async move {
+                        let key = ctx.key().to_string();
+                        runs.lock()
+                            .unwrap()
+                            .entry(key.clone())
+                            .or_default()
+                            .push(ctx.attempt());
+                        if key == "declined" {
+                            return Err(Failure::Terminal("card declined".to_string()));
+                        }
+                        if key.starts_with("broken") || ctx.attempt() < 3 {
+                            return Err(Failure::Retryable(format!(
+                                "gateway timeout on attempt {}",
+                                ctx.attempt()
+                            )));
+                        }
+                        *effects.lock().unwrap().entry(key).or_insert(0) += 1;
+                        Ok(ctx.attempt())
+                    })
+                },
+            )
+        };
+        wait_until(Duration::from_secs(60), "4 dead letters", || {
+            let admin = &admin;
+            let dlq = topology.dead_letter_queue.clone();
+            async move { ready(admin, &dlq).await == 4 }
+        })
+        .await;
+        wait_until(Duration::from_secs(60), "the flaky ones succeed", || {
+            let effects = effects.clone();
+            async move { effects.lock().unwrap().len() == 5 }
+        })
+        .await;
+        wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
+        let _ = stop.send(());
+        let summary = task.await.expect("no panic").expect("worker ran");
+
+        let runs = runs.lock().unwrap().clone();
+        for key in &flaky {
+            assert_eq!(runs[key], vec![1, 2, 3], "{key}");
+            assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
+        }
+        for key in &broken {
+            assert_eq!(
+                runs[key],
+                vec![1, 2, 3],
+                "{key} ran exactly max_attempts times"
+            );
+            assert!(!effects.lock().unwrap().contains_key(key));
+        }
+        assert_eq!(
+            runs["declined"],
+            vec![1],
+            "a terminal failure is not retried"
+        );
+        assert_eq!(summary.acked, 5, "{summary:?}");
+        assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
+        assert_eq!(summary.dead_lettered, 4, "{summary:?}");
+
+        // Each dead letter says why, and how many attempts it had.
+        let mut dead = BTreeMap::new();
+        while let Some(got) = admin
+            .basic_get(
+                topology.dead_letter_queue.as_str().into(),
+                BasicGetOptions::default(),
+            )
+            .await
+            .expect("basic.get")
+        {
+            let headers = got.delivery.properties.headers().clone().expect("headers");
+            let text = |name: &str| match headers.inner().get(name) {
+                Some(AMQPValue::LongString(s)) => {
+                    String::from_utf8_lossy(s.as_bytes()).into_owned()
+                }
+                other => panic!("{name}: {other:?}"),
+            };
+            let attempt = match headers.inner().get(ATTEMPT_HEADER) {
+                Some(AMQPValue::LongLongInt(n)) => *n,
+                other => panic!("attempt header: {other:?}"),
+            };
+            dead.insert(
+                text(IDEMPOTENCY_KEY_HEADER),
+                (text(DEAD_LETTER_REASON_HEADER), attempt),
+            );
+            got.delivery
+                .acker
+                .ack(BasicAckOptions::default())
+                .await
+                .expect("ack");
+        }
+        assert_eq!(dead.len(), 4, "{dead:?}");
+        for key in &broken {
+            let (reason, attempt) = &dead[key];
+            assert!(reason.starts_with("attempts exhausted"), "{reason}");
+            assert_eq!(*attempt, 3);
+        }
+        assert_eq!(dead["declined"].0, "terminal failure: card declined");
+        topology.delete(&admin).await.expect("delete queues");
+    }
+
+    /// Shutdown stops consuming, lets the handlers in progress finish and acks their
+    /// deliveries, and hands the deliveries not started back to the queue.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_finishes_the_work_in_progress_and_returns_the_rest() {
+        let Some(url) = amqp_url() else { return };
+        const N: usize = 12;
+        let admin_conn = connect(&url).await;
+        let admin = admin_channel(&admin_conn).await;
+        let topology = topology("shutdown");
+        topology.declare(&admin).await.expect("declare");
+        for i in 0..N {
+            publish(&admin, &topology.queue, &format!("job-{i}"), "{}").await;
+        }
+        let consumer = Consumer::new(
+            Idem::new(MemoryStore::new()),
+            Scope::new("shutdown-test").unwrap(),
+        );
+        let started = Arc::new(AtomicU32::new(0));
+        let finished: Effects = Arc::default();
+        let conn = Arc::new(connect(&url).await);
+        let (stop, task) = {
+            let (started, finished) = (started.clone(), finished.clone());
+            spawn_worker(
+                Worker::new(consumer, topology.clone())
+                    .with_prefetch(6)
+                    .with_concurrency(2),
+                conn,
+                move |_message, ctx| {
+                    let (started, finished) = (started.clone(), finished.clone());
+                    Box::pin(async move {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        sleep(Duration::from_millis(500)).await;
+                        finished.lock().unwrap().insert(ctx.key().to_string(), 1);
+                        Ok(0)
+                    })
+                },
+            )
+        };
+        wait_until(Duration::from_secs(30), "two handlers run", || {
+            let started = started.clone();
+            async move { started.load(Ordering::SeqCst) >= 2 }
+        })
+        .await;
+        let _ = stop.send(());
+        let summary = timeout(Duration::from_secs(30), task)
+            .await
+            .expect("shutdown completes")
+            .expect("no panic")
+            .expect("worker ran");
+        let finished = finished.lock().unwrap().len();
+        assert_eq!(
+            finished,
+            started.load(Ordering::SeqCst) as usize,
+            "every handler started ran to its end"
+        );
+        assert_eq!(summary.acked as usize, finished, "{summary:?}");
+        // Deliveries prefetched but not started went back to the queue when the channel closed.
+        wait_until(
+            Duration::from_secs(10),
+            "the rest is back in the queue",
+            || {
+                let (admin, queue) = (&admin, topology.queue.clone());
+                async move { ready(admin, &queue).await as usize == N - finished }
+            },
+        )
+        .await;
+        topology.delete(&admin).await.expect("delete queues");
+    }
+
+    // --- The crash test -----------------------------------------------------------------------
+
+    /// The store consumer processes share. To switch to Redis once `idem-redis` is on main, add
+    /// a variant built from `IDEM_TEST_REDIS_URL` and a unique key prefix, and return it from
+    /// [`SharedStore::for_test`].
+    enum SharedStore {
+        File(FileStore),
+    }
+
+    impl SharedStore {
+        fn for_test() -> Self {
+            Self::File(FileStore::temporary().expect("a temporary directory"))
+        }
+
+        /// How a child process opens the same store.
+        fn descriptor(&self) -> String {
+            match self {
+                Self::File(store) => format!("file:{}", store.dir().display()),
+            }
+        }
+
+        fn open(descriptor: &str) -> Arc<dyn Store> {
+            match descriptor.split_once(':') {
+                Some(("file", dir)) => Arc::new(FileStore::open(dir).expect("open the file store")),
+                _ => panic!("unknown store descriptor {descriptor:?}"),
+            }
+        }
+
+        fn store(&self) -> Arc<dyn Store> {
+            match self {
+                Self::File(store) => Arc::new(store.clone()),
+            }
+        }
+    }
+
+    const CHILD_ENV: &str = "IDEM_CONSUMER_CHILD";
+    /// The child's lease: a killed child's keys are taken over this long after its last
+    /// heartbeat.
+    const CHILD_LEASE: Duration = Duration::from_secs(3);
+    const CHILD_CONCURRENCY: usize = 4;
+
+    /// Where a child consumer process reads its settings and writes what it does.
+    struct ChildFiles {
+        dir: PathBuf,
+        /// Whether dropping this removes the directory (the test's own, not a child's view).
+        owner: bool,
+    }
+
+    impl ChildFiles {
+        fn new() -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("idem-consumer-crash-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir_all(&dir).expect("temporary directory");
+            Self { dir, owner: true }
+        }
+        /// One line per handler start: `<key> <attempt> <process>`.
+        fn starts(&self) -> PathBuf {
+            self.dir.join("starts")
+        }
+        /// One line per side effect: `<key> <attempt> <process>`.
+        fn effects(&self) -> PathBuf {
+            self.dir.join("effects")
+        }
+        fn stop(&self, name: &str) -> PathBuf {
+            self.dir.join(format!("stop-{name}"))
+        }
+        fn summary(&self, name: &str) -> PathBuf {
+            self.dir.join(format!("summary-{name}"))
+        }
+        fn lines(path: &Path) -> Vec<Vec<String>> {
+            std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.split(' ').map(str::to_owned).collect())
+                .collect()
+        }
+    }
+
+    impl Drop for ChildFiles {
+        fn drop(&mut self) {
+            if self.owner {
+                let _ = std::fs::remove_dir_all(&self.dir);
+            }
+        }
+    }
+
+    fn append(path: &Path, line: &str) {
+        // One `write` on a file opened for appending: lines from concurrent writers, in this
+        // process or another, do not interleave.
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .expect("open for append");
+        file.write_all(format!("{line}\n").as_bytes())
+            .expect("append");
+    }
+
+    /// A child process, killed when dropped, so a failing test leaves no consumer behind.
+    struct ChildProcess(Child);
+
+    impl Drop for ChildProcess {
+        fn drop(&mut self) {
+            if let Ok(None) = self.0.try_wait() {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+    }
+
+    /// Starts this test binary as a consumer process named `name`; after `hang_after` handler
+    /// starts, its handlers hang (holding their keys) instead of working.
+    fn spawn_child(
+        files: &ChildFiles,
+        store: &SharedStore,
+        url: &str,
+        queue: &str,
+        name: &str,
+        hang_after: u32,
+    ) -> ChildProcess {
+        let child = Command::new(std::env::current_exe().expect("the test binary"))
+            .args([
+                "rabbitmq::child_consumer_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, "1")
+            .env("IDEM_TEST_AMQP_URL", url)
+            .env("IDEM_CHILD_QUEUE", queue)
+            .env("IDEM_CHILD_STORE", store.descriptor())
+            .env("IDEM_CHILD_DIR", &files.dir)
+            .env("IDEM_CHILD_NAME", name)
+            .env("IDEM_CHILD_HANG_AFTER", hang_after.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::File::create(files.dir.join(format!("stderr-{name}")))
+                    .expect("stderr file"),
+            )
+            .spawn()
+            .expect("spawn the consumer process");
+        ChildProcess(child)
+    }
+
+    /// The consumer process of [`a_killed_consumer_process_loses_nothing`]; does nothing unless
+    /// that test spawned it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "the consumer process of the crash test; runs only when that test spawns it"]
+    async fn child_consumer_process() {
+        if std::env::var(CHILD_ENV).is_err() {
+            eprintln!("child_consumer_process runs only as the crash test's child process");
+            return;
+        }
+        let env = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is set"));
+        let url = env("IDEM_TEST_AMQP_URL");
+        let files = ChildFiles {
+            dir: PathBuf::from(env("IDEM_CHILD_DIR")),
+            owner: false,
+        };
+        let name = env("IDEM_CHILD_NAME");
+        let hang_after: u32 = env("IDEM_CHILD_HANG_AFTER").parse().expect("a number");
+        let store = SharedStore::open(&env("IDEM_CHILD_STORE"));
+
+        let config = Config {
+            lease: CHILD_LEASE,
+            ..Config::default()
+        };
+        let policy = Policy {
+            max_in_flight_delay: Duration::from_millis(300),
+            ..Policy::default()
+        };
+        let consumer = Consumer::new(
+            Idem::from_arc(store).with_config(config),
+            Scope::new("crash-test").unwrap(),
+        )
+        .with_policy(policy);
+        let conn = connect(&url).await;
+        let starts = Arc::new(AtomicU32::new(0));
+        let (starts_file, effects_file) = (files.starts(), files.effects());
+        let handler_name = name.clone();
+        let handler = move |_message: idem_consumer::Message, ctx: idem_consumer::Context| {
+            let (starts, starts_file, effects_file, name) = (
+                starts.clone(),
+                starts_file.clone(),
+                effects_file.clone(),
+                handler_name.clone(),
+            );
+            async move {
+                let n = starts.fetch_add(1, Ordering::SeqCst) + 1;
+                let line = format!("{} {} {name}", ctx.key(), ctx.attempt());
+                append(&starts_file, &line);
+                if n > hang_after {
+                    // Stuck while holding the key (its lease is extended in the background),
+                    // until the process is killed.
+                    sleep(Duration::from_secs(3600)).await;
+                }
+                sleep(Duration::from_millis(30)).await;
+                append(&effects_file, &line);
+                Ok::<_, Failure<String>>(n)
+            }
+        };
+        let stop_file = files.stop(&name);
+        let summary = Worker::new(consumer, Topology::for_queue(env("IDEM_CHILD_QUEUE")))
+            .with_prefetch(8)
+            .with_concurrency(CHILD_CONCURRENCY)
+            .run(&conn, handler, async move {
+                // Stop when told to, or when the test is gone (it removes the directory).
+                while !stop_file.exists() && stop_file.parent().is_some_and(Path::exists) {
+                    sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await
+            .expect("the worker runs");
+        std::fs::write(
+            files.summary(&name),
+            format!("{} {}", summary.acked, summary.requeued),
+        )
+        .expect("write the summary");
+    }
+
+    /// Kill a consumer process (SIGKILL) while it holds messages whose keys it holds: the broker
+    /// redelivers them, another process finds the keys held and requeues them until the dead
+    /// process's leases expire, then takes them over; every message is handled exactly once and
+    /// none is lost.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_consumer_process_loses_nothing() {
+        let Some(url) = amqp_url() else { return };
+        const N: u32 = 20;
+        const QUICK: u32 = 6;
+        let admin_conn = connect(&url).await;
+        let admin = admin_channel(&admin_conn).await;
+        let topology = topology("crash");
+        topology.declare(&admin).await.expect("declare");
+        for _copy in 0..2 {
+            for i in 0..N {
+                publish(
+                    &admin,
+                    &topology.queue,
+                    &format!("msg-{i}"),
+                    &format!("{{\"i\":{i}}}"),
+                )
+                .await;
+            }
+        }
+        let shared = SharedStore::for_test();
+        let files = ChildFiles::new();
+
+        // Process A works QUICK messages, then its handlers hang holding their keys.
+        let mut a = spawn_child(&files, &shared, &url, &topology.queue, "A", QUICK);
+        wait_until(
+            Duration::from_secs(60),
+            "A does its quick work and hangs on a full set of handlers",
+            || {
+                let (starts, effects) = (files.starts(), files.effects());
+                async move {
+                    // All of A's handler slots hold hung handlers, so no quick one is between
+                    // its side effect and storing its result.
+                    ChildFiles::lines(&effects).len() == QUICK as usize
+                        && ChildFiles::lines(&starts).len() >= (QUICK as usize + CHILD_CONCURRENCY)
+                }
+            },
+        )
+        .await;
+        // SIGKILL, as `kill -9`: no cleanup, no acks, no releases.
+        a.0.kill().expect("kill -9 the consumer process");
+        a.0.wait().expect("reap it");
+        let hung: BTreeSet<String> = ChildFiles::lines(&files.starts())
+            .into_iter()
+            .skip(QUICK as usize)
+            .map(|l| l[0].clone())
+            .collect();
+        assert_eq!(hung.len(), CHILD_CONCURRENCY, "{hung:?}");
+
+        // Process B handles everything else, and A's hung messages once their leases expire.
+        let mut b = spawn_child(&files, &shared, &url, &topology.queue, "B", u32::MAX);
+        wait_until(
+            Duration::from_secs(90),
+            "every message has its effect",
+            || {
+                let effects = files.effects();
+                async move {
+                    let keys: BTreeSet<String> = ChildFiles::lines(&effects)
+                        .into_iter()
+                        .map(|l| l[0].clone())
+                        .collect();
+                    keys.len() == N as usize
+                }
+            },
+        )
+        .await;
+        wait_for_empty_queues(&admin, &topology, Duration::from_secs(60)).await;
+        std::fs::write(files.stop("B"), b"").expect("stop B");
+        let status = {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Some(status) = b.0.try_wait().expect("B's status") {
+                    break status;
+                }
+                if Instant::now() > deadline {
+                    panic!(
+                        "B did not shut down: {}",
+                        std::fs::read_to_string(files.dir.join("stderr-B")).unwrap_or_default()
+                    );
+                }
+                sleep(Duration::from_millis(50)).await;
+            }
+        };
+        assert!(
+            status.success(),
+            "B failed: {}",
+            std::fs::read_to_string(files.dir.join("stderr-B")).unwrap_or_default()
+        );
+        let summary = std::fs::read_to_string(files.summary("B")).expect("B's summary");
+        let requeued: u64 = summary
+            .split(' ')
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .expect("requeued count");
+        assert!(
+            requeued > 0,
+            "B found A's keys held and requeued their messages until the leases expired"
+        );
+
+        // Anything B requeued at its shutdown is a duplicate of finished work: drain it here,
+        // over the same store, and check that no handler runs.
+        let conn = Arc::new(connect(&url).await);
+        let consumer = Consumer::new(
+            Idem::from_arc(shared.store()),
+            Scope::new("crash-test").unwrap(),
+        );
+        let reruns = Arc::new(AtomicU32::new(0));
+        let (stop, task) = {
+            let reruns = reruns.clone();
+            spawn_worker(
+                Worker::new(consumer, topology.clone()),
+                conn,
+                move |_, _| {
+                    reruns.fetch_add(1, Ordering::SeqCst);
+                    Box::pin(async { Ok(0) })
+                },
+            )
+        };
+        wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
+        let _ = stop.send(());
+        let drained = task.await.expect("no panic").expect("worker ran");
+        assert_eq!(
+            reruns.load(Ordering::SeqCst),
+            0,
+            "no finished work ran again"
+        );
+        assert_eq!(drained.requeued, 0, "{drained:?}");
+
+        let effects = ChildFiles::lines(&files.effects());
+        let mut per_key: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+        for line in &effects {
+            per_key
+                .entry(line[0].clone())
+                .or_default()
+                .push((line[1].clone(), line[2].clone()));
+        }
+        assert_eq!(per_key.len(), N as usize, "no message lost");
+        for (key, done) in &per_key {
+            assert_eq!(
+                done.len(),
+                1,
+                "{key} had its effect {} times: {done:?}",
+                done.len()
+            );
+            if hung.contains(key) {
+                assert_eq!(
+                    done[0],
+                    ("2".to_string(), "B".to_string()),
+                    "{key}: B took over A's key as attempt 2"
+                );
+            }
+        }
+        assert_eq!(ready(&admin, &topology.dead_letter_queue).await, 0);
+        topology.delete(&admin).await.expect("delete queues");
+    }
 }
