@@ -1,0 +1,28 @@
+#!lua
+--[[
+release: end a lease and forget its record, so that the next begin is attempt 1 again.
+
+KEYS[1]  the record's key
+ARGV[1]  the lease's fencing token, 16 bytes
+
+Returns 1 when the record was deleted, 0 when the lease no longer holds it (absent,
+completed, or held by another token): then nothing was changed.
+Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
+]]
+local key = KEYS[1]
+local head = redis.call('GETRANGE', key, 0, 60)
+if head == '' then
+  return 0
+end
+local tag = string.sub(head, 1, 1)
+if tag == 'c' or tag == 'z' or tag == 'h' then
+  return 0
+end
+if tag ~= 'p' or string.len(head) ~= 61 then
+  return redis.error_reply('IDEM_CORRUPT not a record')
+end
+if string.sub(head, 38, 53) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', key)
+return 1
