@@ -19,6 +19,9 @@ Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is w
 
 Deadlines are read from the server's clock (TIME), never from the caller's. Everything is
 read and checked before the only write (a SET), so an error never leaves half a change.
+
+The shebang has no flags: Redis counts the script as a writer and refuses it with OOM,
+before it runs, when the server is out of memory.
 ]]
 local key = KEYS[1]
 local fingerprint, token = ARGV[1], ARGV[2]

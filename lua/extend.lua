@@ -1,4 +1,4 @@
-#!lua
+#!lua flags=allow-oom
 --[[
 extend: move a lease's deadline to `by` from now (a heartbeat), if the lease still holds
 the record.
@@ -14,6 +14,9 @@ Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is w
 The record's expiry moves forward by as much as the deadline moved forward, so the margin
 kept after the deadline stays what begin set; it never moves back. The deadline is read
 from the server's clock (TIME). All checks come before the first write.
+
+`allow-oom`: an extend rewrites 8 bytes in place and moves an expiry, growing nothing,
+so heartbeats keep leases alive even when the server is out of memory.
 ]]
 local key = KEYS[1]
 local by = tonumber(ARGV[2])

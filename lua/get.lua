@@ -8,6 +8,8 @@ KEYS[1]  the record's key
 Returns {} when the record is absent (or expired), else {record, pttl_ms, now_ms}: the
 stored value, its time to live and the server's clock in Unix milliseconds (so the caller
 can tell how much of an in-progress lease is left).
+
+`no-writes`: Redis refuses any write the script might try, and runs it under OOM.
 ]]
 local record = redis.call('GET', KEYS[1])
 if not record then

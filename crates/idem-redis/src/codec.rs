@@ -22,8 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    decode_meta, encode_meta, Completion, Error, FencingToken, Fingerprint, RecordId,
-    RecordState,
+    decode_meta, encode_meta, Completion, Error, FencingToken, Fingerprint, RecordId, RecordState,
 };
 
 use crate::config::{BodyLimit, OversizeBody};

@@ -35,7 +35,7 @@ pub struct RedisConfig {
     /// Default: 4 s.
     pub call_timeout: Duration,
     /// How big a stored body may be, and what happens to bigger ones.
-    /// Default: [`BodyLimit::default`] (64 KiB, compressed above it).
+    /// Default: [`BodyLimit::default`] (1 MiB, compressed above it).
     pub body: BodyLimit,
     /// What to do when the server may evict keys. Default: [`EvictionCheck::Warn`].
     pub eviction: EvictionCheck,
@@ -63,7 +63,7 @@ impl Default for RedisConfig {
 /// The limit is on the body only; status and headers are always kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BodyLimit {
-    /// Bodies up to this many bytes are stored as they are. Default: 64 KiB.
+    /// Bodies up to this many bytes are stored as they are. Default: 1 MiB.
     pub max_bytes: usize,
     /// What happens to a body over `max_bytes`. Default: [`OversizeBody::Compress`].
     pub oversize: OversizeBody,
@@ -72,7 +72,7 @@ pub struct BodyLimit {
 impl Default for BodyLimit {
     fn default() -> Self {
         Self {
-            max_bytes: 64 * 1024,
+            max_bytes: 1024 * 1024,
             oversize: OversizeBody::Compress,
         }
     }

@@ -210,7 +210,9 @@ fn cluster_nodes(rest: &str) -> Result<Vec<String>, Error> {
     };
     let rest = rest.strip_suffix('/').unwrap_or(rest);
     if rest.contains(['/', '?', '#']) {
-        return Err(invalid("a path or query is not supported (Redis Cluster has database 0 only)"));
+        return Err(invalid(
+            "a path or query is not supported (Redis Cluster has database 0 only)",
+        ));
     }
     let (auth, hosts) = match rest.rsplit_once('@') {
         Some((auth, hosts)) => (format!("{auth}@"), hosts),
@@ -220,7 +222,9 @@ fn cluster_nodes(rest: &str) -> Result<Vec<String>, Error> {
         .split(',')
         .map(str::trim)
         .map(|node| {
-            let (host, port) = node.rsplit_once(':').ok_or_else(|| invalid("a node has no port"))?;
+            let (host, port) = node
+                .rsplit_once(':')
+                .ok_or_else(|| invalid("a node has no port"))?;
             if host.is_empty() || port.parse::<u16>().is_err() {
                 return Err(invalid("a node is not host:port"));
             }
@@ -248,12 +252,12 @@ mod tests {
             cluster_nodes("127.0.0.1:7000,127.0.0.1:7001/").unwrap(),
             ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]
         );
-        assert_eq!(
-            cluster_nodes("u:p@h:1").unwrap(),
-            ["redis://u:p@h:1"]
-        );
+        assert_eq!(cluster_nodes("u:p@h:1").unwrap(), ["redis://u:p@h:1"]);
         for bad in ["", "h", "h:x", ":1", "h:1/2", "h:1?a=b"] {
-            assert!(matches!(cluster_nodes(bad), Err(Error::Invalid(_))), "{bad}");
+            assert!(
+                matches!(cluster_nodes(bad), Err(Error::Invalid(_))),
+                "{bad}"
+            );
         }
         let Err(Error::Invalid(message)) = cluster_nodes("u:secret@h") else {
             panic!("accepted a node with no port")

@@ -11,6 +11,8 @@ mod error;
 mod key;
 mod scripts;
 mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 pub use error::{EvictionPolicyError, ReplicationError};

@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::{
-    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Store,
-};
+use idem_core::{Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Store};
 use redis::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -24,6 +22,32 @@ use crate::STORE;
 /// Durations sent to Redis are capped at 2^40 ms (about 34 years), far below what would
 /// overflow its expiry arithmetic or the Lua number type.
 const MAX_MS: u64 = 1 << 40;
+
+/// Runs one store call, bounded by [`RedisConfig::call_timeout`]: `$body` with a connection
+/// in `$conn`. When the connection fails under it (refused, dropped, reset), `$body` runs
+/// once more on a fresh connection with `$resent` set: the first send may or may not have
+/// reached the server, and every script answers a re-sent call as if only one had run (see
+/// their contracts). This is also what makes the first call after a server restart succeed,
+/// where the connection manager would hand back the error of its last failed reconnect.
+macro_rules! call {
+    ($store:expr, |$conn:ident, $resent:ident| $body:expr) => {
+        $store
+            .bounded(async {
+                let mut $resent = false;
+                loop {
+                    let result = match $store.ready().await {
+                        Ok($conn) => $body,
+                        Err(e) => Err(e),
+                    };
+                    match result {
+                        Err(e) if !$resent && connection_failed(&e) => $resent = true,
+                        other => break other,
+                    }
+                }
+            })
+            .await
+    };
+}
 
 /// The idempotency [`Store`] on Redis 7: one Lua script per transition, one round trip per
 /// call, lease deadlines by the server's clock.
@@ -84,7 +108,7 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Sets [`RedisConfig::body`]. Default: 64 KiB, compressed above it.
+    /// Sets [`RedisConfig::body`]. Default: 1 MiB, compressed above it.
     pub fn with_body_limit(mut self, max_bytes: usize, oversize: OversizeBody) -> Self {
         self.config.body = BodyLimit {
             max_bytes,
@@ -130,7 +154,9 @@ impl RedisStoreBuilder {
     /// evicts and [`EvictionCheck::Refuse`] is set.
     pub async fn connect(self) -> Result<RedisStore, Error> {
         let store = self.connect_lazy()?;
-        store.bounded(async { store.ready().await.map(drop) }).await?;
+        store
+            .bounded(async { store.ready().await.map(drop) })
+            .await?;
         Ok(store)
     }
 
@@ -227,16 +253,13 @@ impl RedisStore {
             Ok(result) => result,
             Err(_) => Err(Error::unavailable(
                 STORE,
-                format!(
-                    "no answer within {:?}",
-                    self.inner.config.call_timeout
-                ),
+                format!("no answer within {:?}", self.inner.config.call_timeout),
             )),
         }
     }
 
     /// Waits for replicas after a write when durability is on; `Ok(None)` when enough
-    /// acknowledged (or durability is off), `Ok(Some(acked))` when too few did.
+    /// acknowledged (or durability is off), `Ok(Some((acked, wanted)))` when too few did.
     async fn replicate(&self, conn: &mut Conn, key: &str) -> Result<Option<(u32, u32)>, Error> {
         let Some(d) = self.inner.config.durability.filter(|d| d.replicas > 0) else {
             return Ok(None);
@@ -245,12 +268,15 @@ impl RedisStore {
         Ok((acked < d.replicas).then_some((acked, d.replicas)))
     }
 
-    async fn begin_inner(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+    async fn begin_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        req: &BeginRequest<'_>,
+    ) -> Result<Begin, Error> {
         let sent_at = Instant::now();
-        let key = self.record_key(req.id);
-        let mut conn = self.ready().await?;
         let reply: Value = scripts::BEGIN
-            .key(&key)
+            .key(key)
             .arg(req.fingerprint.as_bytes().as_slice())
             .arg(req.token.as_bytes().as_slice())
             .arg(millis(req.lease).max(1))
@@ -262,13 +288,15 @@ impl RedisStore {
         let items = as_array(&reply).ok_or_else(bad)?;
         let begin = match (int_at(items, 0), items.len()) {
             (Some(1), 3) => {
-                let attempt = int_at(items, 1).and_then(|a| u32::try_from(a).ok()).ok_or_else(bad)?;
+                let attempt = int_at(items, 1)
+                    .and_then(|a| u32::try_from(a).ok())
+                    .ok_or_else(bad)?;
                 let remaining = codec::millis(int_at(items, 2).ok_or_else(bad)?);
                 let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
-                if let Some((acked, wanted)) = self.replicate(&mut conn, &key).await? {
+                if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
                     // The lease may not survive a failover: give it back rather than let the
                     // work run on it. A failed release leaves it to expire.
-                    let _ = self.release_inner(&lease).await;
+                    let _ = self.release_once(conn, key, &lease, false).await;
                     return Err(Error::unavailable(
                         STORE,
                         ReplicationError {
@@ -302,22 +330,23 @@ impl RedisStore {
         Ok(begin)
     }
 
-    async fn complete_inner(
+    async fn complete_once(
         &self,
+        mut conn: Conn,
+        key: &str,
         lease: &Lease,
-        completion: &Completion,
+        encoded: &codec::EncodedCompletion,
         retention: Duration,
+        resent: bool,
     ) -> Result<(), Error> {
-        let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
-        let key = self.record_key(lease.id());
-        let mut conn = self.ready().await?;
         let reply: Value = scripts::COMPLETE
-            .key(&key)
+            .key(key)
             .arg(lease.token().as_bytes().as_slice())
             .arg(encoded.tag)
             .arg(encoded.meta.as_slice())
             .arg(encoded.body.as_ref())
             .arg(millis(retention).max(1))
+            .arg(if resent { "1" } else { "0" })
             .invoke_async(&mut conn)
             .await
             .map_err(classify)?;
@@ -326,7 +355,7 @@ impl RedisStore {
             Value::Int(0) => return Err(Error::LeaseLost),
             other => return Err(unexpected("complete", &other)),
         }
-        if let Some((acked, wanted)) = self.replicate(&mut conn, &key).await? {
+        if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
             return Err(Error::unavailable(
                 STORE,
                 ReplicationError {
@@ -340,12 +369,17 @@ impl RedisStore {
         Ok(())
     }
 
-    async fn release_inner(&self, lease: &Lease) -> Result<(), Error> {
-        let key = self.record_key(lease.id());
-        let mut conn = self.ready().await?;
+    async fn release_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        lease: &Lease,
+        resent: bool,
+    ) -> Result<(), Error> {
         let reply: Value = scripts::RELEASE
-            .key(&key)
+            .key(key)
             .arg(lease.token().as_bytes().as_slice())
+            .arg(if resent { "1" } else { "0" })
             .invoke_async(&mut conn)
             .await
             .map_err(classify)?;
@@ -356,13 +390,17 @@ impl RedisStore {
         }
     }
 
-    async fn extend_inner(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+    async fn extend_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        lease: &Lease,
+        by: Duration,
+    ) -> Result<Lease, Error> {
         let sent_at = Instant::now();
-        let key = self.record_key(lease.id());
-        let mut conn = self.ready().await?;
         let by_ms = millis(by);
         let reply: Value = scripts::EXTEND
-            .key(&key)
+            .key(key)
             .arg(lease.token().as_bytes().as_slice())
             .arg(by_ms)
             .invoke_async(&mut conn)
@@ -373,7 +411,9 @@ impl RedisStore {
         match (int_at(items, 0), items.len()) {
             (Some(0), 1) => Err(Error::LeaseLost),
             (Some(1), 3) => {
-                let attempt = int_at(items, 1).and_then(|a| u32::try_from(a).ok()).ok_or_else(bad)?;
+                let attempt = int_at(items, 1)
+                    .and_then(|a| u32::try_from(a).ok())
+                    .ok_or_else(bad)?;
                 Ok(Lease::new(
                     lease.id().clone(),
                     lease.token(),
@@ -386,11 +426,14 @@ impl RedisStore {
         }
     }
 
-    async fn get_inner(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        let key = self.record_key(id);
-        let mut conn = self.ready().await?;
+    async fn get_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        id: &RecordId,
+    ) -> Result<Option<Record>, Error> {
         let reply: Value = scripts::GET
-            .key(&key)
+            .key(key)
             .invoke_async(&mut conn)
             .await
             .map_err(classify)?;
@@ -404,17 +447,26 @@ impl RedisStore {
         let now = int_at(items, 2).ok_or_else(bad)?;
         codec::decode_record(id, record, pttl, now).map(Some)
     }
+}
 
-    async fn evict_inner(&self, id: &RecordId) -> Result<bool, Error> {
-        let key = self.record_key(id);
-        let mut conn = self.ready().await?;
-        let deleted: i64 = redis::cmd("DEL")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .map_err(classify)?;
-        Ok(deleted > 0)
-    }
+async fn evict_once(mut conn: Conn, key: &str) -> Result<bool, Error> {
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .map_err(classify)?;
+    Ok(deleted > 0)
+}
+
+/// Whether an error means the connection failed under a call (as opposed to Redis
+/// answering with an error, or a timeout, after which the call may still be running).
+fn connection_failed(error: &Error) -> bool {
+    let Error::Unavailable { source, .. } = error else {
+        return false;
+    };
+    source
+        .downcast_ref::<redis::RedisError>()
+        .is_some_and(|e| e.is_connection_dropped() || e.is_connection_refusal())
 }
 
 /// Reads the servers' `maxmemory-policy` and warns or refuses per `check`.
@@ -486,7 +538,11 @@ impl Store for RedisStore {
     }
 
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        self.bounded(self.begin_inner(req)).await
+        let key = self.record_key(req.id);
+        // A re-sent begin carries the same token, so it gets its own lease back.
+        call!(self, |conn, _resent| self
+            .begin_once(conn, &key, &req)
+            .await)
     }
 
     async fn complete(
@@ -495,23 +551,36 @@ impl Store for RedisStore {
         completion: &Completion,
         retention: Duration,
     ) -> Result<(), Error> {
-        self.bounded(self.complete_inner(lease, completion, retention))
-            .await
+        let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
+        let key = self.record_key(lease.id());
+        call!(self, |conn, resent| {
+            self.complete_once(conn, &key, lease, &encoded, retention, resent)
+                .await
+        })
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        self.bounded(self.release_inner(lease)).await
+        let key = self.record_key(lease.id());
+        call!(self, |conn, resent| self
+            .release_once(conn, &key, lease, resent)
+            .await)
     }
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
-        self.bounded(self.extend_inner(lease, by)).await
+        let key = self.record_key(lease.id());
+        // Extending twice to the same `by` from now is what one extend does.
+        call!(self, |conn, _resent| self
+            .extend_once(conn, &key, lease, by)
+            .await)
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.bounded(self.get_inner(id)).await
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| self.get_once(conn, &key, id).await)
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        self.bounded(self.evict_inner(id)).await
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| evict_once(conn, &key).await)
     }
 }
