@@ -32,7 +32,7 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local record = redis.call('GET', key)
 if not record then
   redis.call('SET', key,
-    'p' .. fingerprint .. struct.pack('>I4', 1) .. token .. struct.pack('>I8', now + lease),
+    'p' .. fingerprint .. struct.pack('>I4', 1) .. token .. struct.pack('>I6', now + lease),
     'PX', lease + retention)
   return {1, 1, lease}
 end
@@ -50,12 +50,12 @@ end
 if tag ~= 'p' then
   return {2, redis.call('PTTL', key), record}
 end
-if string.len(record) ~= 61 then
+if string.len(record) ~= 59 then
   return redis.error_reply('IDEM_CORRUPT in-progress record of ' .. string.len(record) .. ' bytes')
 end
 
 local attempt = struct.unpack('>I4', record, 34)
-local deadline = struct.unpack('>I8', record, 54)
+local deadline = struct.unpack('>I6', record, 54)
 if string.sub(record, 38, 53) == token then
   -- The same attempt asking again (its reply was lost): hand its own lease back.
   return {1, attempt, math.max(0, deadline - now)}
@@ -68,6 +68,6 @@ if attempt < 4294967295 then
   attempt = attempt + 1
 end
 redis.call('SET', key,
-  'p' .. fingerprint .. struct.pack('>I4', attempt) .. token .. struct.pack('>I8', now + lease),
+  'p' .. fingerprint .. struct.pack('>I4', attempt) .. token .. struct.pack('>I6', now + lease),
   'PX', lease + retention)
 return {1, attempt, lease}

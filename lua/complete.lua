@@ -17,13 +17,13 @@ the first send did it and only its reply was lost.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
 The fingerprint and attempt are carried over from the in-progress record. Only its first
-61 bytes are read. All checks come before the only write.
+59 bytes are read. All checks come before the only write.
 
 The shebang has no flags: Redis counts the script as a writer and refuses it with OOM,
 before it runs, when the server is out of memory.
 ]]
 local key = KEYS[1]
-local head = redis.call('GETRANGE', key, 0, 60)
+local head = redis.call('GETRANGE', key, 0, 58)
 if head == '' then
   return 0
 end
@@ -37,7 +37,7 @@ if tag == 'c' or tag == 'z' or tag == 'h' then
   end
   return 0
 end
-if tag ~= 'p' or string.len(head) ~= 61 then
+if tag ~= 'p' or string.len(head) ~= 59 then
   return redis.error_reply('IDEM_CORRUPT not a record')
 end
 if string.sub(head, 38, 53) ~= ARGV[1] then

@@ -15,12 +15,12 @@ The record's expiry moves forward by as much as the deadline moved forward, so t
 kept after the deadline stays what begin set; it never moves back. The deadline is read
 from the server's clock (TIME). All checks come before the first write.
 
-`allow-oom`: an extend rewrites 8 bytes in place and moves an expiry, growing nothing,
+`allow-oom`: an extend rewrites 6 bytes in place and moves an expiry, growing nothing,
 so heartbeats keep leases alive even when the server is out of memory.
 ]]
 local key = KEYS[1]
 local by = tonumber(ARGV[2])
-local head = redis.call('GETRANGE', key, 0, 60)
+local head = redis.call('GETRANGE', key, 0, 58)
 if head == '' then
   return {0}
 end
@@ -28,7 +28,7 @@ local tag = string.sub(head, 1, 1)
 if tag == 'c' or tag == 'z' or tag == 'h' then
   return {0}
 end
-if tag ~= 'p' or string.len(head) ~= 61 then
+if tag ~= 'p' or string.len(head) ~= 59 then
   return redis.error_reply('IDEM_CORRUPT not a record')
 end
 if string.sub(head, 38, 53) ~= ARGV[1] then
@@ -37,12 +37,12 @@ end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local attempt = struct.unpack('>I4', head, 34)
-local deadline = struct.unpack('>I8', head, 54)
+local deadline = struct.unpack('>I6', head, 54)
 local ttl = redis.call('PTTL', key)
 local new_deadline = now + by
 local moved = math.max(0, new_deadline - deadline)
 
-redis.call('SETRANGE', key, 53, struct.pack('>I8', new_deadline))
+redis.call('SETRANGE', key, 53, struct.pack('>I6', new_deadline))
 if ttl >= 0 and moved > 0 then
   redis.call('PEXPIRE', key, ttl + moved)
 end

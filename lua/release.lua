@@ -16,7 +16,7 @@ Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is w
 memory (a full server must still let workers give their keys back).
 ]]
 local key = KEYS[1]
-local head = redis.call('GETRANGE', key, 0, 60)
+local head = redis.call('GETRANGE', key, 0, 58)
 if head == '' then
   if ARGV[2] == '1' then
     return 1
@@ -27,7 +27,7 @@ local tag = string.sub(head, 1, 1)
 if tag == 'c' or tag == 'z' or tag == 'h' then
   return 0
 end
-if tag ~= 'p' or string.len(head) ~= 61 then
+if tag ~= 'p' or string.len(head) ~= 59 then
   return redis.error_reply('IDEM_CORRUPT not a record')
 end
 if string.sub(head, 38, 53) ~= ARGV[1] then

@@ -6,12 +6,12 @@
 //! the measured figures). Integers are big-endian.
 //!
 //! ```text
-//! in progress (61 bytes)            completed (41 bytes + metadata + body)
+//! in progress (59 bytes)            completed (41 bytes + metadata + body)
 //! [0]      'p'                      [0]       'c' raw body | 'z' LZ4 body | 'h' body dropped
 //! [1..33)  fingerprint              [1..33)   fingerprint
 //! [33..37) attempt, u32             [33..37)  attempt, u32
 //! [37..53) fencing token            [37..41)  metadata length n, u32
-//! [53..61) lease deadline, u64 ms   [41..41+n) metadata (idem_core::encode_meta)
+//! [53..59) lease deadline, u48 ms   [41..41+n) metadata (idem_core::encode_meta)
 //!          (server clock, Unix)     [41+n..)  body ('z': u32 original length, LZ4 block)
 //! ```
 //!
@@ -29,7 +29,7 @@ use crate::config::{BodyLimit, OversizeBody};
 use crate::STORE;
 
 /// Length of an in-progress record.
-pub(crate) const IN_PROGRESS_LEN: usize = 61;
+pub(crate) const IN_PROGRESS_LEN: usize = 59;
 /// Length of a completed record's fixed head (tag, fingerprint, attempt, metadata length).
 const COMPLETED_HEAD_LEN: usize = 41;
 /// LZ4 cannot expand data by more than about 255 to 1; a stored length above that is corrupt,
@@ -159,8 +159,9 @@ pub(crate) fn decode_record(
             }
             let token = FencingToken::from_slice(&record[37..53])
                 .ok_or_else(|| Error::corrupt(STORE, "bad token"))?;
+            // A 48-bit deadline, widened to 64 bits.
             let mut deadline = [0; 8];
-            deadline.copy_from_slice(&record[53..61]);
+            deadline[2..].copy_from_slice(&record[53..59]);
             let deadline = i64::try_from(u64::from_be_bytes(deadline)).unwrap_or(i64::MAX);
             RecordState::InProgress {
                 token,

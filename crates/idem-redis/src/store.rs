@@ -63,7 +63,7 @@ macro_rules! call {
 /// // One server (a ConnectionManager that reconnects by itself)...
 /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// // ...or Redis Cluster, from any of its nodes.
-/// let cluster = RedisStore::connect("redis+cluster://10.0.0.1:7000,10.0.0.2:7000").await?;
+/// let cluster = RedisStore::connect("redis+cluster://127.0.0.1:7000,127.0.0.1:7001").await?;
 /// let idem = Idem::new(store);
 /// # let _ = (idem, cluster); Ok(()) }
 /// ```
@@ -144,8 +144,8 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects, loads nothing yet (scripts load on first use) and checks the server's
-    /// `maxmemory-policy` per [`RedisConfig::eviction`].
+    /// Connects and checks the server's `maxmemory-policy` per [`RedisConfig::eviction`].
+    /// Scripts are loaded on first use.
     ///
     /// # Errors
     ///
@@ -155,7 +155,14 @@ impl RedisStoreBuilder {
     pub async fn connect(self) -> Result<RedisStore, Error> {
         let store = self.connect_lazy()?;
         store
-            .bounded(async { store.ready().await.map(drop) })
+            .bounded(async {
+                let mut conn = store.ready().await?;
+                // The eviction check may be off: make sure the server answers.
+                redis::cmd("PING")
+                    .query_async::<()>(&mut conn)
+                    .await
+                    .map_err(classify)
+            })
             .await?;
         Ok(store)
     }

@@ -54,12 +54,9 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .expect("raw connection")
 }
 
-fn unavailable_source<T: std::fmt::Debug, S: std::error::Error + 'static>(
+fn unavailable_source<T: std::fmt::Debug, S: std::error::Error + Clone + 'static>(
     result: Result<T, Error>,
-) -> S
-where
-    S: Clone,
-{
+) -> S {
     match result {
         Err(Error::Unavailable { source, .. }) => source
             .downcast_ref::<S>()
@@ -90,6 +87,19 @@ async fn completed_record_memory() {
             Key::new(format!("{:016x}", rand_u64())).unwrap(),
         );
         let lease = acquire(&store, &id).await;
+        if len == 0 {
+            let in_progress: i64 = redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(store.record_key(&id))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            println!("in progress: {in_progress} bytes");
+            assert!(
+                in_progress <= 160,
+                "an in-progress record costs {in_progress} bytes"
+            );
+        }
         let body = Bytes::from(vec![b'x'; len]);
         store
             .complete(
