@@ -8,6 +8,7 @@
 //! processes (the binaries on `PATH`) on free loopback ports and stop them afterwards.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use idem_core::Store;
 use idem_redis::testing::{self, RedisServer};
@@ -18,8 +19,14 @@ fn prefix() -> String {
     format!("idem-test-{}:", uuid::Uuid::new_v4().simple())
 }
 
+/// A store builder with a prefix of its own and patient timeouts: tests run in parallel
+/// on two shared cores, where thousands of queued calls can wait longer than the default
+/// 2 s response timeout. The unreachable cases keep the defaults.
 fn builder(url: &str) -> RedisStoreBuilder {
-    RedisStore::builder(url).with_prefix(prefix())
+    RedisStore::builder(url)
+        .with_prefix(prefix())
+        .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
+        .with_call_timeout(Duration::from_secs(15))
 }
 
 /// Whether tests that start their own `redis-server` can run; panics when backends are
@@ -45,7 +52,8 @@ fn throwaway(args: &[&str]) -> Option<RedisServer> {
 /// A store pointed at a port nothing listens on.
 async fn closed_port_store(url: String) -> Arc<dyn Store> {
     Arc::new(
-        builder(&url)
+        RedisStore::builder(url)
+            .with_prefix(prefix())
             .connect_lazy()
             .expect("a lazy store builds without a server"),
     )

@@ -6,7 +6,36 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use idem_core::Error;
+use redis::{ErrorKind, Script, ScriptInvocation, ServerErrorKind, Value};
+
+use crate::connection::Conn;
+use crate::error::classify;
+
+/// How many times a script is sent again when the server's script cache is flushed between
+/// redis-rs's reload and its second `EVALSHA`.
+const RELOADS: usize = 3;
+
+/// Runs a script: `EVALSHA`, and on `NOSCRIPT` a `SCRIPT LOAD` and `EVALSHA` again
+/// (redis-rs's invocation); if the cache was emptied once more in between (a `SCRIPT FLUSH`
+/// or a failover racing the reload), the whole invocation is repeated a few times.
+pub(crate) async fn invoke(
+    invocation: &ScriptInvocation<'_>,
+    conn: &mut Conn,
+) -> Result<Value, Error> {
+    let mut reloads = 0;
+    loop {
+        match invocation.invoke_async(conn).await {
+            Err(e)
+                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+                    && reloads < RELOADS =>
+            {
+                reloads += 1;
+            }
+            result => return result.map_err(classify),
+        }
+    }
+}
 
 /// `lua/begin.lua`.
 pub(crate) static BEGIN: LazyLock<Script> =

@@ -282,15 +282,16 @@ impl RedisStore {
         req: &BeginRequest<'_>,
     ) -> Result<Begin, Error> {
         let sent_at = Instant::now();
-        let reply: Value = scripts::BEGIN
-            .key(key)
-            .arg(req.fingerprint.as_bytes().as_slice())
-            .arg(req.token.as_bytes().as_slice())
-            .arg(millis(req.lease).max(1))
-            .arg(millis(req.retention))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(classify)?;
+        let reply = scripts::invoke(
+            scripts::BEGIN
+                .key(key)
+                .arg(req.fingerprint.as_bytes().as_slice())
+                .arg(req.token.as_bytes().as_slice())
+                .arg(millis(req.lease).max(1))
+                .arg(millis(req.retention)),
+            &mut conn,
+        )
+        .await?;
         let bad = || unexpected("begin", &reply);
         let items = as_array(&reply).ok_or_else(bad)?;
         let begin = match (int_at(items, 0), items.len()) {
@@ -346,17 +347,18 @@ impl RedisStore {
         retention: Duration,
         resent: bool,
     ) -> Result<(), Error> {
-        let reply: Value = scripts::COMPLETE
-            .key(key)
-            .arg(lease.token().as_bytes().as_slice())
-            .arg(encoded.tag)
-            .arg(encoded.meta.as_slice())
-            .arg(encoded.body.as_ref())
-            .arg(millis(retention).max(1))
-            .arg(if resent { "1" } else { "0" })
-            .invoke_async(&mut conn)
-            .await
-            .map_err(classify)?;
+        let reply = scripts::invoke(
+            scripts::COMPLETE
+                .key(key)
+                .arg(lease.token().as_bytes().as_slice())
+                .arg(encoded.tag)
+                .arg(encoded.meta.as_slice())
+                .arg(encoded.body.as_ref())
+                .arg(millis(retention).max(1))
+                .arg(if resent { "1" } else { "0" }),
+            &mut conn,
+        )
+        .await?;
         match reply {
             Value::Int(1) => {}
             Value::Int(0) => return Err(Error::LeaseLost),
@@ -383,13 +385,14 @@ impl RedisStore {
         lease: &Lease,
         resent: bool,
     ) -> Result<(), Error> {
-        let reply: Value = scripts::RELEASE
-            .key(key)
-            .arg(lease.token().as_bytes().as_slice())
-            .arg(if resent { "1" } else { "0" })
-            .invoke_async(&mut conn)
-            .await
-            .map_err(classify)?;
+        let reply = scripts::invoke(
+            scripts::RELEASE
+                .key(key)
+                .arg(lease.token().as_bytes().as_slice())
+                .arg(if resent { "1" } else { "0" }),
+            &mut conn,
+        )
+        .await?;
         match reply {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(Error::LeaseLost),
@@ -406,13 +409,14 @@ impl RedisStore {
     ) -> Result<Lease, Error> {
         let sent_at = Instant::now();
         let by_ms = millis(by);
-        let reply: Value = scripts::EXTEND
-            .key(key)
-            .arg(lease.token().as_bytes().as_slice())
-            .arg(by_ms)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(classify)?;
+        let reply = scripts::invoke(
+            scripts::EXTEND
+                .key(key)
+                .arg(lease.token().as_bytes().as_slice())
+                .arg(by_ms),
+            &mut conn,
+        )
+        .await?;
         let bad = || unexpected("extend", &reply);
         let items = as_array(&reply).ok_or_else(bad)?;
         match (int_at(items, 0), items.len()) {
@@ -439,11 +443,7 @@ impl RedisStore {
         key: &str,
         id: &RecordId,
     ) -> Result<Option<Record>, Error> {
-        let reply: Value = scripts::GET
-            .key(key)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(classify)?;
+        let reply = scripts::invoke(&scripts::GET.key(key), &mut conn).await?;
         let bad = || unexpected("get", &reply);
         let items = as_array(&reply).ok_or_else(bad)?;
         if items.is_empty() {
