@@ -27,8 +27,10 @@ pub struct RedisConfig {
     /// The longest Redis may take to answer one command. Must be longer than the
     /// [`Durability::timeout`], since `WAIT` is a command too. Default: 2 s.
     pub response_timeout: Duration,
-    /// How many times a failed connection is retried, with a short exponential backoff,
-    /// before a call gives up with [`idem_core::Error::Unavailable`]. Default: 2.
+    /// How many times a failed connection to one server is retried, with a short exponential
+    /// backoff, before a call gives up with [`idem_core::Error::Unavailable`]. (A cluster
+    /// connection follows redirections and retries with redis-rs's defaults, within
+    /// `call_timeout`.) Default: 2.
     pub reconnect_retries: usize,
     /// The longest one store call may take in all (connecting, retries, the script reload
     /// after `NOSCRIPT`, `WAIT`) before it gives [`idem_core::Error::Unavailable`].

@@ -56,9 +56,9 @@ impl Connection {
             let client = ClusterClientBuilder::new(nodes)
                 .connection_timeout(config.connect_timeout)
                 .response_timeout(config.response_timeout)
-                .retries(u32::try_from(config.reconnect_retries).unwrap_or(u32::MAX))
-                .min_retry_wait(10)
-                .max_retry_wait(500)
+                // Redirections, reconnections and retries (redis-rs's defaults) all fit in
+                // one call's time; `call_timeout` bounds the call as a whole anyway.
+                .overall_response_timeout(Some(config.call_timeout))
                 .build()
                 .map_err(invalid)?;
             return Ok(Self::Cluster(Arc::new(ClusterHandle {

@@ -25,7 +25,9 @@ pub fn binaries_available() -> bool {
     })
 }
 
-/// Stops the server when the test process (`WATCH_PID`) is gone, or on `SIGTERM`.
+/// Runs `redis-server "$@"` and stops it on `SIGTERM` (from [`RedisServer::stop`]) or when
+/// the test process (`WATCH_PID`) is gone; in the second case nothing will drop the
+/// server, so the watchdog also removes its directory (`SERVER_DIR`).
 const WATCHDOG: &str = r#"
 redis-server "$@" &
 srv=$!
@@ -33,6 +35,7 @@ trap 'kill $srv 2>/dev/null; wait $srv; exit 0' TERM INT
 while kill -0 "$WATCH_PID" 2>/dev/null && kill -0 "$srv" 2>/dev/null; do sleep 0.2; done
 kill "$srv" 2>/dev/null
 wait "$srv"
+kill -0 "$WATCH_PID" 2>/dev/null || rm -rf "$SERVER_DIR"
 "#;
 
 static SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -139,12 +142,14 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> io::Result<()> {
+        std::fs::create_dir_all(&self.dir)?;
         let child = Command::new("sh")
             .arg("-c")
             .arg(WATCHDOG)
             .arg("sh")
             .args(&self.args)
             .env("WATCH_PID", std::process::id().to_string())
+            .env("SERVER_DIR", &self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
