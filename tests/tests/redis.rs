@@ -80,6 +80,12 @@ mod redis {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable);
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
+
     pub(crate) mod specific;
 }
 
@@ -122,6 +128,12 @@ mod redis_cluster {
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
 
     mod specific;
 }

@@ -159,6 +159,98 @@ impl Conn {
     }
 }
 
+/// A server to send a command to: the one server, or a cluster primary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Node {
+    Only,
+    Primary { host: String, port: u16 },
+}
+
+impl Conn {
+    /// The servers holding records: the one server, or every cluster primary (from
+    /// `CLUSTER SLOTS`).
+    pub(crate) async fn primaries(&mut self) -> Result<Vec<Node>, Error> {
+        let Self::Cluster(cluster) = self else {
+            return Ok(vec![Node::Only]);
+        };
+        let mut slots = redis::cmd("CLUSTER");
+        slots.arg("SLOTS");
+        let reply = cluster
+            .route_command(
+                slots,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+            )
+            .await
+            .map_err(classify)?;
+        let mut nodes = Vec::new();
+        let Value::Array(ranges) = &reply else {
+            return Err(crate::error::unexpected("CLUSTER SLOTS", &reply));
+        };
+        for range in ranges {
+            // [start, end, [host, port, id, ...], replicas...]
+            let primary = match range {
+                Value::Array(parts) => parts.get(2),
+                _ => None,
+            };
+            let node = match primary {
+                Some(Value::Array(addr)) => match (addr.first(), addr.get(1)) {
+                    (Some(Value::BulkString(host)), Some(Value::Int(port))) => {
+                        Some(Node::Primary {
+                            host: String::from_utf8_lossy(host).into_owned(),
+                            port: u16::try_from(*port).unwrap_or(0),
+                        })
+                    }
+                    _ => None,
+                },
+                _ => None,
+            };
+            let node = node.ok_or_else(|| crate::error::unexpected("CLUSTER SLOTS", &reply))?;
+            if !nodes.contains(&node) {
+                nodes.push(node);
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// Sends `cmd` to `node`.
+    pub(crate) async fn on_node(&mut self, node: &Node, cmd: Cmd) -> Result<Value, Error> {
+        match (self, node) {
+            (Self::Cluster(cluster), Node::Primary { host, port }) => cluster
+                .route_command(cmd, by_address(host, *port))
+                .await
+                .map_err(classify),
+            (this, _) => cmd.query_async(this).await.map_err(classify),
+        }
+    }
+
+    /// Sends a pipeline of `count` commands to `node`, in one round trip.
+    pub(crate) async fn pipeline_on_node(
+        &mut self,
+        node: &Node,
+        pipe: redis::Pipeline,
+        count: usize,
+    ) -> Result<Vec<Value>, Error> {
+        match (self, node) {
+            (Self::Cluster(cluster), Node::Primary { host, port }) => cluster
+                .route_pipeline(pipe, 0, count, by_address_single(host, *port))
+                .await
+                .map_err(classify),
+            (this, _) => pipe.query_async(this).await.map_err(classify),
+        }
+    }
+}
+
+fn by_address_single(host: &str, port: u16) -> SingleNodeRoutingInfo {
+    SingleNodeRoutingInfo::ByAddress {
+        host: host.to_owned(),
+        port,
+    }
+}
+
+fn by_address(host: &str, port: u16) -> RoutingInfo {
+    RoutingInfo::SingleNode(by_address_single(host, port))
+}
+
 /// Gathers the text of an `INFO` reply, which a cluster answers with a map of node to text.
 fn collect_text(value: Value, out: &mut Vec<String>) {
     match value {

@@ -115,7 +115,8 @@
 //! | `extend.lua` | move the deadline of the record held by the token, and its expiry by as much | `#!lua flags=allow-oom`: rewrites 6 bytes in place |
 //! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
 //!
-//! `evict` is a plain `DEL`. Deadlines are computed in the scripts from `TIME` (the
+//! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
+//! prefix (and scope) and reads each record's first 59 bytes, a pipelined page at a time. Deadlines are computed in the scripts from `TIME` (the
 //! server's clock, milliseconds), expiries set with `PX` / `PEXPIRE`: no application
 //! instance's clock is ever used. In a cluster each record lives on one primary, whose clock
 //! decides; a failover to a replica with a skewed clock shifts live deadlines by the skew.
@@ -170,6 +171,7 @@ mod connection;
 mod error;
 mod key;
 mod scripts;
+mod stats;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::{Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Store};
+use idem_core::{
+    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Scope, Stats, Store,
+};
 use redis::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -589,5 +591,18 @@ impl Store for RedisStore {
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
         let key = self.record_key(id);
         call!(self, |conn, _resent| evict_once(conn, &key).await)
+    }
+
+    /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
+    /// reads each record's head, a page of keys per round trip. Not a snapshot: records
+    /// changing meanwhile may be counted in either state. Bounded by
+    /// [`RedisConfig::call_timeout`] like every call, so on a large keyspace pass a longer
+    /// one to the store used for it.
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        let prefix = &self.inner.config.prefix;
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            crate::stats::stats(&mut conn, prefix, scope, stuck_after).await
+        })
     }
 }
