@@ -104,7 +104,8 @@
 //! (`KEYS` / `ARGV` / Returns; all shown in [`lua`]), embedded with `include_str!`, loaded
 //! once per process as a [`redis::Script`] and called with
 //! `script.key(..).arg(..).invoke_async(..)`: `EVALSHA`, and on `NOSCRIPT` (a restart, a
-//! failover, `SCRIPT FLUSH`) a reload and a second try. Every script touches only
+//! failover, `SCRIPT FLUSH`) a reload and a second try (repeated a few times should the
+//! cache be emptied again in between). Every script touches only
 //! `KEYS[1]`, and reads and checks everything before its first write.
 //!
 //! | script | does | shebang |
@@ -116,10 +117,12 @@
 //! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
 //!
 //! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
-//! prefix (and scope) and reads each record's first 59 bytes, a pipelined page at a time. Deadlines are computed in the scripts from `TIME` (the
-//! server's clock, milliseconds), expiries set with `PX` / `PEXPIRE`: no application
-//! instance's clock is ever used. In a cluster each record lives on one primary, whose clock
-//! decides; a failover to a replica with a skewed clock shifts live deadlines by the skew.
+//! prefix (and scope) and reads each record's first 59 bytes, a pipelined page at a time.
+//!
+//! Deadlines are computed in the scripts from `TIME` (the server's clock, milliseconds),
+//! expiries set with `PX` / `PEXPIRE`: no application instance's clock is ever used. In a
+//! cluster each record lives on one primary, whose clock decides; a failover to a replica
+//! with a skewed clock shifts live deadlines by the skew.
 //!
 //! ## Errors
 //!
