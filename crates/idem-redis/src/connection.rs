@@ -1,0 +1,359 @@
+//! Connections: a `ConnectionManager` for one server, a cluster connection for Redis Cluster,
+//! chosen by the URL.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::Error;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
+use redis::{Cmd, RedisFuture, Value};
+use tokio::sync::OnceCell;
+
+use crate::config::RedisConfig;
+use crate::error::classify;
+
+/// The URL scheme that selects Redis Cluster.
+pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
+
+/// Where the store's connections go. Cheap to clone.
+#[derive(Clone)]
+pub(crate) enum Connection {
+    Standalone(ConnectionManager),
+    Cluster(Arc<ClusterHandle>),
+}
+
+/// A cluster client and its connection, made on first use (so a store can be built while
+/// the cluster is down). Once made, the connection refreshes its slot map and reconnects
+/// to nodes by itself.
+pub(crate) struct ClusterHandle {
+    client: ClusterClient,
+    nodes: usize,
+    connection: OnceCell<ClusterConnection>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Standalone(_) => f.write_str("Standalone"),
+            Self::Cluster(handle) => write!(f, "Cluster({} seed nodes)", handle.nodes),
+        }
+    }
+}
+
+impl Connection {
+    /// Builds the connection for `url` without connecting. Must run inside a Tokio runtime.
+    pub(crate) fn open(url: &str, config: &RedisConfig) -> Result<Self, Error> {
+        let invalid = |e: redis::RedisError| Error::Invalid(format!("redis url: {e}"));
+        if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
+            let nodes = cluster_nodes(rest)?;
+            let count = nodes.len();
+            let client = ClusterClientBuilder::new(nodes)
+                .connection_timeout(config.connect_timeout)
+                .response_timeout(config.response_timeout)
+                // Redirections, reconnections and retries (redis-rs's defaults) all fit in
+                // one call's time; `call_timeout` bounds the call as a whole anyway.
+                .overall_response_timeout(Some(config.call_timeout))
+                .build()
+                .map_err(invalid)?;
+            return Ok(Self::Cluster(Arc::new(ClusterHandle {
+                client,
+                nodes: count,
+                connection: OnceCell::new(),
+            })));
+        }
+        let client = redis::Client::open(url).map_err(invalid)?;
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.response_timeout))
+            .set_number_of_retries(config.reconnect_retries)
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(Duration::from_millis(500));
+        ConnectionManager::new_lazy_with_config(client, manager)
+            .map(Self::Standalone)
+            .map_err(invalid)
+    }
+
+    /// A handle to send commands on, connecting first if needed.
+    pub(crate) async fn get(&self) -> Result<Conn, Error> {
+        match self {
+            Self::Standalone(manager) => Ok(Conn::Standalone(manager.clone())),
+            Self::Cluster(handle) => handle
+                .connection
+                .get_or_try_init(|| handle.client.get_async_connection())
+                .await
+                .cloned()
+                .map(Conn::Cluster)
+                .map_err(classify),
+        }
+    }
+}
+
+/// One handle on the store's connection, for the length of a call.
+pub(crate) enum Conn {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// `WAIT replicas timeout` on the connection that wrote `key`: the multiplexed
+    /// connection of a standalone store, or in a cluster the connection to the primary of
+    /// `key`'s slot. Returns how many replicas acknowledged.
+    pub(crate) async fn wait(
+        &mut self,
+        key: &str,
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<u32, Error> {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas)
+            .arg(u64::try_from(timeout.as_millis().max(1)).unwrap_or(u64::MAX));
+        let reply = match self {
+            Self::Standalone(manager) => wait.query_async::<Value>(manager).await,
+            Self::Cluster(cluster) => {
+                let route = Route::new(crate::key::slot(key.as_bytes()), SlotAddr::Master);
+                cluster
+                    .route_command(
+                        wait,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
+                    .await
+            }
+        }
+        .map_err(classify)?;
+        match reply {
+            Value::Int(n) => Ok(u32::try_from(n).unwrap_or(0)),
+            other => Err(crate::error::unexpected("WAIT", &other)),
+        }
+    }
+
+    /// The `maxmemory_policy` line of `INFO memory` of every primary (one for a standalone
+    /// server). An empty list when the server does not report it.
+    pub(crate) async fn eviction_policies(&mut self) -> Result<Vec<String>, redis::RedisError> {
+        let mut info = redis::cmd("INFO");
+        info.arg("memory");
+        let reply = match self {
+            Self::Standalone(manager) => info.query_async::<Value>(manager).await?,
+            Self::Cluster(cluster) => {
+                cluster
+                    .route_command(
+                        info,
+                        RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
+                    )
+                    .await?
+            }
+        };
+        let mut texts = Vec::new();
+        collect_text(reply, &mut texts);
+        Ok(texts
+            .iter()
+            .flat_map(|text| text.lines())
+            .filter_map(|line| line.strip_prefix("maxmemory_policy:"))
+            .map(|policy| policy.trim().to_owned())
+            .collect())
+    }
+}
+
+/// A server to send a command to: the one server, or a cluster primary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Node {
+    Only,
+    Primary { host: String, port: u16 },
+}
+
+impl Conn {
+    /// The servers holding records: the one server, or every cluster primary (from
+    /// `CLUSTER SLOTS`).
+    pub(crate) async fn primaries(&mut self) -> Result<Vec<Node>, Error> {
+        let Self::Cluster(cluster) = self else {
+            return Ok(vec![Node::Only]);
+        };
+        let mut slots = redis::cmd("CLUSTER");
+        slots.arg("SLOTS");
+        let reply = cluster
+            .route_command(
+                slots,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+            )
+            .await
+            .map_err(classify)?;
+        let mut nodes = Vec::new();
+        let Value::Array(ranges) = &reply else {
+            return Err(crate::error::unexpected("CLUSTER SLOTS", &reply));
+        };
+        for range in ranges {
+            // [start, end, [host, port, id, ...], replicas...]
+            let primary = match range {
+                Value::Array(parts) => parts.get(2),
+                _ => None,
+            };
+            let node = match primary {
+                Some(Value::Array(addr)) => match (addr.first(), addr.get(1)) {
+                    (Some(Value::BulkString(host)), Some(Value::Int(port))) => {
+                        Some(Node::Primary {
+                            host: String::from_utf8_lossy(host).into_owned(),
+                            port: u16::try_from(*port).unwrap_or(0),
+                        })
+                    }
+                    _ => None,
+                },
+                _ => None,
+            };
+            let node = node.ok_or_else(|| crate::error::unexpected("CLUSTER SLOTS", &reply))?;
+            if !nodes.contains(&node) {
+                nodes.push(node);
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// Sends `cmd` to `node`.
+    pub(crate) async fn on_node(&mut self, node: &Node, cmd: Cmd) -> Result<Value, Error> {
+        match (self, node) {
+            (Self::Cluster(cluster), Node::Primary { host, port }) => cluster
+                .route_command(cmd, by_address(host, *port))
+                .await
+                .map_err(classify),
+            (this, _) => cmd.query_async(this).await.map_err(classify),
+        }
+    }
+
+    /// Sends a pipeline of `count` commands to `node`, in one round trip.
+    pub(crate) async fn pipeline_on_node(
+        &mut self,
+        node: &Node,
+        pipe: redis::Pipeline,
+        count: usize,
+    ) -> Result<Vec<Value>, Error> {
+        match (self, node) {
+            (Self::Cluster(cluster), Node::Primary { host, port }) => cluster
+                .route_pipeline(pipe, 0, count, by_address_single(host, *port))
+                .await
+                .map_err(classify),
+            (this, _) => pipe.query_async(this).await.map_err(classify),
+        }
+    }
+}
+
+fn by_address_single(host: &str, port: u16) -> SingleNodeRoutingInfo {
+    SingleNodeRoutingInfo::ByAddress {
+        host: host.to_owned(),
+        port,
+    }
+}
+
+fn by_address(host: &str, port: u16) -> RoutingInfo {
+    RoutingInfo::SingleNode(by_address_single(host, port))
+}
+
+/// Gathers the text of an `INFO` reply, which a cluster answers with a map of node to text.
+fn collect_text(value: Value, out: &mut Vec<String>) {
+    match value {
+        Value::BulkString(bytes) => out.push(String::from_utf8_lossy(&bytes).into_owned()),
+        Value::SimpleString(text) => out.push(text),
+        Value::VerbatimString { text, .. } => out.push(text),
+        Value::Map(pairs) => pairs.into_iter().for_each(|(_, v)| collect_text(v, out)),
+        Value::Array(items) => items.into_iter().for_each(|v| collect_text(v, out)),
+        _ => {}
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Standalone(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Splits `[user[:password]@]host:port[,host:port...][/]` into one `redis://` URL per node.
+fn cluster_nodes(rest: &str) -> Result<Vec<String>, Error> {
+    let invalid = |why: &str| {
+        Error::Invalid(format!(
+            "redis cluster url {CLUSTER_SCHEME}{}: {why}; expected \
+             {CLUSTER_SCHEME}[user:password@]host:port[,host:port...]",
+            redact(rest)
+        ))
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains(['/', '?', '#']) {
+        return Err(invalid(
+            "a path or query is not supported (Redis Cluster has database 0 only)",
+        ));
+    }
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    let nodes: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .map(|node| {
+            let (host, port) = node
+                .rsplit_once(':')
+                .ok_or_else(|| invalid("a node has no port"))?;
+            if host.is_empty() || port.parse::<u16>().is_err() {
+                return Err(invalid("a node is not host:port"));
+            }
+            Ok(format!("redis://{auth}{node}"))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(nodes)
+}
+
+/// A URL's rest with any password hidden, for error messages.
+fn redact(rest: &str) -> String {
+    match rest.rsplit_once('@') {
+        Some((_, hosts)) => format!("***@{hosts}"),
+        None => rest.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls() {
+        assert_eq!(
+            cluster_nodes("127.0.0.1:7000,127.0.0.1:7001/").unwrap(),
+            ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]
+        );
+        assert_eq!(cluster_nodes("u:p@h:1").unwrap(), ["redis://u:p@h:1"]);
+        for bad in ["", "h", "h:x", ":1", "h:1/2", "h:1?a=b"] {
+            assert!(
+                matches!(cluster_nodes(bad), Err(Error::Invalid(_))),
+                "{bad}"
+            );
+        }
+        let Err(Error::Invalid(message)) = cluster_nodes("u:secret@h") else {
+            panic!("accepted a node with no port")
+        };
+        assert!(!message.contains("secret"), "{message}");
+    }
+}

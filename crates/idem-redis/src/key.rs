@@ -1,0 +1,161 @@
+//! Redis keys: `<prefix>{<tag>}<encoded id>`.
+//!
+//! - `<encoded id>` is [`RecordId::encoded`], injective over (scope, key).
+//! - `<tag>` is the first 4 bytes of SHA-256 of the encoded id, in hex. Redis Cluster hashes
+//!   only what is between the first `{` and the next `}`, so the slot depends on this tag
+//!   alone: a record's keys share a slot, and braces in a client's key or scope cannot pin
+//!   keys to one slot.
+//! - `<prefix>` may not hold `{` or `}`, so the tag's braces are the first ones.
+//!
+//! With a fixed prefix and a fixed-width tag, the encoded id is what follows the tag, so two
+//! different records never share a key.
+
+use idem_core::{Error, RecordId};
+use sha2::{Digest, Sha256};
+
+/// Hex digits in the hash tag: 32 bits spread the keys evenly over the 16384 slots.
+const TAG_HEX: usize = 8;
+
+/// Checks a key prefix.
+pub(crate) fn check_prefix(prefix: &str) -> Result<(), Error> {
+    if prefix.contains(['{', '}']) {
+        return Err(Error::Invalid(format!(
+            "redis key prefix {prefix:?} holds a brace; braces would change the keys' hash slot"
+        )));
+    }
+    Ok(())
+}
+
+/// The Redis key of a record.
+pub(crate) fn record_key(prefix: &str, id: &RecordId) -> String {
+    let encoded = id.encoded();
+    let digest = Sha256::digest(encoded.as_bytes());
+    let mut key = String::with_capacity(prefix.len() + TAG_HEX + 2 + encoded.len());
+    key.push_str(prefix);
+    key.push('{');
+    for byte in &digest[..TAG_HEX / 2] {
+        key.push(char::from(HEX[usize::from(byte >> 4)]));
+        key.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+    key.push('}');
+    key.push_str(&encoded);
+    key
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// The Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash tag, modulo 16384.
+pub(crate) fn slot(key: &[u8]) -> u16 {
+    let hashed = match key.iter().position(|&b| b == b'{') {
+        Some(open) => match key[open + 1..].iter().position(|&b| b == b'}') {
+            Some(len) if len > 0 => &key[open + 1..open + 1 + len],
+            _ => key,
+        },
+        None => key,
+    };
+    crc16(hashed) % 16384
+}
+
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::{Key, Scope};
+    use proptest::prelude::*;
+
+    fn id(scope: &str, key: &str) -> RecordId {
+        RecordId::new(Scope::new(scope).unwrap(), Key::new(key).unwrap())
+    }
+
+    #[test]
+    fn slot_matches_redis() {
+        // Reference values from `CLUSTER KEYSLOT` on Redis 7.
+        assert_eq!(slot(b"foo"), 12182);
+        assert_eq!(slot(b"{user1000}.following"), slot(b"{user1000}.followers"));
+        assert_eq!(slot(b"foo{}{bar}"), slot(b"foo{}{bar}"));
+        // The CRC16-XMODEM check value, 0x31C3, is below 16384.
+        assert_eq!(slot(b"123456789"), 0x31C3);
+    }
+
+    #[test]
+    fn prefix_braces_are_refused() {
+        assert!(check_prefix("idem:").is_ok());
+        assert!(check_prefix("a{b").is_err());
+        assert!(check_prefix("a}b").is_err());
+    }
+
+    #[test]
+    fn braces_in_keys_do_not_pin_the_slot() {
+        // A client that puts the same hash tag in all its keys still spreads over slots.
+        let slots: std::collections::HashSet<u16> = (0..200)
+            .map(|i| slot(record_key("idem:", &id("{t}", &format!("{{same}}-{i}"))).as_bytes()))
+            .collect();
+        assert!(slots.len() > 150, "only {} slots", slots.len());
+    }
+
+    proptest! {
+        #[test]
+        fn different_records_never_share_a_key(
+            s1 in "(.|[{}:])*", k1 in "[!-~]{1,24}",
+            s2 in "(.|[{}:])*", k2 in "[!-~]{1,24}",
+            prefix in "[^{}]{0,8}",
+        ) {
+            let (s1, s2) = (s1.chars().take(20).collect::<String>(), s2.chars().take(20).collect::<String>());
+            let a = id(&s1, &k1);
+            let b = id(&s2, &k2);
+            prop_assert_eq!(a == b, record_key(&prefix, &a) == record_key(&prefix, &b));
+        }
+
+        /// A tiny alphabet of braces, colons and digits: equal pairs come up often, and so
+        /// do pairs whose scope and key join into the same text.
+        #[test]
+        fn small_alphabet_pairs_collide_only_when_equal(
+            s1 in "[{}:1a]{0,4}", k1 in "[{}:1a]{1,4}",
+            s2 in "[{}:1a]{0,4}", k2 in "[{}:1a]{1,4}",
+        ) {
+            let (a, b) = (id(&s1, &k1), id(&s2, &k2));
+            prop_assert_eq!(a == b, record_key("idem:", &a) == record_key("idem:", &b));
+        }
+
+        #[test]
+        fn keys_that_differ_in_one_part_differ(
+            scope in "(.|[{}:0-9])*", k1 in "[!-~]{1,16}", k2 in "[!-~]{1,16}",
+        ) {
+            let scope: String = scope.chars().take(16).collect();
+            // The same bytes split differently between scope and key never collide.
+            let joined = format!("{scope}{k1}");
+            if let (Ok(s), Ok(k)) = (Scope::new(joined), Key::new(k2.clone())) {
+                let a = RecordId::new(s, k);
+                let b = id(&scope, &format!("{k1}{k2}"));
+                prop_assert_ne!(record_key("p:", &a), record_key("p:", &b));
+            }
+            prop_assert_eq!(k1 == k2, record_key("p:", &id(&scope, &k1)) == record_key("p:", &id(&scope, &k2)));
+        }
+
+        #[test]
+        fn the_slot_is_the_tags(
+            scope in "(.|[{}])*", key in "[!-~]{1,24}", prefix in "[^{}]{0,8}",
+        ) {
+            let scope: String = scope.chars().take(20).collect();
+            let k = record_key(&prefix, &id(&scope, &key));
+            let open = prefix.len();
+            prop_assert_eq!(&k[open..open + 1], "{");
+            prop_assert_eq!(&k[open + 1 + TAG_HEX..open + 2 + TAG_HEX], "}");
+            prop_assert_eq!(slot(k.as_bytes()), crc16(&k.as_bytes()[open + 1..open + 1 + TAG_HEX]) % 16384);
+        }
+    }
+}

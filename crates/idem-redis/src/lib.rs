@@ -1,0 +1,197 @@
+//! # idem-redis
+//!
+//! The Redis backend of idem: [`RedisStore`] implements [`idem_core::Store`] on Redis 7,
+//! one server or Redis Cluster. Each transition is one Lua script, run atomically by the
+//! server in one round trip; lease deadlines come from the server's clock; every write that
+//! ends or extends a lease checks its fencing token.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use idem_core::Idem;
+//! use idem_redis::{EvictionCheck, OversizeBody, RedisStore};
+//!
+//! // One server: a `redis://` (or `unix://`) URL.
+//! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+//!
+//! // Redis Cluster: `redis+cluster://` and any of its nodes, comma-separated.
+//! let cluster = RedisStore::builder("redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
+//!     .with_prefix("payments:")
+//!     .with_eviction_check(EvictionCheck::Refuse)
+//!     .with_body_limit(256 * 1024, OversizeBody::Compress)
+//!     .with_durability(1, Duration::from_millis(100))
+//!     .connect()
+//!     .await?;
+//!
+//! let idem = Idem::new(store);
+//! # let _ = (idem, cluster); Ok(()) }
+//! ```
+//!
+//! ## Connecting
+//!
+//! | URL | connection |
+//! |---|---|
+//! | `redis://[user:password@]host:port[/db]`, `unix:///path/redis.sock` | one server, through redis-rs's `ConnectionManager` (multiplexed, reconnects by itself) |
+//! | `redis+cluster://[user:password@]host:port[,host:port...]` | Redis Cluster, through redis-rs's async cluster connection (any reachable nodes seed it; it follows `MOVED`/`ASK` and refreshes its slot map) |
+//!
+//! [`RedisStore::connect`] connects at once and fails with [`idem_core::Error::Unavailable`]
+//! when Redis cannot be reached; [`RedisStoreBuilder::connect_lazy`] builds the store without
+//! a server and connects on the first call. Every call is bounded: a connection attempt by
+//! [`RedisConfig::connect_timeout`] (1 s), each command by
+//! [`RedisConfig::response_timeout`] (2 s), a whole call by [`RedisConfig::call_timeout`]
+//! (4 s); an unreachable Redis answers `Unavailable` within that, never hangs.
+//!
+//! When the connection fails under a call (refused, reset, dropped), the call is sent once
+//! more on a fresh connection, marked as re-sent. Each script answers a re-sent call as if
+//! only one had run: `begin` carries the same fencing token and gets its own lease back;
+//! `complete` accepts a record that already holds exactly its completion; `release`
+//! accepts a record already gone. So the first call after a server restart succeeds, and a
+//! lost reply does not turn into a false lease-lost.
+//!
+//! ## Keys and records
+//!
+//! A record is one Redis string under `<prefix>{<tag>}<encoded id>`:
+//!
+//! - `<encoded id>` is [`idem_core::RecordId::encoded`], injective over (scope, key);
+//! - `<tag>` is 8 hex digits of SHA-256 of the encoded id. Redis Cluster hashes only what is
+//!   between the first `{` and the next `}`, so the slot depends on the tag alone: braces
+//!   in a client's key cannot pin all its keys to one slot, and keys spread evenly;
+//! - `<prefix>` ([`RedisConfig::prefix`], default `idem:`) may not contain braces.
+//!
+//! A property test checks that two different (scope, key) pairs never share a key, whatever
+//! characters they hold, and that the slot is the tag's.
+//!
+//! The value is binary (layout in the `codec` module's source): a state tag, the 32-byte
+//! fingerprint, the attempt, then the 16-byte fencing token and a 48-bit deadline while in
+//! progress (59 bytes), or the metadata of [`idem_core::encode_meta`] and the body once
+//! completed (41 bytes + metadata + body). It is a string rather than a hash because a hash
+//! whose body field exceeds `hash-max-listpack-value` (64 bytes by default) becomes a hash
+//! table costing several hundred bytes more per record.
+//!
+//! ### Memory per record
+//!
+//! `MEMORY USAGE` on Redis 7.0.15 (jemalloc), a 33-byte key (`idem:` prefix, global scope,
+//! 16-character idempotency key), status 200 and no headers:
+//!
+//! | record | `MEMORY USAGE` | beyond the body | the same body as a plain string under the same key |
+//! |---|---|---|---|
+//! | in progress | 152 | | |
+//! | completed, empty body | 152 | 152 | 104 |
+//! | completed, 16-byte body | 168 | 152 | 120 |
+//! | completed, 100-byte body | 248 | 148 | 200 |
+//! | completed, 200-byte body | 344 | 144 | 312 |
+//! | completed, 1000-byte body | 1368 | 368 | 1112 |
+//!
+//! Redis itself charges about 104 bytes for any key of this length holding an empty string
+//! (key, dictionary entry, object header); a record adds its 47 bytes of head and metadata
+//! (+6 per header and its bytes) to that, so a completed record costs about 145–150 bytes
+//! beyond its body. Past 1 KiB, jemalloc's size classes round every allocation up by up to
+//! a quarter, for records and plain strings alike. Reproduce with
+//! `cargo test -p idem-tests --test redis completed_record_memory -- --nocapture`.
+//!
+//! ### Large bodies
+//!
+//! [`RedisConfig::body`] limits the stored body (default 1 MiB). Above the limit,
+//! [`OversizeBody`] decides: compress with LZ4 (the default; refused when still over the
+//! limit), keep status and headers only, or refuse the completion with
+//! [`idem_core::Error::Invalid`].
+//!
+//! ## The scripts
+//!
+//! One file per script in the workspace's `lua/` folder, each opening with its contract
+//! (`KEYS` / `ARGV` / Returns; all shown in [`lua`]), embedded with `include_str!`, loaded
+//! once per process as a [`redis::Script`] and called with
+//! `script.key(..).arg(..).invoke_async(..)`: `EVALSHA`, and on `NOSCRIPT` (a restart, a
+//! failover, `SCRIPT FLUSH`) a reload and a second try (repeated a few times should the
+//! cache be emptied again in between). Every script touches only
+//! `KEYS[1]`, and reads and checks everything before its first write.
+//!
+//! | script | does | shebang |
+//! |---|---|---|
+//! | `begin.lua` | acquire an absent key, take over an expired lease, hand back the caller's own lease (same token), or answer replay / in flight / mismatch | `#!lua`: a writer, refused under OOM before it runs |
+//! | `complete.lua` | replace the in-progress record held by the token with the completion | `#!lua` |
+//! | `release.lua` | delete the in-progress record held by the token | `#!lua flags=allow-oom`: only frees memory |
+//! | `extend.lua` | move the deadline of the record held by the token, and its expiry by as much | `#!lua flags=allow-oom`: rewrites 6 bytes in place |
+//! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
+//!
+//! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
+//! prefix (and scope) and reads each record's first 59 bytes, a pipelined page at a time.
+//!
+//! Deadlines are computed in the scripts from `TIME` (the server's clock, milliseconds),
+//! expiries set with `PX` / `PEXPIRE`: no application instance's clock is ever used. In a
+//! cluster each record lives on one primary, whose clock decides; a failover to a replica
+//! with a skewed clock shifts live deadlines by the skew.
+//!
+//! ## Errors
+//!
+//! | Redis | [`idem_core::Error`] |
+//! |---|---|
+//! | connection refused, dropped or reset, I/O errors, timeouts | `Unavailable` |
+//! | `OOM`, `BUSY`, `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY` | `Unavailable` |
+//! | a value under a record key that is not a record | `Corrupt` (the value is left alone) |
+//! | anything else (`WRONGTYPE`, `NOPERM`, a script error) | `Backend` |
+//!
+//! ## Eviction
+//!
+//! Every record has a time to live, so any `maxmemory-policy` but `noeviction` (the
+//! `allkeys-*` and `volatile-*` ones alike) may delete live records under memory pressure,
+//! letting a retry run the work again. The store reads the policy (`INFO memory`, on every
+//! primary of a cluster) when it connects and, per [`EvictionCheck`], logs a `tracing`
+//! warning (the default) or refuses the server. With `noeviction` a full server refuses
+//! writes instead: `begin` and `complete` answer `Unavailable`, never run the work
+//! unguarded, while `release`, `extend` and `get` keep working.
+//!
+//! ## Durability
+//!
+//! Replication in Redis is asynchronous: a record written to a primary that fails before
+//! its replicas copy it is lost, and a retry then runs the work again. With
+//! [`RedisConfig::durability`] set, the store sends `WAIT n timeout` after each acquisition
+//! and completion, on the connection that wrote (in a cluster, the record's primary), and
+//! checks the count. When fewer than `n` replicas acknowledge in time, `begin` gives the
+//! lease back and fails, and `complete` fails saying the completion stays on the primary;
+//! both as `Unavailable` with a [`ReplicationError`] source.
+//!
+//! What it does not promise: `WAIT` means the replicas received the write, not that they
+//! persisted it nor that a failover will promote one of them, so an acknowledged write can
+//! still be lost; after a reconnect between the write and the `WAIT`, the `WAIT` covers
+//! only the new connection's writes. And `WAIT` blocks the connection it is sent on: calls
+//! multiplexed on it queue behind it until the replicas answer. Users who need a guarantee
+//! make the database the arbiter (the outbox pattern).
+//!
+//! ## Testing
+//!
+//! With the `testing` feature, the `testing` module starts throwaway `redis-server` processes (one
+//! server, a replica, a cluster) for tests. The conformance suite of `idem-testkit` runs
+//! against one server and a 3-primary cluster in the workspace's `tests` package.
+
+#![forbid(unsafe_code)]
+
+mod codec;
+mod config;
+mod connection;
+mod error;
+mod key;
+mod scripts;
+mod stats;
+mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
+pub use error::{EvictionPolicyError, ReplicationError};
+pub use store::{RedisStore, RedisStoreBuilder};
+
+/// The store's name in errors and metrics.
+const STORE: &str = "redis";
+
+/// The Lua scripts, as they are in the workspace's `lua/` folder and as the store sends
+/// them. Each opens with its contract.
+pub mod lua {
+    #![doc = concat!("## begin.lua\n\n```lua\n", include_str!("../../../lua/begin.lua"), "```\n")]
+    #![doc = concat!("## complete.lua\n\n```lua\n", include_str!("../../../lua/complete.lua"), "```\n")]
+    #![doc = concat!("## release.lua\n\n```lua\n", include_str!("../../../lua/release.lua"), "```\n")]
+    #![doc = concat!("## extend.lua\n\n```lua\n", include_str!("../../../lua/extend.lua"), "```\n")]
+    #![doc = concat!("## get.lua\n\n```lua\n", include_str!("../../../lua/get.lua"), "```\n")]
+}

@@ -1,0 +1,608 @@
+//! [`RedisStore`]: the [`Store`] on Redis 7, standalone or Redis Cluster.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{
+    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Scope, Stats, Store,
+};
+use redis::Value;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+use crate::codec;
+use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
+use crate::connection::{Conn, Connection, CLUSTER_SCHEME};
+use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
+use crate::key;
+use crate::scripts;
+use crate::STORE;
+
+/// Durations sent to Redis are capped at 2^40 ms (about 34 years), far below what would
+/// overflow its expiry arithmetic or the Lua number type.
+const MAX_MS: u64 = 1 << 40;
+
+/// Runs one store call, bounded by [`RedisConfig::call_timeout`]: `$body` with a connection
+/// in `$conn`. When the connection fails under it (refused, dropped, reset), `$body` runs
+/// once more on a fresh connection with `$resent` set: the first send may or may not have
+/// reached the server, and every script answers a re-sent call as if only one had run (see
+/// their contracts). This is also what makes the first call after a server restart succeed,
+/// where the connection manager would hand back the error of its last failed reconnect.
+macro_rules! call {
+    ($store:expr, |$conn:ident, $resent:ident| $body:expr) => {
+        $store
+            .bounded(async {
+                let mut $resent = false;
+                loop {
+                    let result = match $store.ready().await {
+                        Ok($conn) => $body,
+                        Err(e) => Err(e),
+                    };
+                    match result {
+                        Err(e) if !$resent && connection_failed(&e) => $resent = true,
+                        other => break other,
+                    }
+                }
+            })
+            .await
+    };
+}
+
+/// The idempotency [`Store`] on Redis 7: one Lua script per transition, one round trip per
+/// call, lease deadlines by the server's clock.
+///
+/// Cheap to clone (clones share the connection). See the [crate docs](crate) for the key
+/// layout, the scripts' contracts, the memory per record and the durability option.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), idem_core::Error> {
+/// use idem_core::Idem;
+/// use idem_redis::RedisStore;
+///
+/// // One server (a ConnectionManager that reconnects by itself)...
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// // ...or Redis Cluster, from any of its nodes.
+/// let cluster = RedisStore::connect("redis+cluster://127.0.0.1:7000,127.0.0.1:7001").await?;
+/// let idem = Idem::new(store);
+/// # let _ = (idem, cluster); Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    connection: Connection,
+    config: RedisConfig,
+    /// Set once the eviction policy was checked and found acceptable (or warned about).
+    checked: OnceCell<()>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("connection", &self.inner.connection)
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+/// Builds a [`RedisStore`]: `RedisStore::builder(url).with_*(..).connect().await`.
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    url: String,
+    config: RedisConfig,
+}
+
+impl RedisStoreBuilder {
+    /// Replaces all settings.
+    pub fn with_config(mut self, config: RedisConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets [`RedisConfig::prefix`]. Default: `"idem:"`.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.prefix = prefix.into();
+        self
+    }
+
+    /// Sets [`RedisConfig::body`]. Default: 1 MiB, compressed above it.
+    pub fn with_body_limit(mut self, max_bytes: usize, oversize: OversizeBody) -> Self {
+        self.config.body = BodyLimit {
+            max_bytes,
+            oversize,
+        };
+        self
+    }
+
+    /// Sets [`RedisConfig::eviction`]. Default: [`EvictionCheck::Warn`].
+    pub fn with_eviction_check(mut self, check: EvictionCheck) -> Self {
+        self.config.eviction = check;
+        self
+    }
+
+    /// Sets [`RedisConfig::durability`]: wait for `replicas` replicas, up to `timeout`,
+    /// after each acquisition and completion. Default: no wait.
+    pub fn with_durability(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.config.durability = Some(Durability { replicas, timeout });
+        self
+    }
+
+    /// Sets [`RedisConfig::connect_timeout`] and [`RedisConfig::response_timeout`].
+    /// Defaults: 1 s and 2 s.
+    pub fn with_timeouts(mut self, connect: Duration, response: Duration) -> Self {
+        self.config.connect_timeout = connect;
+        self.config.response_timeout = response;
+        self
+    }
+
+    /// Sets [`RedisConfig::call_timeout`]. Default: 4 s.
+    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
+        self.config.call_timeout = timeout;
+        self
+    }
+
+    /// Connects and checks the server's `maxmemory-policy` per [`RedisConfig::eviction`].
+    /// Scripts are loaded on first use.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a bad URL or setting; [`Error::Unavailable`] when Redis cannot
+    /// be reached within [`RedisConfig::call_timeout`]; [`Error::Backend`] when the policy
+    /// evicts and [`EvictionCheck::Refuse`] is set.
+    pub async fn connect(self) -> Result<RedisStore, Error> {
+        let store = self.connect_lazy()?;
+        store
+            .bounded(async {
+                let mut conn = store.ready().await?;
+                // The eviction check may be off: make sure the server answers.
+                redis::cmd("PING")
+                    .query_async::<()>(&mut conn)
+                    .await
+                    .map_err(classify)
+            })
+            .await?;
+        Ok(store)
+    }
+
+    /// Builds the store without connecting: the first call connects (and checks the
+    /// eviction policy). For services that must start while Redis is down.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a bad URL or setting, or when called outside a Tokio runtime.
+    pub fn connect_lazy(self) -> Result<RedisStore, Error> {
+        let config = self.config;
+        key::check_prefix(&config.prefix)?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::Invalid(
+                "RedisStore must be built inside a Tokio runtime".into(),
+            ));
+        }
+        if let Some(d) = config.durability {
+            if d.replicas > 0 && d.timeout >= config.response_timeout {
+                return Err(Error::Invalid(format!(
+                    "durability timeout {:?} must be shorter than the response timeout {:?}",
+                    d.timeout, config.response_timeout
+                )));
+            }
+        }
+        if config.call_timeout.is_zero() || config.response_timeout.is_zero() {
+            return Err(Error::Invalid("redis timeouts must not be zero".into()));
+        }
+        let connection = Connection::open(&self.url, &config)?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                connection,
+                config,
+                checked: OnceCell::new(),
+            }),
+        })
+    }
+}
+
+impl RedisStore {
+    /// Connects with the default [`RedisConfig`]. `url` is `redis://[user:password@]host:port[/db]`
+    /// (or `unix://`) for one server, or
+    /// `redis+cluster://[user:password@]host:port[,host:port...]` for Redis Cluster (any
+    /// reachable nodes; the rest are discovered).
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStoreBuilder::connect`].
+    pub async fn connect(url: impl Into<String>) -> Result<Self, Error> {
+        Self::builder(url).connect().await
+    }
+
+    /// A builder with the default [`RedisConfig`], for the URLs of [`RedisStore::connect`].
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            config: RedisConfig::default(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RedisConfig {
+        &self.inner.config
+    }
+
+    /// Whether this store talks to Redis Cluster (a `redis+cluster://` URL).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.inner.connection, Connection::Cluster(_))
+    }
+
+    /// The Redis key that holds a record (for operators: `MEMORY USAGE`, `PTTL`, ...).
+    pub fn record_key(&self, id: &RecordId) -> String {
+        key::record_key(&self.inner.config.prefix, id)
+    }
+
+    /// The scheme that selects Redis Cluster in a URL.
+    pub const CLUSTER_SCHEME: &'static str = CLUSTER_SCHEME;
+
+    /// A connection, after the eviction-policy check has passed once.
+    async fn ready(&self) -> Result<Conn, Error> {
+        let mut conn = self.inner.connection.get().await?;
+        if self.inner.config.eviction != EvictionCheck::Skip {
+            self.inner
+                .checked
+                .get_or_try_init(|| check_eviction(&mut conn, self.inner.config.eviction))
+                .await?;
+        }
+        Ok(conn)
+    }
+
+    /// Bounds a whole call by [`RedisConfig::call_timeout`].
+    async fn bounded<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+        match tokio::time::timeout(self.inner.config.call_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::unavailable(
+                STORE,
+                format!("no answer within {:?}", self.inner.config.call_timeout),
+            )),
+        }
+    }
+
+    /// Waits for replicas after a write when durability is on; `Ok(None)` when enough
+    /// acknowledged (or durability is off), `Ok(Some((acked, wanted)))` when too few did.
+    async fn replicate(&self, conn: &mut Conn, key: &str) -> Result<Option<(u32, u32)>, Error> {
+        let Some(d) = self.inner.config.durability.filter(|d| d.replicas > 0) else {
+            return Ok(None);
+        };
+        let acked = conn.wait(key, d.replicas, d.timeout).await?;
+        Ok((acked < d.replicas).then_some((acked, d.replicas)))
+    }
+
+    async fn begin_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        req: &BeginRequest<'_>,
+    ) -> Result<Begin, Error> {
+        let sent_at = Instant::now();
+        let reply = scripts::invoke(
+            scripts::BEGIN
+                .key(key)
+                .arg(req.fingerprint.as_bytes().as_slice())
+                .arg(req.token.as_bytes().as_slice())
+                .arg(millis(req.lease).max(1))
+                .arg(millis(req.retention)),
+            &mut conn,
+        )
+        .await?;
+        let bad = || unexpected("begin", &reply);
+        let items = as_array(&reply).ok_or_else(bad)?;
+        let begin = match (int_at(items, 0), items.len()) {
+            (Some(1), 3) => {
+                let attempt = int_at(items, 1)
+                    .and_then(|a| u32::try_from(a).ok())
+                    .ok_or_else(bad)?;
+                let remaining = codec::millis(int_at(items, 2).ok_or_else(bad)?);
+                let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
+                if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
+                    // The lease may not survive a failover: give it back rather than let the
+                    // work run on it. A failed release leaves it to expire.
+                    let _ = self.release_once(conn, key, &lease, false).await;
+                    return Err(Error::unavailable(
+                        STORE,
+                        ReplicationError {
+                            acked,
+                            wanted,
+                            step: "begin",
+                            kept: false,
+                        },
+                    ));
+                }
+                if attempt == 1 {
+                    Begin::Acquired(lease)
+                } else {
+                    Begin::TookOver(lease)
+                }
+            }
+            (Some(2), 3) => {
+                let expires_in = codec::millis(int_at(items, 1).ok_or_else(bad)?);
+                let record = bytes_at(items, 2).ok_or_else(bad)?;
+                Begin::Replay(Replay {
+                    completion: codec::decode_completion(record)?,
+                    expires_in,
+                })
+            }
+            (Some(3), 2) => Begin::InFlight {
+                retry_after: codec::millis(int_at(items, 1).ok_or_else(bad)?),
+            },
+            (Some(4), 1) => Begin::Mismatch,
+            _ => return Err(bad()),
+        };
+        Ok(begin)
+    }
+
+    async fn complete_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        lease: &Lease,
+        encoded: &codec::EncodedCompletion,
+        retention: Duration,
+        resent: bool,
+    ) -> Result<(), Error> {
+        let reply = scripts::invoke(
+            scripts::COMPLETE
+                .key(key)
+                .arg(lease.token().as_bytes().as_slice())
+                .arg(encoded.tag)
+                .arg(encoded.meta.as_slice())
+                .arg(encoded.body.as_ref())
+                .arg(millis(retention).max(1))
+                .arg(if resent { "1" } else { "0" }),
+            &mut conn,
+        )
+        .await?;
+        match reply {
+            Value::Int(1) => {}
+            Value::Int(0) => return Err(Error::LeaseLost),
+            other => return Err(unexpected("complete", &other)),
+        }
+        if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
+            return Err(Error::unavailable(
+                STORE,
+                ReplicationError {
+                    acked,
+                    wanted,
+                    step: "complete",
+                    kept: true,
+                },
+            ));
+        }
+        Ok(())
+    }
+
+    async fn release_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        lease: &Lease,
+        resent: bool,
+    ) -> Result<(), Error> {
+        let reply = scripts::invoke(
+            scripts::RELEASE
+                .key(key)
+                .arg(lease.token().as_bytes().as_slice())
+                .arg(if resent { "1" } else { "0" }),
+            &mut conn,
+        )
+        .await?;
+        match reply {
+            Value::Int(1) => Ok(()),
+            Value::Int(0) => Err(Error::LeaseLost),
+            other => Err(unexpected("release", &other)),
+        }
+    }
+
+    async fn extend_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        lease: &Lease,
+        by: Duration,
+    ) -> Result<Lease, Error> {
+        let sent_at = Instant::now();
+        let by_ms = millis(by);
+        let reply = scripts::invoke(
+            scripts::EXTEND
+                .key(key)
+                .arg(lease.token().as_bytes().as_slice())
+                .arg(by_ms),
+            &mut conn,
+        )
+        .await?;
+        let bad = || unexpected("extend", &reply);
+        let items = as_array(&reply).ok_or_else(bad)?;
+        match (int_at(items, 0), items.len()) {
+            (Some(0), 1) => Err(Error::LeaseLost),
+            (Some(1), 3) => {
+                let attempt = int_at(items, 1)
+                    .and_then(|a| u32::try_from(a).ok())
+                    .ok_or_else(bad)?;
+                Ok(Lease::new(
+                    lease.id().clone(),
+                    lease.token(),
+                    attempt,
+                    Duration::from_millis(by_ms),
+                    sent_at,
+                ))
+            }
+            _ => Err(bad()),
+        }
+    }
+
+    async fn get_once(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        id: &RecordId,
+    ) -> Result<Option<Record>, Error> {
+        let reply = scripts::invoke(&scripts::GET.key(key), &mut conn).await?;
+        let bad = || unexpected("get", &reply);
+        let items = as_array(&reply).ok_or_else(bad)?;
+        if items.is_empty() {
+            return Ok(None);
+        }
+        let record = bytes_at(items, 0).ok_or_else(bad)?;
+        let pttl = int_at(items, 1).ok_or_else(bad)?;
+        let now = int_at(items, 2).ok_or_else(bad)?;
+        codec::decode_record(id, record, pttl, now).map(Some)
+    }
+}
+
+async fn evict_once(mut conn: Conn, key: &str) -> Result<bool, Error> {
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .map_err(classify)?;
+    Ok(deleted > 0)
+}
+
+/// Whether an error means the connection failed under a call (as opposed to Redis
+/// answering with an error, or a timeout, after which the call may still be running).
+fn connection_failed(error: &Error) -> bool {
+    let Error::Unavailable { source, .. } = error else {
+        return false;
+    };
+    source
+        .downcast_ref::<redis::RedisError>()
+        .is_some_and(|e| e.is_connection_dropped() || e.is_connection_refusal())
+}
+
+/// Reads the servers' `maxmemory-policy` and warns or refuses per `check`.
+async fn check_eviction(conn: &mut Conn, check: EvictionCheck) -> Result<(), Error> {
+    let policies = match conn.eviction_policies().await {
+        Ok(policies) => policies,
+        Err(e) => {
+            let e = classify(e);
+            if e.is_retryable() {
+                return Err(e);
+            }
+            // INFO may be disabled (managed services rename it): the check cannot be made.
+            tracing::warn!(
+                error = %e,
+                "could not read redis maxmemory-policy; make sure it is noeviction, or records \
+                 may be evicted and their work run again"
+            );
+            return Ok(());
+        }
+    };
+    if policies.is_empty() {
+        tracing::warn!(
+            "redis did not report its maxmemory-policy; make sure it is noeviction, or records \
+             may be evicted and their work run again"
+        );
+    }
+    if let Some(policy) = policies.into_iter().find(|p| p != "noeviction") {
+        let error = EvictionPolicyError { policy };
+        if check == EvictionCheck::Refuse {
+            return Err(Error::backend(STORE, error));
+        }
+        tracing::warn!(
+            policy = %error.policy,
+            "REDIS MAY EVICT IDEMPOTENCY RECORDS: {error}"
+        );
+    }
+    Ok(())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
+}
+
+fn as_array(value: &Value) -> Option<&[Value]> {
+    match value {
+        Value::Array(items) => Some(items),
+        _ => None,
+    }
+}
+
+fn int_at(items: &[Value], i: usize) -> Option<i64> {
+    match items.get(i)? {
+        Value::Int(n) => Some(*n),
+        _ => None,
+    }
+}
+
+fn bytes_at(items: &[Value], i: usize) -> Option<&[u8]> {
+    match items.get(i)? {
+        Value::BulkString(bytes) => Some(bytes),
+        _ => None,
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+        let key = self.record_key(req.id);
+        // A re-sent begin carries the same token, so it gets its own lease back.
+        call!(self, |conn, _resent| self
+            .begin_once(conn, &key, &req)
+            .await)
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        completion: &Completion,
+        retention: Duration,
+    ) -> Result<(), Error> {
+        let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
+        let key = self.record_key(lease.id());
+        call!(self, |conn, resent| {
+            self.complete_once(conn, &key, lease, &encoded, retention, resent)
+                .await
+        })
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+        let key = self.record_key(lease.id());
+        call!(self, |conn, resent| self
+            .release_once(conn, &key, lease, resent)
+            .await)
+    }
+
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+        let key = self.record_key(lease.id());
+        // Extending twice to the same `by` from now is what one extend does.
+        call!(self, |conn, _resent| self
+            .extend_once(conn, &key, lease, by)
+            .await)
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| self.get_once(conn, &key, id).await)
+    }
+
+    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| evict_once(conn, &key).await)
+    }
+
+    /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
+    /// reads each record's head, a page of keys per round trip. Not a snapshot: records
+    /// changing meanwhile may be counted in either state. Bounded by
+    /// [`RedisConfig::call_timeout`] like every call, so on a large keyspace pass a longer
+    /// one to the store used for it.
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        let prefix = &self.inner.config.prefix;
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            crate::stats::stats(&mut conn, prefix, scope, stuck_after).await
+        })
+    }
+}

@@ -1,0 +1,48 @@
+#!lua
+--[[
+complete: store a lease's outcome and end the lease, if the lease still holds the record.
+
+KEYS[1]  the record's key
+ARGV[1]  the lease's fencing token, 16 bytes
+ARGV[2]  the completed record's tag: 'c' (raw body), 'z' (LZ4 body) or 'h' (body dropped)
+ARGV[3]  the completion's metadata: its length (4 bytes, big-endian), then the metadata
+ARGV[4]  the body as stored
+ARGV[5]  how long the completed record is kept, in milliseconds (>= 1)
+ARGV[6]  '1' when this is the same call sent again after its connection dropped, else '0'
+
+Returns 1 when the completion replaced the in-progress record, 0 when the lease no longer
+holds it (absent, completed, or held by another token): then nothing was changed.
+A call sent again ('1') also gets 1 when the record already holds exactly this completion:
+the first send did it and only its reply was lost.
+Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
+
+The fingerprint and attempt are carried over from the in-progress record. Only its first
+59 bytes are read. All checks come before the only write.
+
+The shebang has no flags: Redis counts the script as a writer and refuses it with OOM,
+before it runs, when the server is out of memory.
+]]
+local key = KEYS[1]
+local head = redis.call('GETRANGE', key, 0, 58)
+if head == '' then
+  return 0
+end
+local tag = string.sub(head, 1, 1)
+if tag == 'c' or tag == 'z' or tag == 'h' then
+  if ARGV[6] == '1' and tag == ARGV[2] then
+    local record = redis.call('GET', key)
+    if string.sub(record, 38) == ARGV[3] .. ARGV[4] then
+      return 1
+    end
+  end
+  return 0
+end
+if tag ~= 'p' or string.len(head) ~= 59 then
+  return redis.error_reply('IDEM_CORRUPT not a record')
+end
+if string.sub(head, 38, 53) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', key, ARGV[2] .. string.sub(head, 2, 37) .. ARGV[3] .. ARGV[4],
+  'PX', tonumber(ARGV[5]))
+return 1

@@ -1,0 +1,139 @@
+//! The Redis backend: the conformance suite on one server (`redis`, against
+//! `IDEM_TEST_REDIS_URL`) and on a 3-primary Redis Cluster this test binary starts
+//! (`redis_cluster`), and the Redis-specific tests: memory per record, script cache loss
+//! and server restarts under load, `WAIT` against a real replica, eviction-policy and OOM
+//! handling, and a race counting executions.
+//!
+//! Tests that restart, flush, reconfigure or need replicas start their own `redis-server`
+//! processes (the binaries on `PATH`) on free loopback ports and stop them afterwards.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::Store;
+use idem_redis::testing::{self, RedisServer};
+use idem_redis::{RedisStore, RedisStoreBuilder};
+
+/// A key prefix of its own for every store, so tests share a server without meeting.
+fn prefix() -> String {
+    format!("idem-test-{}:", uuid::Uuid::new_v4().simple())
+}
+
+/// A store builder with a prefix of its own and patient timeouts: tests run in parallel
+/// on two shared cores, where thousands of queued calls can wait longer than the default
+/// 2 s response timeout. The unreachable cases keep the defaults.
+fn builder(url: &str) -> RedisStoreBuilder {
+    RedisStore::builder(url)
+        .with_prefix(prefix())
+        .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
+        .with_call_timeout(Duration::from_secs(15))
+}
+
+/// Whether tests that start their own `redis-server` can run; panics when backends are
+/// required (`IDEM_TEST_REQUIRE_BACKENDS=1`) and they cannot.
+fn can_start_servers() -> bool {
+    if testing::binaries_available() {
+        return true;
+    }
+    let why =
+        "redis-server and redis-cli are not on PATH (Debian/Ubuntu: apt-get install redis-server)";
+    if idem_testkit::harness::backends_required() {
+        panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {why}");
+    }
+    eprintln!("skipping: {why}");
+    false
+}
+
+/// A throwaway server, or `None` (skipped) when the binaries are missing.
+fn throwaway(args: &[&str]) -> Option<RedisServer> {
+    can_start_servers().then(|| RedisServer::start_with(args).expect("start redis-server"))
+}
+
+/// A store pointed at a port nothing listens on.
+async fn closed_port_store(url: String) -> Arc<dyn Store> {
+    Arc::new(
+        RedisStore::builder(url)
+            .with_prefix(prefix())
+            .connect_lazy()
+            .expect("a lazy store builds without a server"),
+    )
+}
+
+mod redis {
+    //! One server: `IDEM_TEST_REDIS_URL`, and throwaway servers for the Redis-only tests.
+    use super::*;
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let url = idem_testkit::harness::redis_url()?;
+        Some(Arc::new(
+            builder(&url)
+                .connect()
+                .await
+                .expect("connect to IDEM_TEST_REDIS_URL"),
+        ))
+    }
+
+    async fn unreachable() -> Arc<dyn Store> {
+        let port = idem_testkit::harness::free_port();
+        closed_port_store(format!("redis://127.0.0.1:{port}")).await
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
+
+    pub(crate) mod specific;
+}
+
+mod redis_cluster {
+    //! A 3-primary Redis Cluster started by this test binary.
+    use std::sync::OnceLock;
+
+    use idem_redis::testing::RedisCluster;
+
+    use super::*;
+
+    /// One cluster for the whole test binary. A static is never dropped: its servers stop
+    /// when this process exits (each runs under a watchdog polling the test's pid).
+    fn cluster() -> Option<&'static RedisCluster> {
+        static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+        if !can_start_servers() {
+            return None;
+        }
+        Some(CLUSTER.get_or_init(|| RedisCluster::start(3).expect("start a 3-primary cluster")))
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let url = tokio::task::spawn_blocking(|| cluster().map(RedisCluster::url))
+            .await
+            .expect("cluster start")?;
+        let store = builder(&url)
+            .connect()
+            .await
+            .expect("connect to the cluster");
+        assert!(store.is_cluster());
+        Some(Arc::new(store))
+    }
+
+    async fn unreachable() -> Arc<dyn Store> {
+        let (a, b) = (
+            idem_testkit::harness::free_port(),
+            idem_testkit::harness::free_port(),
+        );
+        closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
+
+    mod specific;
+}
