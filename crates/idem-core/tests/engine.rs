@@ -1,0 +1,260 @@
+//! The engine's own behaviour on top of a store: waiting, execute_once's mapping of every
+//! outcome, heartbeats, and time limits on store calls.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{
+    Begin, BeginRequest, Completion, Config, Error, Failure, FailurePolicy, Fingerprint, Idem, Key,
+    Lease, MemoryStore, Once, OnceError, Record, RecordId, Response, Scope, Store,
+};
+use tokio::time::{sleep, Instant};
+
+fn id(key: &str) -> RecordId {
+    RecordId::new(Scope::new("engine").unwrap(), Key::new(key).unwrap())
+}
+
+fn fp() -> Fingerprint {
+    Fingerprint::of_bytes(b"request")
+}
+
+fn idem(config: Config) -> Idem {
+    Idem::new(MemoryStore::new()).with_config(config)
+}
+
+#[tokio::test]
+async fn wait_returns_the_holders_result() {
+    let idem = idem(Config {
+        wait: Some(Duration::from_secs(5)),
+        ..Config::default()
+    });
+    let Begin::Acquired(lease) = idem.begin(&id("k"), fp()).await.unwrap() else {
+        panic!("fresh key")
+    };
+    let holder = idem.clone();
+    tokio::spawn(async move {
+        sleep(Duration::from_millis(100)).await;
+        holder
+            .complete(&lease, Response::new(201, "made"))
+            .await
+            .unwrap();
+    });
+    let started = Instant::now();
+    match idem.begin(&id("k"), fp()).await.unwrap() {
+        Begin::Replay(r) => assert_eq!(r.completion.response.body, "made"),
+        other => panic!("expected the holder's result, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test]
+async fn wait_gives_up_with_in_flight() {
+    let idem = idem(Config {
+        wait: Some(Duration::from_millis(150)),
+        ..Config::default()
+    });
+    let Begin::Acquired(_lease) = idem.begin(&id("k"), fp()).await.unwrap() else {
+        panic!("fresh key")
+    };
+    let started = Instant::now();
+    assert!(matches!(
+        idem.begin(&id("k"), fp()).await.unwrap(),
+        Begin::InFlight { .. }
+    ));
+    assert!(started.elapsed() >= Duration::from_millis(150));
+}
+
+#[tokio::test]
+async fn wait_takes_over_when_the_holder_dies() {
+    let idem = idem(Config {
+        lease: Duration::from_millis(100),
+        wait: Some(Duration::from_secs(5)),
+        ..Config::default()
+    });
+    let Begin::Acquired(_crashed) = idem.begin(&id("k"), fp()).await.unwrap() else {
+        panic!("fresh key")
+    };
+    match idem.begin(&id("k"), fp()).await.unwrap() {
+        Begin::TookOver(lease) => assert_eq!(lease.attempt(), 2),
+        other => panic!("expected a takeover, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn execute_once_maps_every_outcome() {
+    let idem = idem(Config {
+        failure: FailurePolicy::Store,
+        ..Config::default()
+    });
+    let runs = AtomicUsize::new(0);
+    let work = |value: u32| {
+        let runs = &runs;
+        move |_lease: Lease| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(value)
+        }
+    };
+    assert_eq!(
+        idem.execute_once(&id("ok"), fp(), work(7)).await.unwrap(),
+        Once::Executed {
+            value: 7,
+            attempt: 1
+        }
+    );
+    assert_eq!(
+        idem.execute_once(&id("ok"), fp(), work(8)).await.unwrap(),
+        Once::Replayed(7)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        idem.execute_once(&id("ok"), Fingerprint::of_bytes(b"other"), work(9))
+            .await
+            .unwrap(),
+        Once::Mismatch
+    );
+
+    // A retryable failure releases the key: the next call runs the work again.
+    let err = idem
+        .execute_once(&id("flaky"), fp(), |_| async {
+            Err::<u32, _>(Failure::Retryable("timeout".to_owned()))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OnceError::Work { stored: false, .. }));
+    assert_eq!(
+        idem.execute_once(&id("flaky"), fp(), work(1))
+            .await
+            .unwrap(),
+        Once::Executed {
+            value: 1,
+            attempt: 1
+        }
+    );
+
+    // A terminal failure under FailurePolicy::Store is replayed.
+    let err = idem
+        .execute_once(&id("bad"), fp(), |_| async {
+            Err::<u32, _>(Failure::Terminal("card declined".to_owned()))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OnceError::Work { stored: true, .. }));
+    assert_eq!(
+        idem.execute_once(&id("bad"), fp(), work(1)).await.unwrap(),
+        Once::FailedBefore("card declined".to_owned())
+    );
+
+    // In flight while another worker holds the key.
+    let Begin::Acquired(_held) = idem.begin(&id("held"), fp()).await.unwrap() else {
+        panic!("fresh key")
+    };
+    assert!(matches!(
+        idem.execute_once(&id("held"), fp(), work(1)).await.unwrap(),
+        Once::InFlight { .. }
+    ));
+}
+
+#[tokio::test]
+async fn terminal_failure_under_release_policy_runs_again() {
+    let idem = idem(Config::default());
+    let err = idem
+        .execute_once(&id("k"), fp(), |_| async {
+            Err::<u32, _>(Failure::Terminal("no".to_owned()))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OnceError::Work { stored: false, .. }));
+    assert!(matches!(
+        idem.begin(&id("k"), fp()).await.unwrap(),
+        Begin::Acquired(_)
+    ));
+}
+
+#[tokio::test]
+async fn heartbeat_keeps_long_work_alive() {
+    let idem = idem(Config {
+        lease: Duration::from_millis(150),
+        ..Config::default()
+    });
+    let watcher = idem.clone();
+    let outcome = idem
+        .execute_once(&id("long"), fp(), |_| async move {
+            for _ in 0..5 {
+                sleep(Duration::from_millis(100)).await;
+                // Three lease lengths in, nobody can take the key over.
+                assert!(matches!(
+                    watcher.begin(&id("long"), fp()).await.unwrap(),
+                    Begin::InFlight { .. }
+                ));
+            }
+            Ok::<_, Failure<String>>("done".to_owned())
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Once::Executed { .. }));
+}
+
+#[tokio::test]
+async fn lost_lease_cancels_the_work() {
+    let idem = idem(Config {
+        lease: Duration::from_millis(90),
+        ..Config::default()
+    });
+    let evicter = idem.clone();
+    let finished = Arc::new(AtomicUsize::new(0));
+    let done = finished.clone();
+    let err = idem
+        .execute_once(&id("k"), fp(), |_| async move {
+            // An operator evicts the key: the next heartbeat finds the lease lost.
+            evicter.store().evict(&id("k")).await.unwrap();
+            sleep(Duration::from_millis(500)).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OnceError::Store(Error::LeaseLost)), "{err:?}");
+    assert_eq!(finished.load(Ordering::SeqCst), 0, "work was not cancelled");
+}
+
+/// A store that never answers.
+#[derive(Debug)]
+struct Hang;
+
+#[async_trait]
+impl Store for Hang {
+    fn name(&self) -> &'static str {
+        "hang"
+    }
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
+        std::future::pending().await
+    }
+    async fn complete(&self, _: &Lease, _: &Completion, _: Duration) -> Result<(), Error> {
+        std::future::pending().await
+    }
+    async fn release(&self, _: &Lease) -> Result<(), Error> {
+        std::future::pending().await
+    }
+    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, Error> {
+        std::future::pending().await
+    }
+    async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
+        std::future::pending().await
+    }
+    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test]
+async fn a_hung_store_is_unavailable_after_the_timeout() {
+    let idem = Idem::new(Hang).with_config(Config {
+        store_timeout: Duration::from_millis(100),
+        ..Config::default()
+    });
+    let err = idem.begin(&id("k"), fp()).await.unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    assert!(matches!(err, Error::Unavailable { store: "hang", .. }));
+}

@@ -1,0 +1,536 @@
+//! The conformance cases: plain async functions over [`Store`], one per behaviour of the
+//! contract. Each uses its own random scope, so cases run in parallel on one server.
+//!
+//! Timing: cases that need a lease to stay live use leases of seconds; cases that need it to
+//! expire use leases of 100 ms or so and sleep a little past them. Nothing sleeps long.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    Begin, BeginRequest, Completion, CompletionKind, Error, FencingToken, Fingerprint, Key, Lease,
+    RecordId, RecordState, Response, Scope, Store,
+};
+use tokio::time::{sleep, timeout, Instant};
+
+/// A lease that outlives any case.
+const LONG: Duration = Duration::from_secs(30);
+/// A lease meant to expire during a case.
+const SHORT: Duration = Duration::from_millis(150);
+/// Sleeping this long lets a [`SHORT`] lease expire, with margin for a slow machine.
+const PAST_SHORT: Duration = Duration::from_millis(300);
+/// Retention for completed records in cases that do not test retention.
+const KEEP: Duration = Duration::from_secs(600);
+
+fn scope() -> Scope {
+    Scope::new(format!("conformance-{}", uuid::Uuid::new_v4())).expect("short scope")
+}
+
+fn id(scope: &Scope, key: &str) -> RecordId {
+    RecordId::new(scope.clone(), Key::new(key).expect("valid test key"))
+}
+
+fn fp(text: &str) -> Fingerprint {
+    Fingerprint::of_bytes(text.as_bytes())
+}
+
+async fn begin_with(
+    store: &dyn Store,
+    id: &RecordId,
+    fingerprint: Fingerprint,
+    token: FencingToken,
+    lease: Duration,
+    retention: Duration,
+) -> Begin {
+    store
+        .begin(BeginRequest {
+            id,
+            fingerprint,
+            token,
+            lease,
+            retention,
+        })
+        .await
+        .expect("begin")
+}
+
+async fn begin(
+    store: &dyn Store,
+    id: &RecordId,
+    fingerprint: Fingerprint,
+    lease: Duration,
+) -> Begin {
+    begin_with(store, id, fingerprint, FencingToken::random(), lease, KEEP).await
+}
+
+fn acquired(answer: Begin) -> Lease {
+    match answer {
+        Begin::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+fn lease_lost<T: std::fmt::Debug>(result: Result<T, Error>, what: &str) {
+    match result {
+        Err(Error::LeaseLost) => {}
+        other => panic!("{what}: expected LeaseLost, got {other:?}"),
+    }
+}
+
+fn ok_response(body: &str) -> Completion {
+    Completion::succeeded(Response::new(200, body.to_owned()))
+}
+
+async fn replayed(store: &dyn Store, id: &RecordId, fingerprint: Fingerprint) -> Completion {
+    match begin(store, id, fingerprint, LONG).await {
+        Begin::Replay(replay) => replay.completion,
+        other => panic!("expected Replay, got {other:?}"),
+    }
+}
+
+/// Many tasks race `begin` on each of many keys; the protected work runs exactly once per
+/// key, and every other caller sees in flight or the replay of the one result.
+pub async fn one_winner(store: Arc<dyn Store>) {
+    const KEYS: usize = 40;
+    const CALLERS: usize = 16;
+    let scope = scope();
+    let runs: Arc<Vec<AtomicUsize>> = Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
+    let mut tasks = Vec::new();
+    for caller in 0..CALLERS {
+        for k in 0..KEYS {
+            let (store, runs, scope) = (store.clone(), runs.clone(), scope.clone());
+            tasks.push(tokio::spawn(async move {
+                let id = id(&scope, &format!("key-{k}"));
+                let body = format!("result-{k}");
+                match begin(&*store, &id, fp("same"), LONG).await {
+                    Begin::Acquired(lease) => {
+                        runs[k].fetch_add(1, Ordering::SeqCst);
+                        // Give the racers time to arrive while the lease is held.
+                        sleep(Duration::from_millis(5 + (caller % 3) as u64)).await;
+                        store
+                            .complete(&lease, &ok_response(&body), KEEP)
+                            .await
+                            .expect("winner completes");
+                        Some(body)
+                    }
+                    Begin::InFlight { retry_after } => {
+                        assert!(retry_after <= LONG, "retry hint {retry_after:?} > lease");
+                        None
+                    }
+                    Begin::Replay(replay) => {
+                        assert_eq!(replay.completion.response.body, body.as_bytes());
+                        None
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    for (k, n) in runs.iter().enumerate() {
+        assert_eq!(
+            n.load(Ordering::SeqCst),
+            1,
+            "key-{k} ran the work {n:?} times"
+        );
+        let completion = replayed(&*store, &id(&scope, &format!("key-{k}")), fp("same")).await;
+        assert_eq!(completion.response.body, format!("result-{k}").as_bytes());
+    }
+}
+
+/// Deterministic bytes covering every byte value, without a random-number dependency.
+fn binary_body(len: usize, seed: u64) -> Bytes {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            // xorshift64
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// Completions come back byte for byte: binary bodies from empty to 1 MiB, status, header
+/// order and values, and the kind (success or stored failure).
+pub async fn replay_is_byte_exact(store: Arc<dyn Store>) {
+    let scope = scope();
+    let all_bytes: Bytes = (0..=255u8).collect::<Vec<u8>>().into();
+    let bodies = [
+        Bytes::new(),
+        Bytes::from_static(b"\0"),
+        all_bytes,
+        binary_body(64 * 1024 + 3, 7),
+        binary_body(1024 * 1024, 11),
+    ];
+    for (i, body) in bodies.into_iter().enumerate() {
+        let id = id(&scope, &format!("body-{i}"));
+        let lease = acquired(begin(&*store, &id, fp("b"), LONG).await);
+        let kind = if i % 2 == 0 {
+            CompletionKind::Succeeded
+        } else {
+            CompletionKind::Failed
+        };
+        let completion = Completion {
+            kind,
+            response: Response {
+                status: 200 + i as u16,
+                headers: vec![
+                    ("content-type".into(), b"application/octet-stream".to_vec()),
+                    ("x-bin".into(), vec![0, 255, 10, 13]),
+                    ("content-type".into(), b"second".to_vec()),
+                ],
+                body,
+            },
+        };
+        store
+            .complete(&lease, &completion, KEEP)
+            .await
+            .expect("complete");
+        let back = replayed(&*store, &id, fp("b")).await;
+        assert_eq!(back.kind, completion.kind, "kind of body-{i}");
+        assert_eq!(back.response.status, completion.response.status);
+        assert_eq!(back.response.headers, completion.response.headers);
+        assert!(
+            back.response.body == completion.response.body,
+            "body-{i} of {} bytes came back different ({} bytes)",
+            completion.response.body.len(),
+            back.response.body.len()
+        );
+    }
+}
+
+/// The same key with another fingerprint is a mismatch, in progress and completed, and
+/// changes nothing.
+pub async fn mismatch(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let lease = acquired(begin(&*store, &id, fp("one"), LONG).await);
+    assert!(matches!(
+        begin(&*store, &id, fp("two"), LONG).await,
+        Begin::Mismatch
+    ));
+    store
+        .complete(&lease, &ok_response("r1"), KEEP)
+        .await
+        .expect("complete");
+    assert!(matches!(
+        begin(&*store, &id, fp("two"), LONG).await,
+        Begin::Mismatch
+    ));
+    assert_eq!(replayed(&*store, &id, fp("one")).await.response.body, "r1");
+}
+
+/// A live lease answers in flight with a hint no longer than the lease; once it expires, a
+/// retry takes over with the attempt counted, and the first worker can change nothing.
+pub async fn lease_expiry_and_takeover(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let first = acquired(begin(&*store, &id, fp("f"), SHORT).await);
+    assert_eq!(first.attempt(), 1);
+    match begin(&*store, &id, fp("f"), SHORT).await {
+        // On a slow machine the short lease may already be gone; both are right then.
+        Begin::InFlight { retry_after } => assert!(retry_after <= SHORT),
+        Begin::TookOver(_) => return,
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    sleep(PAST_SHORT).await;
+    let second = match begin(&*store, &id, fp("f"), LONG).await {
+        Begin::TookOver(lease) => lease,
+        other => panic!("expected TookOver, got {other:?}"),
+    };
+    assert_eq!(second.attempt(), 2);
+    assert_ne!(second.token(), first.token());
+    lease_lost(
+        store.complete(&first, &ok_response("stale"), KEEP).await,
+        "stale complete",
+    );
+    lease_lost(store.extend(&first, LONG).await, "stale extend");
+    lease_lost(store.release(&first).await, "stale release");
+    assert!(matches!(
+        begin(&*store, &id, fp("f"), LONG).await,
+        Begin::InFlight { .. }
+    ));
+    store
+        .complete(&second, &ok_response("fresh"), KEEP)
+        .await
+        .expect("complete");
+    lease_lost(
+        store.complete(&first, &ok_response("stale"), KEEP).await,
+        "late complete",
+    );
+    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "fresh");
+}
+
+/// Tokens stay unique across incarnations: a worker whose lease was taken over, after which
+/// the key was released and acquired again, still cannot complete, release or extend.
+pub async fn stale_lease_after_release_and_reacquire(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let a = acquired(begin(&*store, &id, fp("f"), SHORT).await);
+    sleep(PAST_SHORT).await;
+    let b = match begin(&*store, &id, fp("f"), SHORT).await {
+        Begin::TookOver(lease) => lease,
+        other => panic!("expected TookOver, got {other:?}"),
+    };
+    store.release(&b).await.expect("release");
+    let c = acquired(begin(&*store, &id, fp("f"), LONG).await);
+    assert_eq!(c.attempt(), 1, "a released key starts over");
+    for (name, stale) in [("taken-over", &a), ("released", &b)] {
+        lease_lost(
+            store.complete(stale, &ok_response("stale"), KEEP).await,
+            name,
+        );
+        lease_lost(store.extend(stale, LONG).await, name);
+        lease_lost(store.release(stale).await, name);
+    }
+    store
+        .complete(&c, &ok_response("c"), KEEP)
+        .await
+        .expect("complete");
+    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "c");
+    // A released lease is finished for good too.
+    lease_lost(store.release(&c).await, "release after complete");
+}
+
+/// The same attempt sending `begin` twice (a reply lost on the way back) gets its own lease
+/// again, never "in flight" against itself.
+pub async fn same_attempt_gets_its_lease_back(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let token = FencingToken::random();
+    let first = acquired(begin_with(&*store, &id, fp("f"), token, LONG, KEEP).await);
+    let again = acquired(begin_with(&*store, &id, fp("f"), token, LONG, KEEP).await);
+    assert_eq!(again.token(), first.token());
+    assert_eq!(again.attempt(), 1);
+    store
+        .complete(&again, &ok_response("x"), KEEP)
+        .await
+        .expect("complete");
+}
+
+/// `extend` keeps a lease alive past its original deadline; other callers keep seeing in
+/// flight until it completes.
+pub async fn extend_keeps_lease_alive(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let lease_len = Duration::from_millis(400);
+    let mut lease = acquired(begin(&*store, &id, fp("f"), lease_len).await);
+    let started = Instant::now();
+    while started.elapsed() < lease_len * 3 {
+        sleep(Duration::from_millis(100)).await;
+        lease = store.extend(&lease, lease_len).await.expect("extend");
+        assert!(
+            matches!(
+                begin(&*store, &id, fp("f"), LONG).await,
+                Begin::InFlight { .. }
+            ),
+            "an extended lease was taken over"
+        );
+    }
+    store
+        .complete(&lease, &ok_response("done"), KEEP)
+        .await
+        .expect("complete");
+    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "done");
+}
+
+/// A lease past its deadline that nobody took over still belongs to its holder.
+pub async fn expired_lease_not_taken_over_can_complete(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let lease = acquired(begin(&*store, &id, fp("f"), SHORT).await);
+    sleep(PAST_SHORT).await;
+    store
+        .complete(&lease, &ok_response("late"), KEEP)
+        .await
+        .expect("complete");
+    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "late");
+}
+
+/// Releasing forgets the key: the next `begin` runs the work again as attempt 1.
+pub async fn release_lets_a_retry_run(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let lease = acquired(begin(&*store, &id, fp("f"), LONG).await);
+    store.release(&lease).await.expect("release");
+    assert!(store.get(&id).await.expect("get").is_none());
+    let again = acquired(begin(&*store, &id, fp("other request is fine now"), LONG).await);
+    assert_ne!(again.token(), lease.token());
+}
+
+/// Completed records are forgotten after their retention; the replay says how long is left.
+pub async fn completed_records_expire(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let retention = Duration::from_millis(400);
+    let lease = acquired(begin(&*store, &id, fp("f"), LONG).await);
+    store
+        .complete(&lease, &ok_response("r"), retention)
+        .await
+        .expect("complete");
+    match begin(&*store, &id, fp("f"), LONG).await {
+        Begin::Replay(replay) => assert!(
+            replay.expires_in <= retention,
+            "expires_in {:?} > retention",
+            replay.expires_in
+        ),
+        other => panic!("expected Replay, got {other:?}"),
+    }
+    sleep(retention + Duration::from_millis(300)).await;
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "record outlived its retention"
+    );
+    acquired(begin(&*store, &id, fp("f"), LONG).await);
+}
+
+/// In-progress records abandoned by their holder are forgotten too, `retention` after their
+/// lease deadline.
+pub async fn abandoned_records_expire(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let retention = Duration::from_millis(200);
+    let token = FencingToken::random();
+    acquired(begin_with(&*store, &id, fp("f"), token, SHORT, retention).await);
+    sleep(SHORT + retention + Duration::from_millis(300)).await;
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "abandoned record kept"
+    );
+}
+
+/// The same key in two scopes is two records: neither sees the other's state or response.
+pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
+    let base = scope();
+    let tenant_a = Scope::new(format!("{base}-a")).expect("scope");
+    let tenant_b = Scope::new(format!("{base}-b")).expect("scope");
+    // Scopes and keys that would collide under naive concatenation.
+    let tricky = [
+        (Scope::new(format!("{base}:x")).expect("scope"), "y"),
+        (Scope::new(format!("{base}")).expect("scope"), ":xy"),
+        (Scope::new(format!("{base}:")).expect("scope"), "xy"),
+    ];
+    let a = acquired(begin(&*store, &id(&tenant_a, "same"), fp("f"), LONG).await);
+    let b = acquired(begin(&*store, &id(&tenant_b, "same"), fp("f"), LONG).await);
+    store
+        .complete(&a, &ok_response("for a"), KEEP)
+        .await
+        .expect("complete");
+    assert!(matches!(
+        begin(&*store, &id(&tenant_b, "same"), fp("f"), LONG).await,
+        Begin::InFlight { .. }
+    ));
+    store
+        .complete(&b, &ok_response("for b"), KEEP)
+        .await
+        .expect("complete");
+    assert_eq!(
+        replayed(&*store, &id(&tenant_a, "same"), fp("f"))
+            .await
+            .response
+            .body,
+        "for a"
+    );
+    assert_eq!(
+        replayed(&*store, &id(&tenant_b, "same"), fp("f"))
+            .await
+            .response
+            .body,
+        "for b"
+    );
+    for (i, (scope, key)) in tricky.iter().enumerate() {
+        let lease = acquired(begin(&*store, &id(scope, key), fp("f"), LONG).await);
+        store
+            .complete(&lease, &ok_response(&format!("tricky-{i}")), KEEP)
+            .await
+            .expect("complete");
+    }
+    for (i, (scope, key)) in tricky.iter().enumerate() {
+        let back = replayed(&*store, &id(scope, key), fp("f")).await;
+        assert_eq!(back.response.body, format!("tricky-{i}").as_bytes());
+    }
+}
+
+/// `get` shows each state, and `evict` removes a record whatever its state.
+pub async fn get_and_evict(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    assert!(store.get(&id).await.expect("get").is_none());
+    let lease = acquired(begin(&*store, &id, fp("f"), LONG).await);
+    let record = store.get(&id).await.expect("get").expect("record");
+    assert_eq!(record.fingerprint, fp("f"));
+    assert_eq!(record.attempt, 1);
+    match record.state {
+        RecordState::InProgress {
+            token,
+            lease_remaining,
+        } => {
+            assert_eq!(token, lease.token());
+            assert!(lease_remaining <= LONG && lease_remaining > Duration::ZERO);
+        }
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    store
+        .complete(&lease, &ok_response("r"), KEEP)
+        .await
+        .expect("complete");
+    let record = store.get(&id).await.expect("get").expect("record");
+    assert_eq!(record.state, RecordState::Completed(ok_response("r")));
+    assert!(record.expires_in <= KEEP);
+    assert!(store.evict(&id).await.expect("evict"));
+    assert!(!store.evict(&id).await.expect("evict"));
+    assert!(store.get(&id).await.expect("get").is_none());
+    acquired(begin(&*store, &id, fp("f"), LONG).await);
+}
+
+/// Concurrent completes, releases and extends of one lease leave one coherent outcome.
+pub async fn racing_writers_on_one_lease(store: Arc<dyn Store>) {
+    let scope = scope();
+    for round in 0..20 {
+        let id = id(&scope, &format!("k{round}"));
+        let lease = acquired(begin(&*store, &id, fp("f"), LONG).await);
+        let (s1, s2, l1, l2) = (store.clone(), store.clone(), lease.clone(), lease.clone());
+        let complete = tokio::spawn(async move { s1.complete(&l1, &ok_response("c"), KEEP).await });
+        let release = tokio::spawn(async move { s2.release(&l2).await });
+        let completed = complete.await.expect("task").is_ok();
+        let released = release.await.expect("task").is_ok();
+        match (completed, released) {
+            (true, false) => {
+                assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "c")
+            }
+            (false, true) => assert!(store.get(&id).await.expect("get").is_none()),
+            other => panic!("complete/release both {other:?}: exactly one must win"),
+        }
+    }
+}
+
+/// A store pointed at nothing answers [`Error::Unavailable`] within a bounded time.
+pub async fn unreachable_is_unavailable(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "k");
+    let started = Instant::now();
+    let answer = timeout(
+        Duration::from_secs(20),
+        store.begin(BeginRequest {
+            id: &id,
+            fingerprint: fp("f"),
+            token: FencingToken::random(),
+            lease: LONG,
+            retention: KEEP,
+        }),
+    )
+    .await
+    .expect("an unreachable store must answer within its own time limit, not hang");
+    match answer {
+        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(15));
+}

@@ -1,0 +1,52 @@
+//! Finding the servers tests run against.
+//!
+//! Backends come from environment URLs: `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`.
+//! `scripts/test` (the README's test command) sets them, starting throwaway servers from the
+//! binaries on `PATH` when they are not set. When a URL is missing, a test prints why and
+//! returns early, unless `IDEM_TEST_REQUIRE_BACKENDS=1`, which makes it fail instead: CI sets
+//! it, so nothing skips there.
+
+use std::net::TcpListener;
+
+/// Whether a missing backend fails the run (`IDEM_TEST_REQUIRE_BACKENDS=1`).
+pub fn backends_required() -> bool {
+    std::env::var("IDEM_TEST_REQUIRE_BACKENDS").is_ok_and(|v| v == "1" || v == "true")
+}
+
+/// The URL in `var`, or `None` with a printed reason. Panics when backends are required.
+pub fn url_from_env(var: &str, what: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            let why = format!(
+                "{what} tests need {var}: run them through `scripts/test`, which starts a \
+                 throwaway {what} server, or set {var} to a server of yours"
+            );
+            if backends_required() {
+                panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {why}");
+            }
+            eprintln!("skipping: {why}");
+            None
+        }
+    }
+}
+
+/// The Redis URL for tests (`IDEM_TEST_REDIS_URL`), e.g. `redis://127.0.0.1:6379`.
+pub fn redis_url() -> Option<String> {
+    url_from_env("IDEM_TEST_REDIS_URL", "Redis")
+}
+
+/// The PostgreSQL URL for tests (`IDEM_TEST_DATABASE_URL`), e.g.
+/// `postgres://postgres@127.0.0.1:5432/test`.
+pub fn database_url() -> Option<String> {
+    url_from_env("IDEM_TEST_DATABASE_URL", "PostgreSQL")
+}
+
+/// A loopback port that was free a moment ago (the OS picked it). Another process may take
+/// it before the caller binds it; callers that start servers retry on a new port.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("the OS hands out a free loopback port")
+}

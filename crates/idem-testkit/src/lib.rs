@@ -1,0 +1,70 @@
+//! # idem-testkit
+//!
+//! The conformance suite of idem: every [`idem_core::Store`] must pass it. It is written
+//! once, as plain async functions in [`cases`], and instantiated for a backend with
+//! [`conformance_suite!`], so a third-party store can run it too:
+//!
+//! ```ignore
+//! // tests/my_store.rs (needs tokio with the "macros" and "rt-multi-thread" features)
+//! mod my_store {
+//!     use std::sync::Arc;
+//!     use idem_core::Store;
+//!
+//!     async fn store() -> Option<Arc<dyn Store>> {
+//!         Some(Arc::new(my_crate::MyStore::connect("...").await.unwrap()))
+//!     }
+//!     async fn unreachable() -> Arc<dyn Store> {
+//!         Arc::new(my_crate::MyStore::lazy("127.0.0.1:1"))
+//!     }
+//!     idem_testkit::conformance_suite!(store, unreachable = unreachable);
+//! }
+//! ```
+//!
+//! The factory returns `None` when its server is missing (after printing why; see
+//! [`harness`]), and must panic instead when [`harness::backends_required`].
+
+pub mod cases;
+pub mod harness;
+
+/// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
+/// `$store` (an `async fn() -> Option<Arc<dyn Store>>`) for a fresh store. With
+/// `unreachable = $f` (an `async fn() -> Arc<dyn Store>` pointed at a closed port) it adds
+/// the unavailability case.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($store:path) => {
+        $crate::conformance_suite!(@cases $store;
+            one_winner,
+            replay_is_byte_exact,
+            mismatch,
+            lease_expiry_and_takeover,
+            stale_lease_after_release_and_reacquire,
+            same_attempt_gets_its_lease_back,
+            extend_keeps_lease_alive,
+            expired_lease_not_taken_over_can_complete,
+            release_lets_a_retry_run,
+            completed_records_expire,
+            abandoned_records_expire,
+            scopes_are_isolated,
+            get_and_evict,
+            racing_writers_on_one_lease
+        );
+    };
+    ($store:path, unreachable = $unreachable:path) => {
+        $crate::conformance_suite!($store);
+
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn unreachable_is_unavailable() {
+            $crate::cases::unreachable_is_unavailable($unreachable().await).await;
+        }
+    };
+    (@cases $store:path; $($case:ident),* $(,)?) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                let Some(store) = $store().await else { return };
+                $crate::cases::$case(store).await;
+            }
+        )*
+    };
+}

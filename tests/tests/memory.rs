@@ -1,0 +1,13 @@
+//! The conformance suite on the embedded in-memory store.
+
+mod memory {
+    use std::sync::Arc;
+
+    use idem_core::{MemoryStore, Store};
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        Some(Arc::new(MemoryStore::new()))
+    }
+
+    idem_testkit::conformance_suite!(store);
+}
