@@ -10,10 +10,13 @@
 -- deletes it). All times come from the database clock (clock_timestamp()).
 --
 -- Built for a high insert, update and delete rate:
---   * fillfactor 80 leaves room on each page, so the no-op update that `begin` makes on an
---     existing row (a replay, an in-flight answer, a mismatch) is a HOT update: it touches no
---     indexed column, writes no index entry, and its dead version is pruned with the page
---     without waiting for vacuum.
+--   * fillfactor 80 leaves room on each page for the updates every record goes through
+--     (complete; sometimes extend or a takeover): PostgreSQL puts the new row version on
+--     the same page when it fits, so an update dirties one heap page and needs no search for
+--     free space, and the old version's space is reclaimed by page pruning on a later visit,
+--     before vacuum comes round. An update that changes no indexed column (a begin that
+--     finds the row changed since its snapshot and leaves it as it is) is HOT as well: no
+--     index entry at all.
 --   * two indexes only: the primary key, which `begin` needs for ON CONFLICT, and expires_at,
 --     which lets the purge take the oldest expired rows in bounded batches without a scan.
 --   * no foreign keys and no triggers: every write is one row and takes one row lock.

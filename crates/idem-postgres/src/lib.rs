@@ -50,17 +50,24 @@
 //!
 //! ## How `begin` stays atomic
 //!
-//! `begin` is one `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... RETURNING` (see
-//! `src/sql/begin.sql`). The obvious `ON CONFLICT DO NOTHING` is wrong at READ COMMITTED:
-//! the loser of a race gets no row back, and a read in the same statement uses a snapshot
-//! taken before the winner committed, so it sees no row either. `DO UPDATE` instead waits
-//! for the winner's transaction, locks the row's latest committed version and always
-//! returns it. The update's `CASE`s take an expired lease over (same fingerprint, another
-//! token, deadline passed), restart a record past its expiry as a fresh one, and otherwise
-//! set every column to itself. That no-op update locks the row for the statement and
-//! changes no indexed column, so it is a cheap HOT update. The returned row is then read as
-//! one of the five outcomes: the request's own token on it means it holds the lease
-//! (acquired, taken over, or the same attempt sent twice).
+//! `begin` is one statement (see `src/sql/begin.sql`) with two branches:
+//!
+//! - It first reads the record in the statement's snapshot. When the record needs no change
+//!   (completed, in flight under a live lease, held by this very token, or created by
+//!   another request) that read is the answer, and nothing is written or locked: replays,
+//!   in-flight answers (a waiter's polling included) and mismatches are plain index
+//!   lookups, and cannot conflict with the holder's `complete`.
+//! - Otherwise it runs `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... RETURNING`. The
+//!   obvious `ON CONFLICT DO NOTHING` is wrong at READ COMMITTED: the loser of a race gets
+//!   no row back, and a read in the same statement uses a snapshot taken before the winner
+//!   committed, so it sees no row either. `DO UPDATE` instead waits for the winner's
+//!   transaction, locks the row's latest committed version and always returns it. Its
+//!   `CASE`s decide on that version: take an expired lease over (same fingerprint, another
+//!   token, deadline passed), restart a record past its expiry as a fresh one, or set every
+//!   column to itself (the row changed since the snapshot and needs nothing).
+//!
+//! The returned row is read as one of the five outcomes: the request's own token on it
+//! means it holds the lease (acquired, taken over, or the same attempt sent twice).
 //!
 //! Under REPEATABLE READ or SERIALIZABLE, PostgreSQL may abort such a statement with a
 //! serialization failure (`40001`) or deadlock (`40P01`). The store's own calls resend it
@@ -158,10 +165,10 @@
 //! Every key is inserted, updated once or twice and deleted within its retention, so the
 //! table is mostly churn. The migration (`migrations/0001_records.sql`) therefore:
 //!
-//! - sets `fillfactor = 80`, leaving room on each page for the updates that change no
-//!   indexed column (the no-op update of a `begin` that replays or finds the key in flight):
-//!   these are HOT updates, which write no index entry and whose dead versions are pruned
-//!   with the page, without waiting for vacuum;
+//! - sets `fillfactor = 80`, leaving room on each page for the update every record goes
+//!   through (its completion, sometimes an extension or a takeover): the new row version
+//!   lands on the same page, so an update dirties one heap page, and page pruning reclaims
+//!   the old version's space before vacuum comes round;
 //! - has two indexes only: the primary key `(scope, key)`, which `ON CONFLICT` needs, and
 //!   `expires_at`, which lets a purge batch take the oldest expired rows without a scan;
 //! - has no foreign keys or triggers: each write is one row and one row lock;

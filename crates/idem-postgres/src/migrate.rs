@@ -62,7 +62,10 @@ async fn run(conn: &mut PgConnection, schema: &Schema) -> Result<(), Error> {
         .execute(&mut *conn)
         .await
         .map_err(error::map)?;
-    MIGRATOR.run(&mut *conn).await.map_err(map_migrate)
+    // `run_direct` rather than `run`: `run` goes through `Acquire`, whose higher-ranked
+    // bounds make the future not `Send` for `&mut PgConnection` (sqlx keeps `run_direct`
+    // public for exactly this), and callers spawn `migrate` on multi-threaded runtimes.
+    MIGRATOR.run_direct(conn).await.map_err(map_migrate)
 }
 
 /// Creates the schema unless it exists. Looks first, so a role without the CREATE privilege

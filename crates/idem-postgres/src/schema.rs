@@ -84,11 +84,17 @@ mod tests {
     fn names_are_validated_and_quoted() {
         assert_eq!(Schema::new("idem").unwrap().quoted(), "\"idem\"");
         assert_eq!(Schema::new("a\"b").unwrap().quoted(), "\"a\"\"b\"");
-        assert_eq!(Schema::new("Mixed Case").unwrap().quoted(), "\"Mixed Case\"");
+        assert_eq!(
+            Schema::new("Mixed Case").unwrap().quoted(),
+            "\"Mixed Case\""
+        );
         assert!(matches!(Schema::new(""), Err(Error::Invalid(_))));
         assert!(matches!(Schema::new("a\0b"), Err(Error::Invalid(_))));
         assert!(Schema::new(&"s".repeat(63)).is_ok());
-        assert!(matches!(Schema::new(&"s".repeat(64)), Err(Error::Invalid(_))));
+        assert!(matches!(
+            Schema::new(&"s".repeat(64)),
+            Err(Error::Invalid(_))
+        ));
     }
 
     #[test]
