@@ -10,4 +10,9 @@ mod memory {
     }
 
     idem_testkit::conformance_suite!(store);
+
+    #[tokio::test]
+    async fn stats_count_by_state() {
+        idem_testkit::cases::stats_count_by_state(Arc::new(MemoryStore::new())).await;
+    }
 }

@@ -40,6 +40,14 @@ pub enum Error {
     /// The lease was taken over, released, or its record expired: nothing was changed.
     #[error("lease lost: the key was taken over, released or expired, and nothing was changed")]
     LeaseLost,
+    /// The store does not offer this operation.
+    #[error("the {store} store does not support {what}")]
+    Unsupported {
+        /// The backend's name.
+        store: &'static str,
+        /// The operation.
+        what: &'static str,
+    },
     /// A request to the store was refused before it was sent (for example a body over the
     /// store's limit).
     #[error("invalid request: {0}")]

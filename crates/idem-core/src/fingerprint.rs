@@ -188,8 +188,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
                 if i > 0 {
                     out.push(b',');
                 }
-                // Serialising a string cannot fail.
-                out.extend_from_slice(serde_json::to_string(k).unwrap_or_default().as_bytes());
+                write_json(k.as_str(), out);
                 out.push(b':');
                 write_canonical(v, out);
             }
@@ -205,8 +204,14 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             }
             out.push(b']');
         }
-        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
+        scalar => write_json(scalar, out),
     }
+}
+
+/// Writes any serialisable JSON piece straight into `out`, with no intermediate `String`.
+fn write_json<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
+    // Serialising a string or a `Value` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 /// Removes the value at an RFC 6901 pointer, if there is one.

@@ -91,4 +91,4 @@ pub use record::{
     decode_meta, encode_meta, Completion, CompletionKind, DecodeError, FencingToken, Lease, Record,
     RecordState, Replay, Response,
 };
-pub use store::{Begin, BeginRequest, Store};
+pub use store::{Begin, BeginRequest, Stats, Store};

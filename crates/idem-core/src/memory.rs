@@ -12,9 +12,9 @@ use tokio::time::Instant;
 use crate::clock::{Clock, SystemClock};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::key::RecordId;
-use crate::record::{Completion, FencingToken, Lease, Record, RecordState, Replay};
-use crate::store::{Begin, BeginRequest, Store};
+use crate::key::{RecordId, Scope};
+use crate::record::{Completion, CompletionKind, FencingToken, Lease, Record, RecordState, Replay};
+use crate::store::{Begin, BeginRequest, Stats, Store};
 
 const SHARDS: usize = 32;
 /// Expired records removed per write, at most: enough to outpace inserts (one per `begin`)
@@ -324,6 +324,31 @@ impl Store for MemoryStore {
         let existed = shard.live(id, now).is_some();
         shard.remove(id);
         Ok(existed)
+    }
+
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        let now = self.inner.clock.now();
+        let mut stats = Stats::default();
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            let live = shard.records.iter().filter(|(id, entry)| {
+                entry.expiry.0 > now && scope.is_none_or(|s| id.scope() == s)
+            });
+            for (_, entry) in live {
+                match &entry.state {
+                    State::InProgress { deadline, .. } if *deadline > now => stats.in_flight += 1,
+                    State::InProgress { deadline, .. } => {
+                        stats.expired_leases += 1;
+                        if now.saturating_sub(*deadline) > stuck_after {
+                            stats.stuck += 1;
+                        }
+                    }
+                    State::Completed(c) if c.kind == CompletionKind::Failed => stats.failed += 1,
+                    State::Completed(_) => stats.succeeded += 1,
+                }
+            }
+        }
+        Ok(stats)
     }
 }
 

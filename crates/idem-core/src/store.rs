@@ -7,7 +7,7 @@ use async_trait::async_trait;
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::key::RecordId;
+use crate::key::{RecordId, Scope};
 use crate::record::{Completion, FencingToken, Lease, Record, Replay};
 
 /// What `begin` asks of a store.
@@ -48,6 +48,22 @@ pub enum Begin {
     /// The key was used with a different fingerprint: the request is not a retry of the
     /// original one and must be refused.
     Mismatch,
+}
+
+/// Counts of records by state, for operators (`idem stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// In progress under a live lease.
+    pub in_flight: u64,
+    /// In progress with a lease that expired and that nobody has taken over yet.
+    pub expired_leases: u64,
+    /// Of those, the leases that expired longer ago than the `stuck_after` asked for: the
+    /// work was abandoned (a crashed worker) and no retry came. The alarm to watch.
+    pub stuck: u64,
+    /// Completed with a success.
+    pub succeeded: u64,
+    /// Completed with a stored terminal failure.
+    pub failed: u64,
 }
 
 /// A storage backend: the atomic steps of the state machine.
@@ -130,4 +146,19 @@ pub trait Store: Send + Sync + fmt::Debug {
     ///
     /// Store errors.
     async fn evict(&self, id: &RecordId) -> Result<bool, Error>;
+
+    /// Counts live records by state, in one scope or in all (an operator's tool; it may scan
+    /// and is not meant for the hot path). Leases that expired more than `stuck_after` ago
+    /// count as [`Stats::stuck`].
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Unsupported`] from stores that cannot count (the default).
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        let _ = (scope, stuck_after);
+        Err(Error::Unsupported {
+            store: self.name(),
+            what: "stats",
+        })
+    }
 }

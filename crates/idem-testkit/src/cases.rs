@@ -534,3 +534,53 @@ pub async fn unreachable_is_unavailable(store: Arc<dyn Store>) {
     }
     assert!(started.elapsed() < Duration::from_secs(15));
 }
+
+/// `stats` counts live records by state within a scope, and flags leases that expired
+/// longer ago than the threshold as stuck.
+pub async fn stats_count_by_state(store: Arc<dyn Store>) {
+    let scope = scope();
+    let s = &*store;
+    for k in ["live-1", "live-2"] {
+        acquired(begin(s, &id(&scope, k), fp("f"), LONG).await);
+    }
+    acquired(begin(s, &id(&scope, "abandoned"), fp("f"), SHORT).await);
+    let ok = acquired(begin(s, &id(&scope, "ok"), fp("f"), LONG).await);
+    s.complete(&ok, &ok_response("ok"), KEEP)
+        .await
+        .expect("complete");
+    let bad = acquired(begin(s, &id(&scope, "bad"), fp("f"), LONG).await);
+    let failure = Completion::failed(Response::new(402, "declined"));
+    s.complete(&bad, &failure, KEEP).await.expect("complete");
+    let released = acquired(begin(s, &id(&scope, "released"), fp("f"), LONG).await);
+    s.release(&released).await.expect("release");
+    // Another scope's records are not counted.
+    acquired(begin(s, &id(&self::scope(), "elsewhere"), fp("f"), LONG).await);
+    sleep(PAST_SHORT).await;
+
+    let stats = s.stats(Some(&scope), Duration::ZERO).await.expect("stats");
+    assert_eq!(
+        (
+            stats.in_flight,
+            stats.expired_leases,
+            stats.stuck,
+            stats.succeeded,
+            stats.failed
+        ),
+        (2, 1, 1, 1, 1),
+        "{stats:?}"
+    );
+    let patient = s
+        .stats(Some(&scope), Duration::from_secs(3600))
+        .await
+        .expect("stats");
+    assert_eq!(
+        (patient.expired_leases, patient.stuck),
+        (1, 0),
+        "{patient:?}"
+    );
+    let all = s.stats(None, Duration::ZERO).await.expect("stats");
+    assert!(
+        all.in_flight >= 3,
+        "stats over every scope missed some: {all:?}"
+    );
+}

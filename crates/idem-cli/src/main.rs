@@ -1,0 +1,268 @@
+//! `idem`: the demo payments service behind the idempotency middleware, and the operator
+//! commands.
+//!
+//! Exit codes: 0 success; 1 no such record; 2 bad input, or a command or backend this
+//! build does not support; 3 a store or I/O error.
+
+use std::fmt;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use idem_core::{Key, RecordId, Scope};
+
+mod ops;
+mod serve;
+mod store;
+
+use store::StoreUrl;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem",
+    version,
+    about = "Idempotency keys for HTTP APIs and message consumers: a demo service and operator tools",
+    after_help = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, 3 store or I/O error."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the demo payments API behind the idempotency middleware.
+    Serve(ServeArgs),
+    /// Show one record: state, lease holder and time left, attempts, expiry, stored response.
+    Inspect(RecordArgs),
+    /// Delete one record whatever its state, so that the key runs again.
+    Evict(RecordArgs),
+    /// Count records by state and list in-progress records older than a threshold
+    /// (not implemented yet: the store interface cannot count).
+    Stats(StatsArgs),
+}
+
+#[derive(Debug, Args)]
+struct StoreArg {
+    /// The store: `memory` (this process only), `redis://HOST:PORT`, `postgres://USER@HOST/DB`.
+    #[arg(long, env = "IDEM_STORE", default_value = "memory")]
+    store: String,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// Address to listen on; port 0 picks a free port (the URL is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    store: StoreArg,
+    /// Make a request for a key in flight wait up to this many milliseconds for the first
+    /// request's response, instead of answering 409 at once.
+    #[arg(long, value_name = "MS")]
+    wait_ms: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+struct RecordArgs {
+    /// The idempotency key.
+    key: String,
+    /// The key's scope (in the demo: the caller's name); the global scope when absent.
+    #[arg(long, default_value = "")]
+    scope: String,
+    #[command(flatten)]
+    store: StoreArg,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct StatsArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    /// Count one scope only (all scopes when absent).
+    #[arg(long)]
+    scope: Option<String>,
+    /// In-progress records whose lease expired more than this many seconds ago count as
+    /// stuck.
+    #[arg(long, default_value_t = 300, value_name = "SECS")]
+    stuck_after: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Why a command failed; each kind has its exit code.
+#[derive(Debug)]
+pub enum CliError {
+    /// No such record (exit 1).
+    NotFound(String),
+    /// Bad input (exit 2).
+    Usage(String),
+    /// Not supported by this build (exit 2).
+    Unsupported(String),
+    /// The store failed (exit 3).
+    Store(idem_core::Error),
+    /// An I/O error (exit 3).
+    Io(std::io::Error),
+}
+
+impl CliError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            Self::NotFound(_) => 1,
+            Self::Usage(_) | Self::Unsupported(_) => 2,
+            Self::Store(_) | Self::Io(_) => 3,
+        }
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotFound(m) | Self::Usage(m) | Self::Unsupported(m) => f.write_str(m),
+            Self::Store(e) => write!(f, "store error: {e}"),
+            Self::Io(e) => write!(f, "I/O error: {e}"),
+        }
+    }
+}
+
+impl From<idem_core::Error> for CliError {
+    fn from(e: idem_core::Error) -> Self {
+        Self::Store(e)
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "idem: cannot start the async runtime: {e}"
+            );
+            return ExitCode::from(3);
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(output) => {
+            // A closed stdout (say, `idem inspect ... | head -1`) is not an error worth a
+            // panic: the output was not wanted.
+            let _ = std::io::stdout().write_all(output.as_bytes());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "idem: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+async fn run(command: Command) -> Result<String, CliError> {
+    match command {
+        Command::Serve(args) => {
+            let store = StoreUrl::parse(&args.store.store)?.open().await?;
+            let listener = tokio::net::TcpListener::bind(args.listen)
+                .await
+                .map_err(|e| CliError::Usage(format!("cannot listen on {}: {e}", args.listen)))?;
+            let options = serve::Options {
+                wait: args.wait_ms.map(Duration::from_millis),
+            };
+            serve::run(listener, store, &options, shutdown_signal()).await?;
+            Ok("idem demo: stopped\n".into())
+        }
+        Command::Inspect(args) => {
+            let (store, id) = open_for_record(&args).await?;
+            ops::inspect(store.as_ref(), &id, args.json).await
+        }
+        Command::Evict(args) => {
+            let (store, id) = open_for_record(&args).await?;
+            ops::evict(store.as_ref(), &id, args.json).await
+        }
+        Command::Stats(args) => {
+            let url = StoreUrl::parse(&args.store.store)?;
+            refuse_memory(&url)?;
+            let scope = args
+                .scope
+                .map(Scope::new)
+                .transpose()
+                .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
+            let store = url.open().await?;
+            let stuck_after = Duration::from_secs(args.stuck_after);
+            ops::stats(store.as_ref(), scope.as_ref(), stuck_after, args.json).await
+        }
+    }
+}
+
+/// Opens the store of an operator command, refusing the memory store: it lives inside one
+/// process, so another process has nothing to inspect.
+async fn open_for_record(
+    args: &RecordArgs,
+) -> Result<(std::sync::Arc<dyn idem_core::Store>, RecordId), CliError> {
+    let key = Key::new(args.key.clone())
+        .map_err(|e| CliError::Usage(format!("invalid key {:?}: {e}", args.key)))?;
+    let scope = Scope::new(args.scope.clone())
+        .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
+    let url = StoreUrl::parse(&args.store.store)?;
+    refuse_memory(&url)?;
+    Ok((url.open().await?, RecordId::new(scope, key)))
+}
+
+/// The operator commands refuse the memory store: it lives inside one process, so another
+/// process has nothing to read.
+fn refuse_memory(url: &StoreUrl) -> Result<(), CliError> {
+    if *url == StoreUrl::Memory {
+        return Err(CliError::Unsupported(
+            "the memory store lives inside one `idem serve` process and cannot be read from \
+             another; pass --store with a shared store (redis://..., postgres://...)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            // No Ctrl-C handler could be installed: wait for SIGTERM only.
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    let _ = writeln!(std::io::stderr(), "idem demo: shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,428 @@
+//! `idem serve`: a small payments API behind the idempotency middleware.
+//!
+//! - `POST /payments` `{"amount": 1250, "currency": "EUR"}` creates a payment (the side
+//!   effect) and answers 201 with it; `Idempotency-Key` is required, `Authorization:
+//!   Bearer <name>` names the caller and scopes the keys, `X-Demo-Delay-Ms: <n>` makes the
+//!   handler take that long, to show races.
+//! - `GET /payments/{id}` reads one of the caller's payments; `GET /payments` lists them,
+//!   so anyone can count how many times the side effect really ran.
+//! - `GET /metrics`: Prometheus text, guarded requests by outcome.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use idem_core::{Idem, Scope, Store};
+use idem_http::{Config, IdempotencyLayer, MissingKey, Outcome};
+use serde::Serialize;
+
+/// The header that makes the handler sleep, to show races.
+pub const DELAY_HEADER: &str = "x-demo-delay-ms";
+/// The longest accepted demo delay.
+const MAX_DELAY: Duration = Duration::from_secs(60);
+
+/// One payment, as stored and as answered.
+#[derive(Debug, Clone, Serialize)]
+pub struct Payment {
+    id: String,
+    amount: u64,
+    currency: String,
+    status: &'static str,
+    created_at: String,
+    #[serde(skip)]
+    owner: String,
+}
+
+/// The demo's state: its payments and its counters.
+#[derive(Debug, Default)]
+pub struct Demo {
+    payments: Mutex<Vec<Payment>>,
+    outcomes: HashMap<&'static str, AtomicU64>,
+    created: AtomicU64,
+}
+
+impl Demo {
+    fn new() -> Self {
+        Self {
+            outcomes: Outcome::ALL
+                .iter()
+                .map(|o| (o.as_str(), AtomicU64::new(0)))
+                .collect(),
+            ..Self::default()
+        }
+    }
+
+    fn count(&self, outcome: Outcome) {
+        if let Some(counter) = self.outcomes.get(outcome.as_str()) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn payments(&self) -> std::sync::MutexGuard<'_, Vec<Payment>> {
+        self.payments.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Settings of the demo service.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// When set, a request for a key in flight waits this long for the first one's response
+    /// instead of answering 409 at once.
+    pub wait: Option<Duration>,
+}
+
+/// The demo's router over `store`.
+pub fn app(store: Arc<dyn Store>, options: &Options) -> Router {
+    let demo = Arc::new(Demo::new());
+    let idem = Idem::from_arc(store).with_config(idem_core::Config {
+        wait: options.wait,
+        ..idem_core::Config::default()
+    });
+    let counter = demo.clone();
+    let layer = IdempotencyLayer::new(idem)
+        .with_config(Config::default().with_missing_key(MissingKey::Reject))
+        .with_scope(|parts| caller(&parts.headers).and_then(|name| Scope::new(name).ok()))
+        .with_observer(move |outcome| counter.count(outcome));
+
+    // Only the payment routes are guarded: /metrics stays readable when the store is down.
+    let payments = Router::new()
+        .route("/payments", get(list_payments).post(create_payment))
+        .route("/payments/{id}", get(get_payment))
+        .layer(layer);
+    Router::new()
+        .route("/metrics", get(metrics))
+        .merge(payments)
+        .fallback(|| async {
+            problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "Not found",
+                "no such route",
+            )
+        })
+        .with_state(demo)
+}
+
+/// Serves the demo on `listener` until `shutdown` resolves, printing the URL first.
+///
+/// # Errors
+///
+/// I/O errors of the listener.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    store: Arc<dyn Store>,
+    options: &Options,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let addr: SocketAddr = listener.local_addr()?;
+    // Written with errors ignored: whoever started the server may have closed our stdout
+    // after reading the URL, and that must not stop the server.
+    let mut out = std::io::stdout();
+    let _ = writeln!(
+        out,
+        "idem demo: payments API listening on http://{addr} (store: {})",
+        store.name()
+    );
+    let _ = writeln!(
+        out,
+        "try: curl -i -X POST http://{addr}/payments -H 'Authorization: Bearer alice' \
+         -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' \
+         -d '{{\"amount\": 1250, \"currency\": \"EUR\"}}'"
+    );
+    let _ = out.flush();
+    axum::serve(listener, app(store, options))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// The longest caller name accepted.
+const MAX_CALLER: usize = 64;
+
+/// The caller named by `Authorization: Bearer <name>` (a demo: the token is the name, at
+/// most 64 bytes). The middleware's scope and the handlers use this one function, so a
+/// request the handlers treat as anonymous is also keyed as anonymous.
+fn caller(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.trim().split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty() && token.len() <= MAX_CALLER)
+        .then(|| token.to_owned())
+}
+
+fn problem(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Response {
+    let doc = idem_http::problem_json(
+        &format!("urn:idem:demo:{kind}"),
+        title,
+        status,
+        &detail.into(),
+    );
+    let mut response = (status, doc).into_response();
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static(idem_http::PROBLEM_JSON),
+    );
+    response
+}
+
+fn unauthorized() -> Response {
+    let mut response = problem(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "Caller unknown",
+        "send Authorization: Bearer <your name>",
+    );
+    response.headers_mut().insert(
+        "www-authenticate",
+        HeaderValue::from_static("Bearer realm=\"idem-demo\""),
+    );
+    response
+}
+
+async fn create_payment(
+    State(demo): State<Arc<Demo>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let Some(owner) = caller(&headers) else {
+        return unauthorized();
+    };
+    let request: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-json",
+                "Body is not JSON",
+                format!(
+                "expected a JSON object such as {{\"amount\": 1250, \"currency\": \"EUR\"}}: {e}"
+            ),
+            )
+        }
+    };
+    let (amount, currency) = match validate(&request) {
+        Ok(fields) => fields,
+        Err(detail) => {
+            return problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid-payment",
+                "Invalid payment",
+                detail,
+            )
+        }
+    };
+    if let Some(value) = headers.get(DELAY_HEADER) {
+        let delay = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_millis)
+            .filter(|d| *d <= MAX_DELAY);
+        let Some(delay) = delay else {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-delay",
+                "Invalid delay",
+                format!("{DELAY_HEADER} must be a whole number of milliseconds, at most 60000"),
+            );
+        };
+        tokio::time::sleep(delay).await;
+    }
+
+    // The side effect.
+    let payment = Payment {
+        id: format!("pay_{}", &uuid::Uuid::new_v4().simple().to_string()[..16]),
+        amount,
+        currency,
+        status: "succeeded",
+        created_at: rfc3339(SystemTime::now()),
+        owner,
+    };
+    demo.payments().push(payment.clone());
+    demo.created.fetch_add(1, Ordering::Relaxed);
+
+    let location = format!("/payments/{}", payment.id);
+    let mut response = (StatusCode::CREATED, Json(&payment)).into_response();
+    if let Ok(location) = HeaderValue::from_str(&location) {
+        response.headers_mut().insert(LOCATION, location);
+    }
+    response
+}
+
+/// Checks `{"amount": <positive integer, minor units>, "currency": "<ISO 4217 code>"}`.
+fn validate(request: &serde_json::Value) -> Result<(u64, String), String> {
+    let Some(object) = request.as_object() else {
+        return Err("the body must be a JSON object".into());
+    };
+    if let Some(unknown) = object
+        .keys()
+        .find(|k| !matches!(k.as_str(), "amount" | "currency"))
+    {
+        return Err(format!(
+            "unknown field {unknown:?}: only amount and currency are accepted"
+        ));
+    }
+    let amount = match object.get("amount") {
+        Some(v) => v
+            .as_u64()
+            .filter(|a| (1..=100_000_000).contains(a))
+            .ok_or("amount must be a whole number of minor units from 1 to 100000000")?,
+        None => return Err("amount is required".into()),
+    };
+    let currency = match object.get("currency").and_then(|v| v.as_str()) {
+        Some(c) if c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()) => c.to_owned(),
+        Some(_) => return Err("currency must be three capital letters, such as EUR".into()),
+        None => return Err("currency is required (a string such as \"EUR\")".into()),
+    };
+    Ok((amount, currency))
+}
+
+async fn get_payment(
+    State(demo): State<Arc<Demo>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let Some(owner) = caller(&headers) else {
+        return unauthorized();
+    };
+    let found = demo
+        .payments()
+        .iter()
+        .find(|p| p.id == id && p.owner == owner)
+        .cloned();
+    match found {
+        Some(payment) => Json(payment).into_response(),
+        None => problem(
+            StatusCode::NOT_FOUND,
+            "payment-not-found",
+            "Payment not found",
+            format!("{owner} has no payment {id}"),
+        ),
+    }
+}
+
+async fn list_payments(State(demo): State<Arc<Demo>>, headers: HeaderMap) -> Response {
+    let Some(owner) = caller(&headers) else {
+        return unauthorized();
+    };
+    let payments: Vec<Payment> = demo
+        .payments()
+        .iter()
+        .filter(|p| p.owner == owner)
+        .cloned()
+        .collect();
+    Json(serde_json::json!({ "count": payments.len(), "payments": payments })).into_response()
+}
+
+async fn metrics(State(demo): State<Arc<Demo>>) -> Response {
+    let mut out = String::new();
+    out.push_str(
+        "# HELP idem_requests_total Guarded requests by what the idempotency layer did.\n\
+         # TYPE idem_requests_total counter\n",
+    );
+    for outcome in Outcome::ALL {
+        let n = demo
+            .outcomes
+            .get(outcome.as_str())
+            .map_or(0, |c| c.load(Ordering::Relaxed));
+        let _ = writeln!(out, "idem_requests_total{{outcome=\"{outcome}\"}} {n}");
+    }
+    out.push_str(
+        "# HELP idem_demo_payments_created_total Payments created: runs of the side effect.\n\
+         # TYPE idem_demo_payments_created_total counter\n",
+    );
+    let _ = writeln!(
+        out,
+        "idem_demo_payments_created_total {}",
+        demo.created.load(Ordering::Relaxed)
+    );
+    let mut response = Response::new(Body::from(out));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    response
+}
+
+/// `2025-01-31T12:34:56Z` from a system time (UTC, whole seconds).
+fn rfc3339(time: SystemTime) -> String {
+    let secs = time.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// The proleptic Gregorian date of a day count since 1970-01-01 (Howard Hinnant's
+/// `civil_from_days`, for non-negative counts).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        let t = UNIX_EPOCH + Duration::from_secs(951_827_696); // leap day 2000
+        assert_eq!(rfc3339(t), "2000-02-29T12:34:56Z");
+        let t = UNIX_EPOCH + Duration::from_secs(1_735_689_599);
+        assert_eq!(rfc3339(t), "2024-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn validation() {
+        let v = |s: &str| validate(&serde_json::from_str(s).unwrap());
+        assert_eq!(
+            v(r#"{"amount":1250,"currency":"EUR"}"#),
+            Ok((1250, "EUR".into()))
+        );
+        assert!(v(r#"{"amount":0,"currency":"EUR"}"#).is_err());
+        assert!(v(r#"{"amount":-5,"currency":"EUR"}"#).is_err());
+        assert!(v(r#"{"amount":12.5,"currency":"EUR"}"#).is_err());
+        assert!(v(r#"{"amount":1,"currency":"eur"}"#).is_err());
+        assert!(v(r#"{"amount":1}"#).is_err());
+        assert!(v(r#"{"currency":"EUR"}"#).is_err());
+        assert!(v(r#"{"amount":1,"currency":"EUR","x":1}"#).is_err());
+        assert!(v(r#"[1]"#).is_err());
+    }
+
+    #[test]
+    fn callers() {
+        let h = |v: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+            caller(&m)
+        };
+        assert_eq!(h("Bearer alice"), Some("alice".into()));
+        assert_eq!(h("bearer bob"), Some("bob".into()));
+        assert_eq!(h("Basic x"), None);
+        assert_eq!(h(&format!("Bearer {}", "a".repeat(65))), None);
+        assert_eq!(caller(&HeaderMap::new()), None);
+    }
+}

@@ -1,0 +1,316 @@
+//! The `idem` binary as a user runs it: `idem serve` as a process on a free loopback port,
+//! driven over HTTP, then stopped with SIGTERM; the operator commands' errors and exit
+//! codes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::StatusCode;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idem");
+
+/// The server process; killed if a test fails before stopping it.
+struct Served {
+    child: Option<Child>,
+    base: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn spawn_serve() -> Served {
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env_remove("IDEM_STORE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem serve");
+    let stdout = child.stdout.take().unwrap();
+    // The first line names the URL; port 0 let the OS pick a free one.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let mut served = Served {
+        child: Some(child),
+        base: String::new(),
+    };
+    let line = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("idem serve printed no URL within 30 s");
+    let base = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_owned();
+    served.base = base;
+    served
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+}
+
+async fn call(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut req = hyper::Request::builder().method(method).uri(url);
+    for (n, v) in headers {
+        req = req.header(*n, *v);
+    }
+    let response = client
+        .request(req.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
+    let mut served = spawn_serve();
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let client = Arc::new(client);
+    let payments = format!("{}/payments", served.base);
+    let alice = ("authorization", "Bearer alice");
+    let json = ("content-type", "application/json");
+    let order = r#"{"amount": 1250, "currency": "EUR"}"#;
+
+    // The three-call tour: first call, replay, mismatch.
+    let first = call(
+        &client,
+        "POST",
+        &payments,
+        &[alice, json, ("idempotency-key", "order-1")],
+        order,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let payment = first.json();
+    assert_eq!(payment["amount"], 1250);
+    assert_eq!(payment["currency"], "EUR");
+    let id = payment["id"].as_str().unwrap().to_owned();
+    assert_eq!(first.headers["location"], format!("/payments/{id}"));
+
+    let replay = call(
+        &client,
+        "POST",
+        &payments,
+        &[alice, json, ("idempotency-key", "order-1")],
+        order,
+    )
+    .await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert!(replay.headers.contains_key("idempotency-expires"));
+    assert_eq!(replay.body, first.body);
+
+    let other = r#"{"amount": 9999, "currency": "EUR"}"#;
+    let mismatch = call(
+        &client,
+        "POST",
+        &payments,
+        &[alice, json, ("idempotency-key", "order-1")],
+        other,
+    )
+    .await;
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(mismatch.headers["content-type"], "application/problem+json");
+
+    // A race: eight identical slow requests, one payment.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (client, payments) = (client.clone(), payments.clone());
+        tasks.push(tokio::spawn(async move {
+            call(
+                &client,
+                "POST",
+                &payments,
+                &[
+                    alice,
+                    json,
+                    ("idempotency-key", "race-1"),
+                    ("x-demo-delay-ms", "300"),
+                ],
+                r#"{"amount": 500, "currency": "USD"}"#,
+            )
+            .await
+        }));
+    }
+    let mut statuses = Vec::new();
+    for task in tasks {
+        statuses.push(task.await.unwrap().status);
+    }
+    assert!(statuses.contains(&StatusCode::CREATED));
+    assert!(statuses
+        .iter()
+        .all(|s| *s == StatusCode::CREATED || *s == StatusCode::CONFLICT));
+    let conflicts = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::CONFLICT)
+        .count();
+
+    // Refusals.
+    let no_key = call(&client, "POST", &payments, &[alice, json], order).await;
+    assert_eq!(no_key.status, StatusCode::BAD_REQUEST);
+    let invalid = call(
+        &client,
+        "POST",
+        &payments,
+        &[alice, json, ("idempotency-key", "bad-1")],
+        r#"{"amount": -1, "currency": "EUR"}"#,
+    )
+    .await;
+    assert_eq!(invalid.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(invalid.json()["type"], "urn:idem:demo:invalid-payment");
+    let anonymous = call(
+        &client,
+        "POST",
+        &payments,
+        &[json, ("idempotency-key", "anon-1")],
+        order,
+    )
+    .await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+
+    // The side effect ran once per key: two payments for alice, none for bob.
+    let list = call(&client, "GET", &payments, &[alice], "").await;
+    assert_eq!(list.status, StatusCode::OK);
+    assert_eq!(list.json()["count"], 2);
+    let one = call(&client, "GET", &format!("{payments}/{id}"), &[alice], "").await;
+    assert_eq!(one.json()["id"], id.as_str());
+    let bobs = call(
+        &client,
+        "GET",
+        &payments,
+        &[("authorization", "Bearer bob")],
+        "",
+    )
+    .await;
+    assert_eq!(bobs.json()["count"], 0);
+    let not_bobs = call(
+        &client,
+        "GET",
+        &format!("{payments}/{id}"),
+        &[("authorization", "Bearer bob")],
+        "",
+    )
+    .await;
+    assert_eq!(not_bobs.status, StatusCode::NOT_FOUND);
+
+    let metrics = call(&client, "GET", &format!("{}/metrics", served.base), &[], "").await;
+    let text = String::from_utf8(metrics.body.to_vec()).unwrap();
+    let metric = |outcome: &str| -> u64 {
+        let prefix = format!("idem_requests_total{{outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no {outcome} in {text}"))
+            .parse()
+            .unwrap()
+    };
+    // executed: order-1, race-1, bad-1 (a stored 422) and anon-1 (a stored 401).
+    assert_eq!(metric("executed"), 4, "{text}");
+    assert_eq!(
+        metric("replayed") as usize,
+        1 + (8 - 1 - conflicts),
+        "{text}"
+    );
+    assert_eq!(metric("in_flight") as usize, conflicts, "{text}");
+    assert_eq!(metric("mismatch"), 1, "{text}");
+    assert_eq!(metric("rejected"), 1, "{text}");
+    assert!(
+        text.contains("idem_demo_payments_created_total 2"),
+        "{text}"
+    );
+
+    // SIGTERM: a clean stop.
+    let mut child = served.child.take().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let exit = loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "idem serve did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(exit.success(), "exit status {exit}");
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .env_remove("IDEM_STORE")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn operator_commands_say_clearly_what_they_cannot_do() {
+    let (code, _, err) = run(&["inspect", "order-1", "--scope", "alice"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("memory store lives inside one"), "{err}");
+
+    let (code, _, err) = run(&["evict", "order-1", "--store", "redis://127.0.0.1:6379"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("store backend redis not built in yet"),
+        "{err}"
+    );
+
+    let (code, _, err) = run(&["stats"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("memory store lives inside one"), "{err}");
+
+    let (code, _, err) = run(&["inspect", "has space"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("invalid key"), "{err}");
+
+    let (code, _, err) = run(&["serve", "--store", "mysql://x"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("unknown store"), "{err}");
+}

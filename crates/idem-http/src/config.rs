@@ -1,0 +1,249 @@
+//! What the layer guards, what it stores and replays, and its limits.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use idem_core::JsonSelection;
+
+/// What to do with a guarded request that carries no idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissingKey {
+    /// Refuse it with 400 (the default): the route documents the key as required, as the
+    /// IETF Idempotency-Key draft recommends.
+    #[default]
+    Reject,
+    /// Hand it to the service unguarded, for routes where the key is optional.
+    PassThrough,
+}
+
+/// What to do with the key when the work ran but its response cannot be stored: the
+/// response is larger than [`Config::max_response_body`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Unstored {
+    /// Keep the lease until it expires (the default): retries get 409 until then, so a
+    /// client that lost the response does not run the work again at once; after the lease
+    /// expires a retry takes the key over and runs the work again, with
+    /// [`crate::IdempotencyInfo::attempt`] above 1.
+    #[default]
+    KeepLease,
+    /// Release the key at once: the next retry runs the work again.
+    Release,
+}
+
+/// Decides from the status whether a response is stored and replayed or the key released.
+pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+/// Settings of an [`crate::IdempotencyLayer`]. Every field has a documented default; build
+/// one with [`Config::default`] and the `with_*` methods.
+///
+/// The lease length, retention and the wait for an in-flight request belong to the engine:
+/// see [`idem_core::Config`].
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct Config {
+    /// The request header carrying the key. Default: `Idempotency-Key`.
+    pub header: HeaderName,
+    /// The methods that are guarded; requests with other methods pass through untouched.
+    /// Default: `POST` and `PATCH`.
+    pub methods: Vec<Method>,
+    /// A guarded request without a key. Default: [`MissingKey::Reject`] (400).
+    pub missing_key: MissingKey,
+    /// Request headers that take part in the fingerprint besides the method, the path
+    /// with its query, and the body. Default: none.
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// Which fields of a JSON body take part in the fingerprint. Default: all of it.
+    pub json_selection: JsonSelection,
+    /// The largest request body read, in bytes; a larger one is refused with 413 before the
+    /// handler runs. Default: 1 MiB.
+    pub max_request_body: usize,
+    /// The largest response body stored, in bytes. A larger response is still sent, but not
+    /// stored, and the key is handled by [`Config::unstored`]. Default: 1 MiB.
+    pub max_response_body: usize,
+    /// What happens to the key when a response is too large to store. Default:
+    /// [`Unstored::KeepLease`].
+    pub unstored: Unstored,
+    /// Which statuses are stored and replayed; for the others the key is released so that a
+    /// retry runs the handler again. Default: everything but 5xx (2xx, 3xx and 4xx stored).
+    pub store_status: StatusFilter,
+    /// Response headers stored and replayed (compared case-insensitively). Headers not
+    /// listed are sent with the first response only. `Set-Cookie`, hop-by-hop headers
+    /// (`Connection`, `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Upgrade`) and everything
+    /// else not listed are never replayed; `Content-Length` and `Transfer-Encoding` never
+    /// are even when listed, as a replayed body is framed anew. Default: `Content-Type`,
+    /// `Content-Encoding`, `Content-Language`, `Content-Location`, `Location`, `ETag`,
+    /// `Last-Modified`, `Cache-Control`, `Link`.
+    pub replay_headers: Vec<HeaderName>,
+    /// When the store is unavailable at the start of a request: `false` (the default)
+    /// answers 503 with `Retry-After` and never runs the handler unguarded (fail closed);
+    /// `true` runs the handler without idempotency (fail open).
+    pub fail_open: bool,
+    /// The `Retry-After` of a 503 answered because the store is unavailable. Default: 1 s.
+    pub store_retry_after: Duration,
+    /// How long the layer keeps trying to store a response when the store fails after the
+    /// handler ran, before it gives up on sending it (see the crate docs, "When storing the
+    /// response fails"). Default: 2 s.
+    pub store_response_within: Duration,
+    /// Whether the lease is renewed every third of its length while the handler runs, so a
+    /// slow handler is not taken over by a retry. Default: `true`.
+    pub heartbeat: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            header: HeaderName::from_static("idempotency-key"),
+            methods: vec![Method::POST, Method::PATCH],
+            missing_key: MissingKey::Reject,
+            fingerprint_headers: Vec::new(),
+            json_selection: JsonSelection::All,
+            max_request_body: 1 << 20,
+            max_response_body: 1 << 20,
+            unstored: Unstored::KeepLease,
+            store_status: Arc::new(|status: StatusCode| !status.is_server_error()),
+            replay_headers: [
+                http::header::CONTENT_TYPE,
+                http::header::CONTENT_ENCODING,
+                http::header::CONTENT_LANGUAGE,
+                http::header::CONTENT_LOCATION,
+                http::header::LOCATION,
+                http::header::ETAG,
+                http::header::LAST_MODIFIED,
+                http::header::CACHE_CONTROL,
+                http::header::LINK,
+            ]
+            .into(),
+            fail_open: false,
+            store_retry_after: Duration::from_secs(1),
+            store_response_within: Duration::from_secs(2),
+            heartbeat: true,
+        }
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("header", &self.header)
+            .field("methods", &self.methods)
+            .field("missing_key", &self.missing_key)
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("json_selection", &self.json_selection)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("unstored", &self.unstored)
+            .field("store_status", &"Fn(StatusCode) -> bool")
+            .field("replay_headers", &self.replay_headers)
+            .field("fail_open", &self.fail_open)
+            .field("store_retry_after", &self.store_retry_after)
+            .field("store_response_within", &self.store_response_within)
+            .field("heartbeat", &self.heartbeat)
+            .finish()
+    }
+}
+
+impl Config {
+    /// Sets [`Config::header`].
+    pub fn with_header(mut self, header: HeaderName) -> Self {
+        self.header = header;
+        self
+    }
+
+    /// Sets [`Config::methods`].
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Sets [`Config::missing_key`].
+    pub fn with_missing_key(mut self, missing_key: MissingKey) -> Self {
+        self.missing_key = missing_key;
+        self
+    }
+
+    /// Sets [`Config::fingerprint_headers`].
+    pub fn with_fingerprint_headers(
+        mut self,
+        headers: impl IntoIterator<Item = HeaderName>,
+    ) -> Self {
+        self.fingerprint_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Sets [`Config::json_selection`].
+    pub fn with_json_selection(mut self, selection: JsonSelection) -> Self {
+        self.json_selection = selection;
+        self
+    }
+
+    /// Sets [`Config::max_request_body`].
+    pub fn with_max_request_body(mut self, bytes: usize) -> Self {
+        self.max_request_body = bytes;
+        self
+    }
+
+    /// Sets [`Config::max_response_body`].
+    pub fn with_max_response_body(mut self, bytes: usize) -> Self {
+        self.max_response_body = bytes;
+        self
+    }
+
+    /// Sets [`Config::unstored`].
+    pub fn with_unstored(mut self, unstored: Unstored) -> Self {
+        self.unstored = unstored;
+        self
+    }
+
+    /// Sets [`Config::store_status`]: `filter` returns `true` for statuses to store.
+    ///
+    /// ```
+    /// // Store 5xx answers too, so that no retry ever runs the handler again.
+    /// let config = idem_http::Config::default().with_store_status(|_status| true);
+    /// # let _ = config;
+    /// ```
+    pub fn with_store_status(
+        mut self,
+        filter: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.store_status = Arc::new(filter);
+        self
+    }
+
+    /// Sets [`Config::replay_headers`].
+    pub fn with_replay_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.replay_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Sets [`Config::fail_open`].
+    pub fn with_fail_open(mut self, fail_open: bool) -> Self {
+        self.fail_open = fail_open;
+        self
+    }
+
+    /// Sets [`Config::store_retry_after`].
+    pub fn with_store_retry_after(mut self, retry_after: Duration) -> Self {
+        self.store_retry_after = retry_after;
+        self
+    }
+
+    /// Sets [`Config::store_response_within`].
+    pub fn with_store_response_within(mut self, within: Duration) -> Self {
+        self.store_response_within = within;
+        self
+    }
+
+    /// Sets [`Config::heartbeat`].
+    pub fn with_heartbeat(mut self, heartbeat: bool) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+
+    /// Whether a response header is stored and replayed.
+    pub(crate) fn replays(&self, name: &HeaderName) -> bool {
+        name != http::header::CONTENT_LENGTH
+            && name != http::header::TRANSFER_ENCODING
+            && self.replay_headers.contains(name)
+    }
+}

@@ -1,0 +1,180 @@
+//! [`IdempotencyLayer`]: the tower layer and its settings.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::request::Parts;
+use idem_core::{Idem, Scope};
+use tower_layer::Layer;
+
+use crate::config::Config;
+use crate::outcome::Outcome;
+use crate::service::IdempotencyService;
+
+/// Finds the scope of a request from its head (method, URI, headers, extensions).
+pub type ScopeFn = Arc<dyn Fn(&Parts) -> Option<Scope> + Send + Sync>;
+
+/// Told what the layer did with each guarded request.
+pub type ObserverFn = Arc<dyn Fn(Outcome) + Send + Sync>;
+
+/// A tower [`Layer`] that makes the guarded methods (POST and PATCH by default) of the
+/// wrapped service idempotent with an `Idempotency-Key` header, over an [`Idem`] engine and
+/// its store. See the crate docs for what it answers and stores.
+///
+/// ```
+/// use idem_core::{Idem, MemoryStore};
+/// use idem_http::{Config, IdempotencyLayer, MissingKey};
+///
+/// let layer = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
+///     .with_config(Config::default().with_missing_key(MissingKey::PassThrough))
+///     .with_scope(idem_http::bearer_scope)
+///     .with_observer(|outcome| println!("idempotency: {outcome}"));
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+/// What every service made by one layer shares.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) idem: Idem,
+    pub(crate) config: Config,
+    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) observer: Option<ObserverFn>,
+}
+
+impl Shared {
+    pub(crate) fn observe(&self, outcome: Outcome) {
+        if let Some(observer) = &self.observer {
+            observer(outcome);
+        }
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `idem` with the default [`Config`], every request in the global scope,
+    /// and no observer.
+    pub fn new(idem: Idem) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                idem,
+                config: Config::default(),
+                scope: None,
+                observer: None,
+            }),
+        }
+    }
+
+    /// Replaces the [`Config`].
+    pub fn with_config(mut self, config: Config) -> Self {
+        Arc::make_mut(&mut self.shared).config = config;
+        self
+    }
+
+    /// Sets how a request's scope is found, typically the authenticated principal, so that
+    /// one tenant's keys never meet another's. Default: every request in
+    /// [`Scope::global`].
+    ///
+    /// When `scope` returns `None` (an anonymous request), the request is keyed in
+    /// [`Scope::global`]: anonymous requests share one key space, apart from every named
+    /// scope. Refuse anonymous requests in the service (or an earlier layer) when that is
+    /// not wanted.
+    pub fn with_scope(
+        mut self,
+        scope: impl Fn(&Parts) -> Option<Scope> + Send + Sync + 'static,
+    ) -> Self {
+        Arc::make_mut(&mut self.shared).scope = Some(Arc::new(scope));
+        self
+    }
+
+    /// Sets a function told the [`Outcome`] of every guarded request (for metrics). It runs
+    /// on the request's task: keep it quick. Default: none.
+    pub fn with_observer(mut self, observer: impl Fn(Outcome) + Send + Sync + 'static) -> Self {
+        Arc::make_mut(&mut self.shared).observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    /// The engine.
+    pub fn idem(&self) -> &Idem {
+        &self.shared.idem
+    }
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("idem", &self.shared.idem)
+            .field("config", &self.shared.config)
+            .field("scope", &self.shared.scope.as_ref().map(|_| "Fn(&Parts)"))
+            .field(
+                "observer",
+                &self.shared.observer.as_ref().map(|_| "Fn(Outcome)"),
+            )
+            .finish()
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, self.shared.clone())
+    }
+}
+
+/// A scope extractor for [`IdempotencyLayer::with_scope`]: the request's
+/// `Authorization: Bearer <token>` credential, hashed (SHA-256, hex, prefixed `bearer:`) so
+/// that no credential is ever written to the store. `None` without such a header.
+///
+/// Two tokens of the same principal get different scopes; use an extractor that reads the
+/// authenticated principal (for example from an extension an authentication layer put
+/// there) when a principal holds several tokens.
+pub fn bearer_scope(parts: &Parts) -> Option<Scope> {
+    let value = parts
+        .headers
+        .get(http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let (scheme, token) = value.trim().split_once(' ')?;
+    let token = token.trim();
+    if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
+        return None;
+    }
+    let digest = idem_core::Fingerprint::of_bytes(token.as_bytes()).to_hex();
+    Scope::new(format!("bearer:{digest}")).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(auth: Option<&str>) -> Parts {
+        let mut req = http::Request::builder().uri("/x");
+        if let Some(auth) = auth {
+            req = req.header("authorization", auth);
+        }
+        req.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn bearer_scope_hashes_the_token() {
+        let alice = bearer_scope(&parts(Some("Bearer alice"))).unwrap();
+        assert!(alice.as_str().starts_with("bearer:"));
+        assert!(!alice.as_str().contains("alice"));
+        assert_eq!(
+            bearer_scope(&parts(Some("bearer  alice "))),
+            Some(alice.clone())
+        );
+        assert_ne!(bearer_scope(&parts(Some("Bearer bob"))), Some(alice));
+        assert_eq!(bearer_scope(&parts(Some("Basic YWxpY2U6"))), None);
+        assert_eq!(bearer_scope(&parts(Some("Bearer "))), None);
+        assert_eq!(bearer_scope(&parts(None)), None);
+    }
+}

@@ -1,0 +1,121 @@
+//! # idem-http
+//!
+//! A tower middleware that makes `POST` and `PATCH` handlers idempotent: a request carrying
+//! an `Idempotency-Key` header runs the handler at most once per key, and every retry gets
+//! the stored response. It follows the IETF Idempotency-Key draft, works in any tower-based
+//! server (axum, tonic's HTTP layer, hyper with `tower`), and depends on the `http` and
+//! `tower` crates only, not on a web framework. Keys live in any [`idem_core::Store`]:
+//! the in-memory store, Redis or Postgres.
+//!
+//! ## Quick start (axum)
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! use axum::{routing::post, Router};
+//! use idem_core::{Idem, MemoryStore};
+//! use idem_http::IdempotencyLayer;
+//! use tower_service::Service;
+//!
+//! let layer = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
+//!     .with_scope(idem_http::bearer_scope);
+//! let mut app = Router::new()
+//!     .route("/payments", post(|| async { (axum::http::StatusCode::CREATED, "paid") }))
+//!     .layer(layer);
+//!
+//! let request = || {
+//!     http::Request::post("/payments")
+//!         .header("idempotency-key", "3f9c-payment")
+//!         .header("authorization", "Bearer alice")
+//!         .body(axum::body::Body::from("{}"))
+//!         .unwrap()
+//! };
+//! let first = app.call(request()).await.unwrap();
+//! assert_eq!(first.status(), 201);
+//! let retry = app.call(request()).await.unwrap();
+//! assert_eq!(retry.status(), 201);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! ## What a guarded request gets
+//!
+//! Requests whose method is not in [`Config::methods`] pass through untouched. The others:
+//!
+//! | case | answer |
+//! |---|---|
+//! | no key | 400, or passed through unguarded with [`MissingKey::PassThrough`] |
+//! | malformed key (not 1 to 255 bytes of visible ASCII; an RFC 8941 quoted string is unwrapped first), or the header twice | 400 |
+//! | body larger than [`Config::max_request_body`] | 413 (before the handler runs) |
+//! | first request for the key | the handler runs; its response is stored, then sent |
+//! | retry of a completed request | the stored status, body and allowed headers, plus `Idempotent-Replayed: true` and `Idempotency-Expires: <HTTP date>`, when the stored response is forgotten |
+//! | same key, different request | 422 |
+//! | same key while the first is running | 409 with `Retry-After` (the first request's lease time left), or, with [`idem_core::Config::wait`] set, the first request's response once it is stored |
+//! | store unavailable | 503 with `Retry-After` ([`Config::store_retry_after`]); with [`Config::fail_open`], the handler runs unguarded |
+//!
+//! The layer's own answers are `application/problem+json` documents (RFC 9457) whose `type`
+//! is `urn:idem:problem:<kind>`: `idempotency-key-missing`, `idempotency-key-invalid`,
+//! `request-body-too-large`, `request-body-unreadable`, `idempotency-key-reused`,
+//! `request-in-flight`, `store-unavailable`, `store-error`, `outcome-not-recorded`,
+//! `stored-response-invalid`.
+//!
+//! ## Scope and fingerprint
+//!
+//! Every key is scoped by [`IdempotencyLayer::with_scope`], typically by the authenticated
+//! principal, so one tenant can never be handed another tenant's stored response
+//! ([`bearer_scope`] is a ready-made extractor). The fingerprint covers the method, the
+//! path with its query, the headers of [`Config::fingerprint_headers`] and the body, in
+//! canonical form when its content type is JSON (`application/json` or `*/*+json`; key
+//! order and whitespace do not count, and [`Config::json_selection`] can leave volatile
+//! fields out).
+//!
+//! ## What is stored
+//!
+//! By default 2xx, 3xx and 4xx responses are stored and replayed ([`Config::store_status`]).
+//! For a 5xx response, an error of the inner service or a panic (caught, the key
+//! released, then the panic resumed) the key is released, so a retry runs the handler
+//! again. Only the headers of [`Config::replay_headers`] are stored: `Set-Cookie` and
+//! hop-by-hop headers are sent with the first response only, unless listed. Response
+//! trailers are never stored.
+//!
+//! A response body larger than [`Config::max_response_body`] is sent as it streams but not
+//! stored; the key is then left to its lease ([`Unstored::KeepLease`], the default:
+//! retries get 409 until the lease expires, then run the handler again) or released
+//! ([`Unstored::Release`]).
+//!
+//! While the handler runs, its lease is renewed every third of [`idem_core::Config::lease`]
+//! ([`Config::heartbeat`]), so a slow handler is not taken over by a retry. The handler
+//! finds an [`IdempotencyInfo`] in its request extensions: `attempt` above 1 means an
+//! earlier run's lease expired without a stored response.
+//!
+//! ## When storing the response fails
+//!
+//! The response is stored before it is sent. If storing fails (the store went down while
+//! the handler ran), the layer does **not** release the key, since a retry would then run
+//! the handler again at once. It keeps trying to store the response in a background task
+//! for up to the lease length, and waits up to [`Config::store_response_within`] for it:
+//!
+//! - stored within that time: the response is sent as usual;
+//! - not yet: the client gets 503 `outcome-not-recorded` with `Retry-After`, never the
+//!   unrecorded response. The record stays in progress, so retries get 409 meanwhile; once
+//!   the background task stores the response, a retry gets it replayed. Only if the store
+//!   stays down past the whole lease does a retry take the key over and run the handler
+//!   again, with [`IdempotencyInfo::attempt`] above 1 telling it so.
+//!
+//! If the lease was lost instead (taken over by a retry after it expired, or evicted by an
+//! operator), the response is sent unstored: another request now owns the key.
+
+mod body;
+mod config;
+mod error;
+mod future;
+mod layer;
+mod outcome;
+mod service;
+
+pub use body::{RequestBody, ResponseBody};
+pub use config::{Config, MissingKey, StatusFilter, Unstored};
+pub use error::{problem_json, PROBLEM_JSON};
+pub use future::ResponseFuture;
+pub use layer::{bearer_scope, IdempotencyLayer, ObserverFn, ScopeFn};
+pub use outcome::{IdempotencyInfo, Outcome};
+pub use service::{IdempotencyService, EXPIRES, REPLAYED};
