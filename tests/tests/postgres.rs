@@ -123,6 +123,12 @@ mod postgres {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable);
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
+
     // --- helpers ---------------------------------------------------------------------------
 
     fn id(key: &str) -> RecordId {

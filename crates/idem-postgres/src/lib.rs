@@ -160,6 +160,14 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Operators
+//!
+//! [`idem_core::Store::stats`] counts live records by state (in flight, expired leases,
+//! stuck, succeeded, failed) in one statement: within a scope it reads that scope's range of
+//! the primary key; across all scopes it reads the whole table, so keep it off the hot path.
+//! The table is plain SQL too: `SELECT * FROM idem.records WHERE token IS NOT NULL AND
+//! lease_until < now() - interval '5 minutes'` lists the keys abandoned by crashed workers.
+//!
 //! ## Table design for churn
 //!
 //! Every key is inserted, updated once or twice and deleted within its retention, so the

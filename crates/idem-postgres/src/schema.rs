@@ -58,6 +58,7 @@ pub(crate) struct Statements {
     pub(crate) get: String,
     pub(crate) evict: String,
     pub(crate) purge: String,
+    pub(crate) stats: String,
 }
 
 impl Statements {
@@ -72,6 +73,7 @@ impl Statements {
             get: build(include_str!("sql/get.sql")),
             evict: build(include_str!("sql/evict.sql")),
             purge: build(include_str!("sql/purge.sql")),
+            stats: build(include_str!("sql/stats.sql")),
         }
     }
 }
@@ -108,6 +110,7 @@ mod tests {
             &sql.get,
             &sql.evict,
             &sql.purge,
+            &sql.stats,
         ] {
             assert!(s.contains("\"x\"\"y\".records"), "{s}");
             assert!(!s.contains("{records}"), "{s}");

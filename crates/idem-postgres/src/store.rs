@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     decode_meta, encode_meta, Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint,
-    Lease, Record, RecordId, RecordState, Replay, Store,
+    Lease, Record, RecordId, RecordState, Replay, Scope, Stats, Store,
 };
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgArguments, PgPoolOptions, PgRow};
@@ -437,6 +437,29 @@ impl Store for PgStore {
             Some(row) => row.try_get::<bool, _>("live").map_err(error::map),
             None => Ok(false),
         }
+    }
+
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        let row = self
+            .retrying(|| {
+                sqlx::query(&self.sql.stats)
+                    .bind(scope.map(|s| s.as_str().as_bytes()))
+                    .bind(interval(stuck_after))
+                    .fetch_one(&self.pool)
+            })
+            .await
+            .map_err(error::map)?;
+        let count = |column: &str| -> Result<u64, Error> {
+            let n: i64 = row.try_get(column).map_err(error::map)?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        Ok(Stats {
+            in_flight: count("in_flight")?,
+            expired_leases: count("expired_leases")?,
+            stuck: count("stuck")?,
+            succeeded: count("succeeded")?,
+            failed: count("failed")?,
+        })
     }
 }
 
