@@ -371,9 +371,11 @@ mod postgres {
         };
         let table = create_work_table(&store).await;
         let id = id("order-1");
+        // Long enough to outlast the kill below on a slow machine, so the retry first sees
+        // the key in flight.
         let lease = leased(
             store
-                .begin(req(&id, Duration::from_millis(500)))
+                .begin(req(&id, Duration::from_secs(3)))
                 .await
                 .expect("begin"),
         );
@@ -422,7 +424,7 @@ mod postgres {
             store.begin(req(&id, LONG)).await.expect("begin"),
             Begin::InFlight { .. }
         ));
-        sleep(Duration::from_millis(600)).await;
+        sleep(lease.remaining() + Duration::from_millis(200)).await;
         let retry = match store.begin(req(&id, LONG)).await.expect("begin") {
             Begin::TookOver(lease) => lease,
             other => panic!("expected TookOver, got {other:?}"),
