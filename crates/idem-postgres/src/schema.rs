@@ -1,0 +1,119 @@
+//! The schema idem's tables live in, and the statements built for it.
+
+use idem_core::Error;
+
+/// The schema used unless [`crate::PgStore::with_schema`] says otherwise.
+pub const DEFAULT_SCHEMA: &str = "idem";
+
+/// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1) without an error, so
+/// two long names could silently meet in one schema: longer names are refused instead.
+const MAX_IDENT_LEN: usize = 63;
+
+/// A validated schema name and its quoted form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Schema {
+    name: String,
+    quoted: String,
+}
+
+impl Schema {
+    /// Validates `name`: 1 to 63 bytes, no NUL. Any other character is allowed; the name is
+    /// always quoted, so it is used exactly as given (case included).
+    pub(crate) fn new(name: &str) -> Result<Self, Error> {
+        if name.is_empty() {
+            return Err(Error::Invalid("the schema name is empty".into()));
+        }
+        if name.len() > MAX_IDENT_LEN {
+            return Err(Error::Invalid(format!(
+                "the schema name is {} bytes long; PostgreSQL keeps at most {MAX_IDENT_LEN}",
+                name.len()
+            )));
+        }
+        if name.contains('\0') {
+            return Err(Error::Invalid("the schema name holds a NUL byte".into()));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            quoted: format!("\"{}\"", name.replace('"', "\"\"")),
+        })
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The name as a quoted identifier, ready to splice into SQL.
+    pub(crate) fn quoted(&self) -> &str {
+        &self.quoted
+    }
+}
+
+/// The store's statements with the schema spliced in (`{records}` in the `.sql` files).
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(crate) begin: String,
+    pub(crate) complete: String,
+    pub(crate) release: String,
+    pub(crate) extend: String,
+    pub(crate) get: String,
+    pub(crate) evict: String,
+    pub(crate) purge: String,
+    pub(crate) stats: String,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &Schema) -> Self {
+        let table = format!("{}.records", schema.quoted());
+        let build = |sql: &str| sql.replace("{records}", &table);
+        Self {
+            begin: build(include_str!("sql/begin.sql")),
+            complete: build(include_str!("sql/complete.sql")),
+            release: build(include_str!("sql/release.sql")),
+            extend: build(include_str!("sql/extend.sql")),
+            get: build(include_str!("sql/get.sql")),
+            evict: build(include_str!("sql/evict.sql")),
+            purge: build(include_str!("sql/purge.sql")),
+            stats: build(include_str!("sql/stats.sql")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated_and_quoted() {
+        assert_eq!(Schema::new("idem").unwrap().quoted(), "\"idem\"");
+        assert_eq!(Schema::new("a\"b").unwrap().quoted(), "\"a\"\"b\"");
+        assert_eq!(
+            Schema::new("Mixed Case").unwrap().quoted(),
+            "\"Mixed Case\""
+        );
+        assert!(matches!(Schema::new(""), Err(Error::Invalid(_))));
+        assert!(matches!(Schema::new("a\0b"), Err(Error::Invalid(_))));
+        assert!(Schema::new(&"s".repeat(63)).is_ok());
+        assert!(matches!(
+            Schema::new(&"s".repeat(64)),
+            Err(Error::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn statements_name_the_schema() {
+        let sql = Statements::new(&Schema::new("x\"y").unwrap());
+        for s in [
+            &sql.begin,
+            &sql.complete,
+            &sql.release,
+            &sql.extend,
+            &sql.get,
+            &sql.evict,
+            &sql.purge,
+            &sql.stats,
+        ] {
+            assert!(s.contains("\"x\"\"y\".records"), "{s}");
+            assert!(!s.contains("{records}"), "{s}");
+        }
+    }
+}

@@ -1,0 +1,97 @@
+-- begin: claim a key, take over an expired lease, or report the record as it stands.
+--
+-- $1 scope (bytea), $2 key (text), $3 fingerprint (bytea, 32 bytes), $4 token (uuid),
+-- $5 lease (interval), $6 retention (interval: kept this long after the lease deadline).
+--
+-- Returns exactly one row, the record as this statement leaves it: fingerprint, attempt,
+-- token, lease_us (lease time left in microseconds, NULL once completed), expires_us (time
+-- until it is forgotten), meta and body (only for a completed record with fingerprint $3).
+-- The caller classifies it: token = $4 means this request holds the lease (attempt 1:
+-- acquired, else took over; a re-send with the same token lands here too); otherwise
+-- another fingerprint is a mismatch, a NULL token a replay, and a live lease in flight.
+--
+-- Two branches, one statement:
+--
+-- * `seen` reads the record in the statement's snapshot. When it needs no change (completed
+--   and live, in flight under a live lease, held by this very token, or created by another
+--   request) it is the answer, and the INSERT inserts nothing (NOT EXISTS). Replays,
+--   in-flight answers (including a waiter's polling) and mismatches therefore write nothing,
+--   lock nothing and cannot conflict with the holder's complete under stricter isolation
+--   levels. Answering from the snapshot is sound: the snapshot is taken after the call
+--   began, and a later change (a completion, a release) is simply ordered after this call.
+--
+-- * Otherwise (no record in the snapshot, an expired record, or an expired lease to take
+--   over), `claimed` runs INSERT ... ON CONFLICT DO UPDATE with no WHERE clause. Why not
+--   ON CONFLICT DO NOTHING: under READ COMMITTED, the loser of a race gets no row back, and
+--   a read in the same statement uses the statement's snapshot, taken before the winner
+--   committed, so it sees nothing either. DO UPDATE instead waits for the winner, locks the
+--   row in its latest committed version and always returns it. The CASEs decide on that
+--   locked latest version: replace an expired record, take over an expired lease, or set
+--   every column to itself (the row changed since the snapshot and needs nothing: a no-op
+--   update that touches no indexed column, so a HOT update). So the insert-or-take-over
+--   decision is atomic against any number of concurrent callers, and the statement always
+--   returns exactly one row.
+--
+-- The clock is the database's: clock_timestamp() read once, so every comparison and every
+-- deadline in the statement uses the same instant, even inside a long caller transaction
+-- (where now() would be the transaction's start).
+WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS now),
+seen AS (
+    SELECT r.fingerprint, r.attempt, r.token, r.lease_until, r.expires_at, r.meta, r.body
+    FROM {records} AS r, clock
+    WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > clock.now
+      AND (r.token IS NULL              -- completed
+           OR r.token = $4              -- this very attempt, sent again
+           OR r.lease_until > clock.now -- in flight
+           OR r.fingerprint <> $3)      -- another request: a mismatch
+),
+claimed AS (
+    INSERT INTO {records} AS r (scope, key, fingerprint, attempt, token, lease_until, expires_at)
+    SELECT $1, $2, $3, 1, $4, clock.now + $5::interval, clock.now + $5::interval + $6::interval
+    FROM clock
+    WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (scope, key) DO UPDATE SET
+        -- Past its expiry the record counts as absent: start afresh at attempt 1, whatever its
+        -- fingerprint. An expired lease with the same fingerprint and another token: take over.
+        -- Anything else: keep the row as it is.
+        attempt = CASE
+            WHEN r.expires_at <= (SELECT now FROM clock) THEN 1
+            WHEN r.token <> excluded.token
+                 AND r.lease_until <= (SELECT now FROM clock)
+                 AND r.fingerprint = excluded.fingerprint THEN r.attempt + 1
+            ELSE r.attempt END,
+        fingerprint = CASE WHEN r.expires_at <= (SELECT now FROM clock) THEN excluded.fingerprint
+                           ELSE r.fingerprint END,
+        token = CASE
+            WHEN r.expires_at <= (SELECT now FROM clock)
+                 OR (r.token <> excluded.token
+                     AND r.lease_until <= (SELECT now FROM clock)
+                     AND r.fingerprint = excluded.fingerprint) THEN excluded.token
+            ELSE r.token END,
+        lease_until = CASE
+            WHEN r.expires_at <= (SELECT now FROM clock)
+                 OR (r.token <> excluded.token
+                     AND r.lease_until <= (SELECT now FROM clock)
+                     AND r.fingerprint = excluded.fingerprint) THEN excluded.lease_until
+            ELSE r.lease_until END,
+        expires_at = CASE
+            WHEN r.expires_at <= (SELECT now FROM clock)
+                 OR (r.token <> excluded.token
+                     AND r.lease_until <= (SELECT now FROM clock)
+                     AND r.fingerprint = excluded.fingerprint) THEN excluded.expires_at
+            ELSE r.expires_at END,
+        -- An in-progress record has no meta or body, and a completed one is replaced only
+        -- once expired (its NULL token never passes the takeover test): only expiry clears.
+        meta = CASE WHEN r.expires_at <= (SELECT now FROM clock) THEN NULL ELSE r.meta END,
+        body = CASE WHEN r.expires_at <= (SELECT now FROM clock) THEN NULL ELSE r.body END
+    RETURNING r.fingerprint, r.attempt, r.token, r.lease_until, r.expires_at, r.meta, r.body
+)
+SELECT
+    rec.fingerprint,
+    rec.attempt,
+    rec.token,
+    (extract(epoch FROM rec.lease_until - clock.now) * 1000000)::bigint AS lease_us,
+    (extract(epoch FROM rec.expires_at - clock.now) * 1000000)::bigint AS expires_us,
+    CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.meta END AS meta,
+    CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.body END AS body
+FROM (SELECT * FROM seen UNION ALL SELECT * FROM claimed) AS rec, clock

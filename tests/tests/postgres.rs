@@ -1,0 +1,945 @@
+//! The conformance suite on PostgreSQL, and the Postgres-only tests: races counting
+//! executions, a business transaction killed mid-way, the transactional API, isolation
+//! levels, migrations, purging and error mapping.
+//!
+//! Needs `IDEM_TEST_DATABASE_URL` (see `idem_testkit::harness`). Every test works in a
+//! schema of its own (`idem_t_<unix seconds>_<random>`), so tests run in parallel on one
+//! server; schemas left by earlier runs are dropped after an hour.
+
+mod postgres {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use idem_core::{
+        Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
+        RecordState, Response, Scope, Store,
+    };
+    use idem_postgres::{is_transaction_conflict, PgStore, PurgeConfig};
+    use idem_testkit::harness;
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use sqlx::{Connection, PgConnection, PgPool};
+    use tokio::time::{sleep, timeout, Instant};
+
+    const LONG: Duration = Duration::from_secs(30);
+    const KEEP: Duration = Duration::from_secs(600);
+    const SCHEMA_PREFIX: &str = "idem_t_";
+
+    // --- harness ---------------------------------------------------------------------------
+
+    fn schema_name() -> String {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let random = uuid::Uuid::new_v4().simple().to_string();
+        format!("{SCHEMA_PREFIX}{secs}_{}", &random[..12])
+    }
+
+    /// Pool settings for tests: the store's defaults, with a longer acquire timeout so a
+    /// loaded CI machine does not turn queueing for a connection into a failure.
+    fn pool_options(max: u32) -> PgPoolOptions {
+        PgStore::pool_options()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(15))
+    }
+
+    async fn connect(url: &str, max: u32) -> PgPool {
+        pool_options(max)
+            .connect(url)
+            .await
+            .expect("connect to IDEM_TEST_DATABASE_URL")
+    }
+
+    /// Drops the schemas of test runs that ended over an hour ago, once per process, so a
+    /// long-lived test server does not collect them.
+    async fn drop_stale_schemas(pool: &PgPool) {
+        static SWEPT: AtomicBool = AtomicBool::new(false);
+        if SWEPT.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
+        )
+        .bind(SCHEMA_PREFIX)
+        .fetch_all(pool)
+        .await
+        .expect("list test schemas");
+        for name in names {
+            let created = name[SCHEMA_PREFIX.len()..]
+                .split('_')
+                .next()
+                .and_then(|s| s.parse::<u64>().ok());
+            if created.is_some_and(|c| c + 3600 < now) {
+                // Another process may drop it at the same time: its error is not ours.
+                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .execute(pool)
+                    .await;
+            }
+        }
+    }
+
+    /// A migrated store in a fresh schema, on a pool of `max` connections; `None` when no
+    /// server is configured (the harness printed why, or panicked if backends are required).
+    async fn fresh_store(max: u32) -> Option<PgStore> {
+        let url = harness::database_url()?;
+        let pool = connect(&url, max).await;
+        drop_stale_schemas(&pool).await;
+        let store = PgStore::new(pool)
+            .with_schema(&schema_name())
+            .expect("valid schema name");
+        store.migrate().await.expect("migrate");
+        Some(store)
+    }
+
+    async fn drop_schema(store: &PgStore) {
+        sqlx::query(&format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            store.schema()
+        ))
+        .execute(store.pool())
+        .await
+        .expect("drop the test schema");
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        Some(Arc::new(fresh_store(8).await?))
+    }
+
+    /// A store whose pool points at a port nothing listens on.
+    async fn unreachable() -> Arc<dyn Store> {
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{}/test",
+            harness::free_port()
+        );
+        let pool = PgStore::pool_options()
+            .connect_lazy(&url)
+            .expect("a well-formed URL");
+        Arc::new(PgStore::new(pool))
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
+
+    // --- helpers ---------------------------------------------------------------------------
+
+    fn id(key: &str) -> RecordId {
+        RecordId::new(
+            Scope::new("tenant").expect("scope"),
+            Key::new(key).expect("key"),
+        )
+    }
+
+    fn fp(text: &str) -> Fingerprint {
+        Fingerprint::of_bytes(text.as_bytes())
+    }
+
+    fn req<'a>(id: &'a RecordId, lease: Duration) -> BeginRequest<'a> {
+        BeginRequest {
+            id,
+            fingerprint: fp("request"),
+            token: FencingToken::random(),
+            lease,
+            retention: KEEP,
+        }
+    }
+
+    fn done(body: &str) -> Completion {
+        Completion::succeeded(Response::new(200, body.to_owned()))
+    }
+
+    fn leased(answer: Begin) -> Lease {
+        match answer {
+            Begin::Acquired(lease) | Begin::TookOver(lease) => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        }
+    }
+
+    /// The business table that the protected work writes to, in the test's schema.
+    async fn create_work_table(store: &PgStore) -> String {
+        let table = format!("\"{}\".work", store.schema());
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (key text NOT NULL, worker integer NOT NULL)"
+        ))
+        .execute(store.pool())
+        .await
+        .expect("create the work table");
+        table
+    }
+
+    async fn work_rows(store: &PgStore, table: &str) -> HashMap<String, i64> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as(&format!("SELECT key, count(*) FROM {table} GROUP BY key"))
+                .fetch_all(store.pool())
+                .await
+                .expect("count work rows");
+        rows.into_iter().collect()
+    }
+
+    async fn insert_work(conn: &mut PgConnection, table: &str, key: &str, worker: i32) {
+        sqlx::query(&format!(
+            "INSERT INTO {table} (key, worker) VALUES ($1, $2)"
+        ))
+        .bind(key)
+        .bind(worker)
+        .execute(conn)
+        .await
+        .expect("business write");
+    }
+
+    async fn backend_pid(conn: &mut PgConnection) -> i32 {
+        sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(conn)
+            .await
+            .expect("backend pid")
+    }
+
+    async fn terminate(pool: &PgPool, pid: i32) {
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(pool)
+            .await
+            .expect("pg_terminate_backend");
+        assert!(killed, "backend {pid} was not terminated");
+    }
+
+    /// Many workers on many connections run every key to completion, retrying while the key
+    /// is in flight; the protected work writes one row per run to `table`. Returns how many
+    /// transaction conflicts reached the workers (who retry them, as a client would).
+    async fn race(store: &PgStore, keys: usize, workers: usize, table: &str) -> usize {
+        let conflicts = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for worker in 0..workers {
+            let (store, conflicts, table) = (store.clone(), conflicts.clone(), table.to_owned());
+            tasks.push(tokio::spawn(async move {
+                // Each worker walks the keys from its own starting point, so every key sees
+                // a different crowd at a different moment.
+                for i in 0..keys {
+                    let key = format!("key-{}", (i + worker) % keys);
+                    let id = id(&key);
+                    loop {
+                        let answer = store.begin(req(&id, LONG)).await;
+                        match answer {
+                            Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => {
+                                // The protected work: a row in the business table.
+                                let mut conn = store.pool().acquire().await.expect("acquire");
+                                insert_work(&mut conn, &table, &key, worker as i32).await;
+                                drop(conn);
+                                sleep(Duration::from_millis(2)).await;
+                                store
+                                    .complete(&lease, &done(&key), KEEP)
+                                    .await
+                                    .expect("the winner completes");
+                                break;
+                            }
+                            Ok(Begin::InFlight { retry_after }) => {
+                                assert!(retry_after <= LONG);
+                                sleep(retry_after.min(Duration::from_millis(3))).await;
+                            }
+                            Ok(Begin::Replay(replay)) => {
+                                assert_eq!(replay.completion.response.body, key.as_bytes());
+                                break;
+                            }
+                            Ok(Begin::Mismatch) => panic!("same request reported as mismatch"),
+                            Err(e) if is_transaction_conflict(&e) => {
+                                conflicts.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => panic!("begin failed: {e}"),
+                        }
+                    }
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.expect("worker");
+        }
+        conflicts.load(Ordering::Relaxed)
+    }
+
+    // --- races -----------------------------------------------------------------------------
+
+    /// 24 workers on 16 connections race over 30 keys: the protected work runs exactly once
+    /// per key, and every worker ends with the one stored result.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn race_runs_the_work_once_per_key() {
+        let Some(store) = fresh_store(16).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+        let keys = 30;
+        race(&store, keys, 24, &table).await;
+        let rows = work_rows(&store, &table).await;
+        assert_eq!(rows.len(), keys, "keys that ran: {rows:?}");
+        for (key, n) in &rows {
+            assert_eq!(*n, 1, "{key} ran {n} times");
+        }
+        drop_schema(&store).await;
+    }
+
+    /// Under SERIALIZABLE as the server default, the statements of racing callers abort with
+    /// serialization failures; the store resends them, and the work still runs exactly once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn race_under_serializable_default() {
+        let Some(url) = harness::database_url() else {
+            return;
+        };
+        let options: PgConnectOptions = url.parse().expect("a well-formed URL");
+        let options = options.options([("default_transaction_isolation", "serializable")]);
+        let pool = pool_options(12)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+            .fetch_one(&pool)
+            .await
+            .expect("show");
+        assert_eq!(level, "serializable");
+        let store = PgStore::new(pool)
+            .with_schema(&schema_name())
+            .expect("schema");
+        store.migrate().await.expect("migrate");
+        let table = create_work_table(&store).await;
+        let keys = 12;
+        let reported = race(&store, keys, 16, &table).await;
+        let rows = work_rows(&store, &table).await;
+        assert_eq!(rows.len(), keys);
+        for (key, n) in &rows {
+            assert_eq!(*n, 1, "{key} ran {n} times");
+        }
+        eprintln!("conflicts left to the workers after the store's resends: {reported}");
+        drop_schema(&store).await;
+    }
+
+    /// Sixteen callers find the same expired lease at once: exactly one takes it over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn race_for_an_expired_lease_has_one_winner() {
+        let Some(store) = fresh_store(16).await else {
+            return;
+        };
+        let keys: Vec<RecordId> = (0..10).map(|k| id(&format!("k{k}"))).collect();
+        for id in &keys {
+            leased(
+                store
+                    .begin(req(id, Duration::from_millis(100)))
+                    .await
+                    .expect("begin"),
+            );
+        }
+        sleep(Duration::from_millis(300)).await;
+        for id in &keys {
+            let mut tasks = Vec::new();
+            for _ in 0..16 {
+                let (store, id) = (store.clone(), id.clone());
+                tasks.push(tokio::spawn(async move {
+                    store.begin(req(&id, LONG)).await.expect("begin")
+                }));
+            }
+            let mut took_over = 0;
+            for task in tasks {
+                match task.await.expect("task") {
+                    Begin::TookOver(lease) => {
+                        assert_eq!(lease.attempt(), 2);
+                        took_over += 1;
+                    }
+                    Begin::InFlight { .. } => {}
+                    other => panic!("expected TookOver or InFlight, got {other:?}"),
+                }
+            }
+            assert_eq!(took_over, 1, "{id}: {took_over} callers took over");
+        }
+        drop_schema(&store).await;
+    }
+
+    // --- a business transaction killed mid-way ---------------------------------------------
+
+    /// The key was claimed on the pool (committed), the work's transaction wrote its row and
+    /// the completion, then its backend was terminated mid-statement: neither the row nor
+    /// the completion is there, the key is still in progress under the lease, and once the
+    /// lease expires a retry takes over and finishes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn killed_transaction_leaves_nothing_and_a_retry_proceeds() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+        let id = id("order-1");
+        // Long enough to outlast the kill below on a slow machine, so the retry first sees
+        // the key in flight.
+        let lease = leased(
+            store
+                .begin(req(&id, Duration::from_secs(3)))
+                .await
+                .expect("begin"),
+        );
+
+        let mut tx = store.pool().begin().await.expect("tx");
+        let pid = backend_pid(&mut tx).await;
+        insert_work(&mut tx, &table, "order-1", 1).await;
+        store
+            .complete_in(&mut tx, &lease, &done("first"), KEEP)
+            .await
+            .expect("complete in the transaction");
+        // Kill the backend while the transaction is busy with more work.
+        let killer = {
+            let pool = store.pool().clone();
+            tokio::spawn(async move {
+                sleep(Duration::from_millis(200)).await;
+                terminate(&pool, pid).await;
+            })
+        };
+        let slow = sqlx::query("SELECT pg_sleep(10)").execute(&mut *tx).await;
+        killer.await.expect("killer");
+        assert!(slow.is_err(), "the killed statement succeeded");
+        // The store maps the dead connection to Unavailable, not to a lost lease.
+        match store
+            .complete_in(&mut tx, &lease, &done("first"), KEEP)
+            .await
+        {
+            Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+            other => panic!("expected Unavailable on a dead connection, got {other:?}"),
+        }
+        assert!(tx.commit().await.is_err(), "a dead transaction committed");
+
+        assert!(
+            work_rows(&store, &table).await.is_empty(),
+            "business rows survived"
+        );
+        let record = store.get(&id).await.expect("get").expect("record");
+        assert!(
+            matches!(record.state, RecordState::InProgress { token, .. } if token == lease.token()),
+            "expected the key still in progress under the lease, got {:?}",
+            record.state
+        );
+
+        // The retry: in flight while the lease lives, then a takeover that finishes.
+        assert!(matches!(
+            store.begin(req(&id, LONG)).await.expect("begin"),
+            Begin::InFlight { .. }
+        ));
+        sleep(lease.remaining() + Duration::from_millis(200)).await;
+        let retry = match store.begin(req(&id, LONG)).await.expect("begin") {
+            Begin::TookOver(lease) => lease,
+            other => panic!("expected TookOver, got {other:?}"),
+        };
+        let mut tx = store.pool().begin().await.expect("tx");
+        insert_work(&mut tx, &table, "order-1", 2).await;
+        store
+            .complete_in(&mut tx, &retry, &done("second"), KEEP)
+            .await
+            .expect("complete");
+        tx.commit().await.expect("commit");
+        assert_eq!(work_rows(&store, &table).await.get("order-1"), Some(&1));
+        match store.begin(req(&id, LONG)).await.expect("begin") {
+            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "second"),
+            other => panic!("expected Replay, got {other:?}"),
+        }
+        drop_schema(&store).await;
+    }
+
+    /// The key was claimed inside the killed transaction too: then nothing of it remains, and
+    /// a retry acquires the key at once as attempt 1.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn killed_transaction_that_claimed_the_key_leaves_it_absent() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+        let id = id("order-2");
+        let mut tx = store.pool().begin().await.expect("tx");
+        let pid = backend_pid(&mut tx).await;
+        let lease = leased(
+            store
+                .begin_in(&mut tx, req(&id, LONG))
+                .await
+                .expect("begin"),
+        );
+        insert_work(&mut tx, &table, "order-2", 1).await;
+        store
+            .complete_in(&mut tx, &lease, &done("first"), KEEP)
+            .await
+            .expect("complete");
+        terminate(store.pool(), pid).await;
+        assert!(tx.commit().await.is_err(), "a killed transaction committed");
+
+        assert!(work_rows(&store, &table).await.is_empty());
+        assert!(store.get(&id).await.expect("get").is_none());
+        let retry = match store.begin(req(&id, LONG)).await.expect("begin") {
+            Begin::Acquired(lease) => lease,
+            other => panic!("expected Acquired, got {other:?}"),
+        };
+        assert_eq!(retry.attempt(), 1);
+        drop_schema(&store).await;
+    }
+
+    // --- the transactional API -------------------------------------------------------------
+
+    /// Completing inside a transaction that rolls back leaves the key as it was: absent when
+    /// the transaction also claimed it, in progress under the lease when the pool did.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rollback_leaves_the_key_rerunnable() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+
+        // Claimed and completed in the transaction, rolled back: as if never seen.
+        let a = id("a");
+        let mut tx = store.pool().begin().await.expect("tx");
+        let lease = leased(store.begin_in(&mut tx, req(&a, LONG)).await.expect("begin"));
+        insert_work(&mut tx, &table, "a", 1).await;
+        store
+            .complete_in(&mut tx, &lease, &done("a"), KEEP)
+            .await
+            .expect("complete");
+        tx.rollback().await.expect("rollback");
+        assert!(store.get(&a).await.expect("get").is_none());
+        match store.begin(req(&a, LONG)).await.expect("begin") {
+            Begin::Acquired(lease) => assert_eq!(lease.attempt(), 1),
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+
+        // Claimed on the pool, completed in a transaction that rolls back: still ours.
+        let b = id("b");
+        let lease = leased(store.begin(req(&b, LONG)).await.expect("begin"));
+        let mut tx = store.pool().begin().await.expect("tx");
+        insert_work(&mut tx, &table, "b", 1).await;
+        store
+            .complete_in(&mut tx, &lease, &done("b"), KEEP)
+            .await
+            .expect("complete");
+        tx.rollback().await.expect("rollback");
+        let record = store.get(&b).await.expect("get").expect("record");
+        assert!(
+            matches!(record.state, RecordState::InProgress { token, .. } if token == lease.token())
+        );
+        // The work runs again, in a transaction that commits.
+        let mut tx = store.pool().begin().await.expect("tx");
+        insert_work(&mut tx, &table, "b", 2).await;
+        store
+            .complete_in(&mut tx, &lease, &done("b"), KEEP)
+            .await
+            .expect("complete");
+        tx.commit().await.expect("commit");
+        let rows = work_rows(&store, &table).await;
+        assert_eq!(rows.get("a"), None);
+        assert_eq!(rows.get("b"), Some(&1));
+        drop_schema(&store).await;
+    }
+
+    /// A worker whose lease was taken over and completed by another cannot complete in its
+    /// own transaction: the database refuses (LeaseLost), and the rollback keeps its business
+    /// write out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn completing_a_key_completed_by_a_takeover_is_refused() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+        let id = id("k");
+        let slow = leased(
+            store
+                .begin(req(&id, Duration::from_millis(100)))
+                .await
+                .expect("begin"),
+        );
+        sleep(Duration::from_millis(300)).await;
+        let fast = match store.begin(req(&id, LONG)).await.expect("begin") {
+            Begin::TookOver(lease) => lease,
+            other => panic!("expected TookOver, got {other:?}"),
+        };
+        let mut tx = store.pool().begin().await.expect("tx");
+        insert_work(&mut tx, &table, "k", 2).await;
+        store
+            .complete_in(&mut tx, &fast, &done("fast"), KEEP)
+            .await
+            .expect("complete");
+        tx.commit().await.expect("commit");
+
+        let mut tx = store.pool().begin().await.expect("tx");
+        insert_work(&mut tx, &table, "k", 1).await;
+        match store.complete_in(&mut tx, &slow, &done("slow"), KEEP).await {
+            Err(Error::LeaseLost) => tx.rollback().await.expect("rollback"),
+            other => panic!("expected LeaseLost, got {other:?}"),
+        }
+        assert_eq!(work_rows(&store, &table).await.get("k"), Some(&1));
+        match store.begin(req(&id, LONG)).await.expect("begin") {
+            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "fast"),
+            other => panic!("expected Replay, got {other:?}"),
+        }
+        drop_schema(&store).await;
+    }
+
+    /// Two transactions complete the same lease at once (a duplicate delivery of one
+    /// message): the second waits on the row, re-checks the guard after the first commits,
+    /// and is refused. The work is committed once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_duplicate_completion_is_refused() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+        let id = id("k");
+        let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+
+        let mut first = store.pool().begin().await.expect("tx");
+        insert_work(&mut first, &table, "k", 1).await;
+        store
+            .complete_in(&mut first, &lease, &done("first"), KEEP)
+            .await
+            .expect("complete");
+
+        let second = {
+            let (store, lease, table) = (store.clone(), lease.clone(), table.clone());
+            tokio::spawn(async move {
+                let mut tx = store.pool().begin().await.expect("tx");
+                insert_work(&mut tx, &table, "k", 2).await;
+                let result = store
+                    .complete_in(&mut tx, &lease, &done("second"), KEEP)
+                    .await;
+                match result {
+                    Ok(()) => tx.commit().await.expect("commit"),
+                    Err(_) => tx.rollback().await.expect("rollback"),
+                }
+                result
+            })
+        };
+        // Let the second transaction reach the row lock before the first commits.
+        sleep(Duration::from_millis(300)).await;
+        assert!(!second.is_finished(), "the second completion did not wait");
+        first.commit().await.expect("commit");
+        match second.await.expect("task") {
+            Err(Error::LeaseLost) => {}
+            other => panic!("expected LeaseLost, got {other:?}"),
+        }
+        assert_eq!(work_rows(&store, &table).await.get("k"), Some(&1));
+        drop_schema(&store).await;
+    }
+
+    /// Two transactions claim the same key with `begin_in`: the second waits for the first,
+    /// which commits its work and completion, and then gets the replay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn begin_in_waits_for_the_claiming_transaction() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let table = create_work_table(&store).await;
+        let id = id("k");
+        let mut first = store.pool().begin().await.expect("tx");
+        let lease = leased(
+            store
+                .begin_in(&mut first, req(&id, LONG))
+                .await
+                .expect("begin"),
+        );
+        let second = {
+            let (store, id) = (store.clone(), id.clone());
+            tokio::spawn(async move {
+                let mut tx = store.pool().begin().await.expect("tx");
+                let answer = store
+                    .begin_in(&mut tx, req(&id, LONG))
+                    .await
+                    .expect("begin");
+                tx.commit().await.expect("commit");
+                answer
+            })
+        };
+        sleep(Duration::from_millis(300)).await;
+        assert!(!second.is_finished(), "the second begin did not wait");
+        insert_work(&mut first, &table, "k", 1).await;
+        store
+            .complete_in(&mut first, &lease, &done("once"), KEEP)
+            .await
+            .expect("complete");
+        first.commit().await.expect("commit");
+        match second.await.expect("task") {
+            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "once"),
+            other => panic!("expected Replay, got {other:?}"),
+        }
+        assert_eq!(work_rows(&store, &table).await.get("k"), Some(&1));
+        drop_schema(&store).await;
+    }
+
+    /// In a REPEATABLE READ transaction whose snapshot predates another caller's claim,
+    /// `begin_in` reports a transaction conflict (retryable), and retrying the whole
+    /// transaction sees the key in flight.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn repeatable_read_conflict_is_reported() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let id = id("k");
+        let mut tx = store.pool().begin().await.expect("tx");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx)
+            .await
+            .expect("isolation");
+        // The snapshot is taken by the first statement.
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .expect("snapshot");
+        leased(store.begin(req(&id, LONG)).await.expect("begin"));
+        let err = store
+            .begin_in(&mut tx, req(&id, LONG))
+            .await
+            .expect_err("a row claimed after the snapshot");
+        assert!(is_transaction_conflict(&err), "got {err:?}");
+        assert!(err.is_retryable());
+        assert!(
+            err.to_string().contains("unavailable"),
+            "unexpected message: {err}"
+        );
+        tx.rollback().await.expect("rollback");
+
+        let mut tx = store.pool().begin().await.expect("tx");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx)
+            .await
+            .expect("isolation");
+        assert!(matches!(
+            store
+                .begin_in(&mut tx, req(&id, LONG))
+                .await
+                .expect("begin"),
+            Begin::InFlight { .. }
+        ));
+        tx.commit().await.expect("commit");
+        drop_schema(&store).await;
+    }
+
+    // --- migrations ------------------------------------------------------------------------
+
+    /// Eight instances migrate the same new schema at once: all succeed, the table exists
+    /// once, and the ledger lives in idem's schema with one row per migration.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn migrate_is_safe_to_run_concurrently() {
+        let Some(url) = harness::database_url() else {
+            return;
+        };
+        let schema = schema_name();
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let (url, schema) = (url.clone(), schema.clone());
+            tasks.push(tokio::spawn(async move {
+                let store = PgStore::new(connect(&url, 2).await)
+                    .with_schema(&schema)
+                    .expect("schema");
+                store.migrate().await.expect("concurrent migrate");
+                store
+            }));
+        }
+        let mut stores = Vec::new();
+        for task in tasks {
+            stores.push(task.await.expect("task"));
+        }
+        let store = &stores[0];
+        let applied: Vec<(i64, bool)> = sqlx::query_as(&format!(
+            "SELECT version, success FROM \"{schema}\"._sqlx_migrations ORDER BY version"
+        ))
+        .fetch_all(store.pool())
+        .await
+        .expect("ledger in idem's schema");
+        let expected: Vec<(i64, bool)> = idem_postgres::migrator()
+            .iter()
+            .map(|m| (m.version, true))
+            .collect();
+        assert_eq!(applied, expected);
+        // The pool's own connections still use the default search_path: the migration's
+        // connection was taken out of the pool.
+        let path: String = sqlx::query_scalar("SHOW search_path")
+            .fetch_one(store.pool())
+            .await
+            .expect("search_path");
+        assert!(!path.contains(&schema), "search_path leaked: {path}");
+        // Running it again is a no-op, and the store works.
+        store.migrate().await.expect("migrate again");
+        leased(store.begin(req(&id("k"), LONG)).await.expect("begin"));
+        drop_schema(store).await;
+    }
+
+    /// `migrate(&pool)` uses the schema `idem` and its own ledger there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn migrate_defaults_to_the_idem_schema() {
+        let Some(url) = harness::database_url() else {
+            return;
+        };
+        let pool = connect(&url, 2).await;
+        idem_postgres::migrate(&pool).await.expect("migrate");
+        let ledger: Option<String> =
+            sqlx::query_scalar("SELECT to_regclass('idem._sqlx_migrations')::text")
+                .fetch_one(&pool)
+                .await
+                .expect("regclass");
+        assert!(ledger.is_some(), "no ledger in the idem schema");
+        let store = PgStore::new(pool);
+        assert_eq!(store.schema(), "idem");
+        // A unique scope: the schema `idem` is shared by every run against this server.
+        let scope = Scope::new(uuid::Uuid::new_v4().to_string()).expect("scope");
+        let id = RecordId::new(scope, Key::new("k").expect("key"));
+        let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+        store.release(&lease).await.expect("release");
+    }
+
+    // --- purge -----------------------------------------------------------------------------
+
+    async fn table_rows(store: &PgStore) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM \"{}\".records",
+            store.schema()
+        ))
+        .fetch_one(store.pool())
+        .await
+        .expect("count")
+    }
+
+    /// Expired records (completed or abandoned) go in batches of at most the size asked;
+    /// live ones stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn purge_deletes_expired_records_in_batches() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        for k in 0..10 {
+            let id = id(&format!("done-{k}"));
+            let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+            store
+                .complete(&lease, &done("x"), Duration::from_millis(50))
+                .await
+                .expect("complete");
+        }
+        for k in 0..10 {
+            let id = id(&format!("abandoned-{k}"));
+            let mut request = req(&id, Duration::from_millis(50));
+            request.retention = Duration::from_millis(50);
+            leased(store.begin(request).await.expect("begin"));
+        }
+        for k in 0..5 {
+            leased(
+                store
+                    .begin(req(&id(&format!("live-{k}")), LONG))
+                    .await
+                    .expect("begin"),
+            );
+        }
+        sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            table_rows(&store).await,
+            25,
+            "expired rows linger until purged"
+        );
+        assert_eq!(store.purge_expired(8).await.expect("purge"), 8);
+        assert_eq!(store.purge_expired(8).await.expect("purge"), 8);
+        assert_eq!(store.purge_expired(8).await.expect("purge"), 4);
+        assert_eq!(store.purge_expired(8).await.expect("purge"), 0);
+        assert_eq!(store.purge_expired(0).await.expect("purge"), 0);
+        assert_eq!(table_rows(&store).await, 5);
+        for k in 0..5 {
+            assert!(store
+                .get(&id(&format!("live-{k}")))
+                .await
+                .expect("get")
+                .is_some());
+        }
+        drop_schema(&store).await;
+    }
+
+    /// The background task purges on its own and stops promptly on shutdown.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn purge_task_runs_and_shuts_down() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        for k in 0..12 {
+            let id = id(&format!("done-{k}"));
+            let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+            store
+                .complete(&lease, &done("x"), Duration::from_millis(50))
+                .await
+                .expect("complete");
+        }
+        leased(store.begin(req(&id("live"), LONG)).await.expect("begin"));
+        sleep(Duration::from_millis(200)).await;
+        let purge = store.spawn_purge(PurgeConfig {
+            interval: Duration::from_millis(50),
+            batch: 5,
+            max_batches: 10,
+        });
+        let started = Instant::now();
+        while table_rows(&store).await > 1 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the purge task did not purge"
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!purge.is_finished());
+        timeout(Duration::from_secs(2), purge.shutdown())
+            .await
+            .expect("shutdown within 2 s");
+        assert!(store.get(&id("live")).await.expect("get").is_some());
+        drop_schema(&store).await;
+    }
+
+    // --- errors ----------------------------------------------------------------------------
+
+    /// A record whose stored metadata does not decode is reported as corrupt, by `begin` and
+    /// `get`, and left as it is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn corrupt_record_is_reported_and_left_alone() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let id = id("k");
+        let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+        store
+            .complete(&lease, &done("x"), KEEP)
+            .await
+            .expect("complete");
+        sqlx::query(&format!(
+            "UPDATE \"{}\".records SET meta = '\\x09ff'",
+            store.schema()
+        ))
+        .execute(store.pool())
+        .await
+        .expect("corrupt it");
+        assert!(matches!(
+            store.begin(req(&id, LONG)).await,
+            Err(Error::Corrupt { .. })
+        ));
+        assert!(matches!(store.get(&id).await, Err(Error::Corrupt { .. })));
+        let meta: Vec<u8> =
+            sqlx::query_scalar(&format!("SELECT meta FROM \"{}\".records", store.schema()))
+                .fetch_one(store.pool())
+                .await
+                .expect("read");
+        assert_eq!(meta, vec![0x09, 0xff], "the corrupt record was changed");
+        drop_schema(&store).await;
+    }
+
+    /// A connection the server terminated (`57P01`, then a closed socket) gives Unavailable.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn terminated_connection_is_unavailable() {
+        let Some(store) = fresh_store(4).await else {
+            return;
+        };
+        let url = harness::database_url().expect("checked by fresh_store");
+        let mut conn = PgConnection::connect(&url).await.expect("connect");
+        let pid = backend_pid(&mut conn).await;
+        terminate(store.pool(), pid).await;
+        // Give the server a moment to close the socket.
+        sleep(Duration::from_millis(100)).await;
+        match store.begin_in(&mut conn, req(&id("k"), LONG)).await {
+            Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+        drop_schema(&store).await;
+    }
+}
