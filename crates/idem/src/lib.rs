@@ -5,7 +5,17 @@
 //!
 //! This facade re-exports [`idem_core`] (the state machine, the storage trait and the
 //! embedded in-memory store); each storage backend or integration is a cargo feature that
-//! re-exports its crate as a module. See the workspace README for the list.
+//! re-exports its crate as a module:
+//!
+//! | feature | module | crate |
+//! |---|---|---|
+//! | `redis` | `idem::redis` | `idem-redis`: Redis 7, standalone and Cluster, Lua scripts |
+//! | `postgres` | `idem::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
+//! | `http` | `idem::http` | `idem-http`: the tower middleware |
+//! | `consumer` | `idem::consumer` | `idem-consumer`: message consumers (RabbitMQ) |
+//! | `full` | all of the above | |
+//!
+//! [`connect`] opens whichever store a URL names, among those compiled in.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -23,6 +33,81 @@
 //! ```
 
 pub use idem_core::*;
+
+#[cfg(feature = "consumer")]
+pub use idem_consumer as consumer;
+#[cfg(feature = "http")]
+pub use idem_http as http;
+#[cfg(feature = "postgres")]
+pub use idem_postgres as postgres;
+#[cfg(feature = "redis")]
+pub use idem_redis as redis;
+
+use std::sync::Arc;
+
+/// Opens the store a URL names:
+///
+/// | URL | store | feature |
+/// |---|---|---|
+/// | `memory` | [`MemoryStore`], private to this process | always |
+/// | `redis://host:port[/db]`, `rediss://...`, `unix:///path` | Redis, one server | `redis` |
+/// | `redis+cluster://host:port[,host:port...]` | Redis Cluster | `redis` |
+/// | `postgres://user@host/db`, `postgresql://...` | PostgreSQL, schema `idem`, migrated on connect | `postgres` |
+///
+/// # Errors
+///
+/// [`Error::Invalid`] for a URL no compiled-in backend takes; the backend's own errors
+/// ([`Error::Unavailable`] when its server cannot be reached).
+pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
+    let url = url.trim();
+    let scheme = url
+        .split_once("://")
+        .map_or(url, |(scheme, _)| scheme)
+        .to_ascii_lowercase();
+    match scheme.as_str() {
+        "memory" | "mem" => Ok(Arc::new(MemoryStore::new())),
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" | "unix" | "redis+cluster" => {
+            Ok(Arc::new(idem_redis::RedisStore::connect(url).await?))
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            let store = idem_postgres::PgStore::connect(url).await?;
+            store.migrate().await?;
+            Ok(Arc::new(store))
+        }
+        _ => Err(Error::Invalid(format!(
+            "no store for {scheme:?} URLs in this build; compiled in: {}",
+            compiled_in().join(", ")
+        ))),
+    }
+}
+
+/// The URL schemes [`connect`] takes in this build.
+pub fn compiled_in() -> Vec<&'static str> {
+    let mut schemes = vec!["memory"];
+    if cfg!(feature = "redis") {
+        schemes.extend(["redis://", "rediss://", "unix://", "redis+cluster://"]);
+    }
+    if cfg!(feature = "postgres") {
+        schemes.extend(["postgres://", "postgresql://"]);
+    }
+    schemes
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn connect_names_what_it_cannot_open() {
+        assert_eq!(super::connect("memory").await.unwrap().name(), "memory");
+        let err = super::connect("mysql://x").await.err().unwrap();
+        let text = err.to_string();
+        assert!(
+            text.contains("\"mysql\"") && text.contains("memory"),
+            "{text}"
+        );
+    }
+}
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]
