@@ -1,7 +1,12 @@
-//! `idem-bench`: measures the state machine's phases against a store.
+//! `idem-bench`: measures idem's phases against a store, and the raw floor of its server
+//! through the same client at the same concurrency.
 //!
 //! ```text
 //! idem-bench --store memory --keys 20000 --concurrency 32 --body-bytes 256
+//! idem-bench --store redis://127.0.0.1:6380 --concurrency 32
+//! idem-bench --store redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002
+//! idem-bench --store postgres://postgres@127.0.0.1:5432/test --concurrency 16
+//! idem-bench --phases middleware
 //! ```
 //!
 //! Phases (each on its own fresh keys):
@@ -9,41 +14,55 @@
 //! - `replay`: `begin` on completed keys;
 //! - `race`: R rounds of K concurrent callers on one key each, counting how many times the
 //!   protected work ran (must equal R);
-//! - `inflight`: `begin` by many callers on keys another worker holds.
+//! - `inflight`: `begin` by many callers on keys another worker holds;
+//! - `middleware`: requests/s of a trivial axum handler, bare and behind the idem-http layer
+//!   on the in-memory store, over loopback HTTP (whatever `--store` says).
 //!
 //! Each phase reports throughput, latency p50 / p99 / p99.9 and the count of each outcome.
+//! For Redis and PostgreSQL the run adds the server's floor and the ratios to it (see
+//! `BENCHMARKS.md`). Every run writes under its own Redis key prefix or PostgreSQL schema:
+//! Redis keys expire by themselves (after `--retention-secs`), the schema is dropped at the
+//! end.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
-use idem::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, MemoryStore, RecordId,
-    Response, Scope, Store,
-};
+use idem::postgres::PgStore;
+use idem::redis::RedisStore;
+use idem::{Completion, Response, Scope, Store};
 
+mod middleware;
+mod pg_floor;
+mod phases;
+mod redis_floor;
 mod report;
 
-use report::{Outcomes, PhaseReport};
+use pg_floor::PgSide;
+use phases::Bench;
+use redis_floor::{stats_delta, CommandStats, RedisSide};
+use report::{Figure, PhaseReport, Target};
 
 /// Command-line options.
 #[derive(Debug, Parser)]
 #[command(
     name = "idem-bench",
-    about = "Benchmarks idem's phases against a store"
+    about = "Benchmarks idem's phases against a store, with the server's raw floor"
 )]
 struct Args {
-    /// The store: `memory` (the embedded in-memory store).
+    /// The store: `memory`, `redis://host:port`, `redis+cluster://host:port,...` (list every
+    /// primary for the CPU and memory figures) or `postgres://user@host/db`.
     #[arg(long, default_value = "memory", env = "IDEM_BENCH_STORE")]
     store: String,
-    /// Keys per phase.
+    /// Keys per phase (and operations of each floor at `--concurrency`).
     #[arg(long, default_value_t = 20_000)]
     keys: usize,
     /// Concurrent callers.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
+    /// Operations of the concurrency-1 phases (lifecycle and PING at C=1).
+    #[arg(long, default_value_t = 5_000)]
+    c1_keys: usize,
     /// Bytes of each stored response body.
     #[arg(long, default_value_t = 256)]
     body_bytes: usize,
@@ -53,17 +72,31 @@ struct Args {
     /// Concurrent callers per key in the race phase.
     #[arg(long, default_value_t = 16)]
     race_callers: usize,
-    /// Phases to run, comma-separated.
+    /// Phases to run, comma-separated: lifecycle, replay, race, inflight, middleware.
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "lifecycle,replay,race,inflight"
     )]
     phases: Vec<String>,
-    /// Print one JSON document instead of a table.
+    /// Skip the server's floor (PING / SET NX, or the two-statement PostgreSQL floor).
+    #[arg(long)]
+    no_floor: bool,
+    /// PostgreSQL pool size. Default: `--concurrency`, so no caller waits for a connection.
+    #[arg(long)]
+    pg_pool: Option<u32>,
+    /// Keep the run's PostgreSQL schema instead of dropping it.
+    #[arg(long)]
+    keep: bool,
+    /// How long records (and the floor's Redis keys) are kept, in seconds.
+    #[arg(long, default_value_t = 300)]
+    retention_secs: u64,
+    /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
 }
+
+const PHASES: [&str; 5] = ["lifecycle", "replay", "race", "inflight", "middleware"];
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -77,41 +110,54 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
+/// The server behind the store, when the run measures its floor.
+enum Server {
+    None,
+    Redis(Arc<RedisSide>, RedisStore),
+    Postgres(PgSide),
+}
+
 async fn run(args: &Args) -> Result<(), String> {
-    if args.keys == 0 || args.concurrency == 0 || args.race_callers == 0 {
-        return Err("--keys, --concurrency and --race-callers must be at least 1".into());
+    if args.keys == 0
+        || args.concurrency == 0
+        || args.c1_keys == 0
+        || args.race_callers == 0
+        || args.race_rounds == 0
+    {
+        return Err(
+            "--keys, --concurrency, --c1-keys, --race-rounds and --race-callers must be at least 1"
+                .into(),
+        );
     }
-    let store = open(&args.store)?;
-    let body = Response::new(201, vec![b'x'; args.body_bytes]);
-    let bench = Bench {
-        store,
-        scope: Scope::new(format!("bench-{}", std::process::id())).map_err(|e| e.to_string())?,
-        completion: Arc::new(Completion::succeeded(body)),
-        lease: Duration::from_secs(30),
-        retention: Duration::from_secs(600),
-    };
-    let mut reports = Vec::new();
-    for phase in &args.phases {
-        let report = match phase.as_str() {
-            "lifecycle" => {
-                bench
-                    .lifecycle("lifecycle", args.keys, args.concurrency)
-                    .await?
-            }
-            "replay" => bench.replay(args.keys, args.concurrency).await?,
-            "race" => bench.race(args.race_rounds, args.race_callers).await?,
-            "inflight" => bench.inflight(args.keys, args.concurrency).await?,
-            other => return Err(format!("unknown phase {other:?}")),
-        };
-        reports.push(report);
+    if let Some(p) = args.phases.iter().find(|p| !PHASES.contains(&p.as_str())) {
+        return Err(format!(
+            "unknown phase {p:?}; phases: {}",
+            PHASES.join(", ")
+        ));
     }
+    // Unique per run: this run's keys, prefix and schema meet no other run's.
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .subsec_nanos();
+    let run_id = format!("{}_{nanos}", std::process::id());
+    let (store, server) = open(args, &run_id).await?;
+    let result = measure(args, &run_id, store, &server).await;
+    if let Server::Postgres(pg) = &server {
+        if !args.keep {
+            pg.drop_schema().await?;
+        }
+    }
+    let (reports, figures) = result?;
     if args.json {
         let doc = serde_json::json!({
             "store": args.store,
             "keys": args.keys,
             "concurrency": args.concurrency,
             "body_bytes": args.body_bytes,
+            "run": run_id,
             "phases": reports.iter().map(PhaseReport::to_json).collect::<Vec<_>>(),
+            "figures": figures.iter().map(Figure::to_json).collect::<Vec<_>>(),
         });
         println!("{doc:#}");
     } else {
@@ -120,211 +166,309 @@ async fn run(args: &Args) -> Result<(), String> {
             args.store, args.keys, args.concurrency, args.body_bytes
         );
         report::print_table(&reports);
+        report::print_figures(&figures);
     }
     Ok(())
 }
 
-fn open(url: &str) -> Result<Arc<dyn Store>, String> {
-    match url {
-        "memory" | "memory://" => Ok(Arc::new(MemoryStore::new())),
-        other => Err(format!(
-            "unsupported store {other:?}: this build knows `memory`"
-        )),
-    }
-}
-
-struct Bench {
-    store: Arc<dyn Store>,
-    scope: Scope,
-    completion: Arc<Completion>,
-    lease: Duration,
-    retention: Duration,
-}
-
-impl Bench {
-    fn id(&self, phase: &str, i: usize) -> Result<RecordId, String> {
-        let key = Key::new(format!("{phase}-{i}")).map_err(|e| e.to_string())?;
-        Ok(RecordId::new(self.scope.clone(), key))
-    }
-
-    async fn begin(&self, id: &RecordId) -> Result<Begin, String> {
-        self.store
-            .begin(BeginRequest {
-                id,
-                fingerprint: Fingerprint::of_bytes(b"bench"),
-                token: FencingToken::random(),
-                lease: self.lease,
-                retention: self.retention,
-            })
-            .await
-            .map_err(|e| e.to_string())
-    }
-
-    /// Runs `op(i)` for i in 0..n on `concurrency` workers; returns latencies and outcomes.
-    async fn drive<F, Fut>(
-        &self,
-        phase: &str,
-        n: usize,
-        concurrency: usize,
-        op: F,
-    ) -> Result<PhaseReport, String>
-    where
-        F: Fn(usize) -> Fut + Send + Sync + 'static,
-        Fut: std::future::Future<Output = Result<&'static str, String>> + Send,
-    {
-        let op = Arc::new(op);
-        let next = Arc::new(AtomicUsize::new(0));
-        let started = Instant::now();
-        let mut workers = Vec::new();
-        for _ in 0..concurrency.min(n) {
-            let (op, next) = (op.clone(), next.clone());
-            workers.push(tokio::spawn(async move {
-                let mut latencies = Vec::new();
-                let mut outcomes = Outcomes::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    let t = Instant::now();
-                    let outcome = op(i).await?;
-                    latencies.push(t.elapsed());
-                    *outcomes.entry(outcome).or_insert(0) += 1;
-                }
-                Ok::<_, String>((latencies, outcomes))
-            }));
-        }
-        let mut latencies = Vec::with_capacity(n);
-        let mut outcomes = BTreeMap::new();
-        for worker in workers {
-            let (l, o) = worker.await.map_err(|e| e.to_string())??;
-            latencies.extend(l);
-            for (k, v) in o {
-                *outcomes.entry(k).or_insert(0) += v;
-            }
-        }
-        Ok(PhaseReport::new(
-            phase,
-            started.elapsed(),
-            latencies,
-            outcomes,
-        ))
-    }
-
-    async fn lifecycle(
-        self: &Bench,
-        phase: &'static str,
-        n: usize,
-        concurrency: usize,
-    ) -> Result<PhaseReport, String> {
-        let this = self.shared();
-        self.drive(phase, n, concurrency, move |i| {
-            let this = this.clone();
-            async move {
-                let id = this.id(phase, i)?;
-                match this.begin(&id).await? {
-                    Begin::Acquired(lease) => {
-                        this.store
-                            .complete(&lease, &this.completion, this.retention)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        Ok("executed")
-                    }
-                    other => Err(format!("a new key was not acquired: {other:?}")),
-                }
-            }
-        })
-        .await
-    }
-
-    async fn replay(&self, n: usize, concurrency: usize) -> Result<PhaseReport, String> {
-        // Completed keys to replay, written first and not timed.
-        self.lifecycle("replay", n, concurrency).await?;
-        let this = self.shared();
-        self.drive("replay", n, concurrency, move |i| {
-            let this = this.clone();
-            async move {
-                match this.begin(&this.id("replay", i)?).await? {
-                    Begin::Replay(_) => Ok("replayed"),
-                    other => Err(format!("a completed key did not replay: {other:?}")),
-                }
-            }
-        })
-        .await
-    }
-
-    async fn race(&self, rounds: usize, callers: usize) -> Result<PhaseReport, String> {
-        let executions = Arc::new(AtomicUsize::new(0));
-        let this = self.shared();
-        let counted = executions.clone();
-        // Every operation is one caller; callers of one round share a key, and all of a
-        // round's callers run at once.
-        let report = self
-            .drive("race", rounds * callers, callers, move |i| {
-                let (this, counted) = (this.clone(), counted.clone());
-                async move {
-                    let id = this.id("race", i / callers)?;
-                    match this.begin(&id).await? {
-                        Begin::Acquired(lease) => {
-                            counted.fetch_add(1, Ordering::SeqCst);
-                            this.store
-                                .complete(&lease, &this.completion, this.retention)
-                                .await
-                                .map_err(|e| e.to_string())?;
-                            Ok("executed")
-                        }
-                        Begin::InFlight { .. } => Ok("in_flight"),
-                        Begin::Replay(_) => Ok("replayed"),
-                        other => Err(format!("unexpected race outcome {other:?}")),
-                    }
-                }
-            })
-            .await?;
-        let ran = executions.load(Ordering::SeqCst);
-        if ran != rounds {
-            return Err(format!("race: the work ran {ran} times for {rounds} keys"));
-        }
-        Ok(report)
-    }
-
-    async fn inflight(&self, n: usize, concurrency: usize) -> Result<PhaseReport, String> {
-        // A few held keys, hit by every caller.
-        let held = 64.min(n);
-        let mut leases = Vec::new();
-        for i in 0..held {
-            match self.begin(&self.id("inflight", i)?).await? {
-                Begin::Acquired(lease) => leases.push(lease),
-                other => return Err(format!("a new key was not acquired: {other:?}")),
-            }
-        }
-        let this = self.shared();
-        let report = self
-            .drive("inflight", n, concurrency, move |i| {
-                let this = this.clone();
-                async move {
-                    match this.begin(&this.id("inflight", i % held)?).await? {
-                        Begin::InFlight { .. } => Ok("in_flight"),
-                        other => Err(format!("a held key was not in flight: {other:?}")),
-                    }
-                }
-            })
-            .await?;
-        for lease in leases {
-            self.store
-                .release(&lease)
+/// Opens the store under this run's own prefix or schema, and the server side for the floor.
+async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), String> {
+    let url = args.store.trim();
+    let scheme = url.split_once("://").map_or(url, |(s, _)| s);
+    let e = |e: idem::Error| format!("{url}: {e}");
+    match scheme {
+        "redis" | "rediss" | "redis+cluster" => {
+            let prefix = format!("idem-bench:{run_id}:");
+            let store = RedisStore::builder(url)
+                .with_prefix(prefix.clone())
+                .connect()
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(e)?;
+            let side = Arc::new(RedisSide::connect(url, &prefix).await?);
+            Ok((Arc::new(store.clone()), Server::Redis(side, store)))
         }
-        Ok(report)
+        "postgres" | "postgresql" => {
+            let pool = PgStore::pool_options()
+                .max_connections(args.pg_pool.unwrap_or(args.concurrency as u32).max(1))
+                .acquire_timeout(Duration::from_secs(10))
+                .connect(url)
+                .await
+                .map_err(|err| format!("{url}: {err}"))?;
+            let store = PgStore::new(pool)
+                .with_schema(&format!("idem_bench_{run_id}"))
+                .map_err(e)?;
+            store.migrate().await.map_err(e)?;
+            let side = PgSide::create(&store).await?;
+            Ok((Arc::new(store), Server::Postgres(side)))
+        }
+        // Everything else through the facade, which names what this build can open.
+        _ => Ok((idem::connect(url).await.map_err(e)?, Server::None)),
+    }
+}
+
+/// Runs the phases and the floors; returns the phase reports and the derived figures.
+async fn measure(
+    args: &Args,
+    run_id: &str,
+    store: Arc<dyn Store>,
+    server: &Server,
+) -> Result<(Vec<PhaseReport>, Vec<Figure>), String> {
+    let (n, c) = (args.keys, args.concurrency);
+    let retention = Duration::from_secs(args.retention_secs.max(1));
+    let bench = Bench {
+        store,
+        scope: Scope::new(format!("bench-{run_id}")).map_err(|e| e.to_string())?,
+        completion: Arc::new(Completion::succeeded(Response::new(
+            201,
+            vec![b'x'; args.body_bytes],
+        ))),
+        lease: Duration::from_secs(30),
+        retention,
+    };
+    let mut reports = Vec::new();
+    let mut figures = Vec::new();
+    let wants = |p: &str| args.phases.iter().any(|x| x == p);
+    let store_phases = ["lifecycle", "replay", "race", "inflight"]
+        .iter()
+        .any(|p| wants(p));
+    let redis = match server {
+        Server::Redis(side, store) if !args.no_floor => Some((side.clone(), store)),
+        _ => None,
+    };
+
+    if store_phases {
+        // Untimed: connections opened, scripts loaded, statements prepared.
+        bench.lifecycle("warmup", 1000.min(n), c).await?;
     }
 
-    fn shared(&self) -> Arc<Bench> {
-        Arc::new(Bench {
-            store: self.store.clone(),
-            scope: self.scope.clone(),
-            completion: self.completion.clone(),
-            lease: self.lease,
-            retention: self.retention,
-        })
+    // The concurrency-1 pair: a lifecycle is two round trips, so its floor is two PINGs.
+    if let (Some((side, _)), true) = (&redis, wants("lifecycle")) {
+        let ping1 = side.ping("redis PING", args.c1_keys, 1).await?;
+        let life1 = bench.lifecycle("lifecycle-c1", args.c1_keys, 1).await?;
+        figures.push(
+            Figure::new(
+                "lifecycle C=1 / (2 x PING C=1)",
+                life1.throughput() / (ping1.throughput() / 2.0),
+                "",
+                format!(
+                    "lifecycle {:.1} µs vs PING {:.1} µs (mean)",
+                    micros(life1.mean_latency()),
+                    micros(ping1.mean_latency())
+                ),
+            )
+            .target(Target::AtLeast(0.9)),
+        );
+        reports.push(ping1);
+        reports.push(life1);
     }
+
+    let mut set_nx: Option<f64> = None;
+    if let Some((side, _)) = &redis {
+        let before = side.command_stats().await?;
+        let ping = side.ping("redis PING", n, c).await?;
+        cpu_figure(&mut figures, "PING", &ping, &before, &side.command_stats().await?);
+        let before = side.command_stats().await?;
+        let set = side
+            .set_nx(n, c, args.body_bytes, retention.as_millis() as u64)
+            .await?;
+        cpu_figure(&mut figures, "SET NX", &set, &before, &side.command_stats().await?);
+        set_nx = Some(set.throughput());
+        let sizes = sample_usage(side, (0..n).map(|i| side.floor_key(i)).collect()).await?;
+        figures.push(Figure::new(
+            "SET NX key: bytes beyond its value",
+            sizes - args.body_bytes as f64,
+            "B",
+            format!("MEMORY USAGE of {} sampled floor keys (reference)", SAMPLES.min(n)),
+        ));
+        reports.push(ping);
+        reports.push(set);
+    }
+
+    if wants("lifecycle") {
+        let stats = match &redis {
+            Some((side, _)) => Some((side.command_stats().await?, side.used_memory().await?)),
+            None => None,
+        };
+        let life = bench.lifecycle("lifecycle", n, c).await?;
+        if let (Some((side, store)), Some((before, mem_before))) = (&redis, stats) {
+            let mem_after = side.used_memory().await?;
+            cpu_figure(&mut figures, "lifecycle", &life, &before, &side.command_stats().await?);
+            if let Some(set) = set_nx {
+                figures.push(
+                    Figure::new(
+                        format!("lifecycle C={c} / (SET NX C={c} / 2)"),
+                        life.throughput() / (set / 2.0),
+                        "",
+                        format!("{:.0}/s vs {:.0}/s SET NX", life.throughput(), set),
+                    )
+                    .target(Target::AtLeast(0.8)),
+                );
+            }
+            let keys = (0..n)
+                .map(|i| bench.id("lifecycle", i).map(|id| store.record_key(&id)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let usage = sample_usage(side, keys).await?;
+            figures.push(
+                Figure::new(
+                    "record: bytes beyond its body (MEMORY USAGE)",
+                    usage - args.body_bytes as f64,
+                    "B",
+                    format!(
+                        "mean of {} sampled records of a {} B body",
+                        SAMPLES.min(n),
+                        args.body_bytes
+                    ),
+                )
+                .target(Target::AtMost(100.0)),
+            );
+            let per_record = (mem_after as f64 - mem_before as f64) / n as f64;
+            figures.push(
+                Figure::new(
+                    "record: bytes beyond its body (used_memory)",
+                    per_record - args.body_bytes as f64,
+                    "B",
+                    format!(
+                        "INFO used_memory delta over {n} records, summed over {} primar{}",
+                        side.primaries(),
+                        if side.primaries() == 1 { "y" } else { "ies" }
+                    ),
+                )
+                .target(Target::AtMost(100.0)),
+            );
+        }
+        if let (Server::Postgres(pg), false) = (server, args.no_floor) {
+            let floor = pg.floor(n, c, args.body_bytes).await?;
+            figures.push(
+                Figure::new(
+                    format!("lifecycle C={c} / insert+update C={c}"),
+                    life.throughput() / floor.throughput(),
+                    "",
+                    format!(
+                        "{:.0}/s vs {:.0}/s two-statement floor",
+                        life.throughput(),
+                        floor.throughput()
+                    ),
+                )
+                .target(Target::AtLeast(0.9)),
+            );
+            reports.push(life);
+            reports.push(floor);
+        } else {
+            reports.push(life);
+        }
+    }
+
+    if wants("replay") {
+        bench.prepare_replay(n, c).await?;
+        let before = match &redis {
+            Some((side, _)) => Some(side.command_stats().await?),
+            None => None,
+        };
+        let replay = bench.replay(n, c).await?;
+        if let (Some((side, _)), Some(before)) = (&redis, before) {
+            cpu_figure(&mut figures, "replay", &replay, &before, &side.command_stats().await?);
+            if let Some(set) = set_nx {
+                figures.push(
+                    Figure::new(
+                        format!("replay C={c} / SET NX C={c}"),
+                        replay.throughput() / set,
+                        "",
+                        format!("{:.0}/s vs {:.0}/s SET NX", replay.throughput(), set),
+                    )
+                    .target(Target::AtLeast(0.8)),
+                );
+            }
+        }
+        reports.push(replay);
+    }
+    if wants("race") {
+        reports.push(bench.race(args.race_rounds, args.race_callers).await?);
+    }
+    if wants("inflight") {
+        reports.push(bench.inflight(n, c).await?);
+    }
+    if wants("middleware") {
+        let http = middleware::run(n, c).await?;
+        figures.push(
+            Figure::new(
+                "http: layer new keys / bare handler",
+                http[1].throughput() / http[0].throughput(),
+                "",
+                format!(
+                    "{:.0} vs {:.0} requests/s",
+                    http[1].throughput(),
+                    http[0].throughput()
+                ),
+            )
+            .target(Target::AtLeast(0.7)),
+        );
+        figures.push(Figure::new(
+            "http: layer replays / bare handler",
+            http[2].throughput() / http[0].throughput(),
+            "",
+            format!(
+                "{:.0} vs {:.0} requests/s",
+                http[2].throughput(),
+                http[0].throughput()
+            ),
+        ));
+        reports.extend(http);
+    }
+    Ok((reports, figures))
+}
+
+/// How many keys `MEMORY USAGE` samples.
+const SAMPLES: usize = 200;
+
+/// Mean `MEMORY USAGE` of up to [`SAMPLES`] keys spread evenly over `keys`.
+async fn sample_usage(side: &RedisSide, keys: Vec<String>) -> Result<f64, String> {
+    let step = (keys.len() / SAMPLES).max(1);
+    let (mut total, mut count) = (0u64, 0u64);
+    for key in keys.iter().step_by(step).take(SAMPLES) {
+        if let Some(bytes) = side.memory_usage(key).await? {
+            total += bytes;
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return Err("MEMORY USAGE found none of the sampled keys".into());
+    }
+    Ok(total as f64 / count as f64)
+}
+
+/// Server CPU per operation of a phase, from the `INFO commandstats` delta around it;
+/// the basis names each command's calls per operation and microseconds per call.
+fn cpu_figure(
+    figures: &mut Vec<Figure>,
+    what: &str,
+    phase: &PhaseReport,
+    before: &CommandStats,
+    after: &CommandStats,
+) {
+    let delta = stats_delta(before, after);
+    let ops = phase.ops().max(1) as f64;
+    let mut total = 0u64;
+    let mut parts = Vec::new();
+    for (name, (calls, usec)) in &delta {
+        // The snapshots' own INFO calls are not the phase's work.
+        if name == "info" {
+            continue;
+        }
+        total += usec;
+        parts.push(format!(
+            "{name} {:.2}/op x {:.2} µs",
+            *calls as f64 / ops,
+            *usec as f64 / *calls as f64
+        ));
+    }
+    figures.push(Figure::new(
+        format!("redis CPU per op: {what}"),
+        total as f64 / ops,
+        "µs",
+        parts.join(", "),
+    ));
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
 }

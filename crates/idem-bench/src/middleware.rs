@@ -1,0 +1,102 @@
+//! The middleware over loopback HTTP: a trivial axum handler served bare and behind
+//! `IdempotencyLayer` on the in-memory store, driven by a hyper client in this process.
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idem::http::IdempotencyLayer;
+use idem::{Idem, MemoryStore};
+
+use crate::phases::drive;
+use crate::report::PhaseReport;
+
+/// The request body: a small JSON document, fingerprinted by the layer.
+const BODY: &str = r#"{"customer":"cus_42","amount":1250,"currency":"EUR","lines":[{"sku":"sku-1","qty":2}]}"#;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Starts the app on a loopback port and returns its `POST` URL.
+async fn serve(app: Router) -> Result<String, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("binding a loopback port: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("loopback port: {e}"))?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("idem-bench: http server: {e}");
+        }
+    });
+    Ok(format!("http://{addr}/orders"))
+}
+
+/// The trivial handler: 201 and a short text.
+fn app() -> Router {
+    Router::new().route("/orders", post(|| async { (StatusCode::CREATED, "created") }))
+}
+
+/// Sends `n` POSTs from `concurrency` callers, each with `Idempotency-Key: <keys>-<i>`.
+async fn hammer(
+    name: &str,
+    client: &HttpClient,
+    url: &str,
+    keys: &str,
+    n: usize,
+    concurrency: usize,
+) -> Result<PhaseReport, String> {
+    let (client, url, keys) = (client.clone(), Arc::<str>::from(url), Arc::<str>::from(keys));
+    drive(name, n, concurrency, move |i| {
+        let (client, url, keys) = (client.clone(), url.clone(), keys.clone());
+        async move {
+            let request = http::Request::post(&*url)
+                .header("content-type", "application/json")
+                .header("idempotency-key", format!("{keys}-{i}"))
+                .body(Full::new(Bytes::from_static(BODY.as_bytes())))
+                .map_err(|e| format!("building a request: {e}"))?;
+            let response = client
+                .request(request)
+                .await
+                .map_err(|e| format!("http: {e}"))?;
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status();
+            response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("http body: {e}"))?;
+            match (status, replayed) {
+                (StatusCode::CREATED, false) => Ok("created"),
+                (StatusCode::CREATED, true) => Ok("replayed"),
+                (other, _) => Err(format!("http: unexpected status {other}")),
+            }
+        }
+    })
+    .await
+}
+
+/// Requests per second of the bare handler, then behind the layer on new keys, then
+/// behind the layer on the same keys again (replays).
+pub async fn run(n: usize, concurrency: usize) -> Result<Vec<PhaseReport>, String> {
+    let bare = serve(app()).await?;
+    let layer = IdempotencyLayer::new(Idem::new(MemoryStore::new()));
+    let guarded = serve(app().layer(layer)).await?;
+    let client: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(concurrency)
+        .build_http();
+    // Untimed: opens the pooled connections to both servers.
+    hammer("warmup", &client, &bare, "warm", concurrency * 10, concurrency).await?;
+    hammer("warmup", &client, &guarded, "warm", concurrency * 10, concurrency).await?;
+    Ok(vec![
+        hammer("http bare", &client, &bare, "bare", n, concurrency).await?,
+        hammer("http layer new keys", &client, &guarded, "k", n, concurrency).await?,
+        hammer("http layer replays", &client, &guarded, "k", n, concurrency).await?,
+    ])
+}
