@@ -227,7 +227,10 @@ fn primaries_of(layout: &str) -> Vec<String> {
 fn parse_commandstats(text: &str) -> CommandStats {
     let mut stats = CommandStats::new();
     for line in text.lines() {
-        let Some((name, fields)) = line.trim().strip_prefix("cmdstat_").and_then(|l| l.split_once(':'))
+        let Some((name, fields)) = line
+            .trim()
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(':'))
         else {
             continue;
         };

@@ -59,6 +59,11 @@ impl PhaseReport {
         self.ops
     }
 
+    /// Median latency.
+    pub fn p50(&self) -> Duration {
+        self.p50
+    }
+
     /// Mean time of one operation as one caller sees it: concurrency / throughput.
     pub fn mean_latency(&self) -> Duration {
         Duration::from_secs_f64(self.concurrency as f64 / self.throughput().max(f64::EPSILON))
