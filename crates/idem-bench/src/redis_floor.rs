@@ -8,6 +8,7 @@ use std::sync::Arc;
 use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, FromRedisValue};
 
 use crate::phases::drive;
@@ -112,7 +113,19 @@ impl RedisSide {
         drive(name, n, concurrency, move |_| {
             let this = this.clone();
             async move {
-                this.query::<()>(&redis::cmd("PING")).await?;
+                match this.conn.clone() {
+                    FloorConn::Single(mut c) => redis::cmd("PING").query_async::<()>(&mut c).await,
+                    // The cluster client sends a key-less PING to every primary and waits
+                    // for all; one round trip to one node is the floor.
+                    FloorConn::Cluster(mut c) => c
+                        .route_command(
+                            redis::cmd("PING"),
+                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+                        )
+                        .await
+                        .map(drop),
+                }
+                .map_err(|e| format!("redis: {e}"))?;
                 Ok("pong")
             }
         })
