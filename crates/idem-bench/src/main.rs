@@ -488,6 +488,16 @@ fn cpu_figure(
 ) {
     let delta = stats_delta(before, after);
     let ops = phase.ops().max(1) as f64;
+    // A script's time includes the commands it calls, which commandstats also counts on
+    // their own: when the phase ran scripts (the store's phases run nothing else), only the
+    // scripts add up, and the commands they called are listed for the breakdown.
+    let scripted = |name: &str| {
+        matches!(
+            name,
+            "evalsha" | "evalsha_ro" | "eval" | "eval_ro" | "fcall"
+        )
+    };
+    let scripts = delta.keys().any(|n| scripted(n));
     let mut total = 0u64;
     let mut parts = Vec::new();
     for (name, (calls, usec)) in &delta {
@@ -495,9 +505,13 @@ fn cpu_figure(
         if name == "info" {
             continue;
         }
-        total += usec;
+        let counted = !scripts || scripted(name);
+        if counted {
+            total += usec;
+        }
         parts.push(format!(
-            "{name} {:.2}/op x {:.2} µs",
+            "{}{name} {:.2}/op x {:.2} µs",
+            if counted { "" } else { "(in script) " },
             *calls as f64 / ops,
             *usec as f64 / *calls as f64
         ));
