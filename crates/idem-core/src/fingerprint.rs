@@ -287,7 +287,8 @@ mod tests {
     /// fingerprints of records already stored.
     #[test]
     fn digest_is_pinned() {
-        let body = r#"{"z":[1,2.5,-3e2,true,null,{"b":"\u00e9\n","a":{}}],"a":"x\"y","m":{"k":[]}}"#;
+        let body =
+            r#"{"z":[1,2.5,-3e2,true,null,{"b":"\u00e9\n","a":{}}],"a":"x\"y","m":{"k":[]}}"#;
         let f = Fingerprint::builder()
             .text("method", "POST")
             .json("body", body.as_bytes(), &JsonSelection::All)
