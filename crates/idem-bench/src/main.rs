@@ -177,7 +177,7 @@ async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), Str
     let scheme = url.split_once("://").map_or(url, |(s, _)| s);
     let e = |e: idem::Error| format!("{url}: {e}");
     match scheme {
-        "redis" | "rediss" | "redis+cluster" => {
+        "redis" | "rediss" | "unix" | "redis+cluster" => {
             let prefix = format!("idem-bench:{run_id}:");
             let store = RedisStore::builder(url)
                 .with_prefix(prefix.clone())
