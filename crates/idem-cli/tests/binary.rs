@@ -295,12 +295,18 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("memory store lives inside one"), "{err}");
 
-    let (code, _, err) = run(&["evict", "order-1", "--store", "redis://127.0.0.1:6379"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(
-        err.contains("store backend redis not built in yet"),
-        "{err}"
+    // A store nothing answers for: exit 3, naming the store but not its password.
+    let closed = format!(
+        "redis://:hunter2@127.0.0.1:{}",
+        idem_testkit::harness::free_port()
     );
+    let (code, _, err) = run(&["evict", "order-1", "--store", &closed]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("cannot open store redis://:***@127.0.0.1:"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+    let (code, _, err) = run(&["serve", "--store", &closed.replace("redis", "postgres")]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("cannot open store postgres://:***@"), "{err}");
 
     let (code, _, err) = run(&["stats"]);
     assert_eq!(code, 2, "{err}");
