@@ -56,9 +56,7 @@ impl StoreUrl {
             // Drivers may quote the URL they were given: never let its password through.
             let detail = scrub(&e.to_string(), url);
             match e {
-                Error::Invalid(_) => {
-                    CliError::Usage(format!("cannot open store {self}: {detail}"))
-                }
+                Error::Invalid(_) => CliError::Usage(format!("cannot open store {self}: {detail}")),
                 _ => CliError::Open(format!("cannot open store {self}: {detail}")),
             }
         })
