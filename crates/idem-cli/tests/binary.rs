@@ -1,8 +1,8 @@
 //! The `idem` binary as a user runs it: `idem serve` as a process on a free loopback port,
 //! driven over HTTP, then stopped with SIGTERM; the operator commands' errors and exit
 //! codes; and `inspect`, `stats`, `evict` next to `idem serve` on real Redis (`mod redis`,
-//! `IDEM_TEST_REDIS_URL`) and PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`), which
-//! `scripts/test` provides.
+//! `IDEM_TEST_REDIS_URL`), a Redis Cluster the test starts (`mod redis_cluster`) and
+//! PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`); `scripts/test` provides the URLs.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -493,5 +493,31 @@ mod postgres {
             return;
         };
         super::operator_commands_over(&url).await;
+    }
+}
+
+mod redis_cluster {
+    //! Against a 3-primary Redis Cluster this test starts (`redis-server` and `redis-cli`
+    //! from `PATH`), through a `redis+cluster://` URL.
+
+    use idem_redis::testing::{self, RedisCluster};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        if !testing::binaries_available() {
+            let why = "redis-server and redis-cli are not on PATH \
+                       (Debian/Ubuntu: apt-get install redis-server)";
+            assert!(
+                !idem_testkit::harness::backends_required(),
+                "IDEM_TEST_REQUIRE_BACKENDS=1 and {why}"
+            );
+            eprintln!("skipping: {why}");
+            return;
+        }
+        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+            .await
+            .unwrap()
+            .expect("start a 3-primary cluster");
+        super::operator_commands_over(&cluster.url()).await;
     }
 }
