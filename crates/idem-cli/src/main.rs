@@ -48,7 +48,7 @@ enum Command {
 struct StoreArg {
     /// The store: `memory` (this process only), `redis://[:PASSWORD@]HOST:PORT[/DB]`,
     /// `redis+cluster://HOST:PORT[,HOST:PORT...]`, `postgres://USER[:PASSWORD]@HOST/DB`
-    /// (tables in schema `idem`, created on first use).
+    /// (tables in schema `idem`, created on first use), `tiered:REDIS_URL|POSTGRES_URL`.
     #[arg(long, env = "IDEM_STORE", default_value = "memory")]
     store: String,
 }

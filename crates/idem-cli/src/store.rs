@@ -16,6 +16,8 @@ pub enum StoreUrl {
     Redis(String),
     /// `postgres://...` or `postgresql://...`.
     Postgres(String),
+    /// `tiered:<redis URL>|<postgres URL>`: Redis first, PostgreSQL the arbiter.
+    Tiered(String),
 }
 
 impl StoreUrl {
@@ -28,12 +30,14 @@ impl StoreUrl {
         let url = url.trim();
         let scheme = url.split_once("://").map_or(url, |(scheme, _)| scheme);
         match scheme.to_ascii_lowercase().as_str() {
+            tiered if tiered.starts_with("tiered:") => Ok(Self::Tiered(url.to_owned())),
             "memory" | "memory:" | "mem" => Ok(Self::Memory),
             "redis" | "rediss" | "unix" | "redis+cluster" => Ok(Self::Redis(url.to_owned())),
             "postgres" | "postgresql" => Ok(Self::Postgres(url.to_owned())),
             _ => Err(CliError::Usage(format!(
                 "unknown store {:?}: use memory, redis://HOST:PORT, \
-                 redis+cluster://HOST:PORT[,HOST:PORT...] or postgres://USER@HOST/DB",
+                 redis+cluster://HOST:PORT[,HOST:PORT...], postgres://USER@HOST/DB or \
+                 tiered:REDIS_URL|POSTGRES_URL",
                 redact(url)
             ))),
         }
@@ -50,7 +54,7 @@ impl StoreUrl {
     pub async fn open(&self) -> Result<Arc<dyn Store>, CliError> {
         let url = match self {
             Self::Memory => "memory",
-            Self::Redis(url) | Self::Postgres(url) => url.as_str(),
+            Self::Redis(url) | Self::Postgres(url) | Self::Tiered(url) => url.as_str(),
         };
         idem::connect(url).await.map_err(|e| {
             // Drivers may quote the URL they were given: never let its password through.
@@ -68,12 +72,12 @@ impl fmt::Display for StoreUrl {
         match self {
             Self::Memory => f.write_str("memory"),
             // Never print credentials a URL may carry.
-            Self::Redis(url) | Self::Postgres(url) => f.write_str(&redact(url)),
+            Self::Redis(url) | Self::Postgres(url) | Self::Tiered(url) => f.write_str(&redact(url)),
         }
     }
 }
 
-/// The `(user, password)` and the rest of `scheme://user:secret@host/...`, split.
+/// The parts of `scheme://userinfo@host/path`, when it has a userinfo.
 fn userinfo(url: &str) -> Option<(&str, &str, &str, &str)> {
     let (scheme, rest) = url.split_once("://")?;
     let authority_end = rest.find('/').unwrap_or(rest.len());
@@ -82,8 +86,28 @@ fn userinfo(url: &str) -> Option<(&str, &str, &str, &str)> {
     Some((scheme, userinfo, host, path))
 }
 
-/// `scheme://user:secret@host/...` without the secret.
+/// The URLs a store URL holds: both halves of `tiered:<redis>|<postgres>`, else itself.
+fn parts(url: &str) -> Vec<&str> {
+    match url.get(.."tiered:".len()) {
+        Some(head) if head.eq_ignore_ascii_case("tiered:") => {
+            url["tiered:".len()..].split('|').collect()
+        }
+        _ => vec![url],
+    }
+}
+
+/// `scheme://user:secret@host/...` without the secret (each half of a tiered URL).
 fn redact(url: &str) -> String {
+    let redacted: Vec<String> = parts(url).into_iter().map(redact_one).collect();
+    match url.get(.."tiered:".len()) {
+        Some(head) if head.eq_ignore_ascii_case("tiered:") => {
+            format!("{head}{}", redacted.join("|"))
+        }
+        _ => redacted.concat(),
+    }
+}
+
+fn redact_one(url: &str) -> String {
     match userinfo(url) {
         Some((scheme, userinfo, host, path)) => match userinfo.split_once(':') {
             Some((user, _)) => format!("{scheme}://{user}:***@{host}{path}"),
@@ -93,12 +117,19 @@ fn redact(url: &str) -> String {
     }
 }
 
-/// `text` with every occurrence of `url`'s password replaced by `***`.
+/// `text` with every password of `url` replaced by `***`.
 fn scrub(text: &str, url: &str) -> String {
-    match userinfo(url).and_then(|(_, userinfo, _, _)| userinfo.split_once(':')) {
-        Some((_, password)) if !password.is_empty() => text.replace(password, "***"),
-        _ => text.to_owned(),
+    let mut text = text.to_owned();
+    for part in parts(url) {
+        if let Some((_, password)) =
+            userinfo(part).and_then(|(_, userinfo, _, _)| userinfo.split_once(':'))
+        {
+            if !password.is_empty() {
+                text = text.replace(password, "***");
+            }
+        }
     }
+    text
 }
 
 #[cfg(test)]
@@ -122,6 +153,10 @@ mod tests {
             Ok(StoreUrl::Postgres(_))
         ));
         assert!(matches!(
+            StoreUrl::parse("tiered:redis://h:6379|postgres://u@h/db"),
+            Ok(StoreUrl::Tiered(_))
+        ));
+        assert!(matches!(
             StoreUrl::parse("mysql://x"),
             Err(CliError::Usage(_))
         ));
@@ -136,6 +171,18 @@ mod tests {
         assert_eq!(url.to_string(), "redis://:***@127.0.0.1:6379/0");
         let url = StoreUrl::parse("redis://127.0.0.1:6379/0").unwrap();
         assert_eq!(url.to_string(), "redis://127.0.0.1:6379/0");
+        let url = StoreUrl::parse("tiered:redis://:pw1@r:6379|postgres://app:pw2@db/pay").unwrap();
+        assert_eq!(
+            url.to_string(),
+            "tiered:redis://:***@r:6379|postgres://app:***@db/pay"
+        );
+        assert_eq!(
+            scrub(
+                "pw1 and pw2",
+                "tiered:redis://:pw1@r:6379|postgres://app:pw2@db/pay"
+            ),
+            "*** and ***"
+        );
         let Err(CliError::Usage(msg)) = StoreUrl::parse("mysql://root:hunter2@db/x") else {
             panic!("mysql is no store")
         };

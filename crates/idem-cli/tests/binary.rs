@@ -1,8 +1,9 @@
 //! The `idem` binary as a user runs it: `idem serve` as a process on a free loopback port,
 //! driven over HTTP, then stopped with SIGTERM; the operator commands' errors and exit
 //! codes; and `inspect`, `stats`, `evict` next to `idem serve` on real Redis (`mod redis`,
-//! `IDEM_TEST_REDIS_URL`), a Redis Cluster the test starts (`mod redis_cluster`) and
-//! PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`); `scripts/test` provides the URLs.
+//! `IDEM_TEST_REDIS_URL`), a Redis Cluster the test starts (`mod redis_cluster`),
+//! PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`) and the tiered store of both
+//! (`mod tiered`); `scripts/test` provides the URLs.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -519,5 +520,20 @@ mod redis_cluster {
             .unwrap()
             .expect("start a 3-primary cluster");
         super::operator_commands_over(&cluster.url()).await;
+    }
+}
+
+mod tiered {
+    //! The tiered store: `tiered:<IDEM_TEST_REDIS_URL>|<IDEM_TEST_DATABASE_URL>`.
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        let (Some(redis), Some(postgres)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
     }
 }
