@@ -3,7 +3,7 @@
 //! of identical requests runs the handler once, replay byte for byte, 422 on a reused key,
 //! scopes kept apart, 5xx releases the key, lease renewal, 503 when the store is down) are
 //! written once in `cases` and instantiated per backend in a module named after it
-//! (`memory`, `redis`, `postgres`), so `cargo test redis` runs one backend.
+//! (`memory`, `redis`, `postgres`, `tiered`), so `cargo test redis` runs one backend.
 //!
 //! Redis and PostgreSQL come from `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`
 //! (`scripts/test` provides them; see `idem_testkit::harness`). Each test has a key prefix
@@ -17,11 +17,14 @@ use idem_core::Store;
 
 mod support;
 
+/// What cleans up after a test.
+type Teardown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
 /// A store for one test, and what to clean up after it.
 struct Fixture {
     store: Arc<dyn Store>,
     /// Run when the test passed (a failed test leaves its data for a look).
-    teardown: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    teardown: Option<Teardown>,
 }
 
 impl Fixture {
@@ -457,7 +460,8 @@ mod redis {
         format!("idem-http-test-{}:", uuid::Uuid::new_v4().simple())
     }
 
-    async fn store() -> Option<Fixture> {
+    /// A store on `IDEM_TEST_REDIS_URL` under a prefix of its own.
+    pub(crate) async fn fresh_store() -> Option<RedisStore> {
         let url = harness::redis_url()?;
         // Patient timeouts: tests run in parallel on a small shared machine. Records expire
         // with their retention; nothing to clean up.
@@ -468,18 +472,24 @@ mod redis {
             .connect()
             .await
             .expect("connect to IDEM_TEST_REDIS_URL");
-        Some(Fixture::new(Arc::new(store)))
+        Some(store)
     }
 
     /// A store pointed at a port nothing listens on, built without connecting.
-    async fn unreachable() -> Arc<dyn idem_core::Store> {
+    pub(crate) fn closed_port_store() -> RedisStore {
         let url = format!("redis://127.0.0.1:{}", harness::free_port());
-        Arc::new(
-            RedisStore::builder(url)
-                .with_prefix(prefix())
-                .connect_lazy()
-                .expect("a lazy store builds without a server"),
-        )
+        RedisStore::builder(url)
+            .with_prefix(prefix())
+            .connect_lazy()
+            .expect("a lazy store builds without a server")
+    }
+
+    async fn store() -> Option<Fixture> {
+        Some(Fixture::new(Arc::new(fresh_store().await?)))
+    }
+
+    async fn unreachable() -> Arc<dyn idem_core::Store> {
+        Arc::new(closed_port_store())
     }
 
     backend_cases!(store, unreachable = unreachable);
@@ -498,7 +508,7 @@ mod postgres {
     use idem_testkit::harness;
     use sqlx::PgPool;
 
-    use crate::Fixture;
+    use crate::{Fixture, Teardown};
 
     const SCHEMA_PREFIX: &str = "idem_http_";
 
@@ -547,7 +557,8 @@ mod postgres {
         }
     }
 
-    async fn store() -> Option<Fixture> {
+    /// A migrated store in a schema of its own, and the teardown that drops the schema.
+    pub(crate) async fn fresh_store() -> Option<(PgStore, Teardown)> {
         let url = harness::database_url()?;
         // The store's pool settings with a patient acquire timeout: a loaded machine must
         // not turn queueing for a connection into a failure.
@@ -563,14 +574,12 @@ mod postgres {
             .expect("a valid schema name");
         store.migrate().await.expect("migrate");
         let (pool, schema) = (store.pool().clone(), store.schema().to_owned());
-        Some(Fixture {
-            store: Arc::new(store),
-            teardown: Some(Box::pin(async move { drop_schema(&pool, &schema).await })),
-        })
+        let teardown: Teardown = Box::pin(async move { drop_schema(&pool, &schema).await });
+        Some((store, teardown))
     }
 
     /// A store whose pool points at a port nothing listens on, opened lazily.
-    async fn unreachable() -> Arc<dyn idem_core::Store> {
+    pub(crate) fn closed_port_store() -> PgStore {
         let url = format!(
             "postgres://postgres@127.0.0.1:{}/test",
             harness::free_port()
@@ -578,7 +587,49 @@ mod postgres {
         let pool = PgStore::pool_options()
             .connect_lazy(&url)
             .expect("a well-formed URL");
-        Arc::new(PgStore::new(pool))
+        PgStore::new(pool)
+    }
+
+    async fn store() -> Option<Fixture> {
+        let (store, teardown) = fresh_store().await?;
+        Some(Fixture {
+            store: Arc::new(store),
+            teardown: Some(teardown),
+        })
+    }
+
+    async fn unreachable() -> Arc<dyn idem_core::Store> {
+        Arc::new(closed_port_store())
+    }
+
+    backend_cases!(store, unreachable = unreachable);
+}
+
+mod tiered {
+    //! The tiered store: Redis first (a prefix per test), PostgreSQL the arbiter (a schema
+    //! per test).
+
+    use std::sync::Arc;
+
+    use idem_outbox::TieredStore;
+
+    use crate::Fixture;
+
+    async fn store() -> Option<Fixture> {
+        let redis = crate::redis::fresh_store().await?;
+        let (pg, teardown) = crate::postgres::fresh_store().await?;
+        Some(Fixture {
+            store: Arc::new(TieredStore::new(redis, pg)),
+            teardown: Some(teardown),
+        })
+    }
+
+    /// Both tiers pointed at ports nothing listens on.
+    async fn unreachable() -> Arc<dyn idem_core::Store> {
+        Arc::new(TieredStore::new(
+            crate::redis::closed_port_store(),
+            crate::postgres::closed_port_store(),
+        ))
     }
 
     backend_cases!(store, unreachable = unreachable);
