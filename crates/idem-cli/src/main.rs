@@ -39,8 +39,9 @@ enum Command {
     Inspect(RecordArgs),
     /// Delete one record whatever its state, so that the key runs again.
     Evict(RecordArgs),
-    /// Count records by state, and in-progress records whose lease expired over a threshold
-    /// ago ("stuck": their client gave up and no retry took them over).
+    /// Count records by state, and the stuck ones: in progress, lease expired long ago.
+    ///
+    /// A stuck record's worker died or gave up and no retry came to take it over.
     Stats(StatsArgs),
 }
 
@@ -49,7 +50,13 @@ struct StoreArg {
     /// The store: `memory` (this process only), `redis://[:PASSWORD@]HOST:PORT[/DB]`,
     /// `redis+cluster://HOST:PORT[,HOST:PORT...]`, `postgres://USER[:PASSWORD]@HOST/DB`
     /// (tables in schema `idem`, created on first use), `tiered:REDIS_URL|POSTGRES_URL`.
-    #[arg(long, env = "IDEM_STORE", default_value = "memory")]
+    // The URL may hold a password: `--help` must not print the variable's value.
+    #[arg(
+        long,
+        env = "IDEM_STORE",
+        hide_env_values = true,
+        default_value = "memory"
+    )]
     store: String,
 }
 

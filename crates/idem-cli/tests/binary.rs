@@ -328,6 +328,16 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("memory store lives inside one"), "{err}");
 
+    // `--help` names IDEM_STORE but never prints its value, which may hold a password.
+    let out = Command::new(BIN)
+        .args(["inspect", "--help"])
+        .env("IDEM_STORE", "postgres://app:hunter2@db/pay")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("IDEM_STORE"), "{help}");
+    assert!(!help.contains("hunter2"), "{help}");
+
     let (code, _, err) = run(&["inspect", "has space"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("invalid key"), "{err}");
