@@ -31,6 +31,8 @@
 //! Plus, per completion, the relay's share of a batch: one claiming `SELECT ... FOR UPDATE
 //! SKIP LOCKED`, one Redis script per row (pipelined), one `DELETE`.
 
+mod relay;
 mod tiered;
 
+pub use relay::{Batch, DeadEntry, Gauges, Outbox, Relay, RelayConfig, RelayMetrics};
 pub use tiered::{TieredStore, CHANNEL, STORE};
