@@ -228,8 +228,16 @@ struct Counters {
 /// pg.migrate().await?;
 /// let redis = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// let relay = Relay::new(pg, redis).with_config(RelayConfig::default());
-/// // Runs until ctrl-c, then finishes the batch in hand and returns.
-/// relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+/// // Runs until `stop` is notified (from a signal handler, say), then finishes the batch
+/// // in hand and returns.
+/// let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+/// let worker = tokio::spawn({
+///     let stop = stop.clone();
+///     async move { relay.run(stop.notified()).await }
+/// });
+/// // ... later:
+/// stop.notify_one();
+/// worker.await.expect("the relay task");
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
