@@ -614,6 +614,85 @@ mod relay {
         env.drop_schema().await;
     }
 
+    /// A shutdown signal while a batch is in hand (claimed, its Redis calls held up by
+    /// `CLIENT PAUSE`): `run` does not abandon it but waits for Redis, applies and commits
+    /// the batch, then returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn shutdown_mid_batch_commits_the_batch_in_hand() {
+        if harness::database_url().is_none() {
+            return;
+        }
+        if !idem_redis::testing::binaries_available() {
+            assert!(
+                !harness::backends_required(),
+                "IDEM_TEST_REQUIRE_BACKENDS=1 and redis-server/redis-cli are not on PATH"
+            );
+            eprintln!("skipping: this test starts its own redis-server, not on PATH");
+            return;
+        }
+        let server = RedisServer::start().expect("start a throwaway redis-server");
+        let Some(env) = env(Some(server.url())).await else {
+            return;
+        };
+        const ROWS: usize = 20;
+        for i in 0..ROWS {
+            env.commit_unpublished(i).await;
+        }
+        let relay = env.relay(fast());
+        // Warm the relay's Redis connection up (and its eviction-policy check): an empty
+        // batch does not touch Redis, so ask for a record.
+        env.redis.get(&env.id(0)).await.expect("Redis answers");
+        // Writes (scripts included) from every client wait for 3 s from now.
+        server
+            .cli(&["client", "pause", "3000", "WRITE"])
+            .expect("CLIENT PAUSE");
+        let (stop, mut stopped) = watch::channel(false);
+        let worker = {
+            let relay = relay.clone();
+            tokio::spawn(async move {
+                relay
+                    .run(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+            })
+        };
+        // Wait until the relay holds every row: a batch is in hand, stuck on Redis.
+        let schema = env.pg.quoted_schema().to_owned();
+        let started = Instant::now();
+        loop {
+            let mut tx = env.pg.pool().begin().await.expect("transaction");
+            let free: i64 = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM (SELECT id FROM {schema}.outbox FOR UPDATE SKIP LOCKED) AS f"
+            ))
+            .fetch_one(&mut *tx)
+            .await
+            .expect("count unlocked rows");
+            tx.rollback().await.expect("rollback");
+            if free == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < PATIENCE,
+                "the relay never claimed the rows"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(relay.metrics().relayed_total, 0, "Redis is paused");
+        stop.send(true).expect("relay running");
+        timeout(PATIENCE, worker)
+            .await
+            .expect("run returns once the batch is done")
+            .expect("relay task");
+        // The batch in hand was finished, not dropped: applied, deleted, committed.
+        assert_eq!(relay.metrics().relayed_total, ROWS as u64);
+        assert_eq!(env.outbox_rows().await, 0);
+        for i in 0..ROWS {
+            env.assert_in_redis(i).await;
+        }
+        env.drop_schema().await;
+    }
+
     /// The binary serves the metrics at `GET /metrics` and exits 0 on SIGTERM.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn binary_serves_metrics_and_exits_cleanly_on_sigterm() {
