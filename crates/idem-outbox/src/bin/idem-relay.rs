@@ -16,6 +16,9 @@ use idem_postgres::PgStore;
 use idem_redis::RedisStore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -170,9 +173,18 @@ async fn pg_store(args: &PgArgs) -> Result<PgStore, Failure> {
 }
 
 async fn run(args: RunArgs) -> Result<(), Failure> {
-    tracing_subscriber::fmt()
-        .with_max_level(args.log)
-        .with_writer(std::io::stderr)
+    // sqlx logs every migration statement's notices at info: keep it to warnings.
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
+        .with(
+            Targets::new()
+                .with_default(args.log)
+                .with_target("sqlx", args.log.min(tracing::Level::WARN)),
+        )
         .init();
     if args.backoff_cap_ms < args.backoff_ms {
         return Err(Failure::Input(format!(
@@ -189,14 +201,15 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
             })?),
             None => None,
         };
-    let pg = pg_store(&args.pg).await?;
-    // Safe while other instances migrate too.
-    pg.migrate().await?;
+    // Redis first: a bad URL is found before anything is written to the database.
     let mut redis = RedisStore::builder(&args.redis_url);
     if let Some(prefix) = &args.redis_prefix {
         redis = redis.with_prefix(prefix.clone());
     }
     let redis = redis.connect().await?;
+    let pg = pg_store(&args.pg).await?;
+    // Safe while other instances migrate too.
+    pg.migrate().await?;
     let config = RelayConfig {
         batch: args.batch,
         poll_interval: Duration::from_millis(args.poll_ms),
