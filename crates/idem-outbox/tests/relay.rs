@@ -565,7 +565,7 @@ mod relay {
     async fn shutdown_finishes_the_batch_and_returns() {
         let Some(env) = env(None).await else { return };
         let env = Arc::new(env);
-        const ROWS: usize = 400;
+        const ROWS: usize = 800;
         env.commit_many(0..ROWS, 8).await;
         let relay = env.relay(RelayConfig {
             batch: 10,
