@@ -39,15 +39,24 @@ enum Command {
     Inspect(RecordArgs),
     /// Delete one record whatever its state, so that the key runs again.
     Evict(RecordArgs),
-    /// Count records by state and list in-progress records older than a threshold
-    /// (not implemented yet: the store interface cannot count).
+    /// Count records by state, and the stuck ones: in progress, lease expired long ago.
+    ///
+    /// A stuck record's worker died or gave up and no retry came to take it over.
     Stats(StatsArgs),
 }
 
 #[derive(Debug, Args)]
 struct StoreArg {
-    /// The store: `memory` (this process only), `redis://HOST:PORT`, `postgres://USER@HOST/DB`.
-    #[arg(long, env = "IDEM_STORE", default_value = "memory")]
+    /// The store: `memory` (this process only), `redis://[:PASSWORD@]HOST:PORT[/DB]`,
+    /// `redis+cluster://HOST:PORT[,HOST:PORT...]`, `postgres://USER[:PASSWORD]@HOST/DB`
+    /// (tables in schema `idem`, created on first use), `tiered:REDIS_URL|POSTGRES_URL`.
+    // The URL may hold a password: `--help` must not print the variable's value.
+    #[arg(
+        long,
+        env = "IDEM_STORE",
+        hide_env_values = true,
+        default_value = "memory"
+    )]
     store: String,
 }
 
@@ -105,6 +114,8 @@ pub enum CliError {
     Unsupported(String),
     /// The store failed (exit 3).
     Store(idem_core::Error),
+    /// The store could not be opened (exit 3); the message names it, without its password.
+    Open(String),
     /// An I/O error (exit 3).
     Io(std::io::Error),
 }
@@ -114,7 +125,7 @@ impl CliError {
         match self {
             Self::NotFound(_) => 1,
             Self::Usage(_) | Self::Unsupported(_) => 2,
-            Self::Store(_) | Self::Io(_) => 3,
+            Self::Store(_) | Self::Open(_) | Self::Io(_) => 3,
         }
     }
 }
@@ -122,7 +133,9 @@ impl CliError {
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::NotFound(m) | Self::Usage(m) | Self::Unsupported(m) => f.write_str(m),
+            Self::NotFound(m) | Self::Usage(m) | Self::Unsupported(m) | Self::Open(m) => {
+                f.write_str(m)
+            }
             Self::Store(e) => write!(f, "store error: {e}"),
             Self::Io(e) => write!(f, "I/O error: {e}"),
         }
@@ -170,12 +183,14 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> Result<String, CliError> {
     match command {
         Command::Serve(args) => {
-            let store = StoreUrl::parse(&args.store.store)?.open().await?;
+            let url = StoreUrl::parse(&args.store.store)?;
+            let store = url.open().await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| CliError::Usage(format!("cannot listen on {}: {e}", args.listen)))?;
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
+                store: url.to_string(),
             };
             serve::run(listener, store, &options, shutdown_signal()).await?;
             Ok("idem demo: stopped\n".into())

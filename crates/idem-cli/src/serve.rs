@@ -80,6 +80,8 @@ pub struct Options {
     /// When set, a request for a key in flight waits this long for the first one's response
     /// instead of answering 409 at once.
     pub wait: Option<Duration>,
+    /// The store as printed at start-up: its URL without the password.
+    pub store: String,
 }
 
 /// The demo's router over `store`.
@@ -132,7 +134,7 @@ pub async fn run(
     let _ = writeln!(
         out,
         "idem demo: payments API listening on http://{addr} (store: {})",
-        store.name()
+        options.store
     );
     let _ = writeln!(
         out,

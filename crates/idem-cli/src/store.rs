@@ -1,9 +1,9 @@
-//! Store URLs: which backend `--store` names, and opening it.
+//! Store URLs: which backend `--store` names, and opening it with [`idem::connect`].
 
 use std::fmt;
 use std::sync::Arc;
 
-use idem_core::{MemoryStore, Store};
+use idem_core::{Error, Store};
 
 use crate::CliError;
 
@@ -12,10 +12,12 @@ use crate::CliError;
 pub enum StoreUrl {
     /// `memory`: the in-memory store of this process.
     Memory,
-    /// `redis://...` or `rediss://...`.
+    /// `redis://...`, `rediss://...`, `unix://...` (one server) or `redis+cluster://...`.
     Redis(String),
     /// `postgres://...` or `postgresql://...`.
     Postgres(String),
+    /// `tiered:<redis URL>|<postgres URL>`: Redis first, PostgreSQL the arbiter.
+    Tiered(String),
 }
 
 impl StoreUrl {
@@ -28,37 +30,40 @@ impl StoreUrl {
         let url = url.trim();
         let scheme = url.split_once("://").map_or(url, |(scheme, _)| scheme);
         match scheme.to_ascii_lowercase().as_str() {
+            tiered if tiered.starts_with("tiered:") => Ok(Self::Tiered(url.to_owned())),
             "memory" | "memory:" | "mem" => Ok(Self::Memory),
-            "redis" | "rediss" => Ok(Self::Redis(url.to_owned())),
+            "redis" | "rediss" | "unix" | "redis+cluster" => Ok(Self::Redis(url.to_owned())),
             "postgres" | "postgresql" => Ok(Self::Postgres(url.to_owned())),
             _ => Err(CliError::Usage(format!(
-                "unknown store {url:?}: use memory, redis://HOST:PORT or postgres://USER@HOST/DB"
+                "unknown store {:?}: use memory, redis://HOST:PORT, \
+                 redis+cluster://HOST:PORT[,HOST:PORT...], postgres://USER@HOST/DB or \
+                 tiered:REDIS_URL|POSTGRES_URL",
+                redact(url)
             ))),
         }
     }
 
-    /// The backend's name.
-    pub fn backend(&self) -> &'static str {
-        match self {
-            Self::Memory => "memory",
-            Self::Redis(_) => "redis",
-            Self::Postgres(_) => "postgres",
-        }
-    }
-
-    /// Opens the store.
+    /// Opens the store with [`idem::connect`]: Redis and PostgreSQL are reached (and
+    /// PostgreSQL's schema migrated) before this returns, so a wrong URL fails here rather
+    /// than at the first request.
     ///
     /// # Errors
     ///
-    /// [`CliError::Unsupported`] for a backend not built into this binary.
+    /// [`CliError::Usage`] for a URL the backend refuses; [`CliError::Open`] when the
+    /// store cannot be reached or fails. Neither carries the URL's password.
     pub async fn open(&self) -> Result<Arc<dyn Store>, CliError> {
-        match self {
-            Self::Memory => Ok(Arc::new(MemoryStore::new())),
-            Self::Redis(_) | Self::Postgres(_) => Err(CliError::Unsupported(format!(
-                "store backend {} not built in yet: this build of idem has the memory store only",
-                self.backend()
-            ))),
-        }
+        let url = match self {
+            Self::Memory => "memory",
+            Self::Redis(url) | Self::Postgres(url) | Self::Tiered(url) => url.as_str(),
+        };
+        idem::connect(url).await.map_err(|e| {
+            // Drivers may quote the URL they were given: never let its password through.
+            let detail = scrub(&e.to_string(), url);
+            match e {
+                Error::Invalid(_) => CliError::Usage(format!("cannot open store {self}: {detail}")),
+                _ => CliError::Open(format!("cannot open store {self}: {detail}")),
+            }
+        })
     }
 }
 
@@ -67,29 +72,64 @@ impl fmt::Display for StoreUrl {
         match self {
             Self::Memory => f.write_str("memory"),
             // Never print credentials a URL may carry.
-            Self::Redis(url) | Self::Postgres(url) => f.write_str(&redact(url)),
+            Self::Redis(url) | Self::Postgres(url) | Self::Tiered(url) => f.write_str(&redact(url)),
         }
     }
 }
 
-/// `scheme://user:secret@host/...` without the secret.
-fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
+/// The parts of `scheme://userinfo@host/path`, when it has a userinfo.
+fn userinfo(url: &str) -> Option<(&str, &str, &str, &str)> {
+    let (scheme, rest) = url.split_once("://")?;
     let authority_end = rest.find('/').unwrap_or(rest.len());
     let (authority, path) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            if userinfo.contains(':') {
-                format!("{scheme}://{user}:***@{host}{path}")
-            } else {
-                format!("{scheme}://{user}@{host}{path}")
-            }
+    let (userinfo, host) = authority.rsplit_once('@')?;
+    Some((scheme, userinfo, host, path))
+}
+
+/// The URLs a store URL holds: both halves of `tiered:<redis>|<postgres>`, else itself.
+fn parts(url: &str) -> Vec<&str> {
+    match url.get(.."tiered:".len()) {
+        Some(head) if head.eq_ignore_ascii_case("tiered:") => {
+            url["tiered:".len()..].split('|').collect()
         }
+        _ => vec![url],
+    }
+}
+
+/// `scheme://user:secret@host/...` without the secret (each half of a tiered URL).
+fn redact(url: &str) -> String {
+    let redacted: Vec<String> = parts(url).into_iter().map(redact_one).collect();
+    match url.get(.."tiered:".len()) {
+        Some(head) if head.eq_ignore_ascii_case("tiered:") => {
+            format!("{head}{}", redacted.join("|"))
+        }
+        _ => redacted.concat(),
+    }
+}
+
+fn redact_one(url: &str) -> String {
+    match userinfo(url) {
+        Some((scheme, userinfo, host, path)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}{path}"),
+            None => format!("{scheme}://{userinfo}@{host}{path}"),
+        },
         None => url.to_owned(),
     }
+}
+
+/// `text` with every password of `url` replaced by `***`.
+fn scrub(text: &str, url: &str) -> String {
+    let mut text = text.to_owned();
+    for part in parts(url) {
+        if let Some((_, password)) =
+            userinfo(part).and_then(|(_, userinfo, _, _)| userinfo.split_once(':'))
+        {
+            if !password.is_empty() {
+                text = text.replace(password, "***");
+            }
+        }
+    }
+    text
 }
 
 #[cfg(test)]
@@ -100,14 +140,22 @@ mod tests {
     fn parse_urls() {
         assert_eq!(StoreUrl::parse("memory").unwrap(), StoreUrl::Memory);
         assert_eq!(StoreUrl::parse("memory://").unwrap(), StoreUrl::Memory);
-        assert_eq!(
-            StoreUrl::parse("redis://127.0.0.1:6379").unwrap().backend(),
-            "redis"
-        );
-        assert_eq!(
-            StoreUrl::parse("postgresql://u@h/db").unwrap().backend(),
-            "postgres"
-        );
+        assert!(matches!(
+            StoreUrl::parse("redis://127.0.0.1:6379"),
+            Ok(StoreUrl::Redis(_))
+        ));
+        assert!(matches!(
+            StoreUrl::parse("redis+cluster://127.0.0.1:7000,127.0.0.1:7001"),
+            Ok(StoreUrl::Redis(_))
+        ));
+        assert!(matches!(
+            StoreUrl::parse("postgresql://u@h/db"),
+            Ok(StoreUrl::Postgres(_))
+        ));
+        assert!(matches!(
+            StoreUrl::parse("tiered:redis://h:6379|postgres://u@h/db"),
+            Ok(StoreUrl::Tiered(_))
+        ));
         assert!(matches!(
             StoreUrl::parse("mysql://x"),
             Err(CliError::Usage(_))
@@ -119,7 +167,44 @@ mod tests {
     fn urls_print_without_secrets() {
         let url = StoreUrl::parse("postgres://app:hunter2@db:5432/pay").unwrap();
         assert_eq!(url.to_string(), "postgres://app:***@db:5432/pay");
+        let url = StoreUrl::parse("redis://:hunter2@127.0.0.1:6379/0").unwrap();
+        assert_eq!(url.to_string(), "redis://:***@127.0.0.1:6379/0");
         let url = StoreUrl::parse("redis://127.0.0.1:6379/0").unwrap();
         assert_eq!(url.to_string(), "redis://127.0.0.1:6379/0");
+        let url = StoreUrl::parse("tiered:redis://:pw1@r:6379|postgres://app:pw2@db/pay").unwrap();
+        assert_eq!(
+            url.to_string(),
+            "tiered:redis://:***@r:6379|postgres://app:***@db/pay"
+        );
+        assert_eq!(
+            scrub(
+                "pw1 and pw2",
+                "tiered:redis://:pw1@r:6379|postgres://app:pw2@db/pay"
+            ),
+            "*** and ***"
+        );
+        let Err(CliError::Usage(msg)) = StoreUrl::parse("mysql://root:hunter2@db/x") else {
+            panic!("mysql is no store")
+        };
+        assert!(!msg.contains("hunter2"), "{msg}");
+        assert_eq!(
+            scrub(
+                "cannot connect to redis://:hunter2@h: refused",
+                "redis://:hunter2@h"
+            ),
+            "cannot connect to redis://:***@h: refused"
+        );
+        assert_eq!(scrub("refused", "redis://h"), "refused");
+    }
+
+    #[tokio::test]
+    async fn opening_an_unreachable_store_names_it_without_its_password() {
+        // Port 1 on loopback: nothing listens there.
+        let url = StoreUrl::parse("redis://:hunter2@127.0.0.1:1").unwrap();
+        let Err(CliError::Open(msg)) = url.open().await else {
+            panic!("nothing listens on port 1")
+        };
+        assert!(msg.contains("redis://:***@127.0.0.1:1"), "{msg}");
+        assert!(!msg.contains("hunter2"), "{msg}");
     }
 }

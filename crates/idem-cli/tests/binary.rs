@@ -1,6 +1,9 @@
 //! The `idem` binary as a user runs it: `idem serve` as a process on a free loopback port,
 //! driven over HTTP, then stopped with SIGTERM; the operator commands' errors and exit
-//! codes.
+//! codes; and `inspect`, `stats`, `evict` next to `idem serve` on real Redis (`mod redis`,
+//! `IDEM_TEST_REDIS_URL`), a Redis Cluster the test starts (`mod redis_cluster`),
+//! PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`) and the tiered store of both
+//! (`mod tiered`); `scripts/test` provides the URLs.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -31,8 +34,13 @@ impl Drop for Served {
 }
 
 fn spawn_serve() -> Served {
+    spawn_serve_on("memory")
+}
+
+/// `idem serve --store <store>` on a free port.
+fn spawn_serve_on(store: &str) -> Served {
     let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
         .env_remove("IDEM_STORE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -53,12 +61,17 @@ fn spawn_serve() -> Served {
     let line = rx
         .recv_timeout(Duration::from_secs(30))
         .expect("idem serve printed no URL within 30 s");
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no URL in {line:?}"))
-        .to_owned();
-    served.base = base;
+    let Some(base) = line.split_whitespace().find(|w| w.starts_with("http://")) else {
+        // It stopped (say, the store could not be opened): show why.
+        let mut child = served.child.take().unwrap();
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        panic!(
+            "idem serve printed no URL ({line:?}); stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    served.base = base.to_owned();
     served
 }
 
@@ -295,16 +308,35 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("memory store lives inside one"), "{err}");
 
-    let (code, _, err) = run(&["evict", "order-1", "--store", "redis://127.0.0.1:6379"]);
-    assert_eq!(code, 2, "{err}");
+    // A store nothing answers for: exit 3, naming the store but not its password.
+    let closed = format!(
+        "redis://:hunter2@127.0.0.1:{}",
+        idem_testkit::harness::free_port()
+    );
+    let (code, _, err) = run(&["evict", "order-1", "--store", &closed]);
+    assert_eq!(code, 3, "{err}");
     assert!(
-        err.contains("store backend redis not built in yet"),
+        err.contains("cannot open store redis://:***@127.0.0.1:"),
         "{err}"
     );
+    assert!(!err.contains("hunter2"), "{err}");
+    let (code, _, err) = run(&["serve", "--store", &closed.replace("redis", "postgres")]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("cannot open store postgres://:***@"), "{err}");
 
     let (code, _, err) = run(&["stats"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("memory store lives inside one"), "{err}");
+
+    // `--help` names IDEM_STORE but never prints its value, which may hold a password.
+    let out = Command::new(BIN)
+        .args(["inspect", "--help"])
+        .env("IDEM_STORE", "postgres://app:hunter2@db/pay")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("IDEM_STORE"), "{help}");
+    assert!(!help.contains("hunter2"), "{help}");
 
     let (code, _, err) = run(&["inspect", "has space"]);
     assert_eq!(code, 2, "{err}");
@@ -313,4 +345,205 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
     let (code, _, err) = run(&["serve", "--store", "mysql://x"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("unknown store"), "{err}");
+}
+
+/// The operator commands against a shared store, next to `idem serve` on the same store:
+/// a payment in flight then completed, as `inspect` and `stats` show it, then evicted so
+/// that the same key runs again. The caller (the Bearer token, hence the scope) is unique
+/// to the call, so tests sharing a server never count each other's records.
+async fn operator_commands_over(store: &str) {
+    let served = spawn_serve_on(store);
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let client = Arc::new(client);
+    let payments = format!("{}/payments", served.base);
+    let caller = format!("ops-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {caller}");
+    let order = r#"{"amount": 1250, "currency": "EUR"}"#;
+    let cmd = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--store", store]);
+        run(&all)
+    };
+
+    // A slow first request: while it runs, the record is in progress under a lease.
+    let first = {
+        let (client, payments, auth) = (client.clone(), payments.clone(), auth.clone());
+        tokio::spawn(async move {
+            let headers = [
+                ("authorization", auth.as_str()),
+                ("content-type", "application/json"),
+                ("idempotency-key", "order-1"),
+                ("x-demo-delay-ms", "2500"),
+            ];
+            call(&client, "POST", &payments, &headers, order).await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let in_flight = loop {
+        let (code, out, err) = cmd(&["inspect", "order-1", "--scope", &caller, "--json"]);
+        if code == 0 {
+            break serde_json::from_str::<serde_json::Value>(&out).unwrap();
+        }
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("no record for"), "{err}");
+        assert!(
+            Instant::now() < deadline,
+            "the request never reached the store"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(in_flight["state"], "in_progress", "{in_flight}");
+    assert_eq!(in_flight["scope"], caller.as_str());
+    assert_eq!(in_flight["attempt"], 1);
+    assert_eq!(in_flight["lease"]["expired"], false, "{in_flight}");
+    assert!(in_flight["lease"]["remaining_ms"].as_u64().unwrap() > 0);
+    let (code, out, err) = cmd(&["stats", "--scope", &caller, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(stats["in_flight"], 1, "{stats}");
+    assert_eq!(stats["succeeded"], 0, "{stats}");
+
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let payment_id = first.json()["id"].as_str().unwrap().to_owned();
+
+    // Completed: the stored response is the one the client got.
+    let (code, out, err) = cmd(&["inspect", "order-1", "--scope", &caller, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let done: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(done["state"], "completed", "{done}");
+    assert_eq!(done["completion"]["kind"], "succeeded");
+    assert_eq!(done["completion"]["status"], 201);
+    assert_eq!(
+        done["completion"]["body"].as_str().unwrap().as_bytes(),
+        &first.body[..]
+    );
+    assert_eq!(done["fingerprint"], in_flight["fingerprint"]);
+    let (code, text, err) = cmd(&["inspect", "order-1", "--scope", &caller]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        text.contains("state        completed (succeeded, status 201)"),
+        "{text}"
+    );
+    assert!(text.contains(&payment_id), "{text}");
+
+    let (code, out, err) = cmd(&["stats", "--scope", &caller, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(stats["in_flight"], 0, "{stats}");
+    assert_eq!(stats["succeeded"], 1, "{stats}");
+    assert_eq!(stats["failed"], 0, "{stats}");
+    assert_eq!(stats["stuck"], 0, "{stats}");
+    let (code, text, err) = cmd(&["stats", "--scope", &caller]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("succeeded       1"), "{text}");
+
+    // A retry is a replay; once evicted, the key runs again.
+    let headers = [
+        ("authorization", auth.as_str()),
+        ("content-type", "application/json"),
+        ("idempotency-key", "order-1"),
+    ];
+    let replay = call(&client, "POST", &payments, &headers, order).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(replay.body, first.body);
+
+    let (code, out, err) = cmd(&["evict", "order-1", "--scope", &caller]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out,
+        format!("evicted key \"order-1\" in scope \"{caller}\"\n")
+    );
+    let (code, _, err) = cmd(&["inspect", "order-1", "--scope", &caller]);
+    assert_eq!(code, 1, "{err}");
+    let (code, _, err) = cmd(&["evict", "order-1", "--scope", &caller]);
+    assert_eq!(code, 1, "{err}");
+    let (code, out, err) = cmd(&["stats", "--scope", &caller, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(stats["succeeded"], 0, "{stats}");
+
+    let again = call(&client, "POST", &payments, &headers, order).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(!again.headers.contains_key("idempotent-replayed"));
+    assert_ne!(
+        again.json()["id"],
+        payment_id.as_str(),
+        "the key did not run again"
+    );
+    let list = call(
+        &client,
+        "GET",
+        &payments,
+        &[("authorization", auth.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(list.json()["count"], 2);
+}
+
+mod redis {
+    //! Against `IDEM_TEST_REDIS_URL`.
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        let Some(url) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        super::operator_commands_over(&url).await;
+    }
+}
+
+mod postgres {
+    //! Against `IDEM_TEST_DATABASE_URL` (idem's tables in schema `idem` there).
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::operator_commands_over(&url).await;
+    }
+}
+
+mod redis_cluster {
+    //! Against a 3-primary Redis Cluster this test starts (`redis-server` and `redis-cli`
+    //! from `PATH`), through a `redis+cluster://` URL.
+
+    use idem_redis::testing::{self, RedisCluster};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        if !testing::binaries_available() {
+            let why = "redis-server and redis-cli are not on PATH \
+                       (Debian/Ubuntu: apt-get install redis-server)";
+            assert!(
+                !idem_testkit::harness::backends_required(),
+                "IDEM_TEST_REQUIRE_BACKENDS=1 and {why}"
+            );
+            eprintln!("skipping: {why}");
+            return;
+        }
+        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+            .await
+            .unwrap()
+            .expect("start a 3-primary cluster");
+        super::operator_commands_over(&cluster.url()).await;
+    }
+}
+
+mod tiered {
+    //! The tiered store: `tiered:<IDEM_TEST_REDIS_URL>|<IDEM_TEST_DATABASE_URL>`.
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        let (Some(redis), Some(postgres)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
+    }
 }

@@ -7,13 +7,10 @@
 //!
 //! The crash test runs consumer *processes*: this test binary, re-executed to run the
 //! ignored test `child_consumer_process` with its settings in the environment. They share
-//! their idempotency store through [`SharedStore`]: for now the test-only, flock-serialised
-//! `FileStore` (which passes the conformance suite in `tests/file_store.rs`), to be switched
-//! to Redis once `idem-redis` is available.
+//! their idempotency store through [`SharedStore`]: Redis (`IDEM_TEST_REDIS_URL`) under a
+//! key prefix of the test's own.
 
 #![cfg(feature = "rabbitmq")]
-
-mod support;
 
 /// Named after the backend, so that `cargo test rabbitmq` runs these.
 mod rabbitmq {
@@ -40,7 +37,7 @@ mod rabbitmq {
     use tokio::sync::oneshot;
     use tokio::time::{sleep, timeout, Instant};
 
-    use crate::support::file_store::FileStore;
+    use idem_redis::RedisStore;
 
     fn amqp_url() -> Option<String> {
         idem_testkit::harness::url_from_env("IDEM_TEST_AMQP_URL", "RabbitMQ")
@@ -530,36 +527,42 @@ mod rabbitmq {
 
     // --- The crash test -----------------------------------------------------------------------
 
-    /// The store consumer processes share. To switch to Redis once `idem-redis` is on main, add
-    /// a variant built from `IDEM_TEST_REDIS_URL` and a unique key prefix, and return it from
-    /// [`SharedStore::for_test`].
-    enum SharedStore {
-        File(FileStore),
+    /// The store the consumer processes share: Redis (`IDEM_TEST_REDIS_URL`) under a key
+    /// prefix of this test's own.
+    struct SharedStore {
+        url: String,
+        prefix: String,
     }
 
     impl SharedStore {
-        fn for_test() -> Self {
-            Self::File(FileStore::temporary().expect("a temporary directory"))
+        /// `None` (skipped, after the harness said why) when no Redis is configured; the
+        /// harness panics instead when backends are required.
+        fn for_test() -> Option<Self> {
+            Some(Self {
+                url: idem_testkit::harness::redis_url()?,
+                prefix: format!("idem-consumer-test-{}:", uuid::Uuid::new_v4().simple()),
+            })
         }
 
-        /// How a child process opens the same store.
+        /// How a child process opens the same store: `<prefix>|<url>`.
         fn descriptor(&self) -> String {
-            match self {
-                Self::File(store) => format!("file:{}", store.dir().display()),
-            }
+            format!("{}|{}", self.prefix, self.url)
         }
 
         fn open(descriptor: &str) -> Arc<dyn Store> {
-            match descriptor.split_once(':') {
-                Some(("file", dir)) => Arc::new(FileStore::open(dir).expect("open the file store")),
-                _ => panic!("unknown store descriptor {descriptor:?}"),
-            }
+            let (prefix, url) = descriptor
+                .split_once('|')
+                .unwrap_or_else(|| panic!("unknown store descriptor {descriptor:?}"));
+            Arc::new(
+                RedisStore::builder(url)
+                    .with_prefix(prefix)
+                    .connect_lazy()
+                    .expect("a Redis store"),
+            )
         }
 
         fn store(&self) -> Arc<dyn Store> {
-            match self {
-                Self::File(store) => Arc::new(store.clone()),
-            }
+            Self::open(&self.descriptor())
         }
     }
 
@@ -774,7 +777,9 @@ mod rabbitmq {
                 .await;
             }
         }
-        let shared = SharedStore::for_test();
+        let Some(shared) = SharedStore::for_test() else {
+            return;
+        };
         let files = ChildFiles::new();
 
         // Process A works QUICK messages, then its handlers hang holding their keys.

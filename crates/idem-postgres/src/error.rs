@@ -93,7 +93,7 @@ pub(crate) fn kind(err: &sqlx::Error) -> Class {
 }
 
 /// Maps a sqlx error to the core's kinds.
-pub(crate) fn map(err: sqlx::Error) -> Error {
+pub fn map(err: sqlx::Error) -> Error {
     match kind(&err) {
         Class::Unavailable => Error::unavailable(NAME, err),
         Class::Conflict => Error::unavailable(

@@ -214,7 +214,7 @@ mod purge;
 mod schema;
 mod store;
 
-pub use error::{is_transaction_conflict, TransactionConflict};
+pub use error::{is_transaction_conflict, map as map_error, TransactionConflict};
 pub use migrate::{migrate, migrator};
 pub use purge::{PurgeConfig, PurgeHandle};
 pub use schema::DEFAULT_SCHEMA;

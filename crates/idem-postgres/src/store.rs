@@ -155,6 +155,12 @@ impl PgStore {
         self.schema.name()
     }
 
+    /// The schema as a quoted identifier, ready to splice into SQL (for crates that keep
+    /// their own tables in idem's schema, such as the outbox).
+    pub fn quoted_schema(&self) -> &str {
+        self.schema.quoted()
+    }
+
     /// Applies idem's migrations in the store's schema, creating the schema if needed. Safe
     /// to call from many instances at once; see [`crate::migrate`].
     ///

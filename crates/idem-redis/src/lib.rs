@@ -114,6 +114,7 @@
 //! | `complete.lua` | replace the in-progress record held by the token with the completion | `#!lua` |
 //! | `release.lua` | delete the in-progress record held by the token | `#!lua flags=allow-oom`: only frees memory |
 //! | `extend.lua` | move the deadline of the record held by the token, and its expiry by as much | `#!lua flags=allow-oom`: rewrites 6 bytes in place |
+//! | `apply.lua` | write a completion committed by the tiered store's arbiter, unless the key is completed or held by another lease | `#!lua` |
 //! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
 //!
 //! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
@@ -181,7 +182,7 @@ pub mod testing;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 pub use error::{EvictionPolicyError, ReplicationError};
-pub use store::{RedisStore, RedisStoreBuilder};
+pub use store::{Applied, RedisStore, RedisStoreBuilder};
 
 /// The store's name in errors and metrics.
 const STORE: &str = "redis";
@@ -194,4 +195,5 @@ pub mod lua {
     #![doc = concat!("## release.lua\n\n```lua\n", include_str!("../../../lua/release.lua"), "```\n")]
     #![doc = concat!("## extend.lua\n\n```lua\n", include_str!("../../../lua/extend.lua"), "```\n")]
     #![doc = concat!("## get.lua\n\n```lua\n", include_str!("../../../lua/get.lua"), "```\n")]
+    #![doc = concat!("## apply.lua\n\n```lua\n", include_str!("../../../lua/apply.lua"), "```\n")]
 }

@@ -49,6 +49,9 @@ pub(crate) static RELEASE: LazyLock<Script> =
 /// `lua/extend.lua`.
 pub(crate) static EXTEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/extend.lua")));
+/// `lua/apply.lua`.
+pub(crate) static APPLY: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/apply.lua")));
 /// `lua/get.lua`.
 pub(crate) static GET: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/get.lua")));
@@ -65,6 +68,7 @@ mod tests {
             ("release", include_str!("../../../lua/release.lua")),
             ("extend", include_str!("../../../lua/extend.lua")),
             ("get", include_str!("../../../lua/get.lua")),
+            ("apply", include_str!("../../../lua/apply.lua")),
         ] {
             let mut lines = source.lines();
             assert!(lines.next().unwrap().starts_with("#!lua"), "{name}");

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Scope, Stats, Store,
+    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
+    Replay, Scope, Stats, Store,
 };
 use redis::Value;
 use tokio::sync::OnceCell;
@@ -49,6 +50,19 @@ macro_rules! call {
             })
             .await
     };
+}
+
+/// What [`RedisStore::apply_completion`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// The completion was written.
+    Written,
+    /// The key was already completed; nothing changed.
+    AlreadyCompleted,
+    /// Another lease holds the key in Redis; nothing changed.
+    HeldByAnotherLease,
+    /// The key is absent and no identity was given; nothing changed.
+    Absent,
 }
 
 /// The idempotency [`Store`] on Redis 7: one Lua script per transition, one round trip per
@@ -239,6 +253,62 @@ impl RedisStore {
     /// The Redis key that holds a record (for operators: `MEMORY USAGE`, `PTTL`, ...).
     pub fn record_key(&self, id: &RecordId) -> String {
         key::record_key(&self.inner.config.prefix, id)
+    }
+
+    /// Writes a completion that was committed elsewhere (the arbiter of a tiered store) into
+    /// Redis: when the key is absent, or in progress under `token` (the lease that
+    /// completed). A completed key, or one held by another lease, is left as it is
+    /// (`lua/apply.lua` says why). Applying twice is applying once, so a relay may deliver
+    /// at least once. One round trip.
+    ///
+    /// `identity` is the record's fingerprint and attempt. Without it, the completing
+    /// lease's in-progress record supplies them, and an absent key answers
+    /// [`Applied::Absent`] (call again with them).
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Invalid`] when the body is over the limit and the
+    /// [`OversizeBody`] policy refuses it.
+    pub async fn apply_completion(
+        &self,
+        id: &RecordId,
+        identity: Option<(&Fingerprint, u32)>,
+        token: FencingToken,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<Applied, Error> {
+        let (fingerprint, attempt): (&[u8], Vec<u8>) = match identity {
+            Some((fp, attempt)) => (fp.as_bytes().as_slice(), attempt.to_be_bytes().to_vec()),
+            None => (&[], Vec::new()),
+        };
+        let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            // Idempotent by construction: a re-send after a dropped connection needs no
+            // marker.
+            let reply = scripts::invoke(
+                scripts::APPLY
+                    .key(&key)
+                    .arg(token.as_bytes().as_slice())
+                    .arg(encoded.tag)
+                    .arg(fingerprint)
+                    .arg(attempt.as_slice())
+                    .arg(encoded.meta.as_slice())
+                    .arg(encoded.body.as_ref())
+                    .arg(millis(ttl).max(1)),
+                &mut conn,
+            )
+            .await;
+            match reply {
+                Ok(Value::Int(1)) => Ok(Applied::Written),
+                Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
+                Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
+                Ok(Value::Int(4)) => Ok(Applied::Absent),
+                Ok(other) => Err(unexpected("apply", &other)),
+                Err(e) => Err(e),
+            }
+        })
     }
 
     /// The scheme that selects Redis Cluster in a URL.

@@ -11,6 +11,7 @@
 //! |---|---|---|
 //! | `redis` | `idem::redis` | `idem-redis`: Redis 7, standalone and Cluster, Lua scripts |
 //! | `postgres` | `idem::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
+//! | `outbox` | `idem::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay |
 //! | `http` | `idem::http` | `idem-http`: the tower middleware |
 //! | `consumer` | `idem::consumer` | `idem-consumer`: message consumers (RabbitMQ) |
 //! | `full` | all of the above | |
@@ -38,6 +39,8 @@ pub use idem_core::*;
 pub use idem_consumer as consumer;
 #[cfg(feature = "http")]
 pub use idem_http as http;
+#[cfg(feature = "outbox")]
+pub use idem_outbox as outbox;
 #[cfg(feature = "postgres")]
 pub use idem_postgres as postgres;
 #[cfg(feature = "redis")]
@@ -53,6 +56,7 @@ use std::sync::Arc;
 /// | `redis://host:port[/db]`, `rediss://...`, `unix:///path` | Redis, one server | `redis` |
 /// | `redis+cluster://host:port[,host:port...]` | Redis Cluster | `redis` |
 /// | `postgres://user@host/db`, `postgresql://...` | PostgreSQL, schema `idem`, migrated on connect | `postgres` |
+/// | `tiered:<redis URL>\|<postgres URL>` | the tiered store: Redis first, PostgreSQL the arbiter (migrated on connect) | `outbox` |
 ///
 /// # Errors
 ///
@@ -76,6 +80,19 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
             store.migrate().await?;
             Ok(Arc::new(store))
         }
+        #[cfg(feature = "outbox")]
+        _ if scheme.starts_with("tiered:") => {
+            let rest = &url["tiered:".len()..];
+            let Some((redis_url, pg_url)) = rest.split_once('|') else {
+                return Err(Error::Invalid(
+                    "a tiered store URL is tiered:<redis URL>|<postgres URL>".into(),
+                ));
+            };
+            let redis = idem_redis::RedisStore::connect(redis_url).await?;
+            let pg = idem_postgres::PgStore::connect(pg_url).await?;
+            pg.migrate().await?;
+            Ok(Arc::new(idem_outbox::TieredStore::new(redis, pg)))
+        }
         _ => Err(Error::Invalid(format!(
             "no store for {scheme:?} URLs in this build; compiled in: {}",
             compiled_in().join(", ")
@@ -91,6 +108,9 @@ pub fn compiled_in() -> Vec<&'static str> {
     }
     if cfg!(feature = "postgres") {
         schemes.extend(["postgres://", "postgresql://"]);
+    }
+    if cfg!(feature = "outbox") {
+        schemes.push("tiered:<redis URL>|<postgres URL>");
     }
     schemes
 }

@@ -728,3 +728,89 @@ pub async fn race(store: Arc<dyn Store>, keys: usize, callers: usize) {
         started.elapsed()
     );
 }
+
+/// `apply_completion` (the tiered store's relay and repair): writes into an absent key or
+/// over the completing lease, and never over a completion or another lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_completion_never_overwrites_a_newer_state() {
+    use idem_redis::Applied;
+    let Some(url) = idem_testkit::harness::redis_url() else {
+        return;
+    };
+    let store = builder(&url).connect().await.unwrap();
+    let fp = Fingerprint::of_bytes(b"f");
+    let done = Completion::succeeded(Response::new(201, Bytes::from_static(b"\0committed\xff")));
+    let replayed = |store: RedisStore, id: RecordId| async move {
+        match store
+            .begin(request(&id, FencingToken::random(), LONG))
+            .await
+            .unwrap()
+        {
+            Begin::Replay(r) => r,
+            other => panic!("expected Replay, got {other:?}"),
+        }
+    };
+
+    // Absent (Redis lost it): written, and replayed with its attempt and time to live.
+    let id = new_id("absent");
+    let token = FencingToken::random();
+    let applied = store
+        .apply_completion(&id, None, token, &done, KEEP)
+        .await
+        .unwrap();
+    assert_eq!(applied, Applied::Absent, "an absent key needs the identity");
+    let applied = store
+        .apply_completion(&id, Some((&fp, 3)), token, &done, KEEP)
+        .await
+        .unwrap();
+    assert_eq!(applied, Applied::Written);
+    let replay = replayed(store.clone(), id.clone()).await;
+    assert_eq!(replay.completion, done);
+    assert!(replay.expires_in <= KEEP && replay.expires_in > KEEP / 2);
+    assert_eq!(store.get(&id).await.unwrap().unwrap().attempt, 3);
+    // Twice is once.
+    let again = store
+        .apply_completion(&id, Some((&fp, 3)), token, &done, KEEP)
+        .await
+        .unwrap();
+    assert_eq!(again, Applied::AlreadyCompleted);
+
+    // In progress under the completing lease: written.
+    let id = new_id("held");
+    let lease = acquire(&store, &id).await;
+    let applied = store
+        .apply_completion(&id, None, lease.token(), &done, KEEP)
+        .await
+        .unwrap();
+    assert_eq!(
+        applied,
+        Applied::Written,
+        "the in-progress record supplies the identity"
+    );
+    assert_eq!(replayed(store.clone(), id.clone()).await.completion, done);
+
+    // In progress under another lease: left alone.
+    let id = new_id("other");
+    let lease = acquire(&store, &id).await;
+    let applied = store
+        .apply_completion(&id, Some((&fp, 1)), FencingToken::random(), &done, KEEP)
+        .await
+        .unwrap();
+    assert_eq!(applied, Applied::HeldByAnotherLease);
+    match store.get(&id).await.unwrap().unwrap().state {
+        RecordState::InProgress { token, .. } => assert_eq!(token, lease.token()),
+        other => panic!("the live lease was overwritten: {other:?}"),
+    }
+
+    // Completed with something else: left alone.
+    let id = new_id("completed");
+    let lease = acquire(&store, &id).await;
+    let first = Completion::succeeded(Response::new(200, "first"));
+    store.complete(&lease, &first, KEEP).await.unwrap();
+    let applied = store
+        .apply_completion(&id, Some((&fp, 1)), FencingToken::random(), &done, KEEP)
+        .await
+        .unwrap();
+    assert_eq!(applied, Applied::AlreadyCompleted);
+    assert_eq!(replayed(store.clone(), id).await.completion, first);
+}

@@ -1,0 +1,639 @@
+//! End to end over real HTTP against every store: an axum server on a loopback port behind
+//! the layer, a hyper client, and the store under test. The store-sensitive cases (a burst
+//! of identical requests runs the handler once, replay byte for byte, 422 on a reused key,
+//! scopes kept apart, 5xx releases the key, lease renewal, 503 when the store is down) are
+//! written once in `cases` and instantiated per backend in a module named after it
+//! (`memory`, `redis`, `postgres`, `tiered`), so `cargo test redis` runs one backend.
+//!
+//! Redis and PostgreSQL come from `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`
+//! (`scripts/test` provides them; see `idem_testkit::harness`). Each test has a key prefix
+//! or a schema of its own, so tests run in parallel on one server.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use idem_core::Store;
+
+mod support;
+
+/// What cleans up after a test.
+type Teardown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A store for one test, and what to clean up after it.
+struct Fixture {
+    store: Arc<dyn Store>,
+    /// Run when the test passed (a failed test leaves its data for a look).
+    teardown: Option<Teardown>,
+}
+
+impl Fixture {
+    fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            teardown: None,
+        }
+    }
+}
+
+/// One `#[tokio::test]` per case in the module where it is invoked, on stores from
+/// `$factory` (an `async fn() -> Option<Fixture>`; `None`: backend missing, the harness
+/// said why); with `unreachable = $path` (an `async fn() -> Arc<dyn Store>` pointed at a
+/// closed port), the store-down case too.
+macro_rules! backend_cases {
+    ($factory:path $(, unreachable = $unreachable:path)?) => {
+        backend_cases!(@each $factory;
+            a_burst_of_identical_requests_runs_the_handler_once,
+            with_a_wait_every_caller_of_a_burst_gets_the_one_response,
+            a_replay_is_byte_for_byte_with_allowed_headers_only,
+            a_key_reused_for_another_request_is_refused_with_422,
+            one_scope_never_sees_another_scopes_response,
+            a_5xx_releases_the_key_and_a_4xx_is_stored,
+            a_slow_handler_keeps_its_lease_alive,
+        );
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_unreachable_store_fails_closed_with_503() {
+                crate::cases::an_unreachable_store_fails_closed_with_503($unreachable().await)
+                    .await;
+            }
+        )?
+    };
+    (@each $factory:path; $($case:ident,)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(fixture) = $factory().await else {
+                    return;
+                };
+                crate::cases::$case(fixture.store.clone()).await;
+                if let Some(teardown) = fixture.teardown {
+                    teardown.await;
+                }
+            }
+        )*
+    };
+}
+
+mod cases {
+    //! The cases, each taking the store under test.
+
+    use std::sync::Arc;
+    use std::time::{Duration, Instant, SystemTime};
+
+    use axum::http::{HeaderMap, HeaderValue, StatusCode};
+    use axum::response::IntoResponse;
+    use axum::routing::post;
+    use axum::Router;
+    use idem_core::{Idem, Store};
+    use idem_http::{Config, IdempotencyLayer, Outcome};
+
+    use crate::support::*;
+
+    fn layer_on(store: Arc<dyn Store>, config: Config, outcomes: &Outcomes) -> IdempotencyLayer {
+        layer_with(Idem::from_arc(store), config, outcomes)
+    }
+
+    pub async fn a_burst_of_identical_requests_runs_the_handler_once(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let server = serve(pay_app(
+            &runs,
+            layer_on(store, Config::default(), &outcomes),
+        ))
+        .await;
+        let server = Arc::new(server);
+
+        let mut tasks = Vec::new();
+        for _ in 0..24 {
+            let server = server.clone();
+            tasks.push(tokio::spawn(async move {
+                server
+                    .post(
+                        "/pay",
+                        &[
+                            ("idempotency-key", "burst-1"),
+                            ("authorization", "Bearer alice"),
+                            ("x-delay-ms", "300"),
+                            JSON,
+                        ],
+                        r#"{"amount": 1250, "currency": "EUR"}"#,
+                    )
+                    .await
+            }));
+        }
+        let mut created = Vec::new();
+        let mut conflicts = 0;
+        for task in tasks {
+            let reply = task.await.unwrap();
+            match reply.status {
+                StatusCode::CREATED => created.push(reply.body),
+                StatusCode::CONFLICT => {
+                    assert_eq!(reply.problem_type(), "urn:idem:problem:request-in-flight");
+                    let after: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+                    // At most the 30 s lease, rounded up. PostgreSQL (and so the tiered
+                    // store) may overshoot it by the time a `begin` waited on the holder's
+                    // row lock (its clock is read before the wait): hence 31.
+                    assert!((1..=31).contains(&after), "retry-after {after}");
+                    conflicts += 1;
+                }
+                other => panic!("unexpected {other}: {reply:?}"),
+            }
+        }
+        assert_eq!(runs.get(), 1, "the handler ran more than once");
+        assert!(!created.is_empty());
+        assert!(created.iter().all(|b| *b == created[0]));
+        assert_eq!(created.len() + conflicts, 24);
+        assert_eq!(outcomes.count(Outcome::Executed), 1);
+        assert_eq!(outcomes.count(Outcome::InFlight), conflicts);
+
+        // Every caller that got 409 gets the one stored response when it retries.
+        let retry = server
+            .post(
+                "/pay",
+                &[
+                    ("idempotency-key", "burst-1"),
+                    ("authorization", "Bearer alice"),
+                    JSON,
+                ],
+                r#"{"currency": "EUR", "amount": 1250}"#,
+            )
+            .await;
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert!(retry.replayed());
+        assert_eq!(retry.body, created[0]);
+        assert_eq!(runs.get(), 1);
+    }
+
+    pub async fn with_a_wait_every_caller_of_a_burst_gets_the_one_response(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let idem = Idem::from_arc(store).with_config(idem_core::Config {
+            wait: Some(Duration::from_secs(5)),
+            ..idem_core::Config::default()
+        });
+        let server = Arc::new(
+            serve(pay_app(
+                &runs,
+                layer_with(idem, Config::default(), &outcomes),
+            ))
+            .await,
+        );
+
+        let mut tasks = Vec::new();
+        for _ in 0..12 {
+            let server = server.clone();
+            tasks.push(tokio::spawn(async move {
+                server
+                    .post(
+                        "/pay",
+                        &[("idempotency-key", "burst-2"), ("x-delay-ms", "200"), JSON],
+                        r#"{"amount": 1}"#,
+                    )
+                    .await
+            }));
+        }
+        let mut replies = Vec::new();
+        for task in tasks {
+            replies.push(task.await.unwrap());
+        }
+        assert_eq!(runs.get(), 1);
+        assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
+        assert!(replies.iter().all(|r| r.body == replies[0].body));
+        assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+    }
+
+    pub async fn a_replay_is_byte_for_byte_with_allowed_headers_only(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let r = runs.clone();
+        let app = Router::new()
+            .route(
+                "/blob",
+                post(move || {
+                    let r = r.clone();
+                    async move {
+                        let n = r.next() as u8;
+                        let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
+                        let mut headers = HeaderMap::new();
+                        headers.insert(
+                            "content-type",
+                            HeaderValue::from_static("application/octet-stream"),
+                        );
+                        headers.insert("location", HeaderValue::from_static("/blob/7"));
+                        headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
+                        headers.insert("x-request-id", HeaderValue::from_static("req-1"));
+                        (StatusCode::ACCEPTED, headers, body).into_response()
+                    }
+                }),
+            )
+            .layer(layer_on(store, Config::default(), &outcomes));
+        let server = serve(app).await;
+        let headers = [("idempotency-key", "\"blob-1\"")];
+
+        let first = server.post("/blob", &headers, "").await;
+        assert_eq!(first.status, StatusCode::ACCEPTED);
+        assert!(!first.replayed());
+        assert_eq!(first.header("set-cookie"), Some("session=secret"));
+        assert_eq!(first.header("x-request-id"), Some("req-1"));
+
+        let again = server.post("/blob", &headers, "").await;
+        assert_eq!(runs.get(), 1);
+        assert_eq!(again.status, StatusCode::ACCEPTED);
+        assert_eq!(again.body, first.body, "replayed body differs");
+        assert_eq!(again.body.len(), 259);
+        assert!(again.replayed());
+        assert_eq!(
+            again.header("content-type"),
+            Some("application/octet-stream")
+        );
+        assert_eq!(again.header("location"), Some("/blob/7"));
+        assert_eq!(
+            again.header("set-cookie"),
+            None,
+            "Set-Cookie must never be replayed"
+        );
+        assert_eq!(
+            again.header("x-request-id"),
+            None,
+            "unlisted headers are not replayed"
+        );
+        assert_eq!(again.header("content-length"), Some("259"));
+        let expires =
+            httpdate::parse_http_date(again.header("idempotency-expires").unwrap()).unwrap();
+        let left = expires.duration_since(SystemTime::now()).unwrap();
+        assert!(left > Duration::from_secs(23 * 3600) && left <= Duration::from_secs(24 * 3600));
+
+        // The key in its quoted (RFC 8941) and bare forms is the same key.
+        let bare = server
+            .post("/blob", &[("idempotency-key", "blob-1")], "")
+            .await;
+        assert!(bare.replayed());
+        assert_eq!(bare.body, first.body);
+        assert_eq!(outcomes.count(Outcome::Replayed), 2);
+    }
+
+    pub async fn a_key_reused_for_another_request_is_refused_with_422(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let server = serve(pay_app(
+            &runs,
+            layer_on(store, Config::default(), &outcomes),
+        ))
+        .await;
+        let key = ("idempotency-key", "k-mismatch");
+
+        let first = server.post("/pay", &[key, JSON], r#"{"amount": 1}"#).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        // Same JSON, other key order and spacing: a retry, not a mismatch.
+        let same = server
+            .post("/pay", &[key, JSON], r#"{ "amount" : 1 }"#)
+            .await;
+        assert!(same.replayed());
+        let other = server.post("/pay", &[key, JSON], r#"{"amount": 2}"#).await;
+        assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(
+            other.problem_type(),
+            "urn:idem:problem:idempotency-key-reused"
+        );
+        assert_eq!(runs.get(), 1);
+        assert_eq!(outcomes.count(Outcome::Mismatch), 1);
+    }
+
+    pub async fn one_scope_never_sees_another_scopes_response(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let server = serve(pay_app(
+            &runs,
+            layer_on(store, Config::default(), &outcomes),
+        ))
+        .await;
+        let body = r#"{"amount": 5}"#;
+        let as_user = |user: &'static str| {
+            [
+                ("idempotency-key", "shared-key"),
+                ("authorization", user),
+                JSON,
+            ]
+        };
+
+        let alice = server.post("/pay", &as_user("Bearer alice"), body).await;
+        let bob = server.post("/pay", &as_user("Bearer bob"), body).await;
+        assert_eq!(alice.status, StatusCode::CREATED);
+        assert_eq!(bob.status, StatusCode::CREATED);
+        assert!(!bob.replayed(), "bob was handed alice's response");
+        assert_ne!(alice.body, bob.body);
+        assert_eq!(runs.get(), 2);
+
+        let alice_again = server.post("/pay", &as_user("Bearer alice"), body).await;
+        assert!(alice_again.replayed());
+        assert_eq!(alice_again.body, alice.body);
+        // Anonymous requests share the global scope, apart from every named one.
+        let anonymous = server
+            .post("/pay", &[("idempotency-key", "shared-key"), JSON], body)
+            .await;
+        assert!(!anonymous.replayed());
+        assert_eq!(runs.get(), 3);
+    }
+
+    pub async fn a_5xx_releases_the_key_and_a_4xx_is_stored(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let r = runs.clone();
+        let app = Router::new()
+            .route(
+                "/flaky",
+                post(move |body: String| {
+                    let r = r.clone();
+                    async move {
+                        let n = r.next();
+                        match (body.as_str(), n) {
+                            ("client-error", _) => (StatusCode::BAD_REQUEST, format!("bad {n}")),
+                            (_, 1) => (StatusCode::BAD_GATEWAY, format!("down {n}")),
+                            _ => (StatusCode::CREATED, format!("made {n}")),
+                        }
+                    }
+                }),
+            )
+            .layer(layer_on(store, Config::default(), &outcomes));
+        let server = serve(app).await;
+        let key = [("idempotency-key", "five-1")];
+
+        let first = server.post("/flaky", &key, "x").await;
+        assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+        let second = server.post("/flaky", &key, "x").await;
+        assert_eq!(second.status, StatusCode::CREATED);
+        assert!(!second.replayed(), "a 5xx must not be stored");
+        assert_eq!(&second.body[..], b"made 2");
+        assert_eq!(runs.get(), 2);
+        assert!(server.post("/flaky", &key, "x").await.replayed());
+
+        let key = [("idempotency-key", "four-1")];
+        let bad = server.post("/flaky", &key, "client-error").await;
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+        let bad_again = server.post("/flaky", &key, "client-error").await;
+        assert!(bad_again.replayed());
+        assert_eq!(bad_again.body, bad.body);
+        assert_eq!(runs.get(), 3);
+        assert_eq!(outcomes.count(Outcome::NotStored), 1);
+    }
+
+    pub async fn a_slow_handler_keeps_its_lease_alive(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let idem = Idem::from_arc(store).with_config(idem_core::Config {
+            lease: Duration::from_millis(600),
+            ..idem_core::Config::default()
+        });
+        let server = Arc::new(
+            serve(pay_app(
+                &runs,
+                layer_with(idem, Config::default(), &outcomes),
+            ))
+            .await,
+        );
+        let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "2000"), JSON];
+
+        let first = {
+            let server = server.clone();
+            tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
+        };
+        // Well past the first lease's length: without renewal a retry would take the key over.
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        let retry = server.post("/pay", &headers, "{}").await;
+        assert_eq!(retry.status, StatusCode::CONFLICT);
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+        assert_eq!(runs.get(), 1);
+    }
+
+    pub async fn an_unreachable_store_fails_closed_with_503(store: Arc<dyn Store>) {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let server = serve(pay_app(
+            &runs,
+            layer_on(store, Config::default(), &outcomes),
+        ))
+        .await;
+        let started = Instant::now();
+        let reply = server
+            .post("/pay", &[("idempotency-key", "down-1"), JSON], "{}")
+            .await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+        assert_eq!(reply.problem_type(), "urn:idem:problem:store-unavailable");
+        assert!(reply.header("retry-after").is_some(), "{reply:?}");
+        assert_eq!(runs.get(), 0, "the handler ran unguarded");
+        assert_eq!(outcomes.count(Outcome::StoreError), 1);
+        // Bounded by the store's timeouts, not hung on a dead connection.
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+mod memory {
+    //! The embedded in-memory store.
+
+    use std::sync::Arc;
+
+    use idem_core::MemoryStore;
+
+    use crate::Fixture;
+
+    async fn store() -> Option<Fixture> {
+        Some(Fixture::new(Arc::new(MemoryStore::new())))
+    }
+
+    backend_cases!(store);
+}
+
+mod redis {
+    //! One Redis server: `IDEM_TEST_REDIS_URL`, a key prefix per test.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idem_redis::RedisStore;
+    use idem_testkit::harness;
+
+    use crate::Fixture;
+
+    fn prefix() -> String {
+        format!("idem-http-test-{}:", uuid::Uuid::new_v4().simple())
+    }
+
+    /// A store on `IDEM_TEST_REDIS_URL` under a prefix of its own.
+    pub(crate) async fn fresh_store() -> Option<RedisStore> {
+        let url = harness::redis_url()?;
+        // Patient timeouts: tests run in parallel on a small shared machine. Records expire
+        // with their retention; nothing to clean up.
+        let store = RedisStore::builder(url)
+            .with_prefix(prefix())
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
+            .with_call_timeout(Duration::from_secs(15))
+            .connect()
+            .await
+            .expect("connect to IDEM_TEST_REDIS_URL");
+        Some(store)
+    }
+
+    /// A store pointed at a port nothing listens on, built without connecting.
+    pub(crate) fn closed_port_store() -> RedisStore {
+        let url = format!("redis://127.0.0.1:{}", harness::free_port());
+        RedisStore::builder(url)
+            .with_prefix(prefix())
+            .connect_lazy()
+            .expect("a lazy store builds without a server")
+    }
+
+    async fn store() -> Option<Fixture> {
+        Some(Fixture::new(Arc::new(fresh_store().await?)))
+    }
+
+    async fn unreachable() -> Arc<dyn idem_core::Store> {
+        Arc::new(closed_port_store())
+    }
+
+    backend_cases!(store, unreachable = unreachable);
+}
+
+mod postgres {
+    //! PostgreSQL: `IDEM_TEST_DATABASE_URL`, a schema per test (`idem_http_<unix
+    //! seconds>_<random>`), dropped when the test passes; schemas of runs over an hour old
+    //! are dropped too.
+
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use idem_postgres::PgStore;
+    use idem_testkit::harness;
+    use sqlx::PgPool;
+
+    use crate::{Fixture, Teardown};
+
+    const SCHEMA_PREFIX: &str = "idem_http_";
+
+    fn now_secs() -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    }
+
+    fn schema_name() -> String {
+        let random = uuid::Uuid::new_v4().simple().to_string();
+        format!("{SCHEMA_PREFIX}{}_{}", now_secs(), &random[..12])
+    }
+
+    async fn drop_schema(pool: &PgPool, name: &str) {
+        sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+            .execute(pool)
+            .await
+            .expect("drop the test schema");
+    }
+
+    /// Drops the schemas of test runs that ended over an hour ago, once per process.
+    async fn drop_stale_schemas(pool: &PgPool) {
+        static SWEPT: AtomicBool = AtomicBool::new(false);
+        if SWEPT.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
+        )
+        .bind(SCHEMA_PREFIX)
+        .fetch_all(pool)
+        .await
+        .expect("list test schemas");
+        for name in names {
+            let created = name[SCHEMA_PREFIX.len()..]
+                .split('_')
+                .next()
+                .and_then(|s| s.parse::<u64>().ok());
+            if created.is_some_and(|c| c + 3600 < now_secs()) {
+                // Another process may drop it at the same time: its error is not ours.
+                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .execute(pool)
+                    .await;
+            }
+        }
+    }
+
+    /// A migrated store in a schema of its own, and the teardown that drops the schema.
+    pub(crate) async fn fresh_store() -> Option<(PgStore, Teardown)> {
+        let url = harness::database_url()?;
+        // The store's pool settings with a patient acquire timeout: a loaded machine must
+        // not turn queueing for a connection into a failure.
+        let pool = PgStore::pool_options()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(15))
+            .connect(&url)
+            .await
+            .expect("connect to IDEM_TEST_DATABASE_URL");
+        drop_stale_schemas(&pool).await;
+        let store = PgStore::new(pool)
+            .with_schema(&schema_name())
+            .expect("a valid schema name");
+        store.migrate().await.expect("migrate");
+        let (pool, schema) = (store.pool().clone(), store.schema().to_owned());
+        let teardown: Teardown = Box::pin(async move { drop_schema(&pool, &schema).await });
+        Some((store, teardown))
+    }
+
+    /// A store whose pool points at a port nothing listens on, opened lazily.
+    pub(crate) fn closed_port_store() -> PgStore {
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{}/test",
+            harness::free_port()
+        );
+        let pool = PgStore::pool_options()
+            .connect_lazy(&url)
+            .expect("a well-formed URL");
+        PgStore::new(pool)
+    }
+
+    async fn store() -> Option<Fixture> {
+        let (store, teardown) = fresh_store().await?;
+        Some(Fixture {
+            store: Arc::new(store),
+            teardown: Some(teardown),
+        })
+    }
+
+    async fn unreachable() -> Arc<dyn idem_core::Store> {
+        Arc::new(closed_port_store())
+    }
+
+    backend_cases!(store, unreachable = unreachable);
+}
+
+mod tiered {
+    //! The tiered store: Redis first (a prefix per test), PostgreSQL the arbiter (a schema
+    //! per test).
+
+    use std::sync::Arc;
+
+    use idem_outbox::TieredStore;
+
+    use crate::Fixture;
+
+    async fn store() -> Option<Fixture> {
+        let redis = crate::redis::fresh_store().await?;
+        let (pg, teardown) = crate::postgres::fresh_store().await?;
+        Some(Fixture {
+            store: Arc::new(TieredStore::new(redis, pg)),
+            teardown: Some(teardown),
+        })
+    }
+
+    /// Both tiers pointed at ports nothing listens on.
+    async fn unreachable() -> Arc<dyn idem_core::Store> {
+        Arc::new(TieredStore::new(
+            crate::redis::closed_port_store(),
+            crate::postgres::closed_port_store(),
+        ))
+    }
+
+    backend_cases!(store, unreachable = unreachable);
+}

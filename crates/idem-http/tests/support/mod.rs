@@ -1,0 +1,157 @@
+//! The harness of the end-to-end tests: an axum server on a loopback port behind the
+//! layer, a hyper client, and counters of handler runs and of the layer's outcomes.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idem_core::{Idem, Scope};
+use idem_http::{Config, IdempotencyLayer, Outcome};
+
+pub type ClientBody = BoxBody<Bytes, Infallible>;
+
+pub struct Server {
+    pub base: String,
+    pub client: Client<hyper_util::client::legacy::connect::HttpConnector, ClientBody>,
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(doc["status"], self.status.as_u16());
+        doc["type"].as_str().unwrap().to_owned()
+    }
+}
+
+pub async fn serve(app: Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Server {
+        base: format!("http://{addr}"),
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    }
+}
+
+impl Server {
+    pub async fn send_body(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: ClientBody,
+    ) -> Result<Reply, hyper_util::client::legacy::Error> {
+        let mut req = http::Request::post(format!("{}{path}", self.base));
+        for (n, v) in headers {
+            req = req.header(*n, *v);
+        }
+        let response = self.client.request(req.body(body).unwrap()).await?;
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        Ok(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
+    pub async fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+        let body = Full::new(Bytes::from(body.to_owned())).boxed();
+        self.send_body(path, headers, body).await.unwrap()
+    }
+}
+
+/// Counts runs of the protected side effect.
+#[derive(Clone, Default)]
+pub struct Runs(pub Arc<AtomicUsize>);
+
+impl Runs {
+    pub fn next(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Records the layer's outcomes.
+#[derive(Clone, Default)]
+pub struct Outcomes(pub Arc<Mutex<Vec<Outcome>>>);
+
+impl Outcomes {
+    pub fn count(&self, outcome: Outcome) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|o| **o == outcome)
+            .count()
+    }
+}
+
+pub fn layer_with(idem: Idem, config: Config, outcomes: &Outcomes) -> IdempotencyLayer {
+    let outcomes = outcomes.clone();
+    IdempotencyLayer::new(idem)
+        .with_config(config)
+        .with_scope(|parts| {
+            let auth = parts.headers.get("authorization")?.to_str().ok()?;
+            Scope::new(auth.strip_prefix("Bearer ")?).ok()
+        })
+        .with_observer(move |o| outcomes.0.lock().unwrap().push(o))
+}
+
+/// `POST /pay`: one run of the side effect per call, answering 201 with the run number and
+/// the request body, after `x-delay-ms`.
+pub fn pay_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
+    let runs = runs.clone();
+    Router::new()
+        .route(
+            "/pay",
+            post(move |headers: HeaderMap, body: Bytes| {
+                let runs = runs.clone();
+                async move {
+                    let n = runs.next();
+                    if let Some(ms) = headers.get("x-delay-ms") {
+                        let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                    let doc = serde_json::json!({
+                        "run": n,
+                        "request": String::from_utf8_lossy(&body),
+                    });
+                    (StatusCode::CREATED, axum::Json(doc))
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+pub const JSON: (&str, &str) = ("content-type", "application/json");

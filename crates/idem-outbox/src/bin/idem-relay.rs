@@ -1,0 +1,373 @@
+//! `idem-relay`: the outbox relay worker of idem's tiered store, and its dead-letter
+//! commands.
+//!
+//! Exit codes: 0 success (and a clean stop on SIGTERM/SIGINT); 2 bad input; 3 a store or
+//! I/O error.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use idem_core::Error;
+use idem_outbox::{Outbox, Relay, RelayConfig};
+use idem_postgres::PgStore;
+use idem_redis::RedisStore;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem-relay",
+    version,
+    about = "Relays completions committed in PostgreSQL (the outbox of idem's tiered store) into Redis",
+    after_help = "Exit codes: 0 success or a clean stop on SIGTERM/SIGINT, 2 bad input, 3 store or I/O error."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the relay worker until SIGTERM or SIGINT (it then finishes its batch and exits 0).
+    Run(RunArgs),
+    /// List or retry the outbox rows that failed too often (dead letters).
+    #[command(subcommand)]
+    Dead(DeadCommand),
+}
+
+#[derive(Debug, Args)]
+struct PgArgs {
+    /// The PostgreSQL database holding idem's schema.
+    #[arg(long, env = "IDEM_DATABASE_URL", value_name = "URL")]
+    database_url: String,
+    /// idem's schema in that database.
+    #[arg(long, default_value = idem_postgres::DEFAULT_SCHEMA)]
+    schema: String,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    pg: PgArgs,
+    /// The Redis server (`redis://HOST:PORT`) or cluster (`redis+cluster://HOST:PORT,...`)
+    /// of the tiered store, with the same key prefix as the application's.
+    #[arg(long, env = "IDEM_REDIS_URL", value_name = "URL")]
+    redis_url: String,
+    /// The Redis key prefix of the application's RedisStore, when it is not the default
+    /// (`idem:`).
+    #[arg(long, value_name = "PREFIX")]
+    redis_prefix: Option<String>,
+    /// Outbox rows per transaction.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    batch: u32,
+    /// Poll interval in milliseconds (notifications wake the relay sooner).
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..))]
+    poll_ms: u64,
+    /// Failed applications of a row before it is marked dead.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    max_tries: u32,
+    /// The pause before retrying a failed row, doubling with each failure, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    backoff_ms: u64,
+    /// The longest pause before retrying a failed row, in milliseconds.
+    #[arg(long, default_value_t = 60_000)]
+    backoff_cap_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9187; port 0 picks
+    /// a free port, printed on standard output).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, env = "IDEM_RELAY_LOG", default_value = "info")]
+    log: tracing::Level,
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadCommand {
+    /// List the dead rows, oldest first.
+    List {
+        #[command(flatten)]
+        pg: PgArgs,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Print one JSON object per line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make dead rows pending again (tries reset, due now).
+    Retry {
+        #[command(flatten)]
+        pg: PgArgs,
+        /// Only these rows (repeat the flag for several); all dead rows when absent.
+        #[arg(long = "id", value_name = "ID")]
+        ids: Vec<i64>,
+    },
+}
+
+/// A failure and the exit code it maps to.
+#[derive(Debug)]
+enum Failure {
+    /// Bad input: 2.
+    Input(String),
+    /// A store or I/O error: 3.
+    Store(String),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Invalid(msg) => Failure::Input(msg),
+            other => Failure::Store(other.to_string()),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idem-relay: cannot start the runtime: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Run(args) => run(args).await,
+            Command::Dead(cmd) => dead(cmd).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Input(msg)) => {
+            eprintln!("idem-relay: {msg}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Store(msg)) => {
+            eprintln!("idem-relay: {msg}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+async fn pg_store(args: &PgArgs) -> Result<PgStore, Failure> {
+    if !args.database_url.starts_with("postgres://")
+        && !args.database_url.starts_with("postgresql://")
+    {
+        return Err(Failure::Input(format!(
+            "--database-url must be a postgres:// URL, not {:?}",
+            args.database_url
+        )));
+    }
+    let store = PgStore::connect(&args.database_url).await?;
+    Ok(store.with_schema(&args.schema)?)
+}
+
+async fn run(args: RunArgs) -> Result<(), Failure> {
+    // sqlx logs every migration statement's notices at info: keep it to warnings.
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
+        .with(
+            Targets::new()
+                .with_default(args.log)
+                .with_target("sqlx", args.log.min(tracing::Level::WARN)),
+        )
+        .init();
+    if args.backoff_cap_ms < args.backoff_ms {
+        return Err(Failure::Input(format!(
+            "--backoff-cap-ms ({}) must not be below --backoff-ms ({})",
+            args.backoff_cap_ms, args.backoff_ms
+        )));
+    }
+    // Bind the metrics port first: a port in use is a configuration error, better found
+    // before connecting anywhere.
+    let metrics =
+        match args.metrics_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
+                Failure::Store(format!("cannot listen on {addr} for metrics: {e}"))
+            })?),
+            None => None,
+        };
+    // Redis first: a bad URL is found before anything is written to the database.
+    let mut redis = RedisStore::builder(&args.redis_url);
+    if let Some(prefix) = &args.redis_prefix {
+        redis = redis.with_prefix(prefix.clone());
+    }
+    let redis = redis.connect().await?;
+    let pg = pg_store(&args.pg).await?;
+    // Safe while other instances migrate too.
+    pg.migrate().await?;
+    let config = RelayConfig {
+        batch: args.batch,
+        poll_interval: Duration::from_millis(args.poll_ms),
+        max_tries: args.max_tries,
+        backoff_base: Duration::from_millis(args.backoff_ms),
+        backoff_cap: Duration::from_millis(args.backoff_cap_ms),
+        ..RelayConfig::default()
+    };
+    let relay = Relay::new(pg, redis).with_config(config);
+
+    if let Some(listener) = metrics {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Failure::Store(format!("metrics listener: {e}")))?;
+        // Standard output carries this one line, for scripts and tests that asked for port 0.
+        println!("idem-relay: metrics on http://{addr}/metrics");
+        tokio::spawn(serve_metrics(listener, Arc::new(relay.clone())));
+    }
+    relay.run(shutdown_signal()).await;
+    Ok(())
+}
+
+async fn dead(cmd: DeadCommand) -> Result<(), Failure> {
+    match cmd {
+        DeadCommand::List { pg, limit, json } => {
+            let outbox = Outbox::new(pg_store(&pg).await?);
+            let entries = outbox.dead_entries(limit).await?;
+            if json {
+                for e in &entries {
+                    let line = serde_json::json!({
+                        "id": e.id,
+                        "scope": e.scope,
+                        "key": e.key,
+                        "tries": e.tries,
+                        "last_error": e.last_error,
+                        "age_seconds": e.age.as_secs_f64(),
+                    });
+                    println!("{line}");
+                }
+            } else if entries.is_empty() {
+                println!("no dead outbox rows in schema {}", outbox.schema());
+            } else {
+                println!(
+                    "{:>10}  {:>5}  {:>8}  scope/key: last error",
+                    "id", "tries", "age"
+                );
+                for e in &entries {
+                    println!(
+                        "{:>10}  {:>5}  {:>7}s  {}/{}: {}",
+                        e.id,
+                        e.tries,
+                        e.age.as_secs(),
+                        e.scope,
+                        e.key,
+                        e.last_error.as_deref().unwrap_or("-")
+                    );
+                }
+            }
+            Ok(())
+        }
+        DeadCommand::Retry { pg, ids } => {
+            let outbox = Outbox::new(pg_store(&pg).await?);
+            let ids = (!ids.is_empty()).then_some(ids);
+            let n = outbox.retry_dead(ids.as_deref()).await?;
+            println!("{n} dead outbox rows made pending again");
+            Ok(())
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT (ctrl-c).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot handle SIGTERM; only SIGINT stops the relay");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("signal received: finishing the current batch");
+}
+
+/// A minimal HTTP/1.1 responder: `GET /metrics` answers the Prometheus text; anything else
+/// 404 (or 405 for another method). One request per connection.
+async fn serve_metrics(listener: TcpListener, relay: Arc<Relay>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(answer(stream, relay.clone()));
+            }
+            Err(error) => {
+                // Out of file descriptors and the like: pause rather than spin.
+                tracing::warn!(%error, "metrics listener: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn answer(mut stream: TcpStream, relay: Arc<Relay>) {
+    // Read the request head, bounded in size and time, and ignore any body.
+    let mut head = Vec::with_capacity(1024);
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+    if !matches!(read, Ok(Ok(()))) {
+        return;
+    }
+    let line = head
+        .split(|b| *b == b'\n')
+        .next()
+        .map(|l| String::from_utf8_lossy(l).trim().to_owned())
+        .unwrap_or_default();
+    let mut parts = line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("");
+    let (status, body) = match (method, path) {
+        ("GET", "/metrics") => {
+            // Fresh gauges on every scrape; the last ones if PostgreSQL does not answer.
+            let metrics = match relay.observe().await {
+                Ok(m) => m,
+                Err(error) => {
+                    tracing::warn!(%error, "metrics: gauges not read; serving the last ones");
+                    relay.metrics()
+                }
+            };
+            ("200 OK", metrics.to_prometheus(relay.schema()))
+        }
+        (_, "/metrics") => ("405 Method Not Allowed", "use GET\n".to_owned()),
+        _ => ("404 Not Found", "try /metrics\n".to_owned()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}

@@ -1,0 +1,937 @@
+//! [`Relay`]: the worker that copies committed completions from the outbox table into Redis.
+
+use std::fmt::{self, Write as _};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use idem_core::{decode_meta, Completion, Error, FencingToken, Fingerprint, Key, RecordId, Scope};
+use idem_postgres::{map_error, PgStore};
+use idem_redis::{Applied, RedisStore};
+use sqlx::postgres::{PgListener, PgRow};
+use sqlx::Row;
+use tokio::time::{sleep, Instant};
+
+use crate::tiered::CHANNEL;
+
+/// Settings of a [`Relay`]. Every field has a documented default.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Outbox rows claimed, applied and deleted per transaction. Default: 500 (0 counts
+    /// as 1).
+    pub batch: u32,
+    /// How often the relay looks for work when no notification came: notifications are
+    /// lost while the listening connection reconnects, and rows waiting for a retry are
+    /// due without one. Default: 200 ms.
+    pub poll_interval: Duration,
+    /// Failed applications of one row before it is marked dead. Default: 10 (0 counts
+    /// as 1).
+    pub max_tries: u32,
+    /// The pause before retrying a row after its first failure; it doubles with each
+    /// further failure. Default: 1 s.
+    pub backoff_base: Duration,
+    /// The longest pause between two tries of a row. Default: 60 s.
+    pub backoff_cap: Duration,
+    /// The longest pause of the whole worker while Redis or PostgreSQL is unavailable
+    /// (the pause starts at `poll_interval` and doubles). Default: 5 s.
+    pub outage_backoff_cap: Duration,
+    /// Backlog, dead count and lag are read from PostgreSQL at most this often by the
+    /// worker loop (and on every [`Relay::observe`]). Default: 1 s.
+    pub gauge_interval: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            batch: 500,
+            poll_interval: Duration::from_millis(200),
+            max_tries: 10,
+            backoff_base: Duration::from_secs(1),
+            backoff_cap: Duration::from_secs(60),
+            outage_backoff_cap: Duration::from_secs(5),
+            gauge_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// The pause before the next try of a row that has failed `tries` times before this
+    /// failure: `backoff_base * 2^tries`, at most `backoff_cap`.
+    pub fn backoff(&self, tries: u32) -> Duration {
+        let factor = 2u32.saturating_pow(tries.min(31));
+        self.backoff_base
+            .saturating_mul(factor)
+            .min(self.backoff_cap)
+    }
+}
+
+/// What one [`Relay::relay_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Rows claimed.
+    pub claimed: usize,
+    /// Rows applied to Redis (written, or found already completed or held by a later
+    /// lease: nothing left to do) and deleted.
+    pub relayed: usize,
+    /// Of the relayed rows, those written into Redis (the others found the key completed
+    /// already, or held by a later lease).
+    pub written: usize,
+    /// Rows whose completed record had already expired: deleted without being applied.
+    pub expired: usize,
+    /// Rows whose application failed; their tries went up and they wait for a retry.
+    pub failed: usize,
+    /// Of the failed rows, those that reached the maximum tries and are now dead.
+    pub dead: usize,
+}
+
+/// A dead outbox row, for operators ([`Outbox::dead_entries`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadEntry {
+    /// The row's id, for [`Outbox::retry_dead`].
+    pub id: i64,
+    /// The record's scope (invalid UTF-8 shown lossily: that may be why it died).
+    pub scope: String,
+    /// The record's key.
+    pub key: String,
+    /// Failed applications.
+    pub tries: u32,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// Time since the completion committed.
+    pub age: Duration,
+}
+
+/// A snapshot of a relay's metrics ([`Relay::metrics`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RelayMetrics {
+    /// Rows applied to Redis and deleted, by this relay, since it was created.
+    pub relayed_total: u64,
+    /// Rows deleted unapplied because their record had expired, by this relay.
+    pub expired_total: u64,
+    /// Failed applications of single rows (decoding, Redis refusing the row), by this
+    /// relay. A Redis outage does not count here: the batch is rolled back whole.
+    pub failed_total: u64,
+    /// Rows that this relay marked dead.
+    pub dead_marked_total: u64,
+    /// Batches rolled back because Redis or PostgreSQL was unavailable, by this relay.
+    pub outages_total: u64,
+    /// Dead rows in the outbox (all relays), as last read.
+    pub dead: u64,
+    /// Rows waiting to be relayed (all relays), as last read.
+    pub backlog: u64,
+    /// Age in seconds of the oldest row waiting to be relayed (0 when none), as last read.
+    pub lag_seconds: f64,
+}
+
+impl RelayMetrics {
+    /// The metrics in the Prometheus text exposition format (version 0.0.4), each labelled
+    /// with the outbox's `schema`.
+    pub fn to_prometheus(&self, schema: &str) -> String {
+        let schema = schema.replace('\\', "\\\\").replace('"', "\\\"");
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: &dyn fmt::Display| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            let _ = writeln!(out, "{name}{{schema=\"{schema}\"}} {value}");
+        };
+        metric(
+            "idem_relay_relayed_total",
+            "counter",
+            "Outbox rows applied to Redis and deleted by this relay.",
+            &self.relayed_total,
+        );
+        metric(
+            "idem_relay_expired_total",
+            "counter",
+            "Outbox rows deleted unapplied because their record had expired.",
+            &self.expired_total,
+        );
+        metric(
+            "idem_relay_failed_total",
+            "counter",
+            "Failed applications of single outbox rows (retried with backoff).",
+            &self.failed_total,
+        );
+        metric(
+            "idem_relay_dead_marked_total",
+            "counter",
+            "Outbox rows this relay marked dead after the maximum tries.",
+            &self.dead_marked_total,
+        );
+        metric(
+            "idem_relay_outages_total",
+            "counter",
+            "Batches rolled back because Redis or PostgreSQL was unavailable.",
+            &self.outages_total,
+        );
+        metric(
+            "idem_relay_dead",
+            "gauge",
+            "Dead outbox rows waiting for an operator (idem-relay dead list / retry).",
+            &self.dead,
+        );
+        metric(
+            "idem_relay_backlog",
+            "gauge",
+            "Outbox rows waiting to be relayed.",
+            &self.backlog,
+        );
+        metric(
+            "idem_relay_lag_seconds",
+            "gauge",
+            "Age of the oldest outbox row waiting to be relayed.",
+            &self.lag_seconds,
+        );
+        out
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    relayed: AtomicU64,
+    expired: AtomicU64,
+    failed: AtomicU64,
+    dead_marked: AtomicU64,
+    outages: AtomicU64,
+    dead: AtomicU64,
+    backlog: AtomicU64,
+    /// f64 bits.
+    lag: AtomicU64,
+}
+
+/// The relay worker: claims batches of outbox rows with `FOR UPDATE SKIP LOCKED`, applies
+/// each to Redis ([`RedisStore::apply_completion`], idempotent and never overwriting a
+/// newer state) and deletes them, in one transaction per batch.
+///
+/// Run any number of relays on one outbox: each batch skips the rows another relay holds.
+/// Delivery is at least once (a relay killed after applying a batch but before committing
+/// leaves the rows for the next one, which applies them again, harmlessly).
+///
+/// A row that fails on its own (a record that does not decode, Redis refusing it) is retried
+/// with exponential backoff and marked dead after [`RelayConfig::max_tries`]; operators list
+/// and retry dead rows with [`Outbox::dead_entries`] and [`Outbox::retry_dead`]. Redis (or
+/// PostgreSQL) being unavailable is not the row's fault: the batch is rolled back untouched
+/// and the whole worker backs off, so an outage grows the backlog and never kills rows.
+///
+/// Cheap to clone: clones share the connections and the metrics.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), idem_core::Error> {
+/// use idem_outbox::{Relay, RelayConfig};
+/// use idem_postgres::PgStore;
+/// use idem_redis::RedisStore;
+///
+/// let pg = PgStore::connect("postgres://app@127.0.0.1/app").await?;
+/// pg.migrate().await?;
+/// let redis = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// let relay = Relay::new(pg, redis).with_config(RelayConfig::default());
+/// // Runs until `stop` is notified (from a signal handler, say), then finishes the batch
+/// // in hand and returns.
+/// let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+/// let worker = tokio::spawn({
+///     let stop = stop.clone();
+///     async move { relay.run(stop.notified()).await }
+/// });
+/// // ... later:
+/// stop.notify_one();
+/// worker.await.expect("the relay task");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Relay {
+    outbox: Outbox,
+    pg: PgStore,
+    redis: RedisStore,
+    config: Arc<RelayConfig>,
+    sql: Arc<Statements>,
+    counters: Arc<Counters>,
+}
+
+/// The outbox table of one schema, for operators: its gauges, and the dead rows to list
+/// and retry. Needs PostgreSQL only. Cheap to clone.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), idem_core::Error> {
+/// use idem_outbox::Outbox;
+/// use idem_postgres::PgStore;
+///
+/// let outbox = Outbox::new(PgStore::connect("postgres://app@127.0.0.1/app").await?);
+/// for dead in outbox.dead_entries(100).await? {
+///     println!("{} {}/{}: {:?}", dead.id, dead.scope, dead.key, dead.last_error);
+/// }
+/// outbox.retry_dead(None).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    pg: PgStore,
+    sql: Arc<Statements>,
+}
+
+/// The outbox's gauges, read by [`Outbox::gauges`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Gauges {
+    /// Rows waiting to be relayed (due now or waiting for a retry).
+    pub backlog: u64,
+    /// Dead rows.
+    pub dead: u64,
+    /// Age in seconds of the oldest row waiting to be relayed; 0 when there is none.
+    pub lag_seconds: f64,
+}
+
+impl Outbox {
+    /// The outbox in `pg`'s schema (created by `pg.migrate()`).
+    pub fn new(pg: PgStore) -> Self {
+        Self {
+            sql: Arc::new(Statements::new(pg.quoted_schema())),
+            pg,
+        }
+    }
+
+    /// The schema.
+    pub fn schema(&self) -> &str {
+        self.pg.schema()
+    }
+
+    /// Reads backlog, dead rows and lag: one `count(*)` over the outbox.
+    ///
+    /// # Errors
+    ///
+    /// PostgreSQL errors.
+    pub async fn gauges(&self) -> Result<Gauges, Error> {
+        let row = sqlx::query(&self.sql.gauges)
+            .fetch_one(self.pg.pool())
+            .await
+            .map_err(map_error)?;
+        let backlog: i64 = row.try_get("backlog").map_err(map_error)?;
+        let dead: i64 = row.try_get("dead").map_err(map_error)?;
+        let lag: f64 = row.try_get("lag").map_err(map_error)?;
+        Ok(Gauges {
+            backlog: u64::try_from(backlog).unwrap_or(0),
+            dead: u64::try_from(dead).unwrap_or(0),
+            lag_seconds: lag.max(0.0),
+        })
+    }
+
+    /// The dead rows, oldest first, at most `limit`: what `idem-relay dead list` prints.
+    ///
+    /// # Errors
+    ///
+    /// PostgreSQL errors.
+    pub async fn dead_entries(&self, limit: u32) -> Result<Vec<DeadEntry>, Error> {
+        let rows = sqlx::query(&self.sql.dead)
+            .bind(i64::from(limit))
+            .fetch_all(self.pg.pool())
+            .await
+            .map_err(map_error)?;
+        rows.iter()
+            .map(|row| {
+                let scope: Vec<u8> = row.try_get("scope")?;
+                let tries: i32 = row.try_get("tries")?;
+                let age: f64 = row.try_get("age")?;
+                Ok(DeadEntry {
+                    id: row.try_get("id")?,
+                    scope: String::from_utf8_lossy(&scope).into_owned(),
+                    key: row.try_get("key")?,
+                    tries: u32::try_from(tries).unwrap_or(0),
+                    last_error: row.try_get("last_error")?,
+                    age: Duration::try_from_secs_f64(age.max(0.0)).unwrap_or_default(),
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(map_error)
+    }
+
+    /// Makes dead rows pending again (tries back to 0, due now, relays woken): all of them
+    /// with `ids` = `None`, or those listed. Returns how many rows came back. The last
+    /// error is kept until the next failure replaces it.
+    ///
+    /// # Errors
+    ///
+    /// PostgreSQL errors.
+    pub async fn retry_dead(&self, ids: Option<&[i64]>) -> Result<u64, Error> {
+        let query = match ids {
+            None => sqlx::query_scalar(&self.sql.retry_all),
+            Some(_) => sqlx::query_scalar(&self.sql.retry_ids),
+        }
+        .bind(CHANNEL)
+        .bind(self.pg.schema());
+        let query = match ids {
+            Some(ids) => query.bind(ids),
+            None => query,
+        };
+        let n: i64 = query.fetch_one(self.pg.pool()).await.map_err(map_error)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+}
+
+/// The relay's SQL, spliced with the schema once.
+#[derive(Debug)]
+struct Statements {
+    claim: String,
+    delete: String,
+    fail: String,
+    gauges: String,
+    dead: String,
+    retry_all: String,
+    retry_ids: String,
+}
+
+impl Statements {
+    fn new(schema: &str) -> Self {
+        Self {
+            // The oldest due rows first; rows another relay holds are skipped, not waited
+            // for. The time left is computed by the database's clock, the one that set
+            // expires_at.
+            claim: format!(
+                "SELECT id, scope, key, fingerprint, token, attempt, meta, body, tries, \
+                        floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
+                            AS ttl_ms \
+                 FROM {schema}.outbox \
+                 WHERE NOT dead AND next_try_at <= clock_timestamp() \
+                 ORDER BY next_try_at, id \
+                 LIMIT $1 \
+                 FOR UPDATE SKIP LOCKED"
+            ),
+            delete: format!("DELETE FROM {schema}.outbox WHERE id = ANY($1)"),
+            // One statement for all the failed rows of a batch.
+            fail: format!(
+                "UPDATE {schema}.outbox AS o \
+                 SET tries = o.tries + 1, \
+                     next_try_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
+                     last_error = f.error, \
+                     dead = o.tries + 1 >= $4 \
+                 FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS f(id, delay_ms, error) \
+                 WHERE o.id = f.id \
+                 RETURNING o.id, o.dead"
+            ),
+            gauges: format!(
+                "SELECT count(*) FILTER (WHERE NOT dead) AS backlog, \
+                        count(*) FILTER (WHERE dead) AS dead, \
+                        COALESCE(extract(epoch FROM clock_timestamp() \
+                            - min(created_at) FILTER (WHERE NOT dead)), 0)::float8 AS lag \
+                 FROM {schema}.outbox"
+            ),
+            dead: format!(
+                "SELECT id, scope, key, tries, last_error, \
+                        extract(epoch FROM clock_timestamp() - created_at)::float8 AS age \
+                 FROM {schema}.outbox WHERE dead ORDER BY id LIMIT $1"
+            ),
+            // Retried rows wake the relays like new ones.
+            retry_all: format!(
+                "WITH retried AS ( \
+                     UPDATE {schema}.outbox SET dead = false, tries = 0, \
+                         next_try_at = clock_timestamp() \
+                     WHERE dead RETURNING id) \
+                 SELECT count(*) FROM retried, (SELECT pg_notify($1, $2)) AS wake"
+            ),
+            retry_ids: format!(
+                "WITH retried AS ( \
+                     UPDATE {schema}.outbox SET dead = false, tries = 0, \
+                         next_try_at = clock_timestamp() \
+                     WHERE dead AND id = ANY($3) RETURNING id) \
+                 SELECT count(*) FROM retried, (SELECT pg_notify($1, $2)) AS wake"
+            ),
+        }
+    }
+}
+
+/// One claimed row.
+struct Claimed {
+    id: i64,
+    tries: u32,
+    /// The decoded entry, or why it does not decode; `None` when the record expired.
+    entry: Option<Result<Entry, Error>>,
+}
+
+/// A claimed row, decoded and ready to apply.
+struct Entry {
+    record: RecordId,
+    fingerprint: Fingerprint,
+    token: FencingToken,
+    attempt: u32,
+    completion: Completion,
+    ttl: Duration,
+}
+
+/// What applying one row came to.
+enum Outcome {
+    /// Applied (written, or nothing left to do): delete the row.
+    Done(Applied),
+    /// The record had expired: delete the row.
+    Expired,
+    /// This row failed: count a try.
+    Failed(String),
+}
+
+impl Relay {
+    /// A relay with the default [`RelayConfig`] for the outbox in `pg`'s schema, applying to
+    /// `redis`. Run `pg.migrate()` first.
+    pub fn new(pg: PgStore, redis: RedisStore) -> Self {
+        let outbox = Outbox::new(pg.clone());
+        Self {
+            sql: outbox.sql.clone(),
+            outbox,
+            pg,
+            redis,
+            config: Arc::new(RelayConfig::default()),
+            counters: Arc::new(Counters::default()),
+        }
+    }
+
+    /// Replaces the settings.
+    pub fn with_config(mut self, config: RelayConfig) -> Self {
+        self.config = Arc::new(config);
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RelayConfig {
+        &self.config
+    }
+
+    /// The outbox this relay drains, for its operator functions (dead rows).
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
+    }
+
+    /// The schema whose outbox this relay drains.
+    pub fn schema(&self) -> &str {
+        self.pg.schema()
+    }
+
+    /// The counters and the gauges as last read (see [`Relay::observe`] to read them now).
+    pub fn metrics(&self) -> RelayMetrics {
+        let c = &self.counters;
+        RelayMetrics {
+            relayed_total: c.relayed.load(Ordering::Relaxed),
+            expired_total: c.expired.load(Ordering::Relaxed),
+            failed_total: c.failed.load(Ordering::Relaxed),
+            dead_marked_total: c.dead_marked.load(Ordering::Relaxed),
+            outages_total: c.outages.load(Ordering::Relaxed),
+            dead: c.dead.load(Ordering::Relaxed),
+            backlog: c.backlog.load(Ordering::Relaxed),
+            lag_seconds: f64::from_bits(c.lag.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// Reads the gauges (backlog, dead rows, lag) from PostgreSQL now, stores them, and
+    /// returns the metrics. One `count(*)` over the outbox.
+    ///
+    /// # Errors
+    ///
+    /// PostgreSQL errors.
+    pub async fn observe(&self) -> Result<RelayMetrics, Error> {
+        let gauges = self.outbox.gauges().await?;
+        let c = &self.counters;
+        c.backlog.store(gauges.backlog, Ordering::Relaxed);
+        c.dead.store(gauges.dead, Ordering::Relaxed);
+        c.lag.store(gauges.lag_seconds.to_bits(), Ordering::Relaxed);
+        Ok(self.metrics())
+    }
+
+    /// Runs the worker until `shutdown` resolves, then finishes the batch in hand (commits
+    /// it) and returns. Errors never end the loop: they are logged with `tracing` and
+    /// retried with backoff.
+    ///
+    /// Wakes on `LISTEN idem_outbox` notifications for this schema, and polls every
+    /// [`RelayConfig::poll_interval`] in any case; drains batch after batch while they come
+    /// back full.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let schema = self.pg.schema().to_owned();
+        tokio::pin!(shutdown);
+        // Set once `shutdown` resolved (a finished future must not be polled again).
+        let mut stopping = false;
+        // The pause after an outage; reset by any batch that commits.
+        let mut outage_pause = self.config.poll_interval;
+        let mut gauges_read: Option<Instant> = None;
+
+        // Step 1: subscribe before the first batch, so that a row committed between that
+        // batch and the first wait still wakes us. Without a listener (PostgreSQL down at
+        // start) the relay polls, and tries to subscribe again after each poll.
+        let mut listener = self.listen().await;
+        tracing::info!(schema = %schema, batch = self.config.batch, listening = listener.is_some(), "idem relay started");
+
+        loop {
+            // Step 2: drain. One batch per transaction, as long as they come back full.
+            loop {
+                let batch = self.relay_batch();
+                tokio::pin!(batch);
+                let result = tokio::select! {
+                    // The batch finished first: the usual case.
+                    result = &mut batch => result,
+                    // A shutdown signal while the batch runs: do not abandon it (its rows
+                    // are claimed, maybe applied), finish it, commit, then stop below.
+                    () = &mut shutdown, if !stopping => {
+                        tracing::info!(schema = %schema, "idem relay stopping: finishing the batch in hand");
+                        stopping = true;
+                        batch.await
+                    }
+                };
+                match result {
+                    Ok(done) => {
+                        outage_pause = self.config.poll_interval;
+                        if done.claimed > 0 {
+                            tracing::debug!(
+                                schema = %schema,
+                                claimed = done.claimed,
+                                relayed = done.relayed,
+                                expired = done.expired,
+                                failed = done.failed,
+                                dead = done.dead,
+                                "idem relay batch committed"
+                            );
+                        }
+                        // A short batch means the due rows are drained (or held by other
+                        // relays): go and wait.
+                        if stopping || done.claimed < self.batch_size() {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        // Redis or PostgreSQL unavailable (or PostgreSQL failing outright):
+                        // the batch was rolled back, its rows are untouched. Pause the whole
+                        // worker, doubling up to the cap, instead of burning tries.
+                        self.counters.outages.fetch_add(1, Ordering::Relaxed);
+                        if error.is_retryable() {
+                            tracing::warn!(schema = %schema, %error, pause = ?outage_pause, "idem relay: store unavailable, batch rolled back; backing off");
+                        } else {
+                            tracing::error!(schema = %schema, %error, pause = ?outage_pause, "idem relay: batch failed and rolled back; backing off");
+                        }
+                        if stopping {
+                            break;
+                        }
+                        tokio::select! {
+                            // Shutdown during the pause: nothing is in hand, stop now.
+                            () = &mut shutdown => {
+                                stopping = true;
+                                break;
+                            }
+                            () = sleep(outage_pause) => {}
+                        }
+                        outage_pause = (outage_pause * 2).min(self.config.outage_backoff_cap);
+                        // Keep the gauges moving during an outage (the backlog grows).
+                        self.refresh_gauges(&mut gauges_read).await;
+                    }
+                }
+            }
+
+            // Step 3: a shutdown seen while draining ends the worker, with no batch in hand.
+            if stopping {
+                tracing::info!(schema = %schema, "idem relay stopped");
+                return;
+            }
+
+            // Step 4: idle. Refresh the gauges, then wait for a reason to look again.
+            self.refresh_gauges(&mut gauges_read).await;
+            let poll = sleep(self.config.poll_interval);
+            tokio::pin!(poll);
+            loop {
+                tokio::select! {
+                    // Shutdown wins over work that arrives at the same moment.
+                    biased;
+                    // Shutdown while idle: nothing is in hand, return at once.
+                    () = &mut shutdown => {
+                        tracing::info!(schema = %schema, "idem relay stopped");
+                        return;
+                    }
+                    // A notification: some transaction committed outbox rows. The channel
+                    // is shared by every schema of the database: only ours counts.
+                    woke = recv(&mut listener) => match woke {
+                        Ok(payload) if payload == schema => break,
+                        Ok(_) => continue,
+                        Err(error) => {
+                            // The listening connection failed and could not reconnect:
+                            // drop it and rely on polling until it can be opened again.
+                            tracing::warn!(schema = %schema, %error, "idem relay: LISTEN connection lost; polling");
+                            listener = None;
+                        }
+                    },
+                    // The poll: notifications may have been lost (reconnects), and rows
+                    // waiting for a retry become due without one.
+                    () = &mut poll => {
+                        if listener.is_none() {
+                            listener = self.listen().await;
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims one batch of due rows, applies them to Redis, deletes the applied ones and
+    /// counts a try on the failed ones, in one transaction. Rows held by other relays are
+    /// skipped. [`Relay::run`] calls this in a loop; call it yourself to drain on demand.
+    ///
+    /// # Errors
+    ///
+    /// When Redis or PostgreSQL is unavailable (or PostgreSQL fails): the transaction is
+    /// rolled back and every row is left as it was.
+    pub async fn relay_batch(&self) -> Result<Batch, Error> {
+        let mut tx = self.pg.pool().begin().await.map_err(map_error)?;
+        // 1. Claim: lock up to `batch` due rows, skipping those other relays hold.
+        let rows = sqlx::query(&self.sql.claim)
+            .bind(i64::from(self.config.batch.max(1)))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map_error)?;
+        if rows.is_empty() {
+            // Nothing to do; ending the empty transaction either way is harmless.
+            tx.commit().await.map_err(map_error)?;
+            return Ok(Batch::default());
+        }
+        let claimed: Vec<Claimed> = rows.iter().map(claim).collect();
+
+        // 2. Apply, all rows at once: the calls share Redis's multiplexed connection, so
+        // the batch costs about one round trip. An unavailable Redis fails the whole batch
+        // (the `?` below drops `tx`, which rolls it back).
+        let outcomes = join_all(claimed.iter().map(|row| self.apply(row))).await;
+        let mut done = Vec::new();
+        let mut failed = Vec::new();
+        let mut batch = Batch {
+            claimed: claimed.len(),
+            ..Batch::default()
+        };
+        for (row, outcome) in claimed.iter().zip(outcomes) {
+            match outcome? {
+                Outcome::Done(applied) => {
+                    batch.relayed += 1;
+                    if applied == Applied::Written {
+                        batch.written += 1;
+                    }
+                    done.push(row.id);
+                }
+                Outcome::Expired => {
+                    batch.expired += 1;
+                    done.push(row.id);
+                }
+                Outcome::Failed(error) => {
+                    tracing::warn!(schema = self.pg.schema(), id = row.id, tries = row.tries + 1, %error, "idem relay: outbox row failed");
+                    failed.push((row.id, self.config.backoff(row.tries), error));
+                }
+            }
+        }
+
+        // 3. Delete what is done: one statement.
+        if !done.is_empty() {
+            sqlx::query(&self.sql.delete)
+                .bind(&done)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_error)?;
+        }
+
+        // 4. Count a try on each failed row: back off, remember why, and mark it dead at
+        // the maximum.
+        if !failed.is_empty() {
+            let ids: Vec<i64> = failed.iter().map(|f| f.0).collect();
+            let delays: Vec<i64> = failed
+                .iter()
+                .map(|f| i64::try_from(f.1.as_millis()).unwrap_or(i64::MAX))
+                .collect();
+            let errors: Vec<String> = failed.into_iter().map(|f| f.2).collect();
+            let marked = sqlx::query(&self.sql.fail)
+                .bind(&ids)
+                .bind(&delays)
+                .bind(&errors)
+                .bind(i32::try_from(self.config.max_tries.max(1)).unwrap_or(i32::MAX))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map_error)?;
+            batch.failed = ids.len();
+            for row in &marked {
+                let (id, dead): (i64, bool) = (
+                    row.try_get(0).map_err(map_error)?,
+                    row.try_get(1).map_err(map_error)?,
+                );
+                if dead {
+                    batch.dead += 1;
+                    tracing::error!(schema = self.pg.schema(), id, "idem relay: outbox row is dead after the maximum tries; see `idem-relay dead list`");
+                }
+            }
+        }
+
+        // 5. Commit: the deletions and the tries become visible together. If the commit
+        // fails, the rows come back and are applied again (idempotently).
+        tx.commit().await.map_err(map_error)?;
+        let c = &self.counters;
+        c.relayed.fetch_add(batch.relayed as u64, Ordering::Relaxed);
+        c.expired.fetch_add(batch.expired as u64, Ordering::Relaxed);
+        c.failed.fetch_add(batch.failed as u64, Ordering::Relaxed);
+        c.dead_marked
+            .fetch_add(batch.dead as u64, Ordering::Relaxed);
+        Ok(batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.config.batch.max(1) as usize
+    }
+
+    /// Reads the gauges when they are older than the gauge interval; a failure is logged.
+    async fn refresh_gauges(&self, last: &mut Option<Instant>) {
+        if last.is_some_and(|at| at.elapsed() < self.config.gauge_interval) {
+            return;
+        }
+        *last = Some(Instant::now());
+        match self.observe().await {
+            Ok(m) => tracing::debug!(
+                schema = self.pg.schema(),
+                backlog = m.backlog,
+                dead = m.dead,
+                lag_seconds = m.lag_seconds,
+                "idem relay gauges"
+            ),
+            Err(error) => {
+                tracing::debug!(schema = self.pg.schema(), %error, "idem relay: gauges not read")
+            }
+        }
+    }
+
+    /// A listener subscribed to [`CHANNEL`], or `None` (logged) when PostgreSQL refuses.
+    async fn listen(&self) -> Option<PgListener> {
+        let attempt = async {
+            let mut listener = PgListener::connect_with(self.pg.pool()).await?;
+            listener.listen(CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        match attempt.await {
+            Ok(listener) => Some(listener),
+            Err(error) => {
+                tracing::warn!(schema = self.pg.schema(), %error, "idem relay: cannot LISTEN; polling only");
+                None
+            }
+        }
+    }
+
+    /// Applies one claimed row. `Err` only when Redis is unavailable (the batch must roll
+    /// back); every other failure is the row's own.
+    async fn apply(&self, row: &Claimed) -> Result<Outcome, Error> {
+        let entry = match &row.entry {
+            None => return Ok(Outcome::Expired),
+            Some(Err(e)) => return Ok(Outcome::Failed(e.to_string())),
+            Some(Ok(entry)) => entry,
+        };
+        let applied = self
+            .redis
+            .apply_completion(
+                &entry.record,
+                Some((&entry.fingerprint, entry.attempt)),
+                entry.token,
+                &entry.completion,
+                entry.ttl,
+            )
+            .await;
+        match applied {
+            // Given the identity, the script never answers Absent; if it does, the row is
+            // not relayed and must not be deleted.
+            Ok(Applied::Absent) => Ok(Outcome::Failed(
+                "Redis answered absent to an application with the record's identity".into(),
+            )),
+            Ok(applied) => Ok(Outcome::Done(applied)),
+            Err(e) if e.is_retryable() => Err(e),
+            Err(e) => Ok(Outcome::Failed(e.to_string())),
+        }
+    }
+}
+
+/// Waits for the next notification's payload; never resolves without a listener.
+async fn recv(listener: &mut Option<PgListener>) -> Result<String, sqlx::Error> {
+    match listener {
+        Some(l) => l.recv().await.map(|n| n.payload().to_owned()),
+        None => std::future::pending().await,
+    }
+}
+
+/// Reads a claimed row. Never fails: a row that does not decode carries its error, to be
+/// counted as a failed try like any other failure of the row.
+fn claim(row: &PgRow) -> Claimed {
+    let id: i64 = row.try_get("id").unwrap_or(0);
+    let tries: i32 = row.try_get("tries").unwrap_or(0);
+    let ttl_ms: Option<i64> = row.try_get("ttl_ms").unwrap_or(None);
+    let entry = match ttl_ms {
+        Some(ms) if ms <= 0 => None,
+        _ => Some(decode(row, ttl_ms)),
+    };
+    Claimed {
+        id,
+        tries: u32::try_from(tries).unwrap_or(0),
+        entry,
+    }
+}
+
+fn decode(row: &PgRow, ttl_ms: Option<i64>) -> Result<Entry, Error> {
+    let corrupt = |what: String| Error::corrupt(crate::STORE, what);
+    let sql = |e: sqlx::Error| corrupt(format!("outbox row: {e}"));
+    let scope: Vec<u8> = row.try_get("scope").map_err(sql)?;
+    let scope = String::from_utf8(scope)
+        .map_err(|_| corrupt("outbox row: the scope is not UTF-8".into()))
+        .and_then(|s| Scope::new(s).map_err(|e| corrupt(format!("outbox row: scope: {e}"))))?;
+    let key: String = row.try_get("key").map_err(sql)?;
+    let key = Key::new(key).map_err(|e| corrupt(format!("outbox row: key: {e}")))?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(sql)?;
+    let fingerprint: [u8; 32] = fingerprint
+        .try_into()
+        .map_err(|_| corrupt("outbox row: the fingerprint is not 32 bytes".into()))?;
+    let token: uuid::Uuid = row.try_get("token").map_err(sql)?;
+    let attempt: i32 = row.try_get("attempt").map_err(sql)?;
+    let attempt = u32::try_from(attempt)
+        .ok()
+        .filter(|a| *a >= 1)
+        .ok_or_else(|| corrupt(format!("outbox row: attempt {attempt}")))?;
+    let meta: Vec<u8> = row.try_get("meta").map_err(sql)?;
+    let body: Vec<u8> = row.try_get("body").map_err(sql)?;
+    let completion =
+        decode_meta(&meta, Bytes::from(body)).map_err(|e| corrupt(format!("outbox row: {e}")))?;
+    let ttl_ms = ttl_ms.ok_or_else(|| corrupt("outbox row: no expiry".into()))?;
+    Ok(Entry {
+        record: RecordId::new(scope, key),
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        token: FencingToken::from_uuid(token),
+        attempt,
+        completion,
+        ttl: Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(1)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let config = RelayConfig {
+            backoff_base: Duration::from_millis(100),
+            backoff_cap: Duration::from_secs(1),
+            ..RelayConfig::default()
+        };
+        assert_eq!(config.backoff(0), Duration::from_millis(100));
+        assert_eq!(config.backoff(1), Duration::from_millis(200));
+        assert_eq!(config.backoff(3), Duration::from_millis(800));
+        assert_eq!(config.backoff(4), Duration::from_secs(1));
+        assert_eq!(config.backoff(u32::MAX), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn prometheus_text_names_every_metric() {
+        let metrics = RelayMetrics {
+            relayed_total: 7,
+            backlog: 3,
+            lag_seconds: 1.5,
+            ..RelayMetrics::default()
+        };
+        let text = metrics.to_prometheus("app\"x");
+        assert!(text.contains("idem_relay_relayed_total{schema=\"app\\\"x\"} 7\n"));
+        assert!(text.contains("idem_relay_backlog{schema=\"app\\\"x\"} 3\n"));
+        assert!(text.contains("idem_relay_lag_seconds{schema=\"app\\\"x\"} 1.5\n"));
+        for name in ["failed_total", "dead", "expired_total", "outages_total"] {
+            assert!(
+                text.contains(&format!("# TYPE idem_relay_{name} ")),
+                "{name}"
+            );
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! [`TieredStore`]: Redis first, PostgreSQL as the arbiter.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{
+    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Scope, Stats, Store,
+};
+use idem_postgres::{map_error, PgStore};
+use idem_redis::{Applied, RedisStore};
+use sqlx::PgConnection;
+use tokio::time::Instant;
+
+/// The name in errors and metrics.
+pub const STORE: &str = "tiered";
+
+/// The notification channel the relays listen on; the payload is the schema's name.
+pub const CHANNEL: &str = "idem_outbox";
+
+/// A [`Store`] with Redis as the fast path and PostgreSQL as the source of truth.
+///
+/// - `begin` asks Redis first. A replay, an in-flight answer or a mismatch from Redis is the
+///   answer (one Redis round trip). When Redis grants the lease, PostgreSQL is asked too,
+///   with the same token, and its answer wins: a completion committed there (which Redis
+///   may have lost to a flush, a failover or eviction) is replayed and written back into
+///   Redis, and a lease held there by another worker is in flight. When Redis is
+///   unavailable, PostgreSQL alone answers.
+/// - `complete` ([`TieredStore::complete_in`] inside the business transaction) writes the
+///   completed record and an outbox row in one PostgreSQL transaction; after the commit the
+///   completion is written into Redis at once ([`TieredStore::publish`]), and in any case by
+///   the relay ([`crate::Relay`]), at least once.
+/// - `release` and `extend` act on PostgreSQL (whose answer counts) and then on Redis.
+///
+/// See the [crate docs](crate) for the exact guarantee and its cost.
+#[derive(Debug, Clone)]
+pub struct TieredStore {
+    redis: RedisStore,
+    pg: PgStore,
+}
+
+impl TieredStore {
+    /// Tiers `redis` over `pg`. Run `pg.migrate()` once first: it creates the outbox table
+    /// too.
+    pub fn new(redis: RedisStore, pg: PgStore) -> Self {
+        Self { redis, pg }
+    }
+
+    /// The Redis tier.
+    pub fn redis(&self) -> &RedisStore {
+        &self.redis
+    }
+
+    /// The PostgreSQL tier, the arbiter.
+    pub fn pg(&self) -> &PgStore {
+        &self.pg
+    }
+
+    /// Completes the lease inside the caller's business transaction (pass `&mut *tx`): the
+    /// completed record and its outbox row commit, or roll back, with the business writes.
+    /// After the commit, call [`TieredStore::publish`] to copy the completion into Redis at
+    /// once (the relay does it otherwise).
+    ///
+    /// If this returns an error, roll the transaction back: with [`Error::LeaseLost`] another
+    /// worker took the key over (or already completed it), and committing the business
+    /// writes would do the work twice.
+    ///
+    /// # Errors
+    ///
+    /// As [`PgStore::complete_in`]; store errors from writing the outbox row.
+    pub async fn complete_in(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        completion: &Completion,
+        retention: Duration,
+    ) -> Result<(), Error> {
+        self.pg
+            .complete_in(conn, lease, completion, retention)
+            .await?;
+        let schema = self.pg.quoted_schema();
+        // The row copies the completed record this transaction just wrote (it sees its own
+        // write), so the body is not encoded twice and the expiry is the database's.
+        let sql = format!(
+            "INSERT INTO {schema}.outbox \
+                 (scope, key, fingerprint, token, attempt, meta, body, expires_at) \
+             SELECT r.scope, r.key, r.fingerprint, $3, r.attempt, r.meta, r.body, r.expires_at \
+             FROM {schema}.records AS r, (SELECT pg_notify($4, $5)) AS wake \
+             WHERE r.scope = $1 AND r.key = $2 AND r.token IS NULL"
+        );
+        let id = lease.id();
+        let done = sqlx::query(&sql)
+            .bind(id.scope().as_str().as_bytes())
+            .bind(id.key().as_str())
+            .bind(lease.token().as_uuid())
+            .bind(CHANNEL)
+            .bind(self.pg.schema())
+            .execute(conn)
+            .await
+            .map_err(map_error)?;
+        if done.rows_affected() != 1 {
+            // complete_in just wrote the record in this transaction: not finding it means
+            // the schema is not what this code expects.
+            return Err(Error::backend(
+                STORE,
+                format!(
+                    "the outbox row for {id} was not written ({} rows)",
+                    done.rows_affected()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Copies a committed completion into Redis now, so retries are answered there without
+    /// waiting for the relay. Call it after the transaction of
+    /// [`TieredStore::complete_in`] committed (never before: Redis must only ever hold
+    /// completions that PostgreSQL has). A failure here loses nothing: the relay applies the
+    /// outbox row.
+    ///
+    /// # Errors
+    ///
+    /// Redis errors.
+    pub async fn publish(
+        &self,
+        lease: &Lease,
+        completion: &Completion,
+        retention: Duration,
+    ) -> Result<Applied, Error> {
+        self.apply(lease.id(), lease, completion, retention).await
+    }
+
+    /// Writes a committed completion into Redis over `lease`'s in-progress record there, or
+    /// into an absent key.
+    async fn apply(
+        &self,
+        id: &RecordId,
+        lease: &Lease,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<Applied, Error> {
+        // The common case: Redis still holds the lease, whose record supplies the
+        // fingerprint and attempt: one Redis round trip.
+        let applied = self
+            .redis
+            .apply_completion(id, None, lease.token(), completion, ttl)
+            .await?;
+        if applied != Applied::Absent {
+            return Ok(applied);
+        }
+        // Redis lost the lease: take the identity and the time left from the arbiter.
+        let Some(record) = self.pg.get(id).await? else {
+            return Ok(Applied::Absent);
+        };
+        self.redis
+            .apply_completion(
+                id,
+                Some((&record.fingerprint, record.attempt)),
+                lease.token(),
+                completion,
+                record.expires_in,
+            )
+            .await
+    }
+
+    /// PostgreSQL's answer to a `begin` that Redis granted.
+    async fn arbitrate(&self, req: &BeginRequest<'_>, redis_lease: Lease) -> Result<Begin, Error> {
+        let answer = match self.pg.begin(req.clone()).await {
+            Ok(answer) => answer,
+            Err(e) => {
+                // Without the arbiter nothing may run: give the Redis lease back.
+                let _ = self.redis.release(&redis_lease).await;
+                return Err(e);
+            }
+        };
+        match answer {
+            Begin::Acquired(pg_lease) | Begin::TookOver(pg_lease) => {
+                // The same token holds both leases; the earlier local deadline (Redis's,
+                // asked first) is the one to heed. The attempt is the arbiter's.
+                let attempt = pg_lease.attempt();
+                let lease = Lease::new(
+                    req.id.clone(),
+                    req.token,
+                    attempt,
+                    redis_lease.remaining().min(pg_lease.remaining()),
+                    Instant::now(),
+                );
+                Ok(if attempt == 1 {
+                    Begin::Acquired(lease)
+                } else {
+                    Begin::TookOver(lease)
+                })
+            }
+            Begin::Replay(replay) => {
+                // Redis had lost the completion: write it back, fenced by our Redis lease.
+                self.repair(&redis_lease, &replay).await;
+                Ok(Begin::Replay(replay))
+            }
+            other @ (Begin::InFlight { .. } | Begin::Mismatch) => {
+                // Another worker holds the key in PostgreSQL (Redis lost its lease), or the
+                // key belongs to another request: our Redis lease must not linger.
+                let _ = self.redis.release(&redis_lease).await;
+                Ok(other)
+            }
+        }
+    }
+
+    async fn repair(&self, redis_lease: &Lease, replay: &Replay) {
+        let id = redis_lease.id();
+        let result = self
+            .apply(id, redis_lease, &replay.completion, replay.expires_in)
+            .await;
+        if let Err(e) = result {
+            tracing::warn!(%id, error = %e, "could not write a replayed completion back into Redis");
+        }
+    }
+}
+
+#[async_trait]
+impl Store for TieredStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+        match self.redis.begin(req.clone()).await {
+            Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => {
+                self.arbitrate(&req, lease).await
+            }
+            Ok(answer) => Ok(answer),
+            Err(e) if e.is_retryable() => {
+                // Redis is down: the arbiter alone still keeps every guarantee.
+                tracing::warn!(error = %e, "Redis unavailable: begin answered by PostgreSQL alone");
+                self.pg.begin(req).await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        completion: &Completion,
+        retention: Duration,
+    ) -> Result<(), Error> {
+        let mut tx = self.pg.pool().begin().await.map_err(map_error)?;
+        self.complete_in(&mut tx, lease, completion, retention)
+            .await?;
+        tx.commit().await.map_err(map_error)?;
+        if let Err(e) = self.publish(lease, completion, retention).await {
+            tracing::debug!(id = %lease.id(), error = %e, "completion left to the relay");
+        }
+        Ok(())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+        self.pg.release(lease).await?;
+        if let Err(e) = self.redis.release(lease).await {
+            // The Redis lease expires on its own; until then retries see in flight.
+            tracing::debug!(id = %lease.id(), error = %e, "Redis lease not released");
+        }
+        Ok(())
+    }
+
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+        let renewed = self.pg.extend(lease, by).await?;
+        if let Err(e) = self.redis.extend(lease, by).await {
+            tracing::debug!(id = %lease.id(), error = %e, "Redis lease not extended");
+        }
+        Ok(renewed)
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        self.pg.get(id).await
+    }
+
+    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+        let in_pg = self.pg.evict(id).await?;
+        let in_redis = self.redis.evict(id).await?;
+        Ok(in_pg || in_redis)
+    }
+
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        self.pg.stats(scope, stuck_after).await
+    }
+}

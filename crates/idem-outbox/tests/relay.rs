@@ -1,0 +1,772 @@
+//! The relay worker against real PostgreSQL and Redis: a relay process killed with
+//! `kill -9` mid-stream, a Redis outage while completions keep committing, four relays at
+//! once, dead letters, clean shutdown, and the binary's metrics endpoint and SIGTERM.
+//!
+//! Needs `IDEM_TEST_DATABASE_URL` and `IDEM_TEST_REDIS_URL` (see `idem_testkit::harness`);
+//! the outage test starts its own `redis-server`. Every test works in a PostgreSQL schema of
+//! its own (`idem_t_<unix seconds>_<random>`, swept by the PostgreSQL tests after an hour)
+//! and a Redis key prefix of its own.
+
+mod relay {
+    use std::process::Stdio;
+    use std::sync::Arc;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use idem_core::{
+        Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, Lease, RecordId,
+        RecordState, Response, Scope, Store,
+    };
+    use idem_outbox::{Relay, RelayConfig, TieredStore};
+    use idem_postgres::PgStore;
+    use idem_redis::testing::RedisServer;
+    use idem_redis::{RedisConfig, RedisStore};
+    use idem_testkit::harness;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::process::{Child, Command};
+    use tokio::sync::watch;
+    use tokio::time::{sleep, timeout, Instant};
+
+    const LEASE: Duration = Duration::from_secs(60);
+    const KEEP: Duration = Duration::from_secs(600);
+    /// The longest any test waits for the relay to catch up: generous for a loaded 2-core
+    /// machine; the tests never assert speed.
+    const PATIENCE: Duration = Duration::from_secs(30);
+
+    // --- harness -------------------------------------------------------------------------------
+
+    struct Env {
+        pg: PgStore,
+        redis: RedisStore,
+        tiered: TieredStore,
+        db_url: String,
+        redis_url: String,
+        prefix: String,
+        scope: Scope,
+    }
+
+    fn schema_name() -> String {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let random = uuid::Uuid::new_v4().simple().to_string();
+        format!("idem_t_{secs}_{}", &random[..12])
+    }
+
+    async fn pg_store(url: &str) -> PgStore {
+        let pool = PgStore::pool_options()
+            .max_connections(20)
+            .acquire_timeout(Duration::from_secs(15))
+            .connect(url)
+            .await
+            .expect("connect to IDEM_TEST_DATABASE_URL");
+        let store = PgStore::new(pool)
+            .with_schema(&schema_name())
+            .expect("a valid schema name");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    async fn redis_store(url: &str, prefix: &str) -> RedisStore {
+        RedisStore::builder(url)
+            .with_config(RedisConfig {
+                // No reconnection attempts inside a call: with Redis down (the outage test),
+                // every call fails at once instead of after a few paced retries.
+                reconnect_retries: 0,
+                ..RedisConfig::default()
+            })
+            .with_prefix(prefix)
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(10))
+            .with_call_timeout(Duration::from_secs(15))
+            .connect()
+            .await
+            .expect("connect to Redis")
+    }
+
+    /// PostgreSQL from the harness, Redis at `redis_url` (the harness's when `None`), a fresh
+    /// schema, prefix and scope. `None` when a backend is missing and not required.
+    async fn env(redis_url: Option<String>) -> Option<Env> {
+        let db_url = harness::database_url()?;
+        let redis_url = match redis_url {
+            Some(url) => url,
+            None => harness::redis_url()?,
+        };
+        let prefix = format!("idem-relay-test-{}:", uuid::Uuid::new_v4().simple());
+        let pg = pg_store(&db_url).await;
+        let redis = redis_store(&redis_url, &prefix).await;
+        Some(Env {
+            tiered: TieredStore::new(redis.clone(), pg.clone()),
+            pg,
+            redis,
+            db_url,
+            redis_url,
+            prefix,
+            scope: Scope::new(format!("relay-{}", uuid::Uuid::new_v4().simple())).expect("scope"),
+        })
+    }
+
+    impl Env {
+        fn relay(&self, config: RelayConfig) -> Relay {
+            Relay::new(self.pg.clone(), self.redis.clone()).with_config(config)
+        }
+
+        fn id(&self, i: usize) -> RecordId {
+            RecordId::new(self.scope.clone(), Key::new(format!("k{i}")).expect("key"))
+        }
+
+        /// Begins key `i` through the tiered store (Redis and PostgreSQL grant the lease).
+        async fn begin(&self, i: usize) -> Lease {
+            let id = self.id(i);
+            let req = BeginRequest {
+                id: &id,
+                fingerprint: fingerprint(i),
+                token: FencingToken::random(),
+                lease: LEASE,
+                retention: KEEP,
+            };
+            match self.tiered.begin(req).await.expect("begin") {
+                Begin::Acquired(lease) => lease,
+                other => panic!("key {i}: expected a fresh lease, got {other:?}"),
+            }
+        }
+
+        /// Commits key `i`'s completion in a business transaction and does not publish it: the
+        /// relay is the only way it reaches Redis.
+        async fn commit_unpublished(&self, i: usize) {
+            let lease = self.begin(i).await;
+            let mut tx = self.pg.pool().begin().await.expect("transaction");
+            self.tiered
+                .complete_in(&mut tx, &lease, &completion(i), KEEP)
+                .await
+                .expect("complete_in");
+            tx.commit().await.expect("commit");
+        }
+
+        /// Commits keys `range` with `tasks` concurrent writers.
+        async fn commit_many(self: &Arc<Self>, range: std::ops::Range<usize>, tasks: usize) {
+            let mut handles = Vec::new();
+            for t in 0..tasks {
+                let env = self.clone();
+                let range = range.clone();
+                handles.push(tokio::spawn(async move {
+                    for i in range.skip(t).step_by(tasks) {
+                        env.commit_unpublished(i).await;
+                    }
+                }));
+            }
+            for h in handles {
+                h.await.expect("writer task");
+            }
+        }
+
+        async fn outbox_rows(&self) -> i64 {
+            sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM {}.outbox",
+                self.pg.quoted_schema()
+            ))
+            .fetch_one(self.pg.pool())
+            .await
+            .expect("count outbox rows")
+        }
+
+        async fn wait_outbox_empty(&self) {
+            let started = Instant::now();
+            loop {
+                let left = self.outbox_rows().await;
+                if left == 0 {
+                    return;
+                }
+                assert!(
+                    started.elapsed() < PATIENCE,
+                    "{left} outbox rows still there after {PATIENCE:?}"
+                );
+                sleep(Duration::from_millis(50)).await;
+            }
+        }
+
+        /// Asserts that Redis holds key `i` completed with its own completion.
+        async fn assert_in_redis(&self, i: usize) {
+            let record = self
+                .redis
+                .get(&self.id(i))
+                .await
+                .expect("Redis get")
+                .unwrap_or_else(|| panic!("key {i} is not in Redis"));
+            match record.state {
+                RecordState::Completed(c) => assert_eq!(c, completion(i), "key {i}"),
+                other => panic!("key {i} is not completed in Redis: {other:?}"),
+            }
+        }
+
+        async fn drop_schema(&self) {
+            let _ = sqlx::query(&format!(
+                "DROP SCHEMA IF EXISTS {} CASCADE",
+                self.pg.quoted_schema()
+            ))
+            .execute(self.pg.pool())
+            .await;
+        }
+
+        /// `idem-relay run` on this environment, standard output piped.
+        fn spawn_relay_process(&self, extra: &[&str]) -> Child {
+            Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+                .arg("run")
+                .args(["--database-url", &self.db_url])
+                .args(["--schema", self.pg.schema()])
+                .args(["--redis-url", &self.redis_url])
+                .args(["--redis-prefix", &self.prefix])
+                .args(["--log", "warn"])
+                .args(extra)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("start idem-relay")
+        }
+    }
+
+    fn fingerprint(i: usize) -> Fingerprint {
+        Fingerprint::of_bytes(format!("request {i}").as_bytes())
+    }
+
+    fn completion(i: usize) -> Completion {
+        Completion::succeeded(
+            Response::new(201, format!("payment {i}")).with_header("x-request", i.to_string()),
+        )
+    }
+
+    fn fast() -> RelayConfig {
+        RelayConfig {
+            poll_interval: Duration::from_millis(50),
+            outage_backoff_cap: Duration::from_millis(500),
+            gauge_interval: Duration::from_millis(100),
+            ..RelayConfig::default()
+        }
+    }
+
+    async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+        timeout(PATIENCE, child.wait())
+            .await
+            .expect("idem-relay exits in time")
+            .expect("wait for idem-relay")
+    }
+
+    fn sigterm(child: &Child) {
+        let pid = child.id().expect("idem-relay still running");
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {pid}");
+    }
+
+    // --- tests ---------------------------------------------------------------------------------
+
+    /// `kill -9` of a relay process while it drains a backlog in small batches, then a new
+    /// process: every committed completion reaches Redis, and the outbox empties.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn relay_process_killed_mid_stream_loses_nothing() {
+        let Some(env) = env(None).await else { return };
+        let env = Arc::new(env);
+        const ROWS: usize = 1200;
+        env.commit_many(0..ROWS, 8).await;
+        assert_eq!(env.outbox_rows().await, ROWS as i64);
+
+        let mut first = env.spawn_relay_process(&["--batch", "10", "--poll-ms", "50"]);
+        // Kill it once it has relayed a few batches, while most of the backlog is left.
+        let started = Instant::now();
+        let left = loop {
+            let left = env.outbox_rows().await;
+            if left <= (ROWS - 30) as i64 {
+                break left;
+            }
+            assert!(started.elapsed() < PATIENCE, "the relay never started");
+            sleep(Duration::from_millis(2)).await;
+        };
+        first.start_kill().expect("kill -9 the relay");
+        let status = wait_exit(&mut first).await;
+        assert!(!status.success(), "killed, not exited: {status:?}");
+        let left_at_kill = env.outbox_rows().await;
+        assert!(
+            left_at_kill > 0,
+            "the relay finished before the kill ({left} left when it was sent): nothing was tested"
+        );
+
+        // A new process takes over and drains what is left, including any batch the dead one
+        // had claimed (its transaction died with its connection).
+        let mut second = env.spawn_relay_process(&["--batch", "100", "--poll-ms", "50"]);
+        env.wait_outbox_empty().await;
+        sigterm(&second);
+        assert!(wait_exit(&mut second).await.success());
+
+        for i in 0..ROWS {
+            env.assert_in_redis(i).await;
+        }
+        env.drop_schema().await;
+    }
+
+    /// Redis stopped while completions keep committing: they commit in PostgreSQL alone, the
+    /// backlog grows and nothing goes dead; Redis back (empty), the relay drains the backlog
+    /// into it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis_outage_grows_the_backlog_then_drains() {
+        if harness::database_url().is_none() {
+            return;
+        }
+        if !idem_redis::testing::binaries_available() {
+            assert!(
+                !harness::backends_required(),
+                "IDEM_TEST_REQUIRE_BACKENDS=1 and redis-server/redis-cli are not on PATH"
+            );
+            eprintln!("skipping: the outage test starts its own redis-server, not on PATH");
+            return;
+        }
+        let mut server = RedisServer::start().expect("start a throwaway redis-server");
+        let Some(env) = env(Some(server.url())).await else {
+            return;
+        };
+        let relay = env.relay(fast());
+        let (stop, stopped) = watch::channel(false);
+        let worker = {
+            let relay = relay.clone();
+            let mut stopped = stopped.clone();
+            tokio::spawn(async move {
+                relay
+                    .run(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+            })
+        };
+
+        // Redis up: published at once, and relayed (found completed) soon after.
+        for i in 0..10 {
+            let lease = env.begin(i).await;
+            env.tiered
+                .complete(&lease, &completion(i), KEEP)
+                .await
+                .expect("complete");
+        }
+        env.wait_outbox_empty().await;
+
+        // Redis down: begin and complete are answered by PostgreSQL; publishing fails quietly.
+        server.stop();
+        const DOWN: std::ops::Range<usize> = 10..50;
+        for i in DOWN {
+            let lease = env.begin(i).await;
+            env.tiered
+                .complete(&lease, &completion(i), KEEP)
+                .await
+                .expect("complete with Redis down");
+        }
+        // The relay keeps failing whole batches (outages), never single rows.
+        let started = Instant::now();
+        while relay.metrics().outages_total < 2 {
+            assert!(started.elapsed() < PATIENCE, "no outage seen by the relay");
+            sleep(Duration::from_millis(50)).await;
+        }
+        let during = relay.observe().await.expect("observe");
+        assert_eq!(during.backlog, DOWN.len() as u64, "{during:?}");
+        assert!(during.lag_seconds > 0.0, "{during:?}");
+        assert_eq!(during.dead, 0, "{during:?}");
+        assert_eq!(during.failed_total, 0, "{during:?}");
+
+        // Redis back, empty: the backlog drains into it.
+        server.start_again().expect("restart redis-server");
+        env.wait_outbox_empty().await;
+        for i in DOWN {
+            env.assert_in_redis(i).await;
+        }
+        let after = relay.observe().await.expect("observe");
+        assert_eq!((after.backlog, after.dead, after.failed_total), (0, 0, 0));
+        assert!(after.relayed_total >= 10 + DOWN.len() as u64, "{after:?}");
+        // And a retry of one of them is a replay, answered by Redis now.
+        let id = env.id(DOWN.start);
+        let req = BeginRequest {
+            id: &id,
+            fingerprint: fingerprint(DOWN.start),
+            token: FencingToken::random(),
+            lease: LEASE,
+            retention: KEEP,
+        };
+        match env.redis.begin(req).await.expect("begin on Redis") {
+            Begin::Replay(replay) => assert_eq!(replay.completion, completion(DOWN.start)),
+            other => panic!("expected a replay from Redis, got {other:?}"),
+        }
+
+        stop.send(true).expect("relay still running");
+        timeout(PATIENCE, worker)
+            .await
+            .expect("the relay stops")
+            .expect("relay task");
+        env.drop_schema().await;
+    }
+
+    /// Four relays drain one outbox while completions commit: every row is relayed and
+    /// deleted exactly once between them, and Redis ends with every completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn four_relays_share_the_outbox() {
+        let Some(env) = env(None).await else { return };
+        let env = Arc::new(env);
+        let (stop, stopped) = watch::channel(false);
+        let relays: Vec<Relay> = (0..4)
+            .map(|_| {
+                env.relay(RelayConfig {
+                    batch: 25,
+                    ..fast()
+                })
+            })
+            .collect();
+        let workers: Vec<_> = relays
+            .iter()
+            .map(|relay| {
+                let relay = relay.clone();
+                let mut stopped = stopped.clone();
+                tokio::spawn(async move {
+                    relay
+                        .run(async move {
+                            let _ = stopped.wait_for(|s| *s).await;
+                        })
+                        .await
+                })
+            })
+            .collect();
+
+        const ROWS: usize = 600;
+        env.commit_many(0..ROWS, 8).await;
+        env.wait_outbox_empty().await;
+        stop.send(true).expect("relays still running");
+        for w in workers {
+            timeout(PATIENCE, w)
+                .await
+                .expect("a relay stops")
+                .expect("relay task");
+        }
+
+        // Each row was deleted by exactly one committed batch.
+        let relayed: u64 = relays.iter().map(|r| r.metrics().relayed_total).sum();
+        assert_eq!(relayed, ROWS as u64);
+        assert!(relays.iter().all(|r| r.metrics().failed_total == 0));
+        for i in 0..ROWS {
+            env.assert_in_redis(i).await;
+        }
+        env.drop_schema().await;
+    }
+
+    /// A row that cannot be applied does not hold up the rest, goes dead after the maximum
+    /// tries with its error, is listed (by the API and by `idem-relay dead list`), and a retry
+    /// makes it pending again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_row_that_keeps_failing_goes_dead_and_can_be_retried() {
+        let Some(env) = env(None).await else { return };
+        let schema = env.pg.quoted_schema().to_owned();
+        // A good row, and a row whose metadata is not a completion's.
+        env.commit_unpublished(1).await;
+        let bad: i64 = sqlx::query_scalar(&format!(
+            "INSERT INTO {schema}.outbox \
+             (scope, key, fingerprint, token, attempt, meta, body, expires_at) \
+         VALUES ($1, 'broken', $2, $3, 1, '\\xff'::bytea, '', now() + interval '1 hour') \
+         RETURNING id"
+        ))
+        .bind(env.scope.as_str().as_bytes())
+        .bind(vec![0u8; 32])
+        .bind(uuid::Uuid::new_v4())
+        .fetch_one(env.pg.pool())
+        .await
+        .expect("insert a corrupt row");
+
+        let relay = env.relay(RelayConfig {
+            max_tries: 3,
+            backoff_base: Duration::from_millis(20),
+            backoff_cap: Duration::from_millis(40),
+            ..fast()
+        });
+        let first = relay.relay_batch().await.expect("batch");
+        assert_eq!((first.claimed, first.relayed, first.failed), (2, 1, 1));
+        env.assert_in_redis(1).await;
+
+        // Two more failed tries (after their backoff): dead.
+        let mut tries = 1;
+        let started = Instant::now();
+        while tries < 3 {
+            assert!(started.elapsed() < PATIENCE, "the row was not retried");
+            sleep(Duration::from_millis(30)).await;
+            let batch = relay.relay_batch().await.expect("batch");
+            tries += batch.failed;
+            if tries == 3 {
+                assert_eq!(batch.dead, 1);
+            } else {
+                assert_eq!(batch.dead, 0);
+            }
+        }
+        // Dead rows are not claimed any more.
+        sleep(Duration::from_millis(60)).await;
+        assert_eq!(relay.relay_batch().await.expect("batch").claimed, 0);
+        let metrics = relay.observe().await.expect("observe");
+        assert_eq!((metrics.dead, metrics.backlog), (1, 0), "{metrics:?}");
+        assert_eq!(metrics.failed_total, 3);
+
+        let dead = relay.outbox().dead_entries(10).await.expect("dead entries");
+        assert_eq!(dead.len(), 1);
+        assert_eq!(
+            (dead[0].id, dead[0].key.as_str(), dead[0].tries),
+            (bad, "broken", 3)
+        );
+        let error = dead[0].last_error.as_deref().unwrap_or_default();
+        assert!(error.contains("corrupt"), "last error: {error}");
+
+        // The binary lists it too.
+        let out = Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+            .args(["dead", "list", "--json", "--database-url", &env.db_url])
+            .args(["--schema", env.pg.schema()])
+            .output()
+            .await
+            .expect("run idem-relay dead list");
+        assert!(out.status.success(), "{out:?}");
+        let line: serde_json::Value =
+            serde_json::from_slice(out.stdout.trim_ascii()).expect("one JSON line");
+        assert_eq!(line["id"], bad);
+        assert_eq!(line["tries"], 3);
+
+        // Retried by id through the binary: pending again, tries reset, claimed again.
+        let out = Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+            .args(["dead", "retry", "--id", &bad.to_string()])
+            .args(["--database-url", &env.db_url, "--schema", env.pg.schema()])
+            .output()
+            .await
+            .expect("run idem-relay dead retry");
+        assert!(out.status.success(), "{out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with("1 "),
+            "{out:?}"
+        );
+        assert!(relay
+            .outbox()
+            .dead_entries(10)
+            .await
+            .expect("dead")
+            .is_empty());
+        let again = relay.relay_batch().await.expect("batch");
+        assert_eq!((again.claimed, again.failed, again.dead), (1, 1, 0));
+
+        // Bad input: exit code 2 and a message.
+        let out = Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+            .args(["dead", "list", "--database-url", "mysql://nope"])
+            .output()
+            .await
+            .expect("run idem-relay");
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("postgres://"));
+        env.drop_schema().await;
+    }
+
+    /// A shutdown signal while the relay drains: `run` returns; every row it counted as
+    /// relayed is gone and every row left is untouched (no half-done batch).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn shutdown_finishes_the_batch_and_returns() {
+        let Some(env) = env(None).await else { return };
+        let env = Arc::new(env);
+        const ROWS: usize = 800;
+        env.commit_many(0..ROWS, 8).await;
+        let relay = env.relay(RelayConfig {
+            batch: 10,
+            ..fast()
+        });
+        let (stop, mut stopped) = watch::channel(false);
+        let worker = {
+            let relay = relay.clone();
+            tokio::spawn(async move {
+                relay
+                    .run(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+            })
+        };
+        let started = Instant::now();
+        while relay.metrics().relayed_total < 30 {
+            assert!(started.elapsed() < PATIENCE, "the relay never started");
+            sleep(Duration::from_millis(1)).await;
+        }
+        stop.send(true).expect("relay running");
+        timeout(PATIENCE, worker)
+            .await
+            .expect("run returns after the signal")
+            .expect("relay task");
+
+        let relayed = relay.metrics().relayed_total;
+        let left = env.outbox_rows().await;
+        assert!(
+            left > 0,
+            "drained everything before the signal: nothing was tested"
+        );
+        assert_eq!(relayed + left as u64, ROWS as u64);
+        let touched: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {}.outbox WHERE tries > 0 OR dead",
+            env.pg.quoted_schema()
+        ))
+        .fetch_one(env.pg.pool())
+        .await
+        .expect("count");
+        assert_eq!(touched, 0);
+        // Nothing holds the remaining rows: a new batch claims them at once.
+        let next = relay.relay_batch().await.expect("batch");
+        assert_eq!(next.claimed, 10);
+        env.drop_schema().await;
+    }
+
+    /// A shutdown signal while a batch is in hand (claimed, its Redis calls held up by
+    /// `CLIENT PAUSE`): `run` does not abandon it but waits for Redis, applies and commits
+    /// the batch, then returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn shutdown_mid_batch_commits_the_batch_in_hand() {
+        if harness::database_url().is_none() {
+            return;
+        }
+        if !idem_redis::testing::binaries_available() {
+            assert!(
+                !harness::backends_required(),
+                "IDEM_TEST_REQUIRE_BACKENDS=1 and redis-server/redis-cli are not on PATH"
+            );
+            eprintln!("skipping: this test starts its own redis-server, not on PATH");
+            return;
+        }
+        let server = RedisServer::start().expect("start a throwaway redis-server");
+        let Some(env) = env(Some(server.url())).await else {
+            return;
+        };
+        const ROWS: usize = 20;
+        for i in 0..ROWS {
+            env.commit_unpublished(i).await;
+        }
+        let relay = env.relay(fast());
+        // Warm the relay's Redis connection up (and its eviction-policy check): an empty
+        // batch does not touch Redis, so ask for a record.
+        env.redis.get(&env.id(0)).await.expect("Redis answers");
+        // Writes (scripts included) from every client wait for 3 s from now.
+        server
+            .cli(&["client", "pause", "3000", "WRITE"])
+            .expect("CLIENT PAUSE");
+        let (stop, mut stopped) = watch::channel(false);
+        let worker = {
+            let relay = relay.clone();
+            tokio::spawn(async move {
+                relay
+                    .run(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+            })
+        };
+        // Wait until the relay holds every row: a batch is in hand, stuck on Redis.
+        let schema = env.pg.quoted_schema().to_owned();
+        let started = Instant::now();
+        loop {
+            let mut tx = env.pg.pool().begin().await.expect("transaction");
+            let free: i64 = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM (SELECT id FROM {schema}.outbox FOR UPDATE SKIP LOCKED) AS f"
+            ))
+            .fetch_one(&mut *tx)
+            .await
+            .expect("count unlocked rows");
+            tx.rollback().await.expect("rollback");
+            if free == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < PATIENCE,
+                "the relay never claimed the rows"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(relay.metrics().relayed_total, 0, "Redis is paused");
+        stop.send(true).expect("relay running");
+        timeout(PATIENCE, worker)
+            .await
+            .expect("run returns once the batch is done")
+            .expect("relay task");
+        // The batch in hand was finished, not dropped: applied, deleted, committed.
+        assert_eq!(relay.metrics().relayed_total, ROWS as u64);
+        assert_eq!(env.outbox_rows().await, 0);
+        for i in 0..ROWS {
+            env.assert_in_redis(i).await;
+        }
+        env.drop_schema().await;
+    }
+
+    /// The binary serves the metrics at `GET /metrics` and exits 0 on SIGTERM.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn binary_serves_metrics_and_exits_cleanly_on_sigterm() {
+        let Some(env) = env(None).await else { return };
+        env.commit_unpublished(7).await;
+        let mut child = env.spawn_relay_process(&["--metrics-listen", "127.0.0.1:0"]);
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = timeout(PATIENCE, lines.next_line())
+            .await
+            .expect("the metrics address in time")
+            .expect("read stdout")
+            .expect("a line");
+        let addr = line
+            .strip_prefix("idem-relay: metrics on http://")
+            .and_then(|rest| rest.strip_suffix("/metrics"))
+            .unwrap_or_else(|| panic!("unexpected line: {line}"))
+            .to_owned();
+
+        env.wait_outbox_empty().await;
+        env.assert_in_redis(7).await;
+
+        let get = |path: &'static str| {
+            let addr = addr.clone();
+            async move {
+                let mut stream = tokio::net::TcpStream::connect(&addr)
+                    .await
+                    .expect("connect to the metrics endpoint");
+                stream
+                    .write_all(format!("GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n").as_bytes())
+                    .await
+                    .expect("send");
+                let mut response = String::new();
+                stream
+                    .read_to_string(&mut response)
+                    .await
+                    .expect("read the response");
+                response
+            }
+        };
+        // The counter is bumped after the commit that emptied the outbox: give it a moment.
+        let started = Instant::now();
+        let response = loop {
+            let response = get("/metrics").await;
+            let relayed = format!(
+                "idem_relay_relayed_total{{schema=\"{}\"}} 1",
+                env.pg.schema()
+            );
+            if response.contains(&relayed) || started.elapsed() > PATIENCE {
+                break response;
+            }
+            sleep(Duration::from_millis(50)).await;
+        };
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        assert!(response.contains("Content-Type: text/plain; version=0.0.4"));
+        let schema = env.pg.schema();
+        for (name, value) in [
+            ("idem_relay_relayed_total", "1"),
+            ("idem_relay_failed_total", "0"),
+            ("idem_relay_dead", "0"),
+            ("idem_relay_backlog", "0"),
+            ("idem_relay_lag_seconds", "0"),
+        ] {
+            let sample = format!("\n{name}{{schema=\"{schema}\"}} {value}\n");
+            assert!(
+                response.contains(&sample),
+                "missing {sample:?} in\n{response}"
+            );
+        }
+        assert!(get("/nope").await.starts_with("HTTP/1.1 404 "));
+
+        sigterm(&child);
+        let status = wait_exit(&mut child).await;
+        assert!(status.success(), "SIGTERM gives exit 0: {status:?}");
+        env.drop_schema().await;
+    }
+}

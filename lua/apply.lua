@@ -1,0 +1,55 @@
+#!lua
+--[[
+apply: write a completion that was committed elsewhere (by the PostgreSQL arbiter of the
+tiered store: the outbox relay, or a repair after the arbiter answered with a replay),
+unless Redis holds a state that must win.
+
+KEYS[1]  the record's key
+ARGV[1]  the fencing token of the lease that completed, 16 bytes
+ARGV[2]  the completed record's tag: 'c' (raw body), 'z' (LZ4 body) or 'h' (body dropped)
+ARGV[3]  the request's fingerprint, 32 bytes, or '' when the caller does not have it at hand
+ARGV[4]  the attempt that completed, 4 bytes, big-endian, or '' with ARGV[3]
+ARGV[5]  the completion's metadata: its length (4 bytes, big-endian), then the metadata
+ARGV[6]  the body as stored
+ARGV[7]  how long the completed record is kept, in milliseconds (>= 1)
+
+Returns
+  1  written: the key was absent, or in progress under ARGV[1] (the completing lease)
+  2  left alone: the key is already completed (this completion, applied before, or one the
+     key completed with since; a completion is never overwritten)
+  4  left alone: the key is absent and ARGV[3] is '': call again with the fingerprint
+  3  left alone: another lease holds the key in Redis. It cannot complete the key for good:
+     its holder must pass the arbiter first, which answers with this completion; or it is a
+     later incarnation of the key, which must not be overwritten by an older completion.
+Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
+
+Over the completing lease's own in-progress record, the fingerprint and attempt are carried
+over from it (as complete.lua does), so the common case after a commit needs no lookup.
+Applying twice is applying once (the second run answers 2), so the relay may deliver at
+least once. Only the first 59 bytes of an existing record are read; all checks come before
+the only write.
+
+The shebang has no flags: a writer, refused under OOM before it runs.
+]]
+local key = KEYS[1]
+local head = redis.call('GETRANGE', key, 0, 58)
+local identity = ARGV[3] .. ARGV[4]
+if head == '' then
+  if ARGV[3] == '' then
+    return 4
+  end
+else
+  local tag = string.sub(head, 1, 1)
+  if tag == 'c' or tag == 'z' or tag == 'h' then
+    return 2
+  end
+  if tag ~= 'p' or string.len(head) ~= 59 then
+    return redis.error_reply('IDEM_CORRUPT not a record')
+  end
+  if string.sub(head, 38, 53) ~= ARGV[1] then
+    return 3
+  end
+  identity = string.sub(head, 2, 37)
+end
+redis.call('SET', key, ARGV[2] .. identity .. ARGV[5] .. ARGV[6], 'PX', tonumber(ARGV[7]))
+return 1

@@ -1,0 +1,389 @@
+//! The tiered store (Redis first, PostgreSQL as the arbiter): the conformance suite, and the
+//! guarantees of the outbox: completions commit with the business transaction, Redis losing
+//! everything never lets a retry run the work again, and two business transactions for one
+//! key never both commit.
+//!
+//! Needs `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`; tests that flush or stop Redis
+//! start their own `redis-server`. Each test has its own key prefix and schema
+//! (`idem_t_<unix seconds>_<random>`, swept by the Postgres tests after an hour).
+
+mod tiered {
+    use std::sync::Arc;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use idem_core::{
+        Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
+        RecordState, Response, Scope, Store,
+    };
+    use idem_outbox::TieredStore;
+    use idem_postgres::PgStore;
+    use idem_redis::testing::RedisServer;
+    use idem_redis::RedisStore;
+    use idem_testkit::harness;
+    use sqlx::PgPool;
+    use tokio::time::{sleep, timeout};
+
+    const LONG: Duration = Duration::from_secs(30);
+    const KEEP: Duration = Duration::from_secs(600);
+
+    fn schema_name() -> String {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let random = uuid::Uuid::new_v4().simple().to_string();
+        format!("idem_t_{secs}_{}", &random[..12])
+    }
+
+    async fn redis_tier(url: &str) -> RedisStore {
+        RedisStore::builder(url)
+            .with_prefix(format!("idem-tiered-{}:", uuid::Uuid::new_v4().simple()))
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
+            .with_call_timeout(Duration::from_secs(15))
+            .connect_lazy()
+            .expect("a lazy Redis store builds without a server")
+    }
+
+    async fn pg_tier() -> Option<PgStore> {
+        let url = harness::database_url()?;
+        let pool = PgStore::pool_options()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(15))
+            .connect(&url)
+            .await
+            .expect("connect to IDEM_TEST_DATABASE_URL");
+        let pg = PgStore::new(pool)
+            .with_schema(&schema_name())
+            .expect("valid schema name");
+        pg.migrate().await.expect("migrate");
+        Some(pg)
+    }
+
+    /// A tiered store over the shared Redis and a fresh schema.
+    async fn tiered() -> Option<TieredStore> {
+        let redis_url = harness::redis_url()?;
+        let pg = pg_tier().await?;
+        Some(TieredStore::new(redis_tier(&redis_url).await, pg))
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        Some(Arc::new(tiered().await?))
+    }
+
+    /// Both tiers pointed at ports nothing listens on.
+    async fn unreachable() -> Arc<dyn Store> {
+        let redis = redis_tier(&format!("redis://127.0.0.1:{}", harness::free_port())).await;
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{}/test",
+            harness::free_port()
+        );
+        let pool = PgStore::pool_options()
+            .connect_lazy(&url)
+            .expect("a well-formed URL");
+        Arc::new(TieredStore::new(redis, PgStore::new(pool)))
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn stats_count_by_state() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stats_count_by_state(store).await;
+    }
+
+    // --- helpers ---------------------------------------------------------------------------
+
+    fn id(key: &str) -> RecordId {
+        RecordId::new(
+            Scope::new("tenant").expect("scope"),
+            Key::new(key).expect("key"),
+        )
+    }
+
+    fn fp() -> Fingerprint {
+        Fingerprint::of_bytes(b"charge 12.50 EUR")
+    }
+
+    async fn begin(store: &dyn Store, id: &RecordId, lease: Duration) -> Begin {
+        store
+            .begin(BeginRequest {
+                id,
+                fingerprint: fp(),
+                token: FencingToken::random(),
+                lease,
+                retention: KEEP,
+            })
+            .await
+            .expect("begin")
+    }
+
+    async fn acquired(store: &dyn Store, id: &RecordId, lease: Duration) -> Lease {
+        match begin(store, id, lease).await {
+            Begin::Acquired(lease) | Begin::TookOver(lease) => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        }
+    }
+
+    fn charged(body: &str) -> Completion {
+        Completion::succeeded(Response::new(201, body.to_owned()))
+    }
+
+    /// The business table of these tests: one row per charge.
+    async fn business_table(pool: &PgPool, schema: &str) -> String {
+        let table = format!("\"{schema}\".charges");
+        sqlx::query(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (key text NOT NULL, amount int NOT NULL)"
+        ))
+        .execute(pool)
+        .await
+        .expect("create the business table");
+        table
+    }
+
+    async fn count(pool: &PgPool, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(pool)
+            .await
+            .expect("count")
+    }
+
+    // --- the outbox's guarantees -----------------------------------------------------------
+
+    /// Completing inside the business transaction: rollback leaves neither business rows nor
+    /// a completion nor an outbox row; commit makes all three visible, and `publish` puts the
+    /// completion into Redis.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completion_commits_and_rolls_back_with_the_business_transaction() {
+        let Some(store) = tiered().await else { return };
+        let pool = store.pg().pool().clone();
+        let schema = store.pg().schema().to_owned();
+        let charges = business_table(&pool, &schema).await;
+        let outbox = format!("SELECT count(*) FROM \"{schema}\".outbox");
+        let id = id("order-1");
+
+        let lease = acquired(&store, &id, LONG).await;
+        let mut tx = pool.begin().await.expect("tx");
+        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-1', 1250)"))
+            .execute(&mut *tx)
+            .await
+            .expect("business write");
+        store
+            .complete_in(&mut tx, &lease, &charged("ch_1"), KEEP)
+            .await
+            .expect("complete_in");
+        tx.rollback().await.expect("rollback");
+        assert_eq!(
+            count(&pool, &format!("SELECT count(*) FROM {charges}")).await,
+            0
+        );
+        assert_eq!(
+            count(&pool, &outbox).await,
+            0,
+            "outbox row survived a rollback"
+        );
+        match store.get(&id).await.expect("get").expect("record").state {
+            RecordState::InProgress { token, .. } => assert_eq!(token, lease.token()),
+            other => panic!("a rolled-back completion is visible: {other:?}"),
+        }
+
+        let mut tx = pool.begin().await.expect("tx");
+        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-1', 1250)"))
+            .execute(&mut *tx)
+            .await
+            .expect("business write");
+        store
+            .complete_in(&mut tx, &lease, &charged("ch_1"), KEEP)
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            count(&pool, &format!("SELECT count(*) FROM {charges}")).await,
+            1
+        );
+        assert_eq!(
+            count(&pool, &outbox).await,
+            1,
+            "the outbox row commits with it"
+        );
+        store
+            .publish(&lease, &charged("ch_1"), KEEP)
+            .await
+            .expect("publish");
+        // Redis answers the retry by itself now.
+        match store
+            .redis()
+            .get(&id)
+            .await
+            .expect("redis get")
+            .map(|r| r.state)
+        {
+            Some(RecordState::Completed(c)) => assert_eq!(c, charged("ch_1")),
+            other => panic!("Redis does not hold the completion: {other:?}"),
+        }
+        match begin(&store, &id, LONG).await {
+            Begin::Replay(r) => assert_eq!(r.completion, charged("ch_1")),
+            other => panic!("expected the replay, got {other:?}"),
+        }
+    }
+
+    /// Redis flushed after the completion committed: the retry is replayed from PostgreSQL
+    /// (the work does not run again), and Redis is repaired.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_flushed_after_completion_replays_from_postgres() {
+        let Some(server) = throwaway_redis() else {
+            return;
+        };
+        let Some(pg) = pg_tier().await else { return };
+        let store = TieredStore::new(redis_tier(&server.url()).await, pg);
+        let id = id("order-2");
+        let lease = acquired(&store, &id, LONG).await;
+        store
+            .complete(&lease, &charged("ch_2"), KEEP)
+            .await
+            .expect("complete");
+
+        server.cli(&["FLUSHALL"]).expect("FLUSHALL");
+        assert!(store.redis().get(&id).await.expect("get").is_none());
+
+        match begin(&store, &id, LONG).await {
+            Begin::Replay(r) => assert_eq!(r.completion, charged("ch_2")),
+            other => panic!("a flushed Redis let the work run again: {other:?}"),
+        }
+        match store.redis().get(&id).await.expect("get").map(|r| r.state) {
+            Some(RecordState::Completed(c)) => assert_eq!(c, charged("ch_2")),
+            other => panic!("Redis was not repaired: {other:?}"),
+        }
+    }
+
+    /// Redis down: PostgreSQL alone answers, with every guarantee; completions commit and
+    /// wait in the outbox.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_down_postgres_answers_alone() {
+        let Some(mut server) = throwaway_redis() else {
+            return;
+        };
+        let Some(pg) = pg_tier().await else { return };
+        let store = TieredStore::new(redis_tier(&server.url()).await, pg);
+        server.stop();
+        let id = id("order-3");
+        let lease = acquired(&store, &id, LONG).await;
+        assert!(matches!(
+            begin(&store, &id, LONG).await,
+            Begin::InFlight { .. }
+        ));
+        store
+            .complete(&lease, &charged("ch_3"), KEEP)
+            .await
+            .expect("complete commits in PostgreSQL with Redis down");
+        match begin(&store, &id, LONG).await {
+            Begin::Replay(r) => assert_eq!(r.completion, charged("ch_3")),
+            other => panic!("expected the replay, got {other:?}"),
+        }
+        let pool = store.pg().pool();
+        let pending = format!("SELECT count(*) FROM \"{}\".outbox", store.pg().schema());
+        assert_eq!(
+            count(pool, &pending).await,
+            1,
+            "the completion waits in the outbox"
+        );
+    }
+
+    /// A worker whose lease expired while its business transaction ran cannot commit it once
+    /// another worker took the key over and completed: its `complete_in` is refused, so only
+    /// one business transaction for the key commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_taken_over_worker_cannot_commit_its_transaction() {
+        let Some(store) = tiered().await else { return };
+        let pool = store.pg().pool().clone();
+        let charges = business_table(&pool, store.pg().schema()).await;
+        let id = id("order-4");
+
+        let slow = acquired(&store, &id, Duration::from_millis(150)).await;
+        let mut slow_tx = pool.begin().await.expect("tx");
+        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-4', 1)"))
+            .execute(&mut *slow_tx)
+            .await
+            .expect("business write");
+        sleep(Duration::from_millis(400)).await;
+
+        let fast = acquired(&store, &id, LONG).await;
+        assert_eq!(fast.attempt(), 2);
+        let mut fast_tx = pool.begin().await.expect("tx");
+        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-4', 2)"))
+            .execute(&mut *fast_tx)
+            .await
+            .expect("business write");
+        store
+            .complete_in(&mut fast_tx, &fast, &charged("fast"), KEEP)
+            .await
+            .expect("the holder completes");
+        fast_tx.commit().await.expect("commit");
+        store
+            .publish(&fast, &charged("fast"), KEEP)
+            .await
+            .expect("publish");
+
+        match store
+            .complete_in(&mut slow_tx, &slow, &charged("slow"), KEEP)
+            .await
+        {
+            Err(Error::LeaseLost) => slow_tx.rollback().await.expect("rollback"),
+            other => panic!("the taken-over worker could complete: {other:?}"),
+        }
+        assert_eq!(
+            count(&pool, &format!("SELECT count(*) FROM {charges}")).await,
+            1
+        );
+        match begin(&store, &id, LONG).await {
+            Begin::Replay(r) => assert_eq!(r.completion, charged("fast")),
+            other => panic!("expected the holder's replay, got {other:?}"),
+        }
+    }
+
+    /// A takeover attempted while the first worker's completing transaction is still open
+    /// waits for it, and then replays its result: never a second run.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_takeover_waits_for_an_open_completing_transaction() {
+        let Some(store) = tiered().await else { return };
+        let pool = store.pg().pool().clone();
+        let id = id("order-5");
+        let first = acquired(&store, &id, Duration::from_millis(150)).await;
+        let mut tx = pool.begin().await.expect("tx");
+        store
+            .complete_in(&mut tx, &first, &charged("first"), KEEP)
+            .await
+            .expect("complete_in");
+        // The lease runs out while the transaction is open.
+        sleep(Duration::from_millis(400)).await;
+        let racer = {
+            let store = store.clone();
+            let id = id.clone();
+            tokio::spawn(async move { begin(&store, &id, LONG).await })
+        };
+        sleep(Duration::from_millis(300)).await;
+        assert!(
+            !racer.is_finished(),
+            "the takeover did not wait for the open transaction"
+        );
+        tx.commit().await.expect("commit");
+        match timeout(Duration::from_secs(10), racer)
+            .await
+            .expect("the racer answers once the transaction ends")
+            .expect("task")
+        {
+            Begin::Replay(r) => assert_eq!(r.completion, charged("first")),
+            other => panic!("a second run was allowed: {other:?}"),
+        }
+    }
+
+    fn throwaway_redis() -> Option<RedisServer> {
+        if !idem_redis::testing::binaries_available() {
+            let why = "redis-server is not on PATH (Debian/Ubuntu: apt-get install redis-server)";
+            if harness::backends_required() {
+                panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {why}");
+            }
+            eprintln!("skipping: {why}");
+            return None;
+        }
+        Some(RedisServer::start().expect("start redis-server"))
+    }
+}
