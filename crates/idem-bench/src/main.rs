@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
+use idem::outbox::TieredStore;
 use idem::postgres::PgStore;
 use idem::redis::RedisStore;
 use idem::{Completion, Response, Scope, Store};
@@ -51,7 +52,8 @@ use report::{Figure, PhaseReport, Target};
 )]
 struct Args {
     /// The store: `memory`, `redis://host:port`, `redis+cluster://host:port,...` (list every
-    /// primary for the CPU and memory figures) or `postgres://user@host/db`.
+    /// primary for the CPU and memory figures), `postgres://user@host/db`, or
+    /// `tiered:<redis URL>|<postgres URL>` (the tiered store; no floor).
     #[arg(long, default_value = "memory", env = "IDEM_BENCH_STORE")]
     store: String,
     /// Keys per phase (and operations of each floor at `--concurrency`).
@@ -115,6 +117,8 @@ enum Server {
     None,
     Redis(Arc<RedisSide>, RedisStore),
     Postgres(PgSide),
+    /// The tiered store: no floor (its Redis keys expire; its schema is dropped at the end).
+    Tiered(PgSide),
 }
 
 async fn run(args: &Args) -> Result<(), String> {
@@ -143,7 +147,7 @@ async fn run(args: &Args) -> Result<(), String> {
     let run_id = format!("{}_{nanos}", std::process::id());
     let (store, server) = open(args, &run_id).await?;
     let result = measure(args, &run_id, store, &server).await;
-    if let Server::Postgres(pg) = &server {
+    if let Server::Postgres(pg) | Server::Tiered(pg) = &server {
         if !args.keep {
             pg.drop_schema().await?;
         }
@@ -175,35 +179,64 @@ async fn run(args: &Args) -> Result<(), String> {
 async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), String> {
     let url = args.store.trim();
     let scheme = url.split_once("://").map_or(url, |(s, _)| s);
-    let e = |e: idem::Error| format!("{url}: {e}");
+    let prefix = format!("idem-bench:{run_id}:");
     match scheme {
         "redis" | "rediss" | "unix" | "redis+cluster" => {
-            let prefix = format!("idem-bench:{run_id}:");
-            let store = RedisStore::builder(url)
-                .with_prefix(prefix.clone())
-                .connect()
-                .await
-                .map_err(e)?;
+            let store = redis_store(url, &prefix).await?;
             let side = Arc::new(RedisSide::connect(url, &prefix).await?);
             Ok((Arc::new(store.clone()), Server::Redis(side, store)))
         }
         "postgres" | "postgresql" => {
-            let pool = PgStore::pool_options()
-                .max_connections(args.pg_pool.unwrap_or(args.concurrency as u32).max(1))
-                .acquire_timeout(Duration::from_secs(10))
-                .connect(url)
-                .await
-                .map_err(|err| format!("{url}: {err}"))?;
-            let store = PgStore::new(pool)
-                .with_schema(&format!("idem_bench_{run_id}"))
-                .map_err(e)?;
-            store.migrate().await.map_err(e)?;
+            let store = pg_store(args, url, run_id).await?;
             let side = PgSide::create(&store).await?;
             Ok((Arc::new(store), Server::Postgres(side)))
         }
+        // `tiered:<redis URL>|<postgres URL>`, as `idem::connect` takes it.
+        _ if scheme.starts_with("tiered:") => {
+            let Some((redis_url, pg_url)) = url["tiered:".len()..].split_once('|') else {
+                return Err(format!(
+                    "{url}: a tiered store URL is tiered:<redis URL>|<postgres URL>"
+                ));
+            };
+            let pg = pg_store(args, pg_url, run_id).await?;
+            let side = PgSide::create(&pg).await?;
+            let store = TieredStore::new(redis_store(redis_url, &prefix).await?, pg);
+            Ok((Arc::new(store), Server::Tiered(side)))
+        }
         // Everything else through the facade, which names what this build can open.
-        _ => Ok((idem::connect(url).await.map_err(e)?, Server::None)),
+        _ => Ok((
+            idem::connect(url)
+                .await
+                .map_err(|e| format!("{url}: {e}"))?,
+            Server::None,
+        )),
     }
+}
+
+/// A Redis store writing under `prefix`.
+async fn redis_store(url: &str, prefix: &str) -> Result<RedisStore, String> {
+    RedisStore::builder(url)
+        .with_prefix(prefix)
+        .connect()
+        .await
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+/// A PostgreSQL store in a schema of this run's own, migrated, with a pool of
+/// `--pg-pool` connections.
+async fn pg_store(args: &Args, url: &str, run_id: &str) -> Result<PgStore, String> {
+    let e = |e: idem::Error| format!("{url}: {e}");
+    let pool = PgStore::pool_options()
+        .max_connections(args.pg_pool.unwrap_or(args.concurrency as u32).max(1))
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .map_err(|err| format!("{url}: {err}"))?;
+    let store = PgStore::new(pool)
+        .with_schema(&format!("idem_bench_{run_id}"))
+        .map_err(e)?;
+    store.migrate().await.map_err(e)?;
+    Ok(store)
 }
 
 /// Runs the phases and the floors; returns the phase reports and the derived figures.
