@@ -37,6 +37,7 @@ mod middleware;
 mod pg_floor;
 mod phases;
 mod redis_floor;
+mod relay;
 mod report;
 
 use pg_floor::PgSide;
@@ -74,7 +75,8 @@ struct Args {
     /// Concurrent callers per key in the race phase.
     #[arg(long, default_value_t = 16)]
     race_callers: usize,
-    /// Phases to run, comma-separated: lifecycle, replay, race, inflight, middleware.
+    /// Phases to run, comma-separated: lifecycle, replay, race, inflight, middleware, relay
+    /// (the tiered store's outbox relay: `--store tiered:...` only).
     #[arg(
         long,
         value_delimiter = ',',
@@ -93,12 +95,25 @@ struct Args {
     /// How long records (and the floor's Redis keys) are kept, in seconds.
     #[arg(long, default_value_t = 300)]
     retention_secs: u64,
+    /// Completions per second while the relay phase measures lag.
+    #[arg(long, default_value_t = 1_000)]
+    relay_rate: u32,
+    /// Seconds of completions at `--relay-rate` in the relay phase.
+    #[arg(long, default_value_t = 5)]
+    relay_seconds: u64,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
 }
 
-const PHASES: [&str; 5] = ["lifecycle", "replay", "race", "inflight", "middleware"];
+const PHASES: [&str; 6] = [
+    "lifecycle",
+    "replay",
+    "race",
+    "inflight",
+    "middleware",
+    "relay",
+];
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -118,7 +133,7 @@ enum Server {
     Redis(Arc<RedisSide>, RedisStore),
     Postgres(PgSide),
     /// The tiered store: no floor (its Redis keys expire; its schema is dropped at the end).
-    Tiered(PgSide),
+    Tiered(PgSide, TieredStore),
 }
 
 async fn run(args: &Args) -> Result<(), String> {
@@ -147,7 +162,7 @@ async fn run(args: &Args) -> Result<(), String> {
     let run_id = format!("{}_{nanos}", std::process::id());
     let (store, server) = open(args, &run_id).await?;
     let result = measure(args, &run_id, store, &server).await;
-    if let Server::Postgres(pg) | Server::Tiered(pg) = &server {
+    if let Server::Postgres(pg) | Server::Tiered(pg, _) = &server {
         if !args.keep {
             pg.drop_schema().await?;
         }
@@ -201,7 +216,7 @@ async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), Str
             let pg = pg_store(args, pg_url, run_id).await?;
             let side = PgSide::create(&pg).await?;
             let store = TieredStore::new(redis_store(redis_url, &prefix).await?, pg);
-            Ok((Arc::new(store), Server::Tiered(side)))
+            Ok((Arc::new(store.clone()), Server::Tiered(side, store)))
         }
         // Everything else through the facade, which names what this build can open.
         _ => Ok((
@@ -460,6 +475,39 @@ async fn measure(
     }
     if wants("inflight") {
         reports.push(bench.inflight(n, c).await?);
+    }
+    if wants("relay") {
+        let Server::Tiered(_, tiered) = server else {
+            return Err("the relay phase needs a tiered store (--store tiered:...)".into());
+        };
+        if args.relay_rate == 0 || args.relay_seconds == 0 {
+            return Err("--relay-rate and --relay-seconds must be at least 1".into());
+        }
+        let (drain, rows_per_sec) = relay::drain(&bench, tiered, n, c).await?;
+        figures.push(
+            Figure::new(
+                "relay: records/s draining a backlog",
+                rows_per_sec,
+                "/s",
+                format!("{n} unpublished completions, default batch of 500"),
+            )
+            .target(Target::AtLeast(20_000.0)),
+        );
+        let lag = relay::lag(&bench, tiered, args.relay_rate, args.relay_seconds).await?;
+        figures.push(
+            Figure::new(
+                format!("relay: lag p99 at {}/s", args.relay_rate),
+                micros(lag.p99()) / 1000.0,
+                "ms",
+                format!(
+                    "age of the oldest waiting row, sampled every 10 ms; {:.0} completions/s reached",
+                    lag.throughput()
+                ),
+            )
+            .target(Target::AtMost(100.0)),
+        );
+        reports.push(drain);
+        reports.push(lag);
     }
     if wants("middleware") {
         let http = middleware::run(n, c).await?;

@@ -59,9 +59,20 @@ impl PhaseReport {
         self.ops
     }
 
+    /// Counts `ops` operations instead of one per latency sample (for phases whose
+    /// samples are not one per operation).
+    pub fn set_ops(&mut self, ops: usize) {
+        self.ops = ops;
+    }
+
     /// Median latency.
     pub fn p50(&self) -> Duration {
         self.p50
+    }
+
+    /// 99th percentile latency.
+    pub fn p99(&self) -> Duration {
+        self.p99
     }
 
     /// Mean time of one operation as one caller sees it: concurrency / throughput.
