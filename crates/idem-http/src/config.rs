@@ -65,7 +65,9 @@ pub struct Config {
     /// [`Unstored::KeepLease`].
     pub unstored: Unstored,
     /// Which statuses are stored and replayed; for the others the key is released so that a
-    /// retry runs the handler again. Default: everything but 5xx (2xx, 3xx and 4xx stored).
+    /// retry runs the handler again. Default: 2xx and 4xx (a 4xx is the request's own fault
+    /// and would fail again; 1xx never ends a response, 3xx and 5xx release the key). A
+    /// service that answers a create with `303 See Other` should add 3xx here.
     pub store_status: StatusFilter,
     /// Response headers stored and replayed (compared case-insensitively). Headers not
     /// listed are sent with the first response only. `Set-Cookie`, hop-by-hop headers
@@ -101,7 +103,9 @@ impl Default for Config {
             max_request_body: 1 << 20,
             max_response_body: 1 << 20,
             unstored: Unstored::KeepLease,
-            store_status: Arc::new(|status: StatusCode| !status.is_server_error()),
+            store_status: Arc::new(|status: StatusCode| {
+                status.is_success() || status.is_client_error()
+            }),
             replay_headers: [
                 http::header::CONTENT_TYPE,
                 http::header::CONTENT_ENCODING,

@@ -70,8 +70,8 @@
 //!
 //! ## What is stored
 //!
-//! By default 2xx, 3xx and 4xx responses are stored and replayed ([`Config::store_status`]).
-//! For a 5xx response, an error of the inner service or a panic (caught, the key
+//! By default 2xx and 4xx responses are stored and replayed ([`Config::store_status`]).
+//! For a 3xx or 5xx response, an error of the inner service or a panic (caught, the key
 //! released, then the panic resumed) the key is released, so a retry runs the handler
 //! again. Only the headers of [`Config::replay_headers`] are stored: `Set-Cookie` and
 //! hop-by-hop headers are sent with the first response only, unless listed. Response
