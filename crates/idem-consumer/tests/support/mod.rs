@@ -1,5 +1,0 @@
-//! Shared test support.
-
-#![allow(dead_code)]
-
-pub mod file_store;
