@@ -180,7 +180,12 @@ impl Idem {
     /// [`Config::store_timeout`].
     pub async fn begin(&self, id: &RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
         let token = FencingToken::random();
-        let give_up = self.config.wait.map(|w| Instant::now() + w);
+        let give_up = self.config.wait.map(|w| {
+            let now = Instant::now();
+            // A wait too long for an Instant is a wait without end, not a panic.
+            now.checked_add(w)
+                .unwrap_or(now + Duration::from_secs(30 * 365 * 24 * 3600))
+        });
         let mut pause = Duration::from_millis(2);
         loop {
             let req = BeginRequest {
@@ -200,7 +205,7 @@ impl Idem {
             }
             // Poll with a growing pause, never past the holder's deadline or our own.
             let sleep = pause
-                .min(*retry_after + Duration::from_millis(1))
+                .min(retry_after.saturating_add(Duration::from_millis(1)))
                 .min(give_up - now);
             tokio::time::sleep(sleep).await;
             pause = (pause * 2).min(self.config.max_poll);
@@ -345,6 +350,11 @@ impl Idem {
     }
 
     /// Drives `work` while renewing `lease`; returns the latest lease with the work's output.
+    ///
+    /// A heartbeat that fails for a retryable reason (the store briefly unavailable, a call
+    /// over its time limit) is tried again at the next beat while the lease still has time
+    /// left by the local estimate: a hiccup must not cancel work halfway through. The work
+    /// is dropped only when the lease is lost, or when it ran out without a renewal.
     async fn run_with_heartbeat<O>(
         &self,
         mut lease: Lease,
@@ -353,14 +363,25 @@ impl Idem {
         let every = (self.config.lease / 3).max(Duration::from_millis(1));
         let mut work = std::pin::pin!(work);
         loop {
+            // A renewal in progress is raced against the work too, so the work is polled
+            // while the store answers.
+            let beat = async {
+                tokio::time::sleep(every).await;
+                self.extend(&lease).await
+            };
             tokio::select! {
                 // The work finishing wins over a due heartbeat.
                 biased;
                 out = &mut work => return Ok((lease, out)),
-                () = tokio::time::sleep(every) => {
-                    // A lost lease ends here: the work future is dropped with this frame.
-                    lease = self.extend(&lease).await?;
-                }
+                renewed = beat => match renewed {
+                    Ok(renewed) => lease = renewed,
+                    Err(e) if e.is_retryable() && !lease.remaining().is_zero() => {
+                        tracing::warn!(id = %lease.id(), error = %e, "lease renewal failed; trying again");
+                    }
+                    // Lost, or expired without a renewal: the work future is dropped with
+                    // this frame.
+                    Err(e) => return Err(e),
+                },
             }
         }
     }

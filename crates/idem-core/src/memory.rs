@@ -121,6 +121,12 @@ impl MemoryStore {
     }
 }
 
+/// When a record begun at `now` is forgotten. Durations add up saturating: a caller may ask
+/// to keep records "forever" with `Duration::MAX`, and that must not panic.
+fn kept_until(now: Duration, lease: Duration, retention: Duration) -> Duration {
+    now.saturating_add(lease).saturating_add(retention)
+}
+
 /// A poisoned lock means a panic while a shard was held; every update below leaves the shard
 /// consistent before any call that could panic, so the data is still sound.
 fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -211,12 +217,16 @@ impl Store for MemoryStore {
             attempt,
             state: State::InProgress {
                 token: req.token,
-                deadline: now + req.lease,
+                deadline: now.saturating_add(req.lease),
             },
             expiry: (Duration::ZERO, 0),
         };
         let Some(entry) = shard.live(req.id, now) else {
-            shard.insert(req.id.clone(), fresh(1), now + req.lease + req.retention);
+            shard.insert(
+                req.id.clone(),
+                fresh(1),
+                kept_until(now, req.lease, req.retention),
+            );
             return Ok(Begin::Acquired(lease(1)));
         };
         if entry.fingerprint != req.fingerprint {
@@ -247,7 +257,7 @@ impl Store for MemoryStore {
                 shard.insert(
                     req.id.clone(),
                     fresh(attempt),
-                    now + req.lease + req.retention,
+                    kept_until(now, req.lease, req.retention),
                 );
                 Ok(Begin::TookOver(lease(attempt)))
             }
@@ -265,7 +275,7 @@ impl Store for MemoryStore {
         shard.sweep(now, SWEEP_PER_WRITE);
         let entry = shard.held(lease, now)?;
         entry.state = State::Completed(completion.clone());
-        shard.set_expiry(lease.id(), now + retention);
+        shard.set_expiry(lease.id(), now.saturating_add(retention));
         Ok(())
     }
 
@@ -285,10 +295,10 @@ impl Store for MemoryStore {
         let State::InProgress { deadline, .. } = &mut entry.state else {
             return Err(Error::LeaseLost);
         };
-        let new_deadline = now + by;
+        let new_deadline = now.saturating_add(by);
         let moved = new_deadline.saturating_sub(*deadline);
         *deadline = new_deadline;
-        let expires_at = entry.expiry.0 + moved;
+        let expires_at = entry.expiry.0.saturating_add(moved);
         let attempt = entry.attempt;
         shard.set_expiry(lease.id(), expires_at);
         Ok(Lease::new(
@@ -361,6 +371,32 @@ mod tests {
 
     fn id(k: &str) -> RecordId {
         RecordId::new(Scope::global(), Key::new(k).unwrap())
+    }
+
+    #[tokio::test]
+    async fn endless_durations_do_not_panic() {
+        let store = MemoryStore::new();
+        let id = id("forever");
+        let req = BeginRequest {
+            id: &id,
+            fingerprint: Fingerprint::of_bytes(b""),
+            token: FencingToken::random(),
+            lease: Duration::MAX,
+            retention: Duration::MAX,
+        };
+        let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
+            panic!("fresh key not acquired")
+        };
+        let lease = store.extend(&lease, Duration::MAX).await.unwrap();
+        store
+            .complete(
+                &lease,
+                &Completion::succeeded(Response::new(200, "")),
+                Duration::MAX,
+            )
+            .await
+            .unwrap();
+        assert!(store.get(&id).await.unwrap().is_some());
     }
 
     #[tokio::test]

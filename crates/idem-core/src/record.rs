@@ -58,6 +58,9 @@ impl fmt::Display for FencingToken {
     }
 }
 
+/// Stands in for a deadline too far away for an `Instant` to hold: about 30 years.
+const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+
 /// The right to run the work for one key, held until a deadline that the store's clock
 /// decides. Every call that ends or extends it carries it, and the store checks its token.
 #[derive(Clone, PartialEq, Eq)]
@@ -83,7 +86,10 @@ impl Lease {
             id,
             token,
             attempt,
-            deadline: sent_at + remaining,
+            // A lease of `Duration::MAX` ("never expires") must not overflow the instant.
+            deadline: sent_at
+                .checked_add(remaining)
+                .unwrap_or_else(|| sent_at + FAR_FUTURE),
         }
     }
 

@@ -258,3 +258,64 @@ async fn a_hung_store_is_unavailable_after_the_timeout() {
     assert!(err.is_retryable(), "{err:?}");
     assert!(matches!(err, Error::Unavailable { store: "hang", .. }));
 }
+
+/// A memory store whose first `extend` fails as unavailable.
+#[derive(Debug)]
+struct FlakyExtend {
+    inner: MemoryStore,
+    failed: AtomicUsize,
+}
+
+#[async_trait]
+impl Store for FlakyExtend {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+        self.inner.begin(req).await
+    }
+    async fn complete(&self, l: &Lease, c: &Completion, r: Duration) -> Result<(), Error> {
+        self.inner.complete(l, c, r).await
+    }
+    async fn release(&self, l: &Lease) -> Result<(), Error> {
+        self.inner.release(l).await
+    }
+    async fn extend(&self, l: &Lease, by: Duration) -> Result<Lease, Error> {
+        if self.failed.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(Error::unavailable("flaky", "connection reset"));
+        }
+        self.inner.extend(l, by).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        self.inner.get(id).await
+    }
+    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+        self.inner.evict(id).await
+    }
+}
+
+#[tokio::test]
+async fn a_failed_heartbeat_does_not_cancel_the_work() {
+    let idem = Idem::new(FlakyExtend {
+        inner: MemoryStore::new(),
+        failed: AtomicUsize::new(0),
+    })
+    .with_config(Config {
+        lease: Duration::from_millis(300),
+        ..Config::default()
+    });
+    let outcome = idem
+        .execute_once(&id("k"), fp(), |_| async {
+            sleep(Duration::from_millis(450)).await;
+            Ok::<_, Failure<String>>(7)
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Once::Executed {
+            value: 7,
+            attempt: 1
+        }
+    );
+}
