@@ -375,6 +375,33 @@ mod tiered {
         }
     }
 
+    /// A completion the Redis tier cannot hold whole (over its body limit) stays in
+    /// PostgreSQL: every retry gets the full committed response, none sees "in flight".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_over_the_redis_limit_is_replayed_from_postgres() {
+        let Some(redis_url) = harness::redis_url() else {
+            return;
+        };
+        let Some(pg) = pg_tier().await else { return };
+        let redis = RedisStore::builder(&redis_url)
+            .with_prefix(format!("idem-tiered-{}:", uuid::Uuid::new_v4().simple()))
+            .with_body_limit(16, idem_redis::OversizeBody::StatusAndHeaders)
+            .connect_lazy()
+            .expect("lazy store");
+        let store = TieredStore::new(redis, pg);
+        let id = id("big");
+        let big = charged(&"x".repeat(1000));
+        let lease = acquired(&store, &id, LONG).await;
+        store.complete(&lease, &big, KEEP).await.expect("complete");
+        for _ in 0..3 {
+            match begin(&store, &id, LONG).await {
+                Begin::Replay(r) => assert_eq!(r.completion, big, "a truncated replay"),
+                other => panic!("expected the full replay, got {other:?}"),
+            }
+        }
+        assert!(store.redis().get(&id).await.expect("get").is_none());
+    }
+
     fn throwaway_redis() -> Option<RedisServer> {
         if !idem_redis::testing::binaries_available() {
             let why = "redis-server is not on PATH (Debian/Ubuntu: apt-get install redis-server)";

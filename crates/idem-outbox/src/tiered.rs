@@ -4,10 +4,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Replay, Scope, Stats, Store,
+    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, RecordState, Replay, Scope,
+    Stats, Store,
 };
 use idem_postgres::{map_error, PgStore};
-use idem_redis::{Applied, RedisStore};
+use idem_redis::{Applied, OversizeBody, RedisStore};
 use sqlx::PgConnection;
 use tokio::time::Instant;
 
@@ -126,7 +127,31 @@ impl TieredStore {
         completion: &Completion,
         retention: Duration,
     ) -> Result<Applied, Error> {
-        self.apply(lease.id(), lease, completion, retention).await
+        let applied = self.apply(lease.id(), lease, completion, retention).await;
+        self.let_go_unless_applied(lease, &applied).await;
+        applied
+    }
+
+    /// After a failed or refused write of a completion into Redis, gives back the Redis
+    /// lease `lease` holds there (token-fenced: a lease someone else holds is left alone).
+    /// Otherwise retries would see it in flight until it expired; without it they go on to
+    /// PostgreSQL, which replays the committed response.
+    async fn let_go_unless_applied(&self, lease: &Lease, applied: &Result<Applied, Error>) {
+        if matches!(applied, Ok(Applied::Written | Applied::AlreadyCompleted)) {
+            return;
+        }
+        if let Err(e) = self.redis.release(lease).await {
+            tracing::debug!(id = %lease.id(), error = %e, "Redis lease not released");
+        }
+    }
+
+    /// Whether Redis can hold this completion whole. A body its limit would refuse, or keep
+    /// without the body ([`OversizeBody::StatusAndHeaders`]), stays in PostgreSQL only:
+    /// Redis must never replay anything but the committed response.
+    fn fits_redis(&self, completion: &Completion) -> bool {
+        let limit = &self.redis.config().body;
+        completion.response.body.len() <= limit.max_bytes
+            || limit.oversize == OversizeBody::Compress
     }
 
     /// Writes a committed completion into Redis over `lease`'s in-progress record there, or
@@ -138,6 +163,12 @@ impl TieredStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<Applied, Error> {
+        if !self.fits_redis(completion) {
+            return Err(Error::Invalid(format!(
+                "the completion of {id} is over the Redis tier's body limit; it is replayed \
+                 from PostgreSQL"
+            )));
+        }
         // The common case: Redis still holds the lease, whose record supplies the
         // fingerprint and attempt: one Redis round trip.
         let applied = self
@@ -148,7 +179,14 @@ impl TieredStore {
             return Ok(applied);
         }
         // Redis lost the lease: take the identity and the time left from the arbiter.
-        let Some(record) = self.pg.get(id).await? else {
+        // Only a completed record: after an evict and a new incarnation, an in-progress
+        // record's identity is not this completion's.
+        let Some(record) = self
+            .pg
+            .get(id)
+            .await?
+            .filter(|r| matches!(r.state, RecordState::Completed(_)))
+        else {
             return Ok(Applied::Absent);
         };
         self.redis
@@ -209,6 +247,7 @@ impl TieredStore {
         let result = self
             .apply(id, redis_lease, &replay.completion, replay.expires_in)
             .await;
+        self.let_go_unless_applied(redis_lease, &result).await;
         if let Err(e) = result {
             tracing::warn!(%id, error = %e, "could not write a replayed completion back into Redis");
         }
@@ -222,7 +261,15 @@ impl Store for TieredStore {
     }
 
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        match self.redis.begin(req.clone()).await {
+        // In Redis an in-progress record lives only as long as its lease: PostgreSQL keeps
+        // the attempt count and the fingerprint past it, and a Redis record left behind (a
+        // release that failed, a begin cancelled half-way) must not answer in flight or
+        // mismatch for a whole retention.
+        let fast = BeginRequest {
+            retention: Duration::ZERO,
+            ..req.clone()
+        };
+        match self.redis.begin(fast).await {
             Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => {
                 self.arbitrate(&req, lease).await
             }
@@ -274,6 +321,17 @@ impl Store for TieredStore {
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+        // The key's outbox rows go first, so the relay cannot write an evicted completion
+        // back into Redis.
+        let schema = self.pg.quoted_schema();
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.outbox WHERE scope = $1 AND key = $2"
+        ))
+        .bind(id.scope().as_str().as_bytes())
+        .bind(id.key().as_str())
+        .execute(self.pg.pool())
+        .await
+        .map_err(map_error)?;
         let in_pg = self.pg.evict(id).await?;
         let in_redis = self.redis.evict(id).await?;
         Ok(in_pg || in_redis)
