@@ -375,6 +375,54 @@ mod tiered {
         }
     }
 
+    /// A takeover that waited behind an open completing transaction which then rolled back
+    /// gets a whole lease, counted from when it got the row, not one already past.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_takeover_after_a_rolled_back_transaction_gets_a_live_lease() {
+        let Some(store) = tiered().await else { return };
+        let pool = store.pg().pool().clone();
+        let id = id("order-6");
+        let lease_len = Duration::from_millis(600);
+        let first = acquired(&store, &id, Duration::from_millis(150)).await;
+        let mut tx = pool.begin().await.expect("tx");
+        store
+            .complete_in(&mut tx, &first, &charged("first"), KEEP)
+            .await
+            .expect("complete_in");
+        sleep(Duration::from_millis(300)).await;
+        let racer = {
+            let store = store.clone();
+            let id = id.clone();
+            tokio::spawn(async move {
+                store
+                    .begin(BeginRequest {
+                        id: &id,
+                        fingerprint: fp(),
+                        token: FencingToken::random(),
+                        lease: lease_len,
+                        retention: KEEP,
+                    })
+                    .await
+                    .expect("begin")
+            })
+        };
+        // Longer than the racer's whole lease.
+        sleep(Duration::from_millis(900)).await;
+        tx.rollback().await.expect("rollback");
+        match timeout(Duration::from_secs(10), racer)
+            .await
+            .expect("the racer answers")
+            .expect("task")
+        {
+            Begin::TookOver(lease) => assert!(
+                lease.remaining() > lease_len / 3,
+                "the takeover's lease was already spent: {:?} left",
+                lease.remaining()
+            ),
+            other => panic!("expected a takeover, got {other:?}"),
+        }
+    }
+
     /// A completion the Redis tier cannot hold whole (over its body limit) stays in
     /// PostgreSQL: every retry gets the full committed response, none sees "in flight".
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,6 @@ use idem_core::{
 use idem_postgres::{map_error, PgStore};
 use idem_redis::{Applied, OversizeBody, RedisStore};
 use sqlx::PgConnection;
-use tokio::time::Instant;
 
 /// The name in errors and metrics.
 pub const STORE: &str = "tiered";
@@ -212,20 +211,17 @@ impl TieredStore {
         };
         match answer {
             Begin::Acquired(pg_lease) | Begin::TookOver(pg_lease) => {
-                // The same token holds both leases; the earlier local deadline (Redis's,
-                // asked first) is the one to heed. The attempt is the arbiter's.
-                let attempt = pg_lease.attempt();
-                let lease = Lease::new(
-                    req.id.clone(),
-                    req.token,
-                    attempt,
-                    redis_lease.remaining().min(pg_lease.remaining()),
-                    Instant::now(),
-                );
-                Ok(if attempt == 1 {
-                    Begin::Acquired(lease)
+                // The same token holds both leases, and PostgreSQL's decides: Redis's may
+                // have run out while this call waited on a row lock, which is harmless (a
+                // caller taking the key over in Redis then meets this lease in PostgreSQL).
+                // After such a wait, Redis's lease is renewed to match, best effort.
+                if redis_lease.remaining() < pg_lease.remaining() / 2 {
+                    let _ = self.redis.extend(&redis_lease, req.lease).await;
+                }
+                Ok(if pg_lease.attempt() == 1 {
+                    Begin::Acquired(pg_lease)
                 } else {
-                    Begin::TookOver(lease)
+                    Begin::TookOver(pg_lease)
                 })
             }
             Begin::Replay(replay) => {

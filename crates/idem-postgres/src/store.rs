@@ -487,7 +487,17 @@ fn classify_begin(row: &PgRow, req: &BeginRequest<'_>, sent_at: Instant) -> Resu
     // Our token on the row: we inserted it, took it over, or this is a re-send of the same
     // attempt. In every case the lease is ours, and the attempt number says which.
     if token == Some(*req.token.as_uuid()) {
-        let lease = Lease::new(req.id.clone(), req.token, attempt, lease_left()?, sent_at);
+        // The time left was measured when the statement answered, at least `waited_us` after
+        // it was sent: counting from `sent_at` alone would spend the lease on a lock wait.
+        let waited = micros(row.try_get("waited_us").map_err(error::map)?);
+        let measured_after = sent_at.checked_add(waited).unwrap_or(sent_at);
+        let lease = Lease::new(
+            req.id.clone(),
+            req.token,
+            attempt,
+            lease_left()?,
+            measured_after,
+        );
         return Ok(if attempt == 1 {
             Begin::Acquired(lease)
         } else {

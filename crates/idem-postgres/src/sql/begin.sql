@@ -4,7 +4,8 @@
 -- $5 lease (interval), $6 retention (interval: kept this long after the lease deadline).
 --
 -- Returns exactly one row, the record as this statement leaves it: fingerprint, attempt,
--- token, lease_us (lease time left in microseconds, NULL once completed), expires_us (time
+-- token, lease_us (lease time left in microseconds, NULL once completed), waited_us (how long
+-- the statement ran before answering), expires_us (time
 -- until it is forgotten), meta and body (only for a completed record with fingerprint $3).
 -- The caller classifies it: token = $4 means this request holds the lease (attempt 1:
 -- acquired, else took over; a re-send with the same token lands here too); otherwise
@@ -32,9 +33,9 @@
 --   decision is atomic against any number of concurrent callers, and the statement always
 --   returns exactly one row.
 --
--- The clock is the database's: clock_timestamp() read once, so every comparison and every
--- deadline in the statement uses the same instant, even inside a long caller transaction
--- (where now() would be the transaction's start).
+-- The clock is the database's: clock_timestamp() read once for every comparison, even inside
+-- a long caller transaction (where now() would be the transaction's start). Deadlines set by
+-- a takeover, and the time left in the answer, read it again after any wait on a row lock.
 WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS now),
 seen AS (
     SELECT r.fingerprint, r.attempt, r.token, r.lease_until, r.expires_at, r.meta, r.body
@@ -54,6 +55,9 @@ claimed AS (
         -- Past its expiry the record counts as absent: start afresh at attempt 1, whatever its
         -- fingerprint. An expired lease with the same fingerprint and another token: take over.
         -- Anything else: keep the row as it is.
+        -- A new deadline here is counted from clock_timestamp(), read now that the row lock is
+        -- held: the statement may have waited for it (behind a holder's open transaction that
+        -- then rolled back), and a deadline counted from `clock.now` could already be past.
         attempt = CASE
             WHEN r.expires_at <= (SELECT now FROM clock) THEN 1
             WHEN r.token <> excluded.token
@@ -72,13 +76,15 @@ claimed AS (
             WHEN r.expires_at <= (SELECT now FROM clock)
                  OR (r.token <> excluded.token
                      AND r.lease_until <= (SELECT now FROM clock)
-                     AND r.fingerprint = excluded.fingerprint) THEN excluded.lease_until
+                     AND r.fingerprint = excluded.fingerprint)
+                THEN clock_timestamp() + $5::interval
             ELSE r.lease_until END,
         expires_at = CASE
             WHEN r.expires_at <= (SELECT now FROM clock)
                  OR (r.token <> excluded.token
                      AND r.lease_until <= (SELECT now FROM clock)
-                     AND r.fingerprint = excluded.fingerprint) THEN excluded.expires_at
+                     AND r.fingerprint = excluded.fingerprint)
+                THEN clock_timestamp() + $5::interval + $6::interval
             ELSE r.expires_at END,
         -- An in-progress record has no meta or body, and a completed one is replaced only
         -- once expired (its NULL token never passes the takeover test): only expiry clears.
@@ -96,6 +102,9 @@ SELECT
     -- than the holder's whole lease.
     (extract(epoch FROM rec.lease_until - clock_timestamp()) * 1000000)::bigint AS lease_us,
     (extract(epoch FROM rec.expires_at - clock_timestamp()) * 1000000)::bigint AS expires_us,
+    -- How long the statement ran before answering (waits on row locks included): the caller
+    -- counts the time left from its send time plus this, a sound and tight lower bound.
+    (extract(epoch FROM clock_timestamp() - clock.now) * 1000000)::bigint AS waited_us,
     CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.meta END AS meta,
     CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.body END AS body
 FROM (SELECT * FROM seen UNION ALL SELECT * FROM claimed) AS rec, clock
