@@ -465,6 +465,9 @@ enum Outcome {
     Expired,
     /// This row failed: count a try.
     Failed(String),
+    /// Redis cannot hold this completion whole (over its body limit): it is replayed from
+    /// PostgreSQL, and the row has nothing to do.
+    NotForRedis,
 }
 
 impl Relay {
@@ -687,8 +690,9 @@ impl Relay {
         let claimed: Vec<Claimed> = rows.iter().map(claim).collect();
 
         // 2. Apply, all rows at once: the calls share Redis's multiplexed connection, so
-        // the batch costs about one round trip. An unavailable Redis fails the whole batch
-        // (the `?` below drops `tx`, which rolls it back).
+        // the batch costs about one round trip. A row that met an unavailable Redis is left
+        // as it was (no try counted); if no row got through at all, the whole batch fails
+        // (returning drops `tx`, which rolls it back) and the worker backs off.
         let outcomes = join_all(claimed.iter().map(|row| self.apply(row))).await;
         let mut done = Vec::new();
         let mut failed = Vec::new();
@@ -696,8 +700,25 @@ impl Relay {
             claimed: claimed.len(),
             ..Batch::default()
         };
+        let mut unavailable = None;
         for (row, outcome) in claimed.iter().zip(outcomes) {
-            match outcome? {
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    unavailable = Some(e);
+                    continue;
+                }
+            };
+            match outcome {
+                Outcome::NotForRedis => {
+                    tracing::debug!(
+                        schema = self.pg.schema(),
+                        id = row.id,
+                        "idem relay: completion over the Redis body limit, left to PostgreSQL"
+                    );
+                    batch.relayed += 1;
+                    done.push(row.id);
+                }
                 Outcome::Done(applied) => {
                     batch.relayed += 1;
                     if applied == Applied::Written {
@@ -714,6 +735,13 @@ impl Relay {
                     failed.push((row.id, self.config.backoff(row.tries), error));
                 }
             }
+        }
+
+        if let Some(e) = unavailable {
+            if done.is_empty() && failed.is_empty() {
+                return Err(e);
+            }
+            tracing::warn!(schema = self.pg.schema(), error = %e, "idem relay: Redis failed part of a batch; those rows stay pending");
         }
 
         // 3. Delete what is done: one statement.
@@ -815,6 +843,9 @@ impl Relay {
             Some(Err(e)) => return Ok(Outcome::Failed(e.to_string())),
             Some(Ok(entry)) => entry,
         };
+        if !crate::tiered::fits_redis(&self.redis, &entry.completion) {
+            return Ok(Outcome::NotForRedis);
+        }
         let applied = self
             .redis
             .apply_completion(
@@ -833,6 +864,8 @@ impl Relay {
             )),
             Ok(applied) => Ok(Outcome::Done(applied)),
             Err(e) if e.is_retryable() => Err(e),
+            // Refused by the body limit even compressed: PostgreSQL replays it.
+            Err(Error::Invalid(_)) => Ok(Outcome::NotForRedis),
             Err(e) => Ok(Outcome::Failed(e.to_string())),
         }
     }

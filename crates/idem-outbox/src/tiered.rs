@@ -17,6 +17,14 @@ pub const STORE: &str = "tiered";
 /// The notification channel the relays listen on; the payload is the schema's name.
 pub const CHANNEL: &str = "idem_outbox";
 
+/// Whether Redis can hold this completion whole. A body its limit would refuse, or keep
+/// without the body ([`OversizeBody::StatusAndHeaders`]), stays in PostgreSQL only: Redis
+/// must never replay anything but the committed response.
+pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
+    let limit = &redis.config().body;
+    completion.response.body.len() <= limit.max_bytes || limit.oversize == OversizeBody::Compress
+}
+
 /// A [`Store`] with Redis as the fast path and PostgreSQL as the source of truth.
 ///
 /// - `begin` asks Redis first. A replay, an in-flight answer or a mismatch from Redis is the
@@ -144,15 +152,6 @@ impl TieredStore {
         }
     }
 
-    /// Whether Redis can hold this completion whole. A body its limit would refuse, or keep
-    /// without the body ([`OversizeBody::StatusAndHeaders`]), stays in PostgreSQL only:
-    /// Redis must never replay anything but the committed response.
-    fn fits_redis(&self, completion: &Completion) -> bool {
-        let limit = &self.redis.config().body;
-        completion.response.body.len() <= limit.max_bytes
-            || limit.oversize == OversizeBody::Compress
-    }
-
     /// Writes a committed completion into Redis over `lease`'s in-progress record there, or
     /// into an absent key.
     async fn apply(
@@ -162,7 +161,7 @@ impl TieredStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<Applied, Error> {
-        if !self.fits_redis(completion) {
+        if !fits_redis(&self.redis, completion) {
             return Err(Error::Invalid(format!(
                 "the completion of {id} is over the Redis tier's body limit; it is replayed \
                  from PostgreSQL"
