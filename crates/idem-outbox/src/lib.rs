@@ -18,6 +18,10 @@
 //! flight", "replay" or "mismatch" on its own, but never "run": Redis only ever holds
 //! completions that PostgreSQL committed first, so its replays are the committed ones.
 //!
+//! A completion whose body Redis cannot hold whole (over its body limit, with a policy that
+//! would refuse it or drop the body) is never written into Redis: its retries are replayed
+//! from PostgreSQL, one Redis and one PostgreSQL round trip each.
+//!
 //! ## The cost
 //!
 //! | request | round trips |
