@@ -10,7 +10,7 @@ mod postgres {
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    use std::time::Duration;
 
     use idem_core::{
         Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
@@ -29,11 +29,7 @@ mod postgres {
     // --- harness ---------------------------------------------------------------------------
 
     fn schema_name() -> String {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let random = uuid::Uuid::new_v4().simple().to_string();
-        format!("{SCHEMA_PREFIX}{secs}_{}", &random[..12])
+        harness::unique_name(SCHEMA_PREFIX)
     }
 
     /// Pool settings for tests: the store's defaults, with a longer acquire timeout so a
@@ -58,9 +54,6 @@ mod postgres {
         if SWEPT.swap(true, Ordering::SeqCst) {
             return;
         }
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
         )
@@ -69,11 +62,7 @@ mod postgres {
         .await
         .expect("list test schemas");
         for name in names {
-            let created = name[SCHEMA_PREFIX.len()..]
-                .split('_')
-                .next()
-                .and_then(|s| s.parse::<u64>().ok());
-            if created.is_some_and(|c| c + 3600 < now) {
+            if harness::is_stale(&name, SCHEMA_PREFIX) {
                 // Another process may drop it at the same time: its error is not ours.
                 let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
                     .execute(pool)

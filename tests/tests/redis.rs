@@ -32,16 +32,10 @@ fn builder(url: &str) -> RedisStoreBuilder {
 /// Whether tests that start their own `redis-server` can run; panics when backends are
 /// required (`IDEM_TEST_REQUIRE_BACKENDS=1`) and they cannot.
 fn can_start_servers() -> bool {
-    if testing::binaries_available() {
-        return true;
-    }
-    let why =
-        "redis-server and redis-cli are not on PATH (Debian/Ubuntu: apt-get install redis-server)";
-    if idem_testkit::harness::backends_required() {
-        panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {why}");
-    }
-    eprintln!("skipping: {why}");
-    false
+    idem_testkit::harness::present(
+        testing::binaries_available(),
+        "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
+    )
 }
 
 /// A throwaway server, or `None` (skipped) when the binaries are missing.

@@ -9,7 +9,7 @@
 
 mod tiered {
     use std::sync::Arc;
-    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    use std::time::Duration;
 
     use idem_core::{
         Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
@@ -27,11 +27,8 @@ mod tiered {
     const KEEP: Duration = Duration::from_secs(600);
 
     fn schema_name() -> String {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let random = uuid::Uuid::new_v4().simple().to_string();
-        format!("idem_t_{secs}_{}", &random[..12])
+        // The Postgres tests' prefix: their sweep drops these leftovers too.
+        harness::unique_name("idem_t_")
     }
 
     async fn redis_tier(url: &str) -> RedisStore {
@@ -451,14 +448,10 @@ mod tiered {
     }
 
     fn throwaway_redis() -> Option<RedisServer> {
-        if !idem_redis::testing::binaries_available() {
-            let why = "redis-server is not on PATH (Debian/Ubuntu: apt-get install redis-server)";
-            if harness::backends_required() {
-                panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {why}");
-            }
-            eprintln!("skipping: {why}");
-            return None;
-        }
-        Some(RedisServer::start().expect("start redis-server"))
+        harness::present(
+            idem_redis::testing::binaries_available(),
+            "redis-server on PATH (Debian/Ubuntu: apt-get install redis-server)",
+        )
+        .then(|| RedisServer::start().expect("start redis-server"))
     }
 }

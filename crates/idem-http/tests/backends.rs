@@ -505,7 +505,7 @@ mod postgres {
 
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    use std::time::Duration;
 
     use idem_postgres::PgStore;
     use idem_testkit::harness;
@@ -514,16 +514,8 @@ mod postgres {
     use crate::{Fixture, Teardown};
 
     const SCHEMA_PREFIX: &str = "idem_http_";
-
-    fn now_secs() -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-    }
-
     fn schema_name() -> String {
-        let random = uuid::Uuid::new_v4().simple().to_string();
-        format!("{SCHEMA_PREFIX}{}_{}", now_secs(), &random[..12])
+        harness::unique_name(SCHEMA_PREFIX)
     }
 
     async fn drop_schema(pool: &PgPool, name: &str) {
@@ -547,11 +539,7 @@ mod postgres {
         .await
         .expect("list test schemas");
         for name in names {
-            let created = name[SCHEMA_PREFIX.len()..]
-                .split('_')
-                .next()
-                .and_then(|s| s.parse::<u64>().ok());
-            if created.is_some_and(|c| c + 3600 < now_secs()) {
+            if harness::is_stale(&name, SCHEMA_PREFIX) {
                 // Another process may drop it at the same time: its error is not ours.
                 let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
                     .execute(pool)

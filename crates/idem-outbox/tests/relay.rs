@@ -10,7 +10,7 @@
 mod relay {
     use std::process::Stdio;
     use std::sync::Arc;
-    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    use std::time::Duration;
 
     use idem_core::{
         Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, Lease, RecordId,
@@ -45,11 +45,7 @@ mod relay {
     }
 
     fn schema_name() -> String {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let random = uuid::Uuid::new_v4().simple().to_string();
-        format!("idem_t_{secs}_{}", &random[..12])
+        harness::unique_name("idem_t_")
     }
 
     async fn pg_store(url: &str) -> PgStore {
@@ -312,12 +308,10 @@ mod relay {
         if harness::database_url().is_none() {
             return;
         }
-        if !idem_redis::testing::binaries_available() {
-            assert!(
-                !harness::backends_required(),
-                "IDEM_TEST_REQUIRE_BACKENDS=1 and redis-server/redis-cli are not on PATH"
-            );
-            eprintln!("skipping: the outage test starts its own redis-server, not on PATH");
+        if !harness::present(
+            idem_redis::testing::binaries_available(),
+            "redis-server and redis-cli on PATH (this test starts its own)",
+        ) {
             return;
         }
         let mut server = RedisServer::start().expect("start a throwaway redis-server");
@@ -622,12 +616,10 @@ mod relay {
         if harness::database_url().is_none() {
             return;
         }
-        if !idem_redis::testing::binaries_available() {
-            assert!(
-                !harness::backends_required(),
-                "IDEM_TEST_REQUIRE_BACKENDS=1 and redis-server/redis-cli are not on PATH"
-            );
-            eprintln!("skipping: this test starts its own redis-server, not on PATH");
+        if !harness::present(
+            idem_redis::testing::binaries_available(),
+            "redis-server and redis-cli on PATH (this test starts its own)",
+        ) {
             return;
         }
         let server = RedisServer::start().expect("start a throwaway redis-server");

@@ -50,3 +50,54 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("the OS hands out a free loopback port")
 }
+
+/// Whether something a test needs beyond a URL (server binaries on `PATH`, say) is there:
+/// `true` when `present`; otherwise prints why the test is skipped and returns `false`, or
+/// panics when backends are required.
+pub fn present(present: bool, what: &str) -> bool {
+    if present {
+        return true;
+    }
+    if backends_required() {
+        panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {what} is missing");
+    }
+    eprintln!("skipping: {what} is missing");
+    false
+}
+
+/// A schema (or key prefix) name of its own for one test: `<prefix><unix seconds>_<12 hex>`,
+/// so tests share a server without meeting, and [`is_stale`] can tell leftovers by age.
+pub fn unique_name(prefix: &str) -> String {
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}{}_{}", unix_secs(), &random[..12])
+}
+
+/// Whether `name`, made by [`unique_name`] with `prefix`, is older than an hour: the
+/// leftover of a test run that ended, safe to drop.
+pub fn is_stale(name: &str, prefix: &str) -> bool {
+    name.strip_prefix(prefix)
+        .and_then(|rest| rest.split('_').next())
+        .and_then(|secs| secs.parse::<u64>().ok())
+        .is_some_and(|created| created + 3600 < unix_secs())
+}
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_age() {
+        let a = unique_name("idem_t_");
+        assert_ne!(a, unique_name("idem_t_"));
+        assert!(!is_stale(&a, "idem_t_"));
+        assert!(is_stale("idem_t_1000_abcdef012345", "idem_t_"));
+        assert!(!is_stale("other_1000_abcdef012345", "idem_t_"));
+        assert!(!is_stale("idem_t_notanumber_x", "idem_t_"));
+    }
+}
