@@ -190,10 +190,10 @@ const STORE: &str = "redis";
 /// The Lua scripts, as they are in the workspace's `lua/` folder and as the store sends
 /// them. Each opens with its contract.
 pub mod lua {
-    #![doc = concat!("## begin.lua\n\n```lua\n", include_str!("../../../lua/begin.lua"), "```\n")]
-    #![doc = concat!("## complete.lua\n\n```lua\n", include_str!("../../../lua/complete.lua"), "```\n")]
-    #![doc = concat!("## release.lua\n\n```lua\n", include_str!("../../../lua/release.lua"), "```\n")]
-    #![doc = concat!("## extend.lua\n\n```lua\n", include_str!("../../../lua/extend.lua"), "```\n")]
-    #![doc = concat!("## get.lua\n\n```lua\n", include_str!("../../../lua/get.lua"), "```\n")]
-    #![doc = concat!("## apply.lua\n\n```lua\n", include_str!("../../../lua/apply.lua"), "```\n")]
+    #![doc = concat!("## begin.lua\n\n```lua\n", include_str!("../lua/begin.lua"), "```\n")]
+    #![doc = concat!("## complete.lua\n\n```lua\n", include_str!("../lua/complete.lua"), "```\n")]
+    #![doc = concat!("## release.lua\n\n```lua\n", include_str!("../lua/release.lua"), "```\n")]
+    #![doc = concat!("## extend.lua\n\n```lua\n", include_str!("../lua/extend.lua"), "```\n")]
+    #![doc = concat!("## get.lua\n\n```lua\n", include_str!("../lua/get.lua"), "```\n")]
+    #![doc = concat!("## apply.lua\n\n```lua\n", include_str!("../lua/apply.lua"), "```\n")]
 }

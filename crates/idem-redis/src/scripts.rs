@@ -39,22 +39,22 @@ pub(crate) async fn invoke(
 
 /// `lua/begin.lua`.
 pub(crate) static BEGIN: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/begin.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/begin.lua")));
 /// `lua/complete.lua`.
 pub(crate) static COMPLETE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/complete.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/complete.lua")));
 /// `lua/release.lua`.
 pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/release.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
 /// `lua/extend.lua`.
 pub(crate) static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/extend.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
 /// `lua/apply.lua`.
 pub(crate) static APPLY: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/apply.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/apply.lua")));
 /// `lua/get.lua`.
 pub(crate) static GET: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/get.lua")));
+    LazyLock::new(|| Script::new(include_str!("../lua/get.lua")));
 
 #[cfg(test)]
 mod tests {
@@ -63,12 +63,12 @@ mod tests {
     #[test]
     fn scripts_open_with_shebang_and_contract() {
         for (name, source) in [
-            ("begin", include_str!("../../../lua/begin.lua")),
-            ("complete", include_str!("../../../lua/complete.lua")),
-            ("release", include_str!("../../../lua/release.lua")),
-            ("extend", include_str!("../../../lua/extend.lua")),
-            ("get", include_str!("../../../lua/get.lua")),
-            ("apply", include_str!("../../../lua/apply.lua")),
+            ("begin", include_str!("../lua/begin.lua")),
+            ("complete", include_str!("../lua/complete.lua")),
+            ("release", include_str!("../lua/release.lua")),
+            ("extend", include_str!("../lua/extend.lua")),
+            ("get", include_str!("../lua/get.lua")),
+            ("apply", include_str!("../lua/apply.lua")),
         ] {
             let mut lines = source.lines();
             assert!(lines.next().unwrap().starts_with("#!lua"), "{name}");
