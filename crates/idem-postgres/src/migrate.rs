@@ -7,7 +7,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use crate::error::{self, Class, NAME};
 use crate::schema::{Schema, DEFAULT_SCHEMA};
 
-static MIGRATOR: Migrator = sqlx::migrate!("migrations");
+static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// idem's migrations (the top-level `migrations/` folder, embedded at build time).
 ///
