@@ -26,7 +26,7 @@
 --   ON CONFLICT DO NOTHING: under READ COMMITTED, the loser of a race gets no row back, and
 --   a read in the same statement uses the statement's snapshot, taken before the winner
 --   committed, so it sees nothing either. DO UPDATE instead waits for the winner, locks the
---   row in its latest committed version and always returns it. The CASEs decide on that
+--   row in its latest committed version and always returns it. One decision (`step`) is taken on that
 --   locked latest version: replace an expired record, take over an expired lease, or set
 --   every column to itself (the row changed since the snapshot and needs nothing: a no-op
 --   update that touches no indexed column, so a HOT update). So the insert-or-take-over
@@ -52,44 +52,39 @@ claimed AS (
     FROM clock
     WHERE NOT EXISTS (SELECT FROM seen)
     ON CONFLICT (scope, key) DO UPDATE SET
-        -- Past its expiry the record counts as absent: start afresh at attempt 1, whatever its
-        -- fingerprint. An expired lease with the same fingerprint and another token: take over.
-        -- Anything else: keep the row as it is.
-        -- A new deadline here is counted from clock_timestamp(), read now that the row lock is
+        -- One decision on the locked latest version, `step`, written once:
+        --   'renew'      past its expiry the record counts as absent: start afresh at
+        --                attempt 1, whatever its fingerprint;
+        --   'take_over'  an expired lease, the same fingerprint, another token: count the
+        --                attempt and hand the lease to this token;
+        --   'keep'       anything else: every column set to itself.
+        -- A new deadline is counted from clock_timestamp(), read now that the row lock is
         -- held: the statement may have waited for it (behind a holder's open transaction that
         -- then rolled back), and a deadline counted from `clock.now` could already be past.
-        attempt = CASE
-            WHEN r.expires_at <= (SELECT now FROM clock) THEN 1
-            WHEN r.token <> excluded.token
-                 AND r.lease_until <= (SELECT now FROM clock)
-                 AND r.fingerprint = excluded.fingerprint THEN r.attempt + 1
-            ELSE r.attempt END,
-        fingerprint = CASE WHEN r.expires_at <= (SELECT now FROM clock) THEN excluded.fingerprint
-                           ELSE r.fingerprint END,
-        token = CASE
-            WHEN r.expires_at <= (SELECT now FROM clock)
-                 OR (r.token <> excluded.token
-                     AND r.lease_until <= (SELECT now FROM clock)
-                     AND r.fingerprint = excluded.fingerprint) THEN excluded.token
-            ELSE r.token END,
-        lease_until = CASE
-            WHEN r.expires_at <= (SELECT now FROM clock)
-                 OR (r.token <> excluded.token
-                     AND r.lease_until <= (SELECT now FROM clock)
-                     AND r.fingerprint = excluded.fingerprint)
-                THEN clock_timestamp() + $5::interval
-            ELSE r.lease_until END,
-        expires_at = CASE
-            WHEN r.expires_at <= (SELECT now FROM clock)
-                 OR (r.token <> excluded.token
-                     AND r.lease_until <= (SELECT now FROM clock)
-                     AND r.fingerprint = excluded.fingerprint)
-                THEN clock_timestamp() + $5::interval + $6::interval
-            ELSE r.expires_at END,
         -- An in-progress record has no meta or body, and a completed one is replaced only
-        -- once expired (its NULL token never passes the takeover test): only expiry clears.
-        meta = CASE WHEN r.expires_at <= (SELECT now FROM clock) THEN NULL ELSE r.meta END,
-        body = CASE WHEN r.expires_at <= (SELECT now FROM clock) THEN NULL ELSE r.body END
+        -- once expired (its NULL token never passes the takeover test): only 'renew' clears.
+        (attempt, fingerprint, token, lease_until, expires_at, meta, body) = (
+            SELECT
+                CASE d.step WHEN 'renew' THEN 1 WHEN 'take_over' THEN r.attempt + 1
+                            ELSE r.attempt END,
+                CASE d.step WHEN 'renew' THEN excluded.fingerprint ELSE r.fingerprint END,
+                CASE d.step WHEN 'keep' THEN r.token ELSE excluded.token END,
+                CASE d.step WHEN 'keep' THEN r.lease_until
+                            ELSE clock_timestamp() + $5::interval END,
+                CASE d.step WHEN 'keep' THEN r.expires_at
+                            ELSE clock_timestamp() + $5::interval + $6::interval END,
+                CASE d.step WHEN 'renew' THEN NULL ELSE r.meta END,
+                CASE d.step WHEN 'renew' THEN NULL ELSE r.body END
+            FROM (
+                SELECT CASE
+                    WHEN r.expires_at <= clock.now THEN 'renew'
+                    WHEN r.token <> excluded.token
+                         AND r.lease_until <= clock.now
+                         AND r.fingerprint = excluded.fingerprint THEN 'take_over'
+                    ELSE 'keep' END AS step
+                FROM clock
+            ) AS d
+        )
     RETURNING r.fingerprint, r.attempt, r.token, r.lease_until, r.expires_at, r.meta, r.body
 )
 SELECT
