@@ -184,6 +184,40 @@ mod postgres {
         .expect("business write");
     }
 
+    /// The protected work in a business transaction of its own: a row in `table` for `key` by
+    /// `worker`, then the lease's completion with `body`. The transaction is handed back open,
+    /// with the completion's result, for the test to commit, roll back or kill.
+    async fn work_and_complete(
+        store: &PgStore,
+        table: &str,
+        lease: &Lease,
+        key: &str,
+        worker: i32,
+        body: &str,
+    ) -> (
+        sqlx::Transaction<'static, sqlx::Postgres>,
+        Result<(), Error>,
+    ) {
+        let mut tx = store.pool().begin().await.expect("tx");
+        insert_work(&mut tx, table, key, worker).await;
+        let completed = store.complete_in(&mut tx, lease, &done(body), KEEP).await;
+        (tx, completed)
+    }
+
+    /// [`work_and_complete`], committed.
+    async fn commit_work(
+        store: &PgStore,
+        table: &str,
+        lease: &Lease,
+        key: &str,
+        worker: i32,
+        body: &str,
+    ) {
+        let (tx, completed) = work_and_complete(store, table, lease, key, worker, body).await;
+        completed.expect("complete");
+        tx.commit().await.expect("commit");
+    }
+
     async fn backend_pid(conn: &mut PgConnection) -> i32 {
         sqlx::query_scalar("SELECT pg_backend_pid()")
             .fetch_one(conn)
@@ -418,13 +452,7 @@ mod postgres {
             Begin::TookOver(lease) => lease,
             other => panic!("expected TookOver, got {other:?}"),
         };
-        let mut tx = store.pool().begin().await.expect("tx");
-        insert_work(&mut tx, &table, "order-1", 2).await;
-        store
-            .complete_in(&mut tx, &retry, &done("second"), KEEP)
-            .await
-            .expect("complete");
-        tx.commit().await.expect("commit");
+        commit_work(&store, &table, &retry, "order-1", 2, "second").await;
         assert_eq!(work_rows(&store, &table).await.get("order-1"), Some(&1));
         match store.begin(req(&id, LONG)).await.expect("begin") {
             Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "second"),
@@ -498,25 +526,15 @@ mod postgres {
         // Claimed on the pool, completed in a transaction that rolls back: still ours.
         let b = id("b");
         let lease = leased(store.begin(req(&b, LONG)).await.expect("begin"));
-        let mut tx = store.pool().begin().await.expect("tx");
-        insert_work(&mut tx, &table, "b", 1).await;
-        store
-            .complete_in(&mut tx, &lease, &done("b"), KEEP)
-            .await
-            .expect("complete");
+        let (tx, completed) = work_and_complete(&store, &table, &lease, "b", 1, "b").await;
+        completed.expect("complete");
         tx.rollback().await.expect("rollback");
         let record = store.get(&b).await.expect("get").expect("record");
         assert!(
             matches!(record.state, RecordState::InProgress { token, .. } if token == lease.token())
         );
         // The work runs again, in a transaction that commits.
-        let mut tx = store.pool().begin().await.expect("tx");
-        insert_work(&mut tx, &table, "b", 2).await;
-        store
-            .complete_in(&mut tx, &lease, &done("b"), KEEP)
-            .await
-            .expect("complete");
-        tx.commit().await.expect("commit");
+        commit_work(&store, &table, &lease, "b", 2, "b").await;
         let rows = work_rows(&store, &table).await;
         assert_eq!(rows.get("a"), None);
         assert_eq!(rows.get("b"), Some(&1));
@@ -544,17 +562,10 @@ mod postgres {
             Begin::TookOver(lease) => lease,
             other => panic!("expected TookOver, got {other:?}"),
         };
-        let mut tx = store.pool().begin().await.expect("tx");
-        insert_work(&mut tx, &table, "k", 2).await;
-        store
-            .complete_in(&mut tx, &fast, &done("fast"), KEEP)
-            .await
-            .expect("complete");
-        tx.commit().await.expect("commit");
+        commit_work(&store, &table, &fast, "k", 2, "fast").await;
 
-        let mut tx = store.pool().begin().await.expect("tx");
-        insert_work(&mut tx, &table, "k", 1).await;
-        match store.complete_in(&mut tx, &slow, &done("slow"), KEEP).await {
+        let (tx, completed) = work_and_complete(&store, &table, &slow, "k", 1, "slow").await;
+        match completed {
             Err(Error::LeaseLost) => tx.rollback().await.expect("rollback"),
             other => panic!("expected LeaseLost, got {other:?}"),
         }
@@ -588,11 +599,8 @@ mod postgres {
         let second = {
             let (store, lease, table) = (store.clone(), lease.clone(), table.clone());
             tokio::spawn(async move {
-                let mut tx = store.pool().begin().await.expect("tx");
-                insert_work(&mut tx, &table, "k", 2).await;
-                let result = store
-                    .complete_in(&mut tx, &lease, &done("second"), KEEP)
-                    .await;
+                let (tx, result) =
+                    work_and_complete(&store, &table, &lease, "k", 2, "second").await;
                 match result {
                     Ok(()) => tx.commit().await.expect("commit"),
                     Err(_) => tx.rollback().await.expect("rollback"),
