@@ -1,4 +1,5 @@
-//! The conformance suite on the embedded in-memory store.
+//! The conformance suite on the embedded in-memory store, and the model check on a manual
+//! clock (every deadline and expiry predicted exactly).
 
 mod memory {
     use std::sync::Arc;
@@ -10,6 +11,12 @@ mod memory {
     }
 
     idem_testkit::conformance_suite!(store);
+
+    /// 512 random interleavings against the model, on a manual clock.
+    #[test]
+    fn follows_the_model_on_a_manual_clock() {
+        idem_testkit::model::check_manual_clock(512);
+    }
 
     #[tokio::test]
     async fn stats_count_by_state() {

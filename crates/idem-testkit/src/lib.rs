@@ -25,11 +25,13 @@
 
 pub mod cases;
 pub mod harness;
+pub mod model;
 
 /// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
 /// `$store` (an `async fn() -> Option<Arc<dyn Store>>`) for a fresh store. With
 /// `unreachable = $f` (an `async fn() -> Arc<dyn Store>` pointed at a closed port) it adds
-/// the unavailability case.
+/// the unavailability case. It also adds `follows_the_model`, the [`model`] check on the
+/// store's own clock (16 random cases).
 #[macro_export]
 macro_rules! conformance_suite {
     ($store:path) => {
@@ -49,6 +51,13 @@ macro_rules! conformance_suite {
             get_and_evict,
             racing_writers_on_one_lease
         );
+
+        /// The store against the model of the contract, on random interleavings
+        /// (`idem_testkit::model`), on the store's own clock.
+        #[test]
+        fn follows_the_model() {
+            $crate::model::check_real_clock(16, $store);
+        }
     };
     ($store:path, unreachable = $unreachable:path) => {
         $crate::conformance_suite!($store);
