@@ -80,6 +80,7 @@ mod key;
 mod memory;
 mod record;
 mod store;
+pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{Config, Failure, FailurePolicy, Idem, Once, OnceError};

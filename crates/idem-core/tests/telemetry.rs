@@ -1,0 +1,142 @@
+//! Every store call reports a span and metrics, and neither gives the key away.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::telemetry::{Instrumented, KeyHash};
+use idem_core::{
+    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, MemoryStore, RecordId,
+    Response, Scope, Store,
+};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::MetricKind;
+use tracing_subscriber::fmt::format::FmtSpan;
+
+fn id() -> RecordId {
+    RecordId::new(
+        Scope::new("tenant-7").unwrap(),
+        Key::new("secret-order-key").unwrap(),
+    )
+}
+
+async fn lifecycle(store: &Instrumented) {
+    let id = id();
+    let req = || BeginRequest {
+        id: &id,
+        fingerprint: Fingerprint::of_bytes(b"request"),
+        token: FencingToken::random(),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(60),
+    };
+    let Begin::Acquired(lease) = store.begin(req()).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    let done = Completion::succeeded(Response::new(201, "card-number-4111"));
+    store
+        .complete(&lease, &done, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(req()).await.unwrap(),
+        Begin::Replay(_)
+    ));
+    assert!(matches!(store.release(&lease).await, Err(Error::LeaseLost)));
+}
+
+#[test]
+fn metrics_count_every_call_by_outcome() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = Instrumented::new(Arc::new(MemoryStore::new()));
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(lifecycle(&store));
+    });
+    let mut counters = Vec::new();
+    let mut histograms = 0;
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let (kind, key) = key.into_parts();
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        match (kind, value) {
+            (MetricKind::Counter, DebugValue::Counter(n)) => {
+                counters.push(format!("{} {} {n}", key.name(), labels.join(",")));
+            }
+            (MetricKind::Histogram, DebugValue::Histogram(values)) => {
+                assert_eq!(key.name(), "idem_store_call_duration_seconds");
+                histograms += values.len();
+            }
+            other => panic!("unexpected metric {other:?}"),
+        }
+    }
+    counters.sort();
+    assert_eq!(
+        counters,
+        [
+            "idem_lease_lost_total store=memory,op=release 1",
+            "idem_store_calls_total store=memory,op=begin,outcome=acquired 1",
+            "idem_store_calls_total store=memory,op=begin,outcome=replay 1",
+            "idem_store_calls_total store=memory,op=complete,outcome=ok 1",
+            "idem_store_calls_total store=memory,op=release,outcome=lease_lost 1",
+        ]
+    );
+    assert_eq!(histograms, 4, "one latency sample per call");
+}
+
+/// A writer the subscriber formats into, for the test to read.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn spans_name_the_key_by_its_hash_only() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_span_events(FmtSpan::CLOSE)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let store = Instrumented::new(Arc::new(MemoryStore::new()));
+    tracing::subscriber::with_default(subscriber, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(lifecycle(&store));
+    });
+    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let hash = KeyHash::of(&id()).to_string();
+    assert_eq!(out.matches("idem.store").count(), 4, "{out}");
+    assert_eq!(out.matches(&format!("key_hash={hash}")).count(), 4, "{out}");
+    for field in [
+        "store=\"memory\"",
+        "op=\"begin\"",
+        "scope=tenant-7",
+        "outcome=\"acquired\"",
+        "outcome=\"replay\"",
+        "outcome=\"lease_lost\"",
+        "attempt=1",
+        "elapsed_us=",
+    ] {
+        assert!(out.contains(field), "no {field} in {out}");
+    }
+    assert!(!out.contains("secret-order-key"), "the key leaked: {out}");
+    assert!(!out.contains("card-number"), "the body leaked: {out}");
+}
