@@ -13,6 +13,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::RecordId;
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
 use crate::store::{Begin, BeginRequest, Store};
+use crate::telemetry::{Instrumented, KeyHash};
 
 /// What to do when the work fails for good.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,6 +84,8 @@ impl Default for Config {
 #[derive(Debug, Clone)]
 pub struct Idem {
     store: Arc<dyn Store>,
+    /// The same store, reporting every call (spans and metrics; see [`crate::telemetry`]).
+    calls: Instrumented,
     config: Config,
 }
 
@@ -147,14 +150,17 @@ impl Idem {
 
     /// An engine over a shared store.
     pub fn from_arc(store: Arc<dyn Store>) -> Self {
+        let config = Config::default();
         Self {
+            calls: Instrumented::new(store.clone()).with_timeout(config.store_timeout),
             store,
-            config: Config::default(),
+            config,
         }
     }
 
     /// Replaces the configuration.
     pub fn with_config(mut self, config: Config) -> Self {
+        self.calls = Instrumented::new(self.store.clone()).with_timeout(config.store_timeout);
         self.config = config;
         self
     }
@@ -195,7 +201,7 @@ impl Idem {
                 lease: self.config.lease,
                 retention: self.config.retention,
             };
-            let answer = self.timed(self.store.begin(req)).await?;
+            let answer = self.calls.begin(req).await?;
             let (Begin::InFlight { retry_after }, Some(give_up)) = (&answer, give_up) else {
                 return Ok(answer);
             };
@@ -219,11 +225,9 @@ impl Idem {
     /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
     pub async fn complete(&self, lease: &Lease, response: Response) -> Result<(), Error> {
         let completion = Completion::succeeded(response);
-        self.timed(
-            self.store
-                .complete(lease, &completion, self.config.retention),
-        )
-        .await
+        self.calls
+            .complete(lease, &completion, self.config.retention)
+            .await
     }
 
     /// Handles a terminal failure by [`Config::failure`]: releases the key, or stores
@@ -237,12 +241,10 @@ impl Idem {
             FailurePolicy::Release => self.release(lease).await.map(|()| false),
             FailurePolicy::Store => {
                 let completion = Completion::failed(response);
-                self.timed(
-                    self.store
-                        .complete(lease, &completion, self.config.retention),
-                )
-                .await
-                .map(|()| true)
+                self.calls
+                    .complete(lease, &completion, self.config.retention)
+                    .await
+                    .map(|()| true)
             }
         }
     }
@@ -253,7 +255,7 @@ impl Idem {
     ///
     /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
     pub async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        self.timed(self.store.release(lease)).await
+        self.calls.release(lease).await
     }
 
     /// Renews the lease for another [`Config::lease`] (a heartbeat for long work).
@@ -262,8 +264,7 @@ impl Idem {
     ///
     /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
     pub async fn extend(&self, lease: &Lease) -> Result<Lease, Error> {
-        self.timed(self.store.extend(lease, self.config.lease))
-            .await
+        self.calls.extend(lease, self.config.lease).await
     }
 
     /// Runs `work` at most once per key and hands every later call its stored value: the
@@ -376,20 +377,13 @@ impl Idem {
                 renewed = beat => match renewed {
                     Ok(renewed) => lease = renewed,
                     Err(e) if e.is_retryable() && !lease.remaining().is_zero() => {
-                        tracing::warn!(id = %lease.id(), error = %e, "lease renewal failed; trying again");
+                        tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e, "lease renewal failed; trying again");
                     }
                     // Lost, or expired without a renewal: the work future is dropped with
                     // this frame.
                     Err(e) => return Err(e),
                 },
             }
-        }
-    }
-
-    async fn timed<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        match tokio::time::timeout(self.config.store_timeout, call).await {
-            Ok(result) => result,
-            Err(elapsed) => Err(Error::unavailable(self.store.name(), elapsed)),
         }
     }
 }

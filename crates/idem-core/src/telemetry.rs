@@ -103,12 +103,23 @@ pub fn error_kind(e: &Error) -> &'static str {
 #[derive(Debug, Clone)]
 pub struct Instrumented {
     inner: Arc<dyn Store>,
+    timeout: Option<Duration>,
 }
 
 impl Instrumented {
-    /// Wraps `inner`.
+    /// Wraps `inner`, with no time limit of its own.
     pub fn new(inner: Arc<dyn Store>) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            timeout: None,
+        }
+    }
+
+    /// Bounds every call: one that takes longer fails with [`Error::Unavailable`] (and is
+    /// counted as such). Default: no bound beyond the store's own.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
     }
 
     /// The wrapped store.
@@ -146,7 +157,16 @@ impl Instrumented {
             }
         }
         let started = Instant::now();
-        let result = call.instrument(span.clone()).await;
+        let bounded = async {
+            match self.timeout {
+                Some(limit) => match tokio::time::timeout(limit, call).await {
+                    Ok(result) => result,
+                    Err(elapsed) => Err(Error::unavailable(store, elapsed)),
+                },
+                None => call.await,
+            }
+        };
+        let result = bounded.instrument(span.clone()).await;
         let elapsed = started.elapsed();
         let outcome = match &result {
             Ok(value) => {

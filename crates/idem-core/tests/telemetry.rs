@@ -140,3 +140,91 @@ fn spans_name_the_key_by_its_hash_only() {
     assert!(!out.contains("secret-order-key"), "the key leaked: {out}");
     assert!(!out.contains("card-number"), "the body leaked: {out}");
 }
+
+/// A store that never answers.
+#[derive(Debug)]
+struct Silent;
+
+#[async_trait::async_trait]
+impl Store for Silent {
+    fn name(&self) -> &'static str {
+        "silent"
+    }
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
+        std::future::pending().await
+    }
+    async fn complete(
+        &self,
+        _: &idem_core::Lease,
+        _: &Completion,
+        _: Duration,
+    ) -> Result<(), Error> {
+        std::future::pending().await
+    }
+    async fn release(&self, _: &idem_core::Lease) -> Result<(), Error> {
+        std::future::pending().await
+    }
+    async fn extend(&self, _: &idem_core::Lease, _: Duration) -> Result<idem_core::Lease, Error> {
+        std::future::pending().await
+    }
+    async fn get(&self, _: &RecordId) -> Result<Option<idem_core::Record>, Error> {
+        std::future::pending().await
+    }
+    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+}
+
+/// `Idem` reports its store calls, and a call cut off by the time limit counts as
+/// unavailable.
+#[test]
+fn idem_reports_its_calls_and_their_time_limit() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let idem = idem_core::Idem::new(MemoryStore::new());
+                let fp = Fingerprint::of_bytes(b"request");
+                assert!(matches!(
+                    idem.begin(&id(), fp).await.unwrap(),
+                    Begin::Acquired(_)
+                ));
+                let silent = idem_core::Idem::new(Silent).with_config(idem_core::Config {
+                    store_timeout: Duration::from_millis(20),
+                    ..idem_core::Config::default()
+                });
+                assert!(matches!(
+                    silent.begin(&id(), fp).await,
+                    Err(Error::Unavailable {
+                        store: "silent",
+                        ..
+                    })
+                ));
+            });
+    });
+    let mut counters: Vec<String> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| match value {
+            DebugValue::Counter(n) => {
+                let key = key.key().clone();
+                let labels: Vec<String> = key.labels().map(|l| l.value().to_owned()).collect();
+                Some(format!("{} {} {n}", key.name(), labels.join(",")))
+            }
+            _ => None,
+        })
+        .collect();
+    counters.sort();
+    assert_eq!(
+        counters,
+        [
+            "idem_store_calls_total memory,begin,acquired 1",
+            "idem_store_calls_total silent,begin,unavailable 1",
+        ]
+    );
+}
