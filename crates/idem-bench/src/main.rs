@@ -196,7 +196,7 @@ async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), Str
     let scheme = url.split_once("://").map_or(url, |(s, _)| s);
     let prefix = format!("idem-bench:{run_id}:");
     match scheme {
-        "redis" | "rediss" | "unix" | "redis+cluster" => {
+        "redis" | "rediss" | "unix" | "redis+cluster" | "rediss+cluster" => {
             let store = redis_store(url, &prefix).await?;
             let side = Arc::new(RedisSide::connect(url, &prefix).await?);
             Ok((Arc::new(store.clone()), Server::Redis(side, store)))

@@ -32,7 +32,9 @@ impl StoreUrl {
         match scheme.to_ascii_lowercase().as_str() {
             tiered if tiered.starts_with("tiered:") => Ok(Self::Tiered(url.to_owned())),
             "memory" | "memory:" | "mem" => Ok(Self::Memory),
-            "redis" | "rediss" | "unix" | "redis+cluster" => Ok(Self::Redis(url.to_owned())),
+            "redis" | "rediss" | "unix" | "redis+cluster" | "rediss+cluster" => {
+                Ok(Self::Redis(url.to_owned()))
+            }
             "postgres" | "postgresql" => Ok(Self::Postgres(url.to_owned())),
             _ => Err(CliError::Usage(format!(
                 "unknown store {:?}: use memory, redis://HOST:PORT, \

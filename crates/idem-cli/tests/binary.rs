@@ -543,3 +543,63 @@ mod tiered {
         super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
     }
 }
+
+mod tls {
+    //! The tiered store over TLS with certificate verification on: a `redis-server` with a
+    //! `--tls-port` and a PostgreSQL with `ssl=on` that this test starts, with certificates
+    //! it makes, reached through `rediss://...?tls_ca_file=` and
+    //! `postgres://...?sslmode=verify-full&sslrootcert=`.
+
+    use idem_redis::testing::{self, RedisServer};
+    use idem_testkit::postgres::{self as pg, PgServer};
+    use idem_testkit::tls::Pki;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
+        if !idem_testkit::harness::present(
+            testing::binaries_available(),
+            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
+        ) || !pg::available()
+        {
+            return;
+        }
+        let pki = Pki::new();
+        let (cert, key, ca) = (
+            pki.path("server.pem"),
+            pki.path("server.key"),
+            pki.path("ca.pem"),
+        );
+        let tls_port = idem_testkit::harness::free_port().to_string();
+        let _redis = RedisServer::start_with(&[
+            "--tls-port",
+            &tls_port,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "no",
+        ])
+        .expect("start redis-server with TLS");
+        let postgres = PgServer::start(
+            &[
+                ("ssl", "on"),
+                ("ssl_cert_file", "server.pem"),
+                ("ssl_key_file", "server.key"),
+            ],
+            &[
+                ("server.pem", pki.server_cert.as_bytes()),
+                ("server.key", pki.server_key.as_bytes()),
+            ],
+        )
+        .expect("start PostgreSQL with ssl=on");
+        let url = format!(
+            "tiered:rediss://localhost:{tls_port}/?tls_ca_file={ca}|\
+             postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}",
+            postgres.port()
+        );
+        super::operator_commands_over(&url).await;
+    }
+}

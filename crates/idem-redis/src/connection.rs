@@ -20,6 +20,11 @@ use crate::error::classify;
 
 /// The URL scheme that selects Redis Cluster.
 pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
+/// The URL scheme that selects Redis Cluster over TLS.
+pub(crate) const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
+/// The query parameter naming a PEM file of certificate authorities to trust instead of the
+/// system's roots (a private CA): `rediss://host:6380/?tls_ca_file=/etc/idem/ca.pem`.
+const TLS_CA_FILE: &str = "tls_ca_file";
 
 /// Where the store's connections go. Cheap to clone.
 #[derive(Clone)]
@@ -50,10 +55,39 @@ impl Connection {
     /// Builds the connection for `url` without connecting. Must run inside a Tokio runtime.
     pub(crate) fn open(url: &str, config: &RedisConfig) -> Result<Self, Error> {
         let invalid = |e: redis::RedisError| Error::Invalid(format!("redis url: {e}"));
-        if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
-            let nodes = cluster_nodes(rest)?;
+        let (url, ca_file) = split_ca_file(url)?;
+        let url = url.as_str();
+        let cluster = url
+            .strip_prefix(CLUSTER_SCHEME)
+            .map(|rest| (rest, false))
+            .or_else(|| {
+                url.strip_prefix(CLUSTER_TLS_SCHEME)
+                    .map(|rest| (rest, true))
+            });
+        let tls = cluster.map_or(url.starts_with("rediss://"), |(_, tls)| tls);
+        if tls && !cfg!(any(feature = "tls-rustls", feature = "tls-native-tls")) {
+            return Err(Error::Invalid(
+                "redis url: rediss:// needs TLS, and idem-redis was built without it: enable \
+                 its `tls-rustls` (or `tls-native-tls`) feature"
+                    .into(),
+            ));
+        }
+        if ca_file.is_some() && !tls {
+            return Err(Error::Invalid(format!(
+                "redis url: {TLS_CA_FILE} is for TLS connections: use rediss:// (or \
+                 {CLUSTER_TLS_SCHEME})"
+            )));
+        }
+        let certs = ca_file.map(|path| read_ca(&path)).transpose()?;
+        if let Some((rest, tls)) = cluster {
+            let nodes = cluster_nodes(rest, tls)?;
             let count = nodes.len();
-            let client = ClusterClientBuilder::new(nodes)
+            let builder = ClusterClientBuilder::new(nodes);
+            let builder = match certs {
+                Some(certs) => with_cluster_certs(builder, certs)?,
+                None => builder,
+            };
+            let client = builder
                 .connection_timeout(config.connect_timeout)
                 .response_timeout(config.response_timeout)
                 // Redirections, reconnections and retries (redis-rs's defaults) all fit in
@@ -67,7 +101,10 @@ impl Connection {
                 connection: OnceCell::new(),
             })));
         }
-        let client = redis::Client::open(url).map_err(invalid)?;
+        let client = match certs {
+            Some(certs) => client_with_certs(url, certs)?,
+            None => redis::Client::open(url).map_err(invalid)?,
+        };
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             .set_response_timeout(Some(config.response_timeout))
@@ -291,12 +328,121 @@ impl ConnectionLike for Conn {
     }
 }
 
-/// Splits `[user[:password]@]host:port[,host:port...][/]` into one `redis://` URL per node.
-fn cluster_nodes(rest: &str) -> Result<Vec<String>, Error> {
+/// PEM bytes of the certificate authorities to trust, as redis-rs takes them.
+#[derive(Debug)]
+#[cfg_attr(
+    not(any(feature = "tls-rustls", feature = "tls-native-tls")),
+    allow(dead_code)
+)]
+struct CaCerts(Vec<u8>);
+
+/// Takes the `tls_ca_file` parameter out of a URL's query (redis-rs does not know it): the
+/// URL without it, and the path it names.
+fn split_ca_file(url: &str) -> Result<(String, Option<std::path::PathBuf>), Error> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), None));
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((query, fragment)) => (query, Some(fragment)),
+        None => (query, None),
+    };
+    let mut ca_file = None;
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((TLS_CA_FILE, value)) => {
+                let path = percent_encoding::percent_decode_str(value)
+                    .decode_utf8()
+                    .map_err(|_| {
+                        Error::Invalid(format!("redis url: {TLS_CA_FILE} is not valid UTF-8"))
+                    })?;
+                ca_file = Some(std::path::PathBuf::from(path.as_ref()));
+            }
+            _ => kept.push(pair),
+        }
+    }
+    let mut out = base.to_owned();
+    if !kept.is_empty() {
+        out.push('?');
+        out.push_str(&kept.join("&"));
+    }
+    if let Some(fragment) = fragment {
+        out.push('#');
+        out.push_str(fragment);
+    }
+    Ok((out, ca_file))
+}
+
+fn read_ca(path: &std::path::Path) -> Result<CaCerts, Error> {
+    std::fs::read(path).map(CaCerts).map_err(|e| {
+        Error::Invalid(format!(
+            "redis url: cannot read {TLS_CA_FILE} {}: {e}",
+            path.display()
+        ))
+    })
+}
+
+#[cfg(feature = "tls-rustls")]
+fn tls_certificates(certs: CaCerts) -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(certs.0),
+    }
+}
+
+#[cfg(any(feature = "tls-rustls", feature = "tls-native-tls"))]
+fn client_with_certs(url: &str, certs: CaCerts) -> Result<redis::Client, Error> {
+    #[cfg(feature = "tls-rustls")]
+    let certs = tls_certificates(certs);
+    #[cfg(not(feature = "tls-rustls"))]
+    let certs = redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(certs.0),
+    };
+    redis::Client::build_with_tls(url, certs).map_err(|e| Error::Invalid(format!("redis url: {e}")))
+}
+
+#[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
+fn client_with_certs(_: &str, _: CaCerts) -> Result<redis::Client, Error> {
+    unreachable_without_tls()
+}
+
+#[cfg(feature = "tls-rustls")]
+fn with_cluster_certs(
+    builder: ClusterClientBuilder,
+    certs: CaCerts,
+) -> Result<ClusterClientBuilder, Error> {
+    Ok(builder.certs(tls_certificates(certs)))
+}
+
+#[cfg(not(feature = "tls-rustls"))]
+fn with_cluster_certs(_: ClusterClientBuilder, _: CaCerts) -> Result<ClusterClientBuilder, Error> {
+    Err(Error::Invalid(format!(
+        "redis url: {TLS_CA_FILE} on a cluster needs idem-redis's `tls-rustls` feature"
+    )))
+}
+
+/// `open` refuses TLS URLs before this point when no TLS feature is on.
+#[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
+fn unreachable_without_tls<T>() -> Result<T, Error> {
+    Err(Error::Invalid(
+        "redis url: TLS needs idem-redis's `tls-rustls` (or `tls-native-tls`) feature".into(),
+    ))
+}
+
+/// Splits `[user[:password]@]host:port[,host:port...][/]` into one `redis://` (or, with
+/// `tls`, `rediss://`) URL per node.
+fn cluster_nodes(rest: &str, tls: bool) -> Result<Vec<String>, Error> {
+    let scheme = if tls {
+        CLUSTER_TLS_SCHEME
+    } else {
+        CLUSTER_SCHEME
+    };
+    let node_scheme = if tls { "rediss://" } else { "redis://" };
     let invalid = |why: &str| {
         Error::Invalid(format!(
-            "redis cluster url {CLUSTER_SCHEME}{}: {why}; expected \
-             {CLUSTER_SCHEME}[user:password@]host:port[,host:port...]",
+            "redis cluster url {scheme}{}: {why}; expected \
+             {scheme}[user:password@]host:port[,host:port...]",
             redact(rest)
         ))
     };
@@ -320,7 +466,7 @@ fn cluster_nodes(rest: &str) -> Result<Vec<String>, Error> {
             if host.is_empty() || port.parse::<u16>().is_err() {
                 return Err(invalid("a node is not host:port"));
             }
-            Ok(format!("redis://{auth}{node}"))
+            Ok(format!("{node_scheme}{auth}{node}"))
         })
         .collect::<Result<_, _>>()?;
     Ok(nodes)
@@ -341,17 +487,20 @@ mod tests {
     #[test]
     fn cluster_urls() {
         assert_eq!(
-            cluster_nodes("127.0.0.1:7000,127.0.0.1:7001/").unwrap(),
+            cluster_nodes("127.0.0.1:7000,127.0.0.1:7001/", false).unwrap(),
             ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]
         );
-        assert_eq!(cluster_nodes("u:p@h:1").unwrap(), ["redis://u:p@h:1"]);
+        assert_eq!(
+            cluster_nodes("u:p@h:1", false).unwrap(),
+            ["redis://u:p@h:1"]
+        );
         for bad in ["", "h", "h:x", ":1", "h:1/2", "h:1?a=b"] {
             assert!(
-                matches!(cluster_nodes(bad), Err(Error::Invalid(_))),
+                matches!(cluster_nodes(bad, false), Err(Error::Invalid(_))),
                 "{bad}"
             );
         }
-        let Err(Error::Invalid(message)) = cluster_nodes("u:secret@h") else {
+        let Err(Error::Invalid(message)) = cluster_nodes("u:secret@h", false) else {
             panic!("accepted a node with no port")
         };
         assert!(!message.contains("secret"), "{message}");

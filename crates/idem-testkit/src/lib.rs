@@ -26,6 +26,8 @@
 pub mod cases;
 pub mod harness;
 pub mod model;
+pub mod postgres;
+pub mod tls;
 
 /// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
 /// `$store` (an `async fn() -> Option<Arc<dyn Store>>`) for a fresh store. With

@@ -54,7 +54,7 @@ use std::sync::Arc;
 /// |---|---|---|
 /// | `memory` | [`MemoryStore`], private to this process | always |
 /// | `redis://host:port[/db]`, `rediss://...`, `unix:///path` | Redis, one server | `redis` |
-/// | `redis+cluster://host:port[,host:port...]` | Redis Cluster | `redis` |
+/// | `redis+cluster://host:port[,host:port...]`, `rediss+cluster://...` | Redis Cluster | `redis` |
 /// | `postgres://user@host/db`, `postgresql://...` | PostgreSQL, schema `idem`, migrated on connect | `postgres` |
 /// | `tiered:<redis URL>\|<postgres URL>` | the tiered store: Redis first, PostgreSQL the arbiter (migrated on connect) | `outbox` |
 ///
@@ -71,7 +71,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
     match scheme.as_str() {
         "memory" | "mem" => Ok(Arc::new(MemoryStore::new())),
         #[cfg(feature = "redis")]
-        "redis" | "rediss" | "unix" | "redis+cluster" => {
+        "redis" | "rediss" | "unix" | "redis+cluster" | "rediss+cluster" => {
             Ok(Arc::new(idem_redis::RedisStore::connect(url).await?))
         }
         #[cfg(feature = "postgres")]
@@ -104,7 +104,13 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
 pub fn compiled_in() -> Vec<&'static str> {
     let mut schemes = vec!["memory"];
     if cfg!(feature = "redis") {
-        schemes.extend(["redis://", "rediss://", "unix://", "redis+cluster://"]);
+        schemes.extend([
+            "redis://",
+            "rediss://",
+            "unix://",
+            "redis+cluster://",
+            "rediss+cluster://",
+        ]);
     }
     if cfg!(feature = "postgres") {
         schemes.extend(["postgres://", "postgresql://"]);
