@@ -28,10 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
-use idem::outbox::TieredStore;
-use idem::postgres::PgStore;
-use idem::redis::RedisStore;
-use idem::{Completion, Response, Scope, Store};
+use idemkit::outbox::TieredStore;
+use idemkit::postgres::PgStore;
+use idemkit::redis::RedisStore;
+use idemkit::{Completion, Response, Scope, Store};
 
 mod middleware;
 mod pg_floor;
@@ -206,7 +206,7 @@ async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), Str
             let side = PgSide::create(&store).await?;
             Ok((Arc::new(store), Server::Postgres(side)))
         }
-        // `tiered:<redis URL>|<postgres URL>`, as `idem::connect` takes it.
+        // `tiered:<redis URL>|<postgres URL>`, as `idemkit::connect` takes it.
         _ if scheme.starts_with("tiered:") => {
             let Some((redis_url, pg_url)) = url["tiered:".len()..].split_once('|') else {
                 return Err(format!(
@@ -220,7 +220,7 @@ async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), Str
         }
         // Everything else through the facade, which names what this build can open.
         _ => Ok((
-            idem::connect(url)
+            idemkit::connect(url)
                 .await
                 .map_err(|e| format!("{url}: {e}"))?,
             Server::None,
@@ -240,7 +240,7 @@ async fn redis_store(url: &str, prefix: &str) -> Result<RedisStore, String> {
 /// A PostgreSQL store in a schema of this run's own, migrated, with a pool of
 /// `--pg-pool` connections.
 async fn pg_store(args: &Args, url: &str, run_id: &str) -> Result<PgStore, String> {
-    let e = |e: idem::Error| format!("{url}: {e}");
+    let e = |e: idemkit::Error| format!("{url}: {e}");
     let pool = PgStore::pool_options()
         .max_connections(args.pg_pool.unwrap_or(args.concurrency as u32).max(1))
         .acquire_timeout(Duration::from_secs(10))

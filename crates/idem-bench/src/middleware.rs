@@ -11,8 +11,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idem::http::IdempotencyLayer;
-use idem::{Idem, MemoryStore};
+use idemkit::http::IdempotencyLayer;
+use idemkit::{Idem, MemoryStore};
 
 use crate::phases::drive;
 use crate::report::PhaseReport;

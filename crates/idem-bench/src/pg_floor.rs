@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::postgres::PgStore;
-use idem::FencingToken;
+use idemkit::postgres::PgStore;
+use idemkit::FencingToken;
 use sqlx::postgres::types::PgInterval;
 use sqlx::PgPool;
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::{
+use idemkit::{
     Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, Scope, Store,
 };
 

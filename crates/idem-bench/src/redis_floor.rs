@@ -14,7 +14,7 @@ use redis::{Cmd, FromRedisValue};
 use crate::phases::drive;
 use crate::report::PhaseReport;
 
-/// The scheme of a Redis Cluster URL (as `idem::redis::RedisStore` takes it).
+/// The scheme of a Redis Cluster URL (as `idemkit::redis::RedisStore` takes it).
 const CLUSTER_SCHEME: &str = "redis+cluster://";
 
 /// The connection the floor is measured on: what `RedisStore` uses for the same URL (a

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::outbox::{Relay, TieredStore};
-use idem::{Begin, BeginRequest, FencingToken, Fingerprint, Store};
+use idemkit::outbox::{Relay, TieredStore};
+use idemkit::{Begin, BeginRequest, FencingToken, Fingerprint, Store};
 use tokio::sync::Semaphore;
 
 use crate::phases::{drive, Bench};

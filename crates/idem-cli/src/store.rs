@@ -1,4 +1,4 @@
-//! Store URLs: which backend `--store` names, and opening it with [`idem::connect`].
+//! Store URLs: which backend `--store` names, and opening it with [`idemkit::connect`].
 
 use std::fmt;
 use std::sync::Arc;
@@ -45,7 +45,7 @@ impl StoreUrl {
         }
     }
 
-    /// Opens the store with [`idem::connect`]: Redis and PostgreSQL are reached (and
+    /// Opens the store with [`idemkit::connect`]: Redis and PostgreSQL are reached (and
     /// PostgreSQL's schema migrated) before this returns, so a wrong URL fails here rather
     /// than at the first request.
     ///
@@ -58,7 +58,7 @@ impl StoreUrl {
             Self::Memory => "memory",
             Self::Redis(url) | Self::Postgres(url) | Self::Tiered(url) => url.as_str(),
         };
-        idem::connect(url).await.map_err(|e| {
+        idemkit::connect(url).await.map_err(|e| {
             // Drivers may quote the URL they were given: never let its password through.
             let detail = scrub(&e.to_string(), url);
             match e {

@@ -75,6 +75,7 @@
 //! takeover of a consumer that died or lost its lease while running the handler). Broker
 //! counters such as `x-delivery-count` are not used: requeueing a copy of a message in
 //! progress elsewhere is not a failed attempt.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #![forbid(unsafe_code)]
 

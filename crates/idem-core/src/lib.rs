@@ -71,6 +71,7 @@
 //!
 //! Other backends live in their own crates and implement [`Store`]; the conformance suite in
 //! `idem-testkit` checks any of them against the contract.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod clock;
 mod engine;

@@ -103,6 +103,7 @@
 //!
 //! If the lease was lost instead (taken over by a retry after it expired, or evicted by an
 //! operator), the response is sent unstored: another request now owns the key.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
 mod config;

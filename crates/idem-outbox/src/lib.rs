@@ -112,6 +112,7 @@
 //!
 //! The gauges are read from PostgreSQL (one `count(*)` over the outbox) on every scrape and
 //! at most once a second by the worker.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod relay;
 mod tiered;

@@ -205,6 +205,7 @@
 //! [`idem_core::Error::Corrupt`]; everything else is [`idem_core::Error::Backend`]. The
 //! pool's acquire timeout bounds how long an unreachable server takes to answer
 //! ([`PgStore::pool_options`] sets 3 s).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #![forbid(unsafe_code)]
 

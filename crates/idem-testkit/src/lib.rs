@@ -22,6 +22,7 @@
 //!
 //! The factory returns `None` when its server is missing (after printing why; see
 //! [`harness`]), and must panic instead when [`harness::backends_required`].
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cases;
 pub mod harness;

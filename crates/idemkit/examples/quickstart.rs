@@ -1,13 +1,13 @@
 //! The quick start on the embedded in-memory store: concurrent duplicates of one request,
 //! one execution, every caller handed the same result; then a retry with a different body.
 //!
-//! Run it with `cargo run -p idem --example quickstart`.
+//! Run it with `cargo run -p idemkit --example quickstart`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::{
+use idemkit::{
     Begin, Config, Fingerprint, Idem, JsonSelection, Key, MemoryStore, RecordId, Response, Scope,
 };
 
@@ -20,7 +20,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let charges = Arc::new(AtomicUsize::new(0));
     let id = RecordId::new(Scope::new("customer-42")?, Key::new("7c1e-charge")?);
-    let fingerprint = |body: &str| -> Result<Fingerprint, idem::JsonError> {
+    let fingerprint = |body: &str| -> Result<Fingerprint, idemkit::JsonError> {
         Ok(Fingerprint::builder()
             .text("method", "POST")
             .text("path", "/payments")
@@ -45,7 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     tokio::time::sleep(Duration::from_millis(50)).await; // the card network
                     let response = Response::new(201, format!(r#"{{"charge":"ch_{n}"}}"#));
                     idem.complete(&lease, response.clone()).await?;
-                    Ok::<_, idem::Error>(format!(
+                    Ok::<_, idemkit::Error>(format!(
                         "caller {caller}: executed  -> {}",
                         show(&response)
                     ))

@@ -1,4 +1,4 @@
-//! # idem
+//! # idemkit: the facade of idem
 //!
 //! Run an operation (charge a card, create an order, handle a message) once per idempotency
 //! key, and hand every retry the original result.
@@ -9,18 +9,18 @@
 //!
 //! | feature | module | crate |
 //! |---|---|---|
-//! | `redis` | `idem::redis` | `idem-redis`: Redis 7, standalone and Cluster, Lua scripts |
-//! | `postgres` | `idem::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
-//! | `outbox` | `idem::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay |
-//! | `http` | `idem::http` | `idem-http`: the tower middleware |
-//! | `consumer` | `idem::consumer` | `idem-consumer`: message consumers (RabbitMQ) |
+//! | `redis` | `idemkit::redis` | `idem-redis`: Redis 7, standalone and Cluster, Lua scripts |
+//! | `postgres` | `idemkit::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
+//! | `outbox` | `idemkit::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay |
+//! | `http` | `idemkit::http` | `idem-http`: the tower middleware |
+//! | `consumer` | `idemkit::consumer` | `idem-consumer`: message consumers (RabbitMQ) |
 //! | `full` | all of the above | |
 //!
 //! [`connect`] opens whichever store a URL names, among those compiled in.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! use idem::{Failure, Fingerprint, Idem, Key, MemoryStore, Once, RecordId, Scope};
+//! use idemkit::{Failure, Fingerprint, Idem, Key, MemoryStore, Once, RecordId, Scope};
 //!
 //! let idem = Idem::new(MemoryStore::new());
 //! let id = RecordId::new(Scope::new("orders").unwrap(), Key::new("order-1").unwrap());
@@ -32,6 +32,7 @@
 //! assert!(matches!(once, Once::Executed { .. }));
 //! # }
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::*;
 
@@ -137,5 +138,5 @@ mod tests {
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
+#[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
