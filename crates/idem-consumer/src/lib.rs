@@ -76,7 +76,6 @@
 //! counters such as `x-delivery-count` are not used: requeueing a copy of a message in
 //! progress elsewhere is not a failed attempt.
 #![cfg_attr(docsrs, feature(doc_cfg))]
-
 #![forbid(unsafe_code)]
 
 mod consumer;

@@ -206,7 +206,6 @@
 //! pool's acquire timeout bounds how long an unreachable server takes to answer
 //! ([`PgStore::pool_options`] sets 3 s).
 #![cfg_attr(docsrs, feature(doc_cfg))]
-
 #![forbid(unsafe_code)]
 
 mod error;

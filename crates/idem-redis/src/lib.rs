@@ -167,7 +167,6 @@
 //! server, a replica, a cluster) for tests. The conformance suite of `idem-testkit` runs
 //! against one server and a 3-primary cluster in the workspace's `tests` package.
 #![cfg_attr(docsrs, feature(doc_cfg))]
-
 #![forbid(unsafe_code)]
 
 mod codec;
