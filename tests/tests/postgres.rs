@@ -864,11 +864,12 @@ mod postgres {
         }
         leased(store.begin(req(&id("live"), LONG)).await.expect("begin"));
         sleep(Duration::from_millis(200)).await;
-        let purge = store.spawn_purge(PurgeConfig {
-            interval: Duration::from_millis(50),
-            batch: 5,
-            max_batches: 10,
-        });
+        let purge = store.spawn_purge(
+            PurgeConfig::default()
+                .with_interval(Duration::from_millis(50))
+                .with_batch(5)
+                .with_max_batches(10),
+        );
         let started = Instant::now();
         while table_rows(&store).await > 1 {
             assert!(

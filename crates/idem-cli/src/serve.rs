@@ -87,10 +87,9 @@ pub struct Options {
 /// The demo's router over `store`.
 pub fn app(store: Arc<dyn Store>, options: &Options) -> Router {
     let demo = Arc::new(Demo::new());
-    let idem = Idem::from_arc(store).with_config(idem_core::Config {
-        wait: options.wait,
-        ..idem_core::Config::default()
-    });
+    let mut config = idem_core::Config::default();
+    config.wait = options.wait;
+    let idem = Idem::from_arc(store).with_config(config);
     let counter = demo.clone();
     let layer = IdempotencyLayer::new(idem)
         .with_config(Config::default().with_missing_key(MissingKey::Reject))

@@ -9,6 +9,7 @@ use crate::CliError;
 
 /// A parsed `--store` value.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StoreUrl {
     /// `memory`: the in-memory store of this process.
     Memory,

@@ -20,6 +20,7 @@ pub const MIN_REQUEUE_DELAY: Duration = Duration::from_millis(20);
 
 /// What to do with a message whose handler failed for good ([`Failure::Terminal`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum OnTerminal {
     /// Dead-letter the message and release its key (the default): an operator can look at it,
     /// fix the cause and republish it, and the handler runs again. A duplicate that arrives
@@ -46,7 +47,9 @@ impl OnTerminal {
 }
 
 /// How a [`Consumer`] retries, requeues and gives up. Every field has a documented default.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct Policy {
     /// How many times the handler may start on one message before it is dead-lettered.
     /// Counted as the failed attempts in [`ATTEMPT_HEADER`](crate::ATTEMPT_HEADER) plus the

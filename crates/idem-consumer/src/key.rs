@@ -9,6 +9,7 @@ use crate::message::{Message, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_SCOPE_HEADER};
 ///
 /// Default: [`KeySource::Header`] with [`IDEMPOTENCY_KEY_HEADER`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeySource {
     /// The text of this header, as the publisher propagated it (for example the key of the
     /// HTTP request that published the message). A message without it is dead-lettered.
@@ -35,6 +36,7 @@ impl Default for KeySource {
 ///
 /// Default: [`FingerprintSource::Payload`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum FingerprintSource {
     /// The payload's bytes as they are.
     #[default]

@@ -109,6 +109,7 @@ pub enum Error {
 
 /// The queues a [`Worker`] uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Topology {
     /// The queue consumed.
     pub queue: String,

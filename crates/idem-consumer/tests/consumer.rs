@@ -102,10 +102,7 @@ async fn concurrent_duplicates_run_once_and_the_others_are_requeued_not_dropped(
 #[tokio::test]
 async fn a_duplicate_can_wait_for_the_holders_result() {
     let store = MemoryStore::new();
-    let config = Config {
-        wait: Some(Duration::from_secs(5)),
-        ..Config::default()
-    };
+    let config = Config::default().with_wait(Duration::from_secs(5));
     let c = Consumer::new(Idem::new(store).with_config(config), scope());
     let m = msg("order-3", "{}");
     let holder = {
@@ -133,10 +130,7 @@ async fn a_duplicate_can_wait_for_the_holders_result() {
 
 #[tokio::test]
 async fn transient_failures_are_nacked_with_backoff_then_succeed_once() {
-    let policy = Policy {
-        retry_delay: Duration::from_millis(100),
-        ..Policy::default()
-    };
+    let policy = Policy::default().with_retry_delay(Duration::from_millis(100));
     let c = consumer(MemoryStore::new(), policy);
     let runs = AtomicU32::new(0);
     let mut m = msg("order-4", "{}");
@@ -181,11 +175,9 @@ async fn a_handler_that_always_fails_is_dead_lettered_after_max_attempts_never_a
         OnTerminal::StoreAndAck,
         OnTerminal::StoreAndDeadLetter,
     ] {
-        let policy = Policy {
-            max_attempts: 3,
-            on_terminal,
-            ..Policy::default()
-        };
+        let policy = Policy::default()
+            .with_max_attempts(3)
+            .with_on_terminal(on_terminal);
         let c = consumer(MemoryStore::new(), policy);
         let runs = AtomicU32::new(0);
         let mut m = msg("order-5", "{}");
@@ -241,10 +233,7 @@ async fn terminal_failures_follow_the_policy() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // StoreAndAck: acked with the failure; a duplicate is acked without running.
-    let policy = Policy {
-        on_terminal: OnTerminal::StoreAndAck,
-        ..Policy::default()
-    };
+    let policy = Policy::default().with_on_terminal(OnTerminal::StoreAndAck);
     let c = consumer(MemoryStore::new(), policy);
     let runs = AtomicU32::new(0);
     let d = c.process(&m, |_| fail(&runs)).await;
@@ -260,10 +249,7 @@ async fn terminal_failures_follow_the_policy() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     // StoreAndDeadLetter: dead-lettered once; a duplicate is acked without running.
-    let policy = Policy {
-        on_terminal: OnTerminal::StoreAndDeadLetter,
-        ..Policy::default()
-    };
+    let policy = Policy::default().with_on_terminal(OnTerminal::StoreAndDeadLetter);
     let c = consumer(MemoryStore::new(), policy);
     let runs = AtomicU32::new(0);
     let d = c.process(&m, |_| fail(&runs)).await;
@@ -399,15 +385,9 @@ async fn a_store_that_is_down_means_requeue_and_the_handler_never_runs_unguarded
 async fn a_message_whose_consumers_keep_crashing_is_dead_lettered_without_running_again() {
     let clock = ManualClock::new();
     let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
-    let config = Config {
-        lease: Duration::from_secs(10),
-        ..Config::default()
-    };
+    let config = Config::default().with_lease(Duration::from_secs(10));
     let idem = Idem::from_arc(store).with_config(config);
-    let policy = Policy {
-        max_attempts: 3,
-        ..Policy::default()
-    };
+    let policy = Policy::default().with_max_attempts(3);
     let c = Consumer::new(idem.clone(), scope()).with_policy(policy);
     let m = msg("poison", "{}");
     let (id, fp) = c.identify(&m).unwrap();
@@ -436,10 +416,7 @@ async fn a_message_whose_consumers_keep_crashing_is_dead_lettered_without_runnin
 async fn a_takeover_counts_as_an_attempt_and_a_live_holder_means_requeue() {
     let clock = ManualClock::new();
     let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
-    let config = Config {
-        lease: Duration::from_secs(10),
-        ..Config::default()
-    };
+    let config = Config::default().with_lease(Duration::from_secs(10));
     let idem = Idem::from_arc(store).with_config(config);
     let c = Consumer::new(idem.clone(), scope());
     let m = msg("crashed", "{}");
@@ -479,10 +456,7 @@ async fn a_takeover_counts_as_an_attempt_and_a_live_holder_means_requeue() {
 #[tokio::test]
 async fn a_lost_lease_cancels_the_handler_and_requeues() {
     let store = Arc::new(MemoryStore::new());
-    let config = Config {
-        lease: Duration::from_millis(150),
-        ..Config::default()
-    };
+    let config = Config::default().with_lease(Duration::from_millis(150));
     let idem = Idem::from_arc(store.clone()).with_config(config);
     let c = Consumer::new(idem, scope());
     let m = msg("lost", "{}");

@@ -187,14 +187,8 @@ mod rabbitmq {
         }
 
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-        let policy = Policy {
-            max_in_flight_delay: Duration::from_millis(200),
-            ..Policy::default()
-        };
-        let config = Config {
-            lease: Duration::from_secs(5),
-            ..Config::default()
-        };
+        let policy = Policy::default().with_max_in_flight_delay(Duration::from_millis(200));
+        let config = Config::default().with_lease(Duration::from_secs(5));
         let consumer = Consumer::new(
             Idem::from_arc(store).with_config(config),
             Scope::new("exactly-once-test").unwrap(),
@@ -335,12 +329,10 @@ mod rabbitmq {
         }
         publish(&admin, &topology.queue, "declined", "{}").await;
 
-        let policy = Policy {
-            max_attempts: 3,
-            retry_delay: Duration::from_millis(100),
-            max_retry_delay: Duration::from_millis(400),
-            ..Policy::default()
-        };
+        let policy = Policy::default()
+            .with_max_attempts(3)
+            .with_retry_delay(Duration::from_millis(100))
+            .with_max_retry_delay(Duration::from_millis(400));
         let consumer = Consumer::new(
             Idem::new(MemoryStore::new()),
             Scope::new("retry-test").unwrap(),
@@ -696,14 +688,8 @@ mod rabbitmq {
         let hang_after: u32 = env("IDEM_CHILD_HANG_AFTER").parse().expect("a number");
         let store = SharedStore::open(&env("IDEM_CHILD_STORE"));
 
-        let config = Config {
-            lease: CHILD_LEASE,
-            ..Config::default()
-        };
-        let policy = Policy {
-            max_in_flight_delay: Duration::from_millis(300),
-            ..Policy::default()
-        };
+        let config = Config::default().with_lease(CHILD_LEASE);
+        let policy = Policy::default().with_max_in_flight_delay(Duration::from_millis(300));
         let consumer = Consumer::new(
             Idem::from_arc(store).with_config(config),
             Scope::new("crash-test").unwrap(),

@@ -17,6 +17,7 @@ use crate::telemetry::{Instrumented, KeyHash};
 
 /// What to do when the work fails for good.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum FailurePolicy {
     /// Forget the key, so a retry runs the work again (the default).
     #[default]
@@ -25,8 +26,11 @@ pub enum FailurePolicy {
     Store,
 }
 
-/// Settings of an [`Idem`]. Every field has a documented default.
-#[derive(Debug, Clone)]
+/// Settings of an [`Idem`]. Every field has a documented default, and a `with_*` setter:
+/// `Config::default().with_lease(Duration::from_secs(10))`.
+#[derive(Debug, Clone, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct Config {
     /// How long a lease lasts before another worker may take the key over. Default: 30 s.
     pub lease: Duration,
@@ -35,6 +39,7 @@ pub struct Config {
     pub retention: Duration,
     /// When set, `begin` on a key held by another worker waits up to this long for the
     /// holder to finish, instead of answering in flight at once. Default: `None`.
+    #[setters(strip_option)]
     pub wait: Option<Duration>,
     /// The longest pause between two looks at a held key while waiting. Default: 50 ms.
     pub max_poll: Duration,

@@ -54,6 +54,7 @@ pub struct JsonError(#[from] serde_json::Error);
 
 /// Which fields of a JSON document take part in a fingerprint.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum JsonSelection {
     /// The whole document (the default).
     #[default]

@@ -50,8 +50,11 @@ pub enum Begin {
     Mismatch,
 }
 
-/// Counts of records by state, for operators (`idem stats`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Counts of records by state, for operators (`idem stats`). Stores build it with the
+/// `with_*` setters: `Stats::default().with_in_flight(3)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct Stats {
     /// In progress under a live lease.
     pub in_flight: u64,

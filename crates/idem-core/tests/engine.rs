@@ -26,10 +26,7 @@ fn idem(config: Config) -> Idem {
 
 #[tokio::test]
 async fn wait_returns_the_holders_result() {
-    let idem = idem(Config {
-        wait: Some(Duration::from_secs(5)),
-        ..Config::default()
-    });
+    let idem = idem(Config::default().with_wait(Duration::from_secs(5)));
     let Begin::Acquired(lease) = idem.begin(&id("k"), fp()).await.unwrap() else {
         panic!("fresh key")
     };
@@ -51,10 +48,7 @@ async fn wait_returns_the_holders_result() {
 
 #[tokio::test]
 async fn wait_gives_up_with_in_flight() {
-    let idem = idem(Config {
-        wait: Some(Duration::from_millis(150)),
-        ..Config::default()
-    });
+    let idem = idem(Config::default().with_wait(Duration::from_millis(150)));
     let Begin::Acquired(_lease) = idem.begin(&id("k"), fp()).await.unwrap() else {
         panic!("fresh key")
     };
@@ -68,11 +62,11 @@ async fn wait_gives_up_with_in_flight() {
 
 #[tokio::test]
 async fn wait_takes_over_when_the_holder_dies() {
-    let idem = idem(Config {
-        lease: Duration::from_millis(100),
-        wait: Some(Duration::from_secs(5)),
-        ..Config::default()
-    });
+    let idem = idem(
+        Config::default()
+            .with_lease(Duration::from_millis(100))
+            .with_wait(Duration::from_secs(5)),
+    );
     let Begin::Acquired(_crashed) = idem.begin(&id("k"), fp()).await.unwrap() else {
         panic!("fresh key")
     };
@@ -84,10 +78,7 @@ async fn wait_takes_over_when_the_holder_dies() {
 
 #[tokio::test]
 async fn execute_once_maps_every_outcome() {
-    let idem = idem(Config {
-        failure: FailurePolicy::Store,
-        ..Config::default()
-    });
+    let idem = idem(Config::default().with_failure(FailurePolicy::Store));
     let runs = AtomicUsize::new(0);
     let work = |value: u32| {
         let runs = &runs;
@@ -174,10 +165,7 @@ async fn terminal_failure_under_release_policy_runs_again() {
 
 #[tokio::test]
 async fn heartbeat_keeps_long_work_alive() {
-    let idem = idem(Config {
-        lease: Duration::from_millis(150),
-        ..Config::default()
-    });
+    let idem = idem(Config::default().with_lease(Duration::from_millis(150)));
     let watcher = idem.clone();
     let outcome = idem
         .execute_once(&id("long"), fp(), |_| async move {
@@ -198,10 +186,7 @@ async fn heartbeat_keeps_long_work_alive() {
 
 #[tokio::test]
 async fn lost_lease_cancels_the_work() {
-    let idem = idem(Config {
-        lease: Duration::from_millis(90),
-        ..Config::default()
-    });
+    let idem = idem(Config::default().with_lease(Duration::from_millis(90)));
     let evicter = idem.clone();
     let finished = Arc::new(AtomicUsize::new(0));
     let done = finished.clone();
@@ -250,10 +235,8 @@ impl Store for Hang {
 
 #[tokio::test]
 async fn a_hung_store_is_unavailable_after_the_timeout() {
-    let idem = Idem::new(Hang).with_config(Config {
-        store_timeout: Duration::from_millis(100),
-        ..Config::default()
-    });
+    let idem = Idem::new(Hang)
+        .with_config(Config::default().with_store_timeout(Duration::from_millis(100)));
     let err = idem.begin(&id("k"), fp()).await.unwrap_err();
     assert!(err.is_retryable(), "{err:?}");
     assert!(matches!(err, Error::Unavailable { store: "hang", .. }));
@@ -300,10 +283,7 @@ async fn a_failed_heartbeat_does_not_cancel_the_work() {
         inner: MemoryStore::new(),
         failed: AtomicUsize::new(0),
     })
-    .with_config(Config {
-        lease: Duration::from_millis(300),
-        ..Config::default()
-    });
+    .with_config(Config::default().with_lease(Duration::from_millis(300)));
     let outcome = idem
         .execute_once(&id("k"), fp(), |_| async {
             sleep(Duration::from_millis(450)).await;

@@ -193,10 +193,9 @@ fn idem_reports_its_calls_and_their_time_limit() {
                     idem.begin(&id(), fp).await.unwrap(),
                     Begin::Acquired(_)
                 ));
-                let silent = idem_core::Idem::new(Silent).with_config(idem_core::Config {
-                    store_timeout: Duration::from_millis(20),
-                    ..idem_core::Config::default()
-                });
+                let silent = idem_core::Idem::new(Silent).with_config(
+                    idem_core::Config::default().with_store_timeout(Duration::from_millis(20)),
+                );
                 assert!(matches!(
                     silent.begin(&id(), fp).await,
                     Err(Error::Unavailable {

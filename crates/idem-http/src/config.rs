@@ -9,6 +9,7 @@ use idem_core::JsonSelection;
 
 /// What to do with a guarded request that carries no idempotency key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum MissingKey {
     /// Refuse it with 400 (the default): the route documents the key as required, as the
     /// IETF Idempotency-Key draft recommends.
@@ -21,6 +22,7 @@ pub enum MissingKey {
 /// What to do with the key when the work ran but its response cannot be stored: the
 /// response is larger than [`Config::max_response_body`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Unstored {
     /// Keep the lease until it expires (the default): retries get 409 until then, so a
     /// client that lost the response does not run the work again at once; after the lease

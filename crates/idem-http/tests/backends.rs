@@ -168,10 +168,8 @@ mod cases {
     pub async fn with_a_wait_every_caller_of_a_burst_gets_the_one_response(store: Arc<dyn Store>) {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
-        let idem = Idem::from_arc(store).with_config(idem_core::Config {
-            wait: Some(Duration::from_secs(5)),
-            ..idem_core::Config::default()
-        });
+        let idem = Idem::from_arc(store)
+            .with_config(idem_core::Config::default().with_wait(Duration::from_secs(5)));
         let server = Arc::new(
             serve(pay_app(
                 &runs,
@@ -381,10 +379,8 @@ mod cases {
     pub async fn a_slow_handler_keeps_its_lease_alive(store: Arc<dyn Store>) {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
-        let idem = Idem::from_arc(store).with_config(idem_core::Config {
-            lease: Duration::from_millis(600),
-            ..idem_core::Config::default()
-        });
+        let idem = Idem::from_arc(store)
+            .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
         let server = Arc::new(
             serve(pay_app(
                 &runs,

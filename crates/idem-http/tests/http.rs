@@ -488,10 +488,8 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
     let store = MemoryStore::new();
-    let idem = Idem::new(store.clone()).with_config(idem_core::Config {
-        lease: Duration::from_millis(300),
-        ..idem_core::Config::default()
-    });
+    let idem = Idem::new(store.clone())
+        .with_config(idem_core::Config::default().with_lease(Duration::from_millis(300)));
     let server = Arc::new(
         serve(pay_app(
             &runs,

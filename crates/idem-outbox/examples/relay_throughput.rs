@@ -116,10 +116,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect()
         .await?;
     let tiered = Arc::new(TieredStore::new(redis.clone(), pg.clone()));
-    let config = RelayConfig {
-        batch: args.batch,
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::default().with_batch(args.batch);
     let relays: Vec<Relay> = (0..args.relays)
         .map(|_| Relay::new(relay_pg.clone(), redis.clone()).with_config(config.clone()))
         .collect();

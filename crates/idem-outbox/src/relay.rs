@@ -18,7 +18,9 @@ use tokio::time::{sleep, Instant};
 use crate::tiered::CHANNEL;
 
 /// Settings of a [`Relay`]. Every field has a documented default.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct RelayConfig {
     /// Outbox rows claimed, applied and deleted per transaction. Default: 500 (0 counts
     /// as 1).

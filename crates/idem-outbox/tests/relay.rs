@@ -64,12 +64,9 @@ mod relay {
 
     async fn redis_store(url: &str, prefix: &str) -> RedisStore {
         RedisStore::builder(url)
-            .with_config(RedisConfig {
-                // No reconnection attempts inside a call: with Redis down (the outage test),
-                // every call fails at once instead of after a few paced retries.
-                reconnect_retries: 0,
-                ..RedisConfig::default()
-            })
+            // No reconnection attempts inside a call: with Redis down (the outage test),
+            // every call fails at once instead of after a few paced retries.
+            .with_config(RedisConfig::default().with_reconnect_retries(0))
             .with_prefix(prefix)
             .with_timeouts(Duration::from_secs(1), Duration::from_secs(10))
             .with_call_timeout(Duration::from_secs(15))
@@ -231,12 +228,10 @@ mod relay {
     }
 
     fn fast() -> RelayConfig {
-        RelayConfig {
-            poll_interval: Duration::from_millis(50),
-            outage_backoff_cap: Duration::from_millis(500),
-            gauge_interval: Duration::from_millis(100),
-            ..RelayConfig::default()
-        }
+        RelayConfig::default()
+            .with_poll_interval(Duration::from_millis(50))
+            .with_outage_backoff_cap(Duration::from_millis(500))
+            .with_gauge_interval(Duration::from_millis(100))
     }
 
     async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
@@ -403,12 +398,7 @@ mod relay {
         let env = Arc::new(env);
         let (stop, stopped) = watch::channel(false);
         let relays: Vec<Relay> = (0..4)
-            .map(|_| {
-                env.relay(RelayConfig {
-                    batch: 25,
-                    ..fast()
-                })
-            })
+            .map(|_| env.relay(RelayConfig::default().with_batch(25)))
             .collect();
         let workers: Vec<_> = relays
             .iter()
@@ -468,12 +458,12 @@ mod relay {
         .await
         .expect("insert a corrupt row");
 
-        let relay = env.relay(RelayConfig {
-            max_tries: 3,
-            backoff_base: Duration::from_millis(20),
-            backoff_cap: Duration::from_millis(40),
-            ..fast()
-        });
+        let relay = env.relay(
+            RelayConfig::default()
+                .with_max_tries(3)
+                .with_backoff_base(Duration::from_millis(20))
+                .with_backoff_cap(Duration::from_millis(40)),
+        );
         let first = relay.relay_batch().await.expect("batch");
         assert_eq!((first.claimed, first.relayed, first.failed), (2, 1, 1));
         env.assert_in_redis(1).await;
@@ -561,10 +551,7 @@ mod relay {
         let env = Arc::new(env);
         const ROWS: usize = 800;
         env.commit_many(0..ROWS, 8).await;
-        let relay = env.relay(RelayConfig {
-            batch: 10,
-            ..fast()
-        });
+        let relay = env.relay(RelayConfig::default().with_batch(10));
         let (stop, mut stopped) = watch::channel(false);
         let worker = {
             let relay = relay.clone();

@@ -154,7 +154,7 @@
 //! // Either by hand, from a scheduler of your own:
 //! while store.purge_expired(1000).await? == 1000 {}
 //! // or in the background:
-//! let purge = store.spawn_purge(PurgeConfig { interval: Duration::from_secs(30), ..Default::default() });
+//! let purge = store.spawn_purge(PurgeConfig::default().with_interval(Duration::from_secs(30)));
 //! // ... at shutdown:
 //! purge.shutdown().await;
 //! # Ok(()) }

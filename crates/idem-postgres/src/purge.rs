@@ -8,7 +8,9 @@ use tokio::task::JoinHandle;
 use crate::store::PgStore;
 
 /// Settings of the purge task. Every field has a documented default.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct PurgeConfig {
     /// The pause between two rounds. Default: 60 s.
     pub interval: Duration,

@@ -459,13 +459,12 @@ impl Store for PgStore {
             let n: i64 = row.try_get(column).map_err(error::map)?;
             Ok(u64::try_from(n).unwrap_or(0))
         };
-        Ok(Stats {
-            in_flight: count("in_flight")?,
-            expired_leases: count("expired_leases")?,
-            stuck: count("stuck")?,
-            succeeded: count("succeeded")?,
-            failed: count("failed")?,
-        })
+        Ok(Stats::default()
+            .with_in_flight(count("in_flight")?)
+            .with_expired_leases(count("expired_leases")?)
+            .with_stuck(count("stuck")?)
+            .with_succeeded(count("succeeded")?)
+            .with_failed(count("failed")?))
     }
 }
 

@@ -8,16 +8,20 @@ use std::time::Duration;
 /// use std::time::Duration;
 /// use idem_redis::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 ///
-/// let config = RedisConfig {
-///     prefix: "payments:".into(),
-///     body: BodyLimit { max_bytes: 256 * 1024, oversize: OversizeBody::Refuse },
-///     eviction: EvictionCheck::Refuse,
-///     durability: Some(Durability { replicas: 1, timeout: Duration::from_millis(100) }),
-///     ..RedisConfig::default()
-/// };
+/// let config = RedisConfig::default()
+///     .with_prefix("payments:".to_owned())
+///     .with_body(
+///         BodyLimit::default()
+///             .with_max_bytes(256 * 1024)
+///             .with_oversize(OversizeBody::Refuse),
+///     )
+///     .with_eviction(EvictionCheck::Refuse)
+///     .with_durability(Some(Durability::new(1, Duration::from_millis(100))));
 /// assert_eq!(config.connect_timeout, Duration::from_secs(1));
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct RedisConfig {
     /// Put in front of every key, to share a Redis with other data. It must not contain `{`
     /// or `}` (they would change the keys' hash slot). Default: `"idem:"`.
@@ -63,7 +67,9 @@ impl Default for RedisConfig {
 /// The largest body a completed record keeps as it is, and what happens to a bigger one.
 ///
 /// The limit is on the body only; status and headers are always kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct BodyLimit {
     /// Bodies up to this many bytes are stored as they are. Default: 1 MiB.
     pub max_bytes: usize,
@@ -82,6 +88,7 @@ impl Default for BodyLimit {
 
 /// What happens to a body over [`BodyLimit::max_bytes`] when a record is completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum OversizeBody {
     /// Compress it with LZ4; if it is still over the limit, refuse it as
     /// [`OversizeBody::Refuse`] does. Retries get the original bytes back. The default.
@@ -101,6 +108,7 @@ pub enum OversizeBody {
 /// lets a retry run the work a second time. With `noeviction` a full server refuses writes
 /// instead, which the store reports as [`idem_core::Error::Unavailable`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum EvictionCheck {
     /// Log a `tracing` warning when the policy evicts (or cannot be read), and go on. The
     /// default.
@@ -130,11 +138,20 @@ pub enum EvictionCheck {
 /// disk; an acknowledged write can still be lost. And `WAIT` blocks the connection it is sent
 /// on: other calls multiplexed on it queue behind it until the replicas answer or the
 /// timeout passes. For a guarantee, make the database the arbiter (the outbox pattern).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
 pub struct Durability {
     /// How many replicas must acknowledge. 0 turns the wait off.
     pub replicas: u32,
     /// How long to wait for them (at least 1 ms; shorter than
     /// [`RedisConfig::response_timeout`]).
     pub timeout: Duration,
+}
+
+impl Durability {
+    /// Waits for `replicas` to acknowledge each write, at most `timeout`.
+    pub fn new(replicas: u32, timeout: Duration) -> Self {
+        Self { replicas, timeout }
+    }
 }

@@ -157,13 +157,12 @@ mod tests {
         count(&mut stats, b"garbage", 0, 0);
         assert_eq!(
             stats,
-            Stats {
-                in_flight: 1,
-                expired_leases: 2,
-                stuck: 1,
-                succeeded: 1,
-                failed: 1
-            }
+            Stats::default()
+                .with_in_flight(1)
+                .with_expired_leases(2)
+                .with_stuck(1)
+                .with_succeeded(1)
+                .with_failed(1)
         );
     }
 }

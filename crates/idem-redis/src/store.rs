@@ -54,6 +54,7 @@ macro_rules! call {
 
 /// What [`RedisStore::apply_completion`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Applied {
     /// The completion was written.
     Written,

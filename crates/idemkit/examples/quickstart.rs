@@ -14,10 +14,8 @@ use idemkit::{
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Duplicates wait up to 2 s for the first caller's result instead of getting "in flight".
-    let idem = Idem::new(MemoryStore::new()).with_config(Config {
-        wait: Some(Duration::from_secs(2)),
-        ..Config::default()
-    });
+    let idem = Idem::new(MemoryStore::new())
+        .with_config(Config::default().with_wait(Duration::from_secs(2)));
     let charges = Arc::new(AtomicUsize::new(0));
     let id = RecordId::new(Scope::new("customer-42")?, Key::new("7c1e-charge")?);
     let fingerprint = |body: &str| -> Result<Fingerprint, idemkit::JsonError> {

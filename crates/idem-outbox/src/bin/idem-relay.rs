@@ -210,14 +210,12 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
     let pg = pg_store(&args.pg).await?;
     // Safe while other instances migrate too.
     pg.migrate().await?;
-    let config = RelayConfig {
-        batch: args.batch,
-        poll_interval: Duration::from_millis(args.poll_ms),
-        max_tries: args.max_tries,
-        backoff_base: Duration::from_millis(args.backoff_ms),
-        backoff_cap: Duration::from_millis(args.backoff_cap_ms),
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::default()
+        .with_batch(args.batch)
+        .with_poll_interval(Duration::from_millis(args.poll_ms))
+        .with_max_tries(args.max_tries)
+        .with_backoff_base(Duration::from_millis(args.backoff_ms))
+        .with_backoff_cap(Duration::from_millis(args.backoff_cap_ms));
     let relay = Relay::new(pg, redis).with_config(config);
 
     if let Some(listener) = metrics {
