@@ -46,7 +46,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Reports what the layer did with a guarded request: to the observer, to the request's
+    /// span (`outcome`), and as the `idem_http_requests_total` counter.
     pub(crate) fn observe(&self, outcome: Outcome) {
+        tracing::Span::current().record("outcome", outcome.as_str());
+        metrics::counter!("idem_http_requests_total", "outcome" => outcome.as_str()).increment(1);
         if let Some(observer) = &self.observer {
             observer(outcome);
         }

@@ -12,6 +12,7 @@ use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, Record, RecordId,
     RecordState, Replay, Scope,
@@ -19,6 +20,8 @@ use idem_core::{
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tower_service::Service;
+use tracing::field::Empty;
+use tracing::Instrument;
 
 use crate::body::{Broken, Buffered, Prefixed, RequestBody, ResponseBody};
 use crate::config::{Config, MissingKey, Unstored};
@@ -87,7 +90,32 @@ where
         // request, and a fresh clone (not yet ready) stays behind for the next `poll_ready`.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(handle(self.shared.clone(), inner, req))
+        let span = if self.shared.config.methods.contains(req.method()) {
+            // Stable field names for log searches; the key only ever as its hash.
+            tracing::info_span!(
+                "idem.http",
+                method = %req.method(),
+                path = req.uri().path(),
+                scope = Empty,
+                key_hash = Empty,
+                attempt = Empty,
+                outcome = Empty,
+                status = Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        let shared = self.shared.clone();
+        ResponseFuture::new(
+            async move {
+                let out = handle(shared, inner, req).await;
+                if let Ok(response) = &out {
+                    tracing::Span::current().record("status", response.status().as_u16());
+                }
+                out
+            }
+            .instrument(span),
+        )
     }
 }
 
@@ -159,6 +187,9 @@ where
         .and_then(|scope| scope(&parts))
         .unwrap_or_else(Scope::global);
     let id = RecordId::new(scope, key);
+    let span = tracing::Span::current();
+    span.record("scope", tracing::field::display(id.scope()));
+    span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
     let fingerprint = fingerprint(config, &parts, &bytes);
 
     let lease = match shared.idem.begin(&id, fingerprint).await {
@@ -189,7 +220,7 @@ where
             return Ok(refuse(&shared, Outcome::Mismatch, problem));
         }
         Err(e) if e.is_retryable() && config.fail_open => {
-            tracing::warn!(error = %e, key = %id, "idempotency store unavailable; failing open");
+            tracing::warn!(error = %e, "idempotency store unavailable; failing open");
             shared.observe(Outcome::Unguarded);
             let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
             return pass(inner, req).await;
@@ -208,7 +239,12 @@ where
         id,
         attempt: lease.attempt(),
     });
+    span.record("attempt", lease.attempt());
+    let started = Instant::now();
     let (lease, output) = run(&shared, &mut inner, req, lease).await;
+    metrics::histogram!("idem_http_handler_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
+
     match output {
         Ok(Ok(response)) => Ok(settle(&shared, lease, response).await),
         Ok(Err(e)) => {
@@ -469,11 +505,11 @@ async fn heartbeat(idem: &Idem, current: &Mutex<Lease>) {
         match idem.extend(&lease).await {
             Ok(renewed) => *current.lock().unwrap_or_else(PoisonError::into_inner) = renewed,
             Err(Error::LeaseLost) => {
-                tracing::warn!(key = %lease.id(), "lease lost while the handler ran");
+                tracing::warn!("lease lost while the handler ran");
                 return;
             }
             // The store may be back by the next beat; the lease still runs meanwhile.
-            Err(e) => tracing::warn!(key = %lease.id(), error = %e, "lease renewal failed"),
+            Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
         }
     }
 }
@@ -483,7 +519,7 @@ async fn heartbeat(idem: &Idem, current: &Mutex<Lease>) {
 /// never runs the work twice at once.
 async fn release(idem: &Idem, lease: &Lease, why: &str) {
     if let Err(e) = idem.release(lease).await {
-        tracing::warn!(key = %lease.id(), error = %e, "could not release the key after {why}");
+        tracing::warn!(error = %e, "could not release the key after {why}");
     }
 }
 
@@ -537,7 +573,7 @@ where
         };
 
     if oversize {
-        tracing::warn!(key = %lease.id(), limit, "response too large to store; sent unstored");
+        tracing::warn!(limit, "response too large to store; sent unstored");
         if config.unstored == Unstored::Release {
             release(&shared.idem, &lease, "a response too large to store").await;
         }
@@ -576,12 +612,12 @@ where
             // Another request took the key over after this lease expired (or an operator
             // evicted it): nothing of ours can be stored, and this response is the truth
             // for this request.
-            tracing::warn!(key = %lease.id(), "lease lost before the response was stored");
+            tracing::warn!("lease lost before the response was stored");
             shared.observe(Outcome::NotStored);
             send(parts, bytes)
         }
         Err(e) => {
-            tracing::warn!(key = %lease.id(), error = %e, "storing the response failed; retrying");
+            tracing::warn!(error = %e, "storing the response failed; retrying");
             if store_later(shared, lease, stored).await {
                 shared.observe(Outcome::Executed);
                 send(parts, bytes)
@@ -620,7 +656,7 @@ async fn store_later(shared: &Shared, lease: Lease, response: idem_core::Respons
                 // stored), or an earlier write of ours landed though its answer was lost.
                 Err(Error::LeaseLost) => break holds(&idem, &lease, &response).await,
                 Err(e) if Instant::now() >= give_up => {
-                    tracing::error!(key = %lease.id(), error = %e,
+                    tracing::error!(error = %e,
                         "gave up storing a response; a retry after the lease expires runs the handler again");
                     break false;
                 }
@@ -629,7 +665,8 @@ async fn store_later(shared: &Shared, lease: Lease, response: idem_core::Respons
         };
         // The waiter may have given up already; the record is what counts.
         let _ = done.send(outcome);
-    });
+    }
+    .instrument(tracing::Span::current()));
     matches!(tokio::time::timeout(within, stored).await, Ok(Ok(true)))
 }
 
