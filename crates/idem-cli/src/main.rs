@@ -11,7 +11,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use idem_core::telemetry::LATENCY_BUCKETS;
 use idem_core::{Key, RecordId, Scope};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 mod ops;
 mod serve;
@@ -29,6 +31,34 @@ use store::StoreUrl;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log lines on stderr look: `text`, or `json` (one object a line, for a log
+    /// pipeline). Which lines: `RUST_LOG` (default `info` for `serve`, `warn` otherwise).
+    #[arg(
+        long,
+        global = true,
+        env = "IDEM_LOG_FORMAT",
+        default_value = "text",
+        value_parser = ["text", "json"]
+    )]
+    log_format: String,
+}
+
+/// Installs the log subscriber: lines on stderr, filtered by `RUST_LOG` (else `default`),
+/// as text or JSON.
+fn init_logs(format: &str, default: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // Another subscriber already installed (never in this binary) is not worth a panic.
+    let _ = if format == "json" {
+        builder.json().try_init()
+    } else {
+        builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init()
+    };
 }
 
 #[derive(Debug, Subcommand)]
@@ -156,6 +186,12 @@ impl From<std::io::Error> for CliError {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let default_level = match cli.command {
+        // sqlx reports every statement at info: its warnings are enough.
+        Command::Serve(_) => "info,sqlx=warn",
+        _ => "warn",
+    };
+    init_logs(&cli.log_format, default_level);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -188,10 +224,21 @@ async fn run(command: Command) -> Result<String, CliError> {
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| CliError::Usage(format!("cannot listen on {}: {e}", args.listen)))?;
+            let exporter = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
+                .and_then(|builder| builder.install_recorder())
+                .map_err(|e| CliError::Io(std::io::Error::other(format!("metrics: {e}"))))?;
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
                 store: url.to_string(),
+                exporter: Some(exporter),
             };
+            tracing::info!(
+                store = %options.store,
+                listen = %args.listen,
+                wait_ms = args.wait_ms,
+                "idem serve starting"
+            );
             serve::run(listener, store, &options, shutdown_signal()).await?;
             Ok("idem demo: stopped\n".into())
         }

@@ -6,13 +6,12 @@
 //!   handler take that long, to show races.
 //! - `GET /payments/{id}` reads one of the caller's payments; `GET /payments` lists them,
 //!   so anyone can count how many times the side effect really ran.
-//! - `GET /metrics`: Prometheus text, guarded requests by outcome.
+//! - `GET /metrics`: Prometheus text of every metric the process records (requests by
+//!   outcome, handler and store latency, payments created), from
+//!   `metrics-exporter-prometheus`.
 
-use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -24,7 +23,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use idem_core::{Idem, Scope, Store};
-use idem_http::{Config, IdempotencyLayer, MissingKey, Outcome};
+use idem_http::{Config, IdempotencyLayer, MissingKey};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 
 /// The header that makes the handler sleep, to show races.
@@ -44,31 +44,14 @@ pub struct Payment {
     owner: String,
 }
 
-/// The demo's state: its payments and its counters.
+/// The demo's state: its payments, and the exporter `/metrics` renders.
 #[derive(Debug, Default)]
 pub struct Demo {
     payments: Mutex<Vec<Payment>>,
-    outcomes: HashMap<&'static str, AtomicU64>,
-    created: AtomicU64,
+    exporter: Option<PrometheusHandle>,
 }
 
 impl Demo {
-    fn new() -> Self {
-        Self {
-            outcomes: Outcome::ALL
-                .iter()
-                .map(|o| (o.as_str(), AtomicU64::new(0)))
-                .collect(),
-            ..Self::default()
-        }
-    }
-
-    fn count(&self, outcome: Outcome) {
-        if let Some(counter) = self.outcomes.get(outcome.as_str()) {
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
     fn payments(&self) -> std::sync::MutexGuard<'_, Vec<Payment>> {
         self.payments.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -82,19 +65,22 @@ pub struct Options {
     pub wait: Option<Duration>,
     /// The store as printed at start-up: its URL without the password.
     pub store: String,
+    /// What `GET /metrics` renders; without one it answers 404.
+    pub exporter: Option<PrometheusHandle>,
 }
 
 /// The demo's router over `store`.
 pub fn app(store: Arc<dyn Store>, options: &Options) -> Router {
-    let demo = Arc::new(Demo::new());
+    let demo = Arc::new(Demo {
+        exporter: options.exporter.clone(),
+        ..Demo::default()
+    });
     let mut config = idem_core::Config::default();
     config.wait = options.wait;
     let idem = Idem::from_arc(store).with_config(config);
-    let counter = demo.clone();
     let layer = IdempotencyLayer::new(idem)
         .with_config(Config::default().with_missing_key(MissingKey::Reject))
-        .with_scope(|parts| caller(&parts.headers).and_then(|name| Scope::new(name).ok()))
-        .with_observer(move |outcome| counter.count(outcome));
+        .with_scope(|parts| caller(&parts.headers).and_then(|name| Scope::new(name).ok()));
 
     // Only the payment routes are guarded: /metrics stays readable when the store is down.
     let payments = Router::new()
@@ -250,7 +236,7 @@ async fn create_payment(
         owner,
     };
     demo.payments().push(payment.clone());
-    demo.created.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!("idem_demo_payments_created_total").increment(1);
 
     let location = format!("/payments/{}", payment.id);
     let mut response = (StatusCode::CREATED, Json(&payment)).into_response();
@@ -326,28 +312,15 @@ async fn list_payments(State(demo): State<Arc<Demo>>, headers: HeaderMap) -> Res
 }
 
 async fn metrics(State(demo): State<Arc<Demo>>) -> Response {
-    let mut out = String::new();
-    out.push_str(
-        "# HELP idem_requests_total Guarded requests by what the idempotency layer did.\n\
-         # TYPE idem_requests_total counter\n",
-    );
-    for outcome in Outcome::ALL {
-        let n = demo
-            .outcomes
-            .get(outcome.as_str())
-            .map_or(0, |c| c.load(Ordering::Relaxed));
-        let _ = writeln!(out, "idem_requests_total{{outcome=\"{outcome}\"}} {n}");
-    }
-    out.push_str(
-        "# HELP idem_demo_payments_created_total Payments created: runs of the side effect.\n\
-         # TYPE idem_demo_payments_created_total counter\n",
-    );
-    let _ = writeln!(
-        out,
-        "idem_demo_payments_created_total {}",
-        demo.created.load(Ordering::Relaxed)
-    );
-    let mut response = Response::new(Body::from(out));
+    let Some(exporter) = &demo.exporter else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not found",
+            "no metrics exporter in this process",
+        );
+    };
+    let mut response = Response::new(Body::from(exporter.render()));
     response.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

@@ -246,7 +246,7 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     let metrics = call(&client, "GET", &format!("{}/metrics", served.base), &[], "").await;
     let text = String::from_utf8(metrics.body.to_vec()).unwrap();
     let metric = |outcome: &str| -> u64 {
-        let prefix = format!("idem_requests_total{{outcome=\"{outcome}\"}} ");
+        let prefix = format!("idem_http_requests_total{{outcome=\"{outcome}\"}} ");
         text.lines()
             .find_map(|l| l.strip_prefix(&prefix))
             .unwrap_or_else(|| panic!("no {outcome} in {text}"))

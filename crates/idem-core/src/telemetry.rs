@@ -29,6 +29,7 @@
 //! Bodies, fingerprints and keys are never recorded.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,6 +75,12 @@ impl fmt::Debug for KeyHash {
     }
 }
 
+/// Histogram buckets, in seconds, for the `_seconds` histograms: 0.5 ms to 10 s. A binary
+/// that installs a Prometheus exporter gives them to it (the library picks no exporter).
+pub const LATENCY_BUCKETS: [f64; 13] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
 /// The name an outcome or error goes by in spans and metrics.
 fn begin_outcome(answer: &Begin) -> &'static str {
     match answer {
@@ -100,10 +107,15 @@ pub fn error_kind(e: &Error) -> &'static str {
 /// A [`Store`] that reports every call of the store it wraps (see the [module](self)).
 /// [`crate::Idem`] puts one around its store; wrap a store yourself only when calling it
 /// without an `Idem`.
+///
+/// It also logs the store's outages once each: a `WARN` when a call finds the store
+/// unavailable after it answered, an `INFO` when it answers again.
 #[derive(Debug, Clone)]
 pub struct Instrumented {
     inner: Arc<dyn Store>,
     timeout: Option<Duration>,
+    /// Whether the last call found the store unavailable (shared by clones).
+    down: Arc<AtomicBool>,
 }
 
 impl Instrumented {
@@ -112,6 +124,7 @@ impl Instrumented {
         Self {
             inner,
             timeout: None,
+            down: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -184,6 +197,18 @@ impl Instrumented {
                 error_kind(e)
             }
         };
+        match &result {
+            Err(e @ Error::Unavailable { .. }) => {
+                if !self.down.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(store, error = %e, "idempotency store unavailable: guarded work is refused until it answers");
+                }
+            }
+            _ => {
+                if self.down.swap(false, Ordering::Relaxed) {
+                    tracing::info!(store, "idempotency store answers again");
+                }
+            }
+        }
         span.record("outcome", outcome);
         span.record("elapsed_us", micros(elapsed));
         metrics::counter!("idem_store_calls_total", "store" => store, "op" => op, "outcome" => outcome)

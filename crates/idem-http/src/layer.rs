@@ -61,6 +61,12 @@ impl IdempotencyLayer {
     /// A layer over `idem` with the default [`Config`], every request in the global scope,
     /// and no observer.
     pub fn new(idem: Idem) -> Self {
+        // Every outcome's series exists from the start (at 0), so a rate or an alert on it
+        // sees the series before the first event.
+        for outcome in Outcome::ALL {
+            metrics::counter!("idem_http_requests_total", "outcome" => outcome.as_str())
+                .increment(0);
+        }
         Self {
             shared: Arc::new(Shared {
                 idem,

@@ -66,7 +66,7 @@ fn requests_are_counted_by_outcome_and_the_handler_timed() {
         let key = key.key().clone();
         let labels: Vec<String> = key.labels().map(|l| l.value().to_owned()).collect();
         match value {
-            DebugValue::Counter(n) if key.name().starts_with("idem_http") => {
+            DebugValue::Counter(n) if key.name().starts_with("idem_http") && n > 0 => {
                 counters.push(format!("{} {} {n}", key.name(), labels.join(",")));
             }
             DebugValue::Histogram(values) if key.name() == "idem_http_handler_duration_seconds" => {
@@ -76,6 +76,7 @@ fn requests_are_counted_by_outcome_and_the_handler_timed() {
         }
     }
     counters.sort();
+    // Every outcome is registered (at 0) when the layer is built; two of them moved.
     assert_eq!(
         counters,
         [

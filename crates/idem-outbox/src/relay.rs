@@ -1,6 +1,5 @@
 //! [`Relay`]: the worker that copies committed completions from the outbox table into Redis.
 
-use std::fmt::{self, Write as _};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -126,69 +125,6 @@ pub struct RelayMetrics {
     pub backlog: u64,
     /// Age in seconds of the oldest row waiting to be relayed (0 when none), as last read.
     pub lag_seconds: f64,
-}
-
-impl RelayMetrics {
-    /// The metrics in the Prometheus text exposition format (version 0.0.4), each labelled
-    /// with the outbox's `schema`.
-    pub fn to_prometheus(&self, schema: &str) -> String {
-        let schema = schema.replace('\\', "\\\\").replace('"', "\\\"");
-        let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, value: &dyn fmt::Display| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            let _ = writeln!(out, "{name}{{schema=\"{schema}\"}} {value}");
-        };
-        metric(
-            "idem_relay_relayed_total",
-            "counter",
-            "Outbox rows applied to Redis and deleted by this relay.",
-            &self.relayed_total,
-        );
-        metric(
-            "idem_relay_expired_total",
-            "counter",
-            "Outbox rows deleted unapplied because their record had expired.",
-            &self.expired_total,
-        );
-        metric(
-            "idem_relay_failed_total",
-            "counter",
-            "Failed applications of single outbox rows (retried with backoff).",
-            &self.failed_total,
-        );
-        metric(
-            "idem_relay_dead_marked_total",
-            "counter",
-            "Outbox rows this relay marked dead after the maximum tries.",
-            &self.dead_marked_total,
-        );
-        metric(
-            "idem_relay_outages_total",
-            "counter",
-            "Batches rolled back because Redis or PostgreSQL was unavailable.",
-            &self.outages_total,
-        );
-        metric(
-            "idem_relay_dead",
-            "gauge",
-            "Dead outbox rows waiting for an operator (idem-relay dead list / retry).",
-            &self.dead,
-        );
-        metric(
-            "idem_relay_backlog",
-            "gauge",
-            "Outbox rows waiting to be relayed.",
-            &self.backlog,
-        );
-        metric(
-            "idem_relay_lag_seconds",
-            "gauge",
-            "Age of the oldest outbox row waiting to be relayed.",
-            &self.lag_seconds,
-        );
-        out
-    }
 }
 
 #[derive(Debug, Default)]
@@ -535,6 +471,11 @@ impl Relay {
         c.backlog.store(gauges.backlog, Ordering::Relaxed);
         c.dead.store(gauges.dead, Ordering::Relaxed);
         c.lag.store(gauges.lag_seconds.to_bits(), Ordering::Relaxed);
+        let schema = self.pg.schema().to_owned();
+        metrics::gauge!("idem_relay_backlog", "schema" => schema.clone())
+            .set(gauges.backlog as f64);
+        metrics::gauge!("idem_relay_dead", "schema" => schema.clone()).set(gauges.dead as f64);
+        metrics::gauge!("idem_relay_lag_seconds", "schema" => schema).set(gauges.lag_seconds);
         Ok(self.metrics())
     }
 
@@ -547,6 +488,17 @@ impl Relay {
     /// back full.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let schema = self.pg.schema().to_owned();
+        // Every counter exists from the start (at 0), so a dashboard or an alert on a rate
+        // sees the series before the first event.
+        for name in [
+            "idem_relay_relayed_total",
+            "idem_relay_expired_total",
+            "idem_relay_failed_total",
+            "idem_relay_dead_marked_total",
+            "idem_relay_outages_total",
+        ] {
+            metrics::counter!(name, "schema" => schema.clone()).increment(0);
+        }
         tokio::pin!(shutdown);
         // Set once `shutdown` resolved (a finished future must not be polled again).
         let mut stopping = false;
@@ -601,6 +553,8 @@ impl Relay {
                         // the batch was rolled back, its rows are untouched. Pause the whole
                         // worker, doubling up to the cap, instead of burning tries.
                         self.counters.outages.fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!("idem_relay_outages_total", "schema" => schema.clone())
+                            .increment(1);
                         if error.is_retryable() {
                             tracing::warn!(schema = %schema, %error, pause = ?outage_pause, "idem relay: store unavailable, batch rolled back; backing off");
                         } else {
@@ -789,11 +743,16 @@ impl Relay {
         // fails, the rows come back and are applied again (idempotently).
         tx.commit().await.map_err(map_error)?;
         let c = &self.counters;
-        c.relayed.fetch_add(batch.relayed as u64, Ordering::Relaxed);
-        c.expired.fetch_add(batch.expired as u64, Ordering::Relaxed);
-        c.failed.fetch_add(batch.failed as u64, Ordering::Relaxed);
-        c.dead_marked
-            .fetch_add(batch.dead as u64, Ordering::Relaxed);
+        let schema = self.pg.schema().to_owned();
+        for (counter, name, n) in [
+            (&c.relayed, "idem_relay_relayed_total", batch.relayed),
+            (&c.expired, "idem_relay_expired_total", batch.expired),
+            (&c.failed, "idem_relay_failed_total", batch.failed),
+            (&c.dead_marked, "idem_relay_dead_marked_total", batch.dead),
+        ] {
+            counter.fetch_add(n as u64, Ordering::Relaxed);
+            metrics::counter!(name, "schema" => schema.clone()).increment(n as u64);
+        }
         Ok(batch)
     }
 
@@ -948,25 +907,5 @@ mod tests {
         assert_eq!(config.backoff(3), Duration::from_millis(800));
         assert_eq!(config.backoff(4), Duration::from_secs(1));
         assert_eq!(config.backoff(u32::MAX), Duration::from_secs(1));
-    }
-
-    #[test]
-    fn prometheus_text_names_every_metric() {
-        let metrics = RelayMetrics {
-            relayed_total: 7,
-            backlog: 3,
-            lag_seconds: 1.5,
-            ..RelayMetrics::default()
-        };
-        let text = metrics.to_prometheus("app\"x");
-        assert!(text.contains("idem_relay_relayed_total{schema=\"app\\\"x\"} 7\n"));
-        assert!(text.contains("idem_relay_backlog{schema=\"app\\\"x\"} 3\n"));
-        assert!(text.contains("idem_relay_lag_seconds{schema=\"app\\\"x\"} 1.5\n"));
-        for name in ["failed_total", "dead", "expired_total", "outages_total"] {
-            assert!(
-                text.contains(&format!("# TYPE idem_relay_{name} ")),
-                "{name}"
-            );
-        }
     }
 }

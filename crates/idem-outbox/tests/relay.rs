@@ -701,7 +701,10 @@ mod relay {
                     .await
                     .expect("connect to the metrics endpoint");
                 stream
-                    .write_all(format!("GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n").as_bytes())
+                    .write_all(
+                        format!("GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+                            .as_bytes(),
+                    )
                     .await
                     .expect("send");
                 let mut response = String::new();
@@ -726,7 +729,9 @@ mod relay {
             sleep(Duration::from_millis(50)).await;
         };
         assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
-        assert!(response.contains("Content-Type: text/plain; version=0.0.4"));
+        assert!(response
+            .to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"));
         let schema = env.pg.schema();
         for (name, value) in [
             ("idem_relay_relayed_total", "1"),

@@ -196,6 +196,44 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// Whether every primary persists nothing: no append-only file (`INFO persistence`) and
+    /// no RDB save points (`CONFIG GET save`). `false` when it cannot be told (a managed
+    /// service that refuses `CONFIG`).
+    pub(crate) async fn persists_nothing(&mut self) -> Result<bool, redis::RedisError> {
+        let all_masters = || RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+        let mut info = redis::cmd("INFO");
+        info.arg("persistence");
+        let mut save = redis::cmd("CONFIG");
+        save.arg("GET").arg("save");
+        let (info, save) = match self {
+            Self::Standalone(manager) => (
+                info.query_async::<Value>(manager).await?,
+                save.query_async::<Value>(manager).await,
+            ),
+            Self::Cluster(cluster) => (
+                cluster.route_command(info, all_masters()).await?,
+                cluster.route_command(save, all_masters()).await,
+            ),
+        };
+        let Ok(save) = save else {
+            return Ok(false);
+        };
+        let mut texts = Vec::new();
+        collect_text(info, &mut texts);
+        let aof_off = texts
+            .iter()
+            .flat_map(|text| text.lines())
+            .filter_map(|line| line.strip_prefix("aof_enabled:"))
+            .all(|v| v.trim() == "0");
+        let mut saves = Vec::new();
+        collect_text(save, &mut saves);
+        // CONFIG GET answers [name, value] pairs: every value must be empty.
+        let no_snapshots = saves.iter().all(|v| v == "save" || v.trim().is_empty());
+        Ok(aof_off && no_snapshots && !texts.is_empty())
+    }
+}
+
 /// A server to send a command to: the one server, or a cluster primary.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Node {

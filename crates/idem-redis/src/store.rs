@@ -583,6 +583,15 @@ async fn check_eviction(conn: &mut Conn, check: EvictionCheck) -> Result<(), Err
             "REDIS MAY EVICT IDEMPOTENCY RECORDS: {error}"
         );
     }
+    match conn.persists_nothing().await {
+        Ok(true) => tracing::warn!(
+            "REDIS PERSISTS NOTHING (no AOF, no RDB save points): a restart of it forgets every \
+             record, and retries of completed keys run their work again; turn on \
+             `appendonly yes`, or use the tiered store (PostgreSQL the arbiter)"
+        ),
+        Ok(false) => {}
+        Err(e) => tracing::debug!(error = %e, "could not read redis persistence settings"),
+    }
     Ok(())
 }
 

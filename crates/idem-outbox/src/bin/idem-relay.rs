@@ -6,16 +6,16 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use idem_core::telemetry::LATENCY_BUCKETS;
 use idem_core::Error;
 use idem_outbox::{Outbox, Relay, RelayConfig};
 use idem_postgres::PgStore;
 use idem_redis::RedisStore;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
@@ -159,6 +159,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// Installs the Prometheus recorder for this process's metrics (the relay's and the stores'):
+/// latency histograms get [`LATENCY_BUCKETS`].
+fn exporter() -> Result<PrometheusHandle, Failure> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
+        .and_then(|builder| builder.install_recorder())
+        .map_err(|e| Failure::Store(format!("metrics recorder: {e}")))
+}
+
 async fn pg_store(args: &PgArgs) -> Result<PgStore, Failure> {
     if !args.database_url.starts_with("postgres://")
         && !args.database_url.starts_with("postgresql://")
@@ -224,7 +233,7 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
             .map_err(|e| Failure::Store(format!("metrics listener: {e}")))?;
         // Standard output carries this one line, for scripts and tests that asked for port 0.
         println!("idem-relay: metrics on http://{addr}/metrics");
-        tokio::spawn(serve_metrics(listener, Arc::new(relay.clone())));
+        tokio::spawn(serve_metrics(listener, relay.clone(), exporter()?));
     }
     relay.run(shutdown_signal()).await;
     Ok(())
@@ -303,69 +312,29 @@ async fn shutdown_signal() {
     tracing::info!("signal received: finishing the current batch");
 }
 
-/// A minimal HTTP/1.1 responder: `GET /metrics` answers the Prometheus text; anything else
-/// 404 (or 405 for another method). One request per connection.
-async fn serve_metrics(listener: TcpListener, relay: Arc<Relay>) {
-    loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(answer(stream, relay.clone()));
-            }
-            Err(error) => {
-                // Out of file descriptors and the like: pause rather than spin.
-                tracing::warn!(%error, "metrics listener: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
-async fn answer(mut stream: TcpStream, relay: Arc<Relay>) {
-    // Read the request head, bounded in size and time, and ignore any body.
-    let mut head = Vec::with_capacity(1024);
-    let read = tokio::time::timeout(Duration::from_secs(5), async {
-        let mut buf = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            head.extend_from_slice(&buf[..n]);
-        }
-        Ok::<_, std::io::Error>(())
-    })
-    .await;
-    if !matches!(read, Ok(Ok(()))) {
-        return;
-    }
-    let line = head
-        .split(|b| *b == b'\n')
-        .next()
-        .map(|l| String::from_utf8_lossy(l).trim().to_owned())
-        .unwrap_or_default();
-    let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
-    let (status, body) = match (method, path) {
-        ("GET", "/metrics") => {
-            // Fresh gauges on every scrape; the last ones if PostgreSQL does not answer.
-            let metrics = match relay.observe().await {
-                Ok(m) => m,
-                Err(error) => {
+/// Serves `GET /metrics` on `listener` (axum): the Prometheus text of every metric this
+/// process records, with the relay's gauges read from PostgreSQL first (the last ones when
+/// PostgreSQL does not answer).
+async fn serve_metrics(listener: TcpListener, relay: Relay, exporter: PrometheusHandle) {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let (relay, exporter) = (relay.clone(), exporter.clone());
+            async move {
+                if let Err(error) = relay.observe().await {
                     tracing::warn!(%error, "metrics: gauges not read; serving the last ones");
-                    relay.metrics()
                 }
-            };
-            ("200 OK", metrics.to_prometheus(relay.schema()))
-        }
-        (_, "/metrics") => ("405 Method Not Allowed", "use GET\n".to_owned()),
-        _ => ("404 Not Found", "try /metrics\n".to_owned()),
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    )],
+                    exporter.render(),
+                )
+            }
+        }),
     );
-    let _ = stream.write_all(response.as_bytes()).await;
-    let _ = stream.shutdown().await;
+    if let Err(error) = axum::serve(listener, app).await {
+        tracing::error!(%error, "metrics listener stopped");
+    }
 }
