@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use idem_core::url::{redact, scrub};
 use idem_core::{Error, Store};
 
 use crate::CliError;
@@ -80,61 +81,6 @@ impl fmt::Display for StoreUrl {
     }
 }
 
-/// The parts of `scheme://userinfo@host/path`, when it has a userinfo.
-fn userinfo(url: &str) -> Option<(&str, &str, &str, &str)> {
-    let (scheme, rest) = url.split_once("://")?;
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    let (userinfo, host) = authority.rsplit_once('@')?;
-    Some((scheme, userinfo, host, path))
-}
-
-/// The URLs a store URL holds: both halves of `tiered:<redis>|<postgres>`, else itself.
-fn parts(url: &str) -> Vec<&str> {
-    match url.get(.."tiered:".len()) {
-        Some(head) if head.eq_ignore_ascii_case("tiered:") => {
-            url["tiered:".len()..].split('|').collect()
-        }
-        _ => vec![url],
-    }
-}
-
-/// `scheme://user:secret@host/...` without the secret (each half of a tiered URL).
-fn redact(url: &str) -> String {
-    let redacted: Vec<String> = parts(url).into_iter().map(redact_one).collect();
-    match url.get(.."tiered:".len()) {
-        Some(head) if head.eq_ignore_ascii_case("tiered:") => {
-            format!("{head}{}", redacted.join("|"))
-        }
-        _ => redacted.concat(),
-    }
-}
-
-fn redact_one(url: &str) -> String {
-    match userinfo(url) {
-        Some((scheme, userinfo, host, path)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***@{host}{path}"),
-            None => format!("{scheme}://{userinfo}@{host}{path}"),
-        },
-        None => url.to_owned(),
-    }
-}
-
-/// `text` with every password of `url` replaced by `***`.
-fn scrub(text: &str, url: &str) -> String {
-    let mut text = text.to_owned();
-    for part in parts(url) {
-        if let Some((_, password)) =
-            userinfo(part).and_then(|(_, userinfo, _, _)| userinfo.split_once(':'))
-        {
-            if !password.is_empty() {
-                text = text.replace(password, "***");
-            }
-        }
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,25 +125,10 @@ mod tests {
             url.to_string(),
             "tiered:redis://:***@r:6379|postgres://app:***@db/pay"
         );
-        assert_eq!(
-            scrub(
-                "pw1 and pw2",
-                "tiered:redis://:pw1@r:6379|postgres://app:pw2@db/pay"
-            ),
-            "*** and ***"
-        );
         let Err(CliError::Usage(msg)) = StoreUrl::parse("mysql://root:hunter2@db/x") else {
             panic!("mysql is no store")
         };
         assert!(!msg.contains("hunter2"), "{msg}");
-        assert_eq!(
-            scrub(
-                "cannot connect to redis://:hunter2@h: refused",
-                "redis://:hunter2@h"
-            ),
-            "cannot connect to redis://:***@h: refused"
-        );
-        assert_eq!(scrub("refused", "redis://h"), "refused");
     }
 
     #[tokio::test]

@@ -479,9 +479,9 @@ fn cluster_nodes(rest: &str, tls: bool) -> Result<Vec<String>, Error> {
     let node_scheme = if tls { "rediss://" } else { "redis://" };
     let invalid = |why: &str| {
         Error::Invalid(format!(
-            "redis cluster url {scheme}{}: {why}; expected \
+            "redis cluster url {}: {why}; expected \
              {scheme}[user:password@]host:port[,host:port...]",
-            redact(rest)
+            idem_core::url::redact(&format!("{scheme}{rest}"))
         ))
     };
     let rest = rest.strip_suffix('/').unwrap_or(rest);
@@ -508,14 +508,6 @@ fn cluster_nodes(rest: &str, tls: bool) -> Result<Vec<String>, Error> {
         })
         .collect::<Result<_, _>>()?;
     Ok(nodes)
-}
-
-/// A URL's rest with any password hidden, for error messages.
-fn redact(rest: &str) -> String {
-    match rest.rsplit_once('@') {
-        Some((_, hosts)) => format!("***@{hosts}"),
-        None => rest.to_owned(),
-    }
 }
 
 #[cfg(test)]

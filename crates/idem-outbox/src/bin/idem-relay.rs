@@ -16,9 +16,7 @@ use idem_postgres::PgStore;
 use idem_redis::RedisStore;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
-use tracing_subscriber::filter::Targets;
-use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -82,9 +80,18 @@ struct RunArgs {
     /// a free port, printed on standard output).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
-    /// Log level: error, warn, info, debug or trace.
+    /// Log level: error, warn, info, debug or trace (`RUST_LOG`, when set, filters instead,
+    /// with the same syntax as every tracing-subscriber program).
     #[arg(long, env = "IDEM_RELAY_LOG", default_value = "info")]
     log: tracing::Level,
+    /// How log lines on stderr look: `text`, or `json` (one object a line).
+    #[arg(
+        long,
+        env = "IDEM_LOG_FORMAT",
+        default_value = "text",
+        value_parser = ["text", "json"]
+    )]
+    log_format: String,
 }
 
 #[derive(Debug, Subcommand)]
@@ -183,18 +190,20 @@ async fn pg_store(args: &PgArgs) -> Result<PgStore, Failure> {
 
 async fn run(args: RunArgs) -> Result<(), Failure> {
     // sqlx logs every migration statement's notices at info: keep it to warnings.
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
-        )
-        .with(
-            Targets::new()
-                .with_default(args.log)
-                .with_target("sqlx", args.log.min(tracing::Level::WARN)),
-        )
-        .init();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        let level = args.log;
+        let sqlx = level.min(tracing::Level::WARN);
+        EnvFilter::new(format!("{level},sqlx={sqlx}"))
+    });
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if args.log_format == "json" {
+        logs.json().try_init()
+    } else {
+        logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init()
+    };
     if args.backoff_cap_ms < args.backoff_ms {
         return Err(Failure::Input(format!(
             "--backoff-cap-ms ({}) must not be below --backoff-ms ({})",
@@ -226,6 +235,15 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
         .with_backoff_base(Duration::from_millis(args.backoff_ms))
         .with_backoff_cap(Duration::from_millis(args.backoff_cap_ms));
     let relay = Relay::new(pg, redis).with_config(config);
+    tracing::info!(
+        database = %idem_core::url::redact(&args.pg.database_url),
+        redis = %idem_core::url::redact(&args.redis_url),
+        schema = %args.pg.schema,
+        batch = args.batch,
+        poll_ms = args.poll_ms,
+        max_tries = args.max_tries,
+        "idem-relay starting"
+    );
 
     if let Some(listener) = metrics {
         let addr = listener
