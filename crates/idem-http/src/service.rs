@@ -220,7 +220,7 @@ where
             return Ok(refuse(&shared, Outcome::Mismatch, problem));
         }
         Err(e) if e.is_retryable() && config.fail_open => {
-            tracing::warn!(error = %e, "idempotency store unavailable; failing open");
+            tracing::debug!(error = %e, "idempotency store unavailable; failing open");
             shared.observe(Outcome::Unguarded);
             let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
             return pass(inner, req).await;
@@ -280,7 +280,13 @@ fn refuse(shared: &Shared, outcome: Outcome, problem: Problem) -> Response<Respo
 }
 
 fn store_problem(config: &Config, e: &Error) -> Problem {
-    tracing::warn!(error = %e, "idempotency store failed before the handler ran");
+    // An outage is logged once, where it starts and ends (idem_core::telemetry): per
+    // request it is only a debug line. Anything else is worth a warning each time.
+    if e.is_retryable() {
+        tracing::debug!(error = %e, "idempotency store unavailable before the handler ran");
+    } else {
+        tracing::warn!(error = %e, "idempotency store failed before the handler ran");
+    }
     if e.is_retryable() {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
