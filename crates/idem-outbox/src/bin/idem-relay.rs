@@ -245,6 +245,7 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
         "idem-relay starting"
     );
 
+    let shutdown = shutdown_signal();
     if let Some(listener) = metrics {
         let addr = listener
             .local_addr()
@@ -253,7 +254,7 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
         println!("idem-relay: metrics on http://{addr}/metrics");
         tokio::spawn(serve_metrics(listener, relay.clone(), exporter()?));
     }
-    relay.run(shutdown_signal()).await;
+    relay.run(shutdown).await;
     Ok(())
 }
 
@@ -305,12 +306,15 @@ async fn dead(cmd: DeadCommand) -> Result<(), Failure> {
     }
 }
 
-/// Resolves on SIGTERM or SIGINT (ctrl-c).
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT (ctrl-c). The SIGTERM handler is in place when this
+/// returns, before the future is first polled: a signal sent as soon as the relay says it
+/// runs is not lost.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    async move {
+        #[cfg(unix)]
+        match term {
             Ok(mut term) => {
                 tokio::select! {
                     _ = term.recv() => {}
@@ -322,12 +326,12 @@ async fn shutdown_signal() {
                 let _ = tokio::signal::ctrl_c().await;
             }
         }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        tracing::info!("signal received: finishing the current batch");
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-    tracing::info!("signal received: finishing the current batch");
 }
 
 /// Serves `GET /metrics` on `listener` (axum): the Prometheus text of every metric this

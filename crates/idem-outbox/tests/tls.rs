@@ -1,0 +1,140 @@
+//! `idem-relay` over TLS with certificate verification on: a `redis-server` with a
+//! `--tls-port` and a PostgreSQL with `ssl=on` that the test starts, with certificates it
+//! makes. The relay connects to both, migrates, serves its metrics (read from PostgreSQL)
+//! and stops cleanly; trusting another authority, it refuses to start.
+
+mod tls {
+    use std::process::Stdio;
+    use std::time::Duration;
+
+    use idem_redis::testing::{self, RedisServer};
+    use idem_testkit::postgres::{self as pg, PgServer};
+    use idem_testkit::tls::Pki;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::process::Command;
+    use tokio::time::timeout;
+
+    const PATIENCE: Duration = Duration::from_secs(30);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn relay_runs_over_tls() {
+        if !idem_testkit::harness::present(
+            testing::binaries_available(),
+            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
+        ) || !pg::available()
+        {
+            return;
+        }
+        let pki = Pki::new();
+        let (cert, key, ca) = (
+            pki.path("server.pem"),
+            pki.path("server.key"),
+            pki.path("ca.pem"),
+        );
+        let tls_port = idem_testkit::harness::free_port().to_string();
+        let _redis = RedisServer::start_with(&[
+            "--tls-port",
+            &tls_port,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "no",
+        ])
+        .expect("start redis-server with TLS");
+        let postgres = PgServer::start(
+            &[
+                ("ssl", "on"),
+                ("ssl_cert_file", "server.pem"),
+                ("ssl_key_file", "server.key"),
+            ],
+            &[
+                ("server.pem", pki.server_cert.as_bytes()),
+                ("server.key", pki.server_key.as_bytes()),
+            ],
+        )
+        .expect("start PostgreSQL with ssl=on");
+        let database = |ca: &str| {
+            format!(
+                "postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}",
+                postgres.port()
+            )
+        };
+        let redis = |ca: &str| format!("rediss://localhost:{tls_port}/?tls_ca_file={ca}");
+        let relay = |database: String, redis: String| {
+            Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+                .args(["run", "--database-url", &database, "--redis-url", &redis])
+                .args(["--metrics-listen", "127.0.0.1:0", "--log", "warn"])
+                .env_remove("RUST_LOG")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("start idem-relay")
+        };
+
+        let mut child = relay(database(&ca), redis(&ca));
+        let stdout = child.stdout.take().expect("stdout");
+        let line = timeout(PATIENCE, BufReader::new(stdout).lines().next_line())
+            .await
+            .expect("the metrics address in time")
+            .expect("read stdout")
+            .unwrap_or_default();
+        let Some(addr) = line
+            .strip_prefix("idem-relay: metrics on http://")
+            .and_then(|rest| rest.strip_suffix("/metrics"))
+        else {
+            let out = child.wait_with_output().await.expect("relay output");
+            panic!(
+                "idem-relay did not start over TLS ({line:?}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        // The gauges come from PostgreSQL at every scrape: over TLS.
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("metrics");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("send");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.expect("read");
+        assert!(response.starts_with("HTTP/1.1 200 "), "{response}");
+        assert!(
+            response.contains("\nidem_relay_backlog{schema=\"idem\"} 0\n"),
+            "{response}"
+        );
+        let pid = child.id().expect("running").to_string();
+        assert!(std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill")
+            .success());
+        let status = timeout(PATIENCE, child.wait())
+            .await
+            .expect("exits in time")
+            .expect("wait");
+        assert!(status.success(), "{status:?}");
+
+        // Trusting another authority, for either store: the relay refuses to start (3).
+        let other = pki.path("other-ca.pem");
+        for (database, redis) in [
+            (database(&ca), redis(&other)),
+            (database(&other), redis(&ca)),
+        ] {
+            let out = timeout(PATIENCE, relay(database, redis).wait_with_output())
+                .await
+                .expect("exits in time")
+                .expect("output");
+            assert_eq!(
+                out.status.code(),
+                Some(3),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
