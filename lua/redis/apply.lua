@@ -32,23 +32,19 @@ the only write.
 The shebang has no flags: a writer, refused under OOM before it runs.
 ]]
 local key = KEYS[1]
-local head = redis.call('GETRANGE', key, 0, 58)
+local head, state = lease_head(key, ARGV[1])
 local identity = ARGV[3] .. ARGV[4]
-if head == '' then
+if state == 'corrupt' then
+  return redis.error_reply('IDEM_CORRUPT not a record')
+elseif state == 'absent' then
   if ARGV[3] == '' then
     return 4
   end
+elseif state == 'settled' then
+  return 2
+elseif state == 'other' then
+  return 3
 else
-  local tag = string.sub(head, 1, 1)
-  if tag == 'c' or tag == 'z' or tag == 'h' then
-    return 2
-  end
-  if tag ~= 'p' or string.len(head) ~= 59 then
-    return redis.error_reply('IDEM_CORRUPT not a record')
-  end
-  if string.sub(head, 38, 53) ~= ARGV[1] then
-    return 3
-  end
   identity = string.sub(head, 2, 37)
 end
 redis.call('SET', key, ARGV[2] .. identity .. ARGV[5] .. ARGV[6], 'PX', tonumber(ARGV[7]))

@@ -23,24 +23,17 @@ The shebang has no flags: Redis counts the script as a writer and refuses it wit
 before it runs, when the server is out of memory.
 ]]
 local key = KEYS[1]
-local head = redis.call('GETRANGE', key, 0, 58)
-if head == '' then
-  return 0
-end
-local tag = string.sub(head, 1, 1)
-if tag == 'c' or tag == 'z' or tag == 'h' then
-  if ARGV[6] == '1' and tag == ARGV[2] then
-    local record = redis.call('GET', key)
-    if string.sub(record, 38) == ARGV[3] .. ARGV[4] then
-      return 1
-    end
-  end
-  return 0
-end
-if tag ~= 'p' or string.len(head) ~= 59 then
+local head, state = lease_head(key, ARGV[1])
+if state == 'corrupt' then
   return redis.error_reply('IDEM_CORRUPT not a record')
 end
-if string.sub(head, 38, 53) ~= ARGV[1] then
+if state == 'settled' and ARGV[6] == '1' and string.sub(head, 1, 1) == ARGV[2] then
+  local record = redis.call('GET', key)
+  if string.sub(record, 38) == ARGV[3] .. ARGV[4] then
+    return 1
+  end
+end
+if state ~= 'held' then
   return 0
 end
 redis.call('SET', key, ARGV[2] .. string.sub(head, 2, 37) .. ARGV[3] .. ARGV[4],

@@ -20,18 +20,11 @@ so heartbeats keep leases alive even when the server is out of memory.
 ]]
 local key = KEYS[1]
 local by = tonumber(ARGV[2])
-local head = redis.call('GETRANGE', key, 0, 58)
-if head == '' then
-  return {0}
-end
-local tag = string.sub(head, 1, 1)
-if tag == 'c' or tag == 'z' or tag == 'h' then
-  return {0}
-end
-if tag ~= 'p' or string.len(head) ~= 59 then
+local head, state = lease_head(key, ARGV[1])
+if state == 'corrupt' then
   return redis.error_reply('IDEM_CORRUPT not a record')
 end
-if string.sub(head, 38, 53) ~= ARGV[1] then
+if state ~= 'held' then
   return {0}
 end
 local time = redis.call('TIME')

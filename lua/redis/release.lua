@@ -16,21 +16,14 @@ Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is w
 memory (a full server must still let workers give their keys back).
 ]]
 local key = KEYS[1]
-local head = redis.call('GETRANGE', key, 0, 58)
-if head == '' then
-  if ARGV[2] == '1' then
-    return 1
-  end
-  return 0
-end
-local tag = string.sub(head, 1, 1)
-if tag == 'c' or tag == 'z' or tag == 'h' then
-  return 0
-end
-if tag ~= 'p' or string.len(head) ~= 59 then
+local _, state = lease_head(key, ARGV[1])
+if state == 'corrupt' then
   return redis.error_reply('IDEM_CORRUPT not a record')
 end
-if string.sub(head, 38, 53) ~= ARGV[1] then
+if state == 'absent' and ARGV[2] == '1' then
+  return 1
+end
+if state ~= 'held' then
   return 0
 end
 redis.call('DEL', key)

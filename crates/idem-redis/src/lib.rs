@@ -187,8 +187,9 @@ pub use store::{Applied, RedisStore, RedisStoreBuilder};
 /// The store's name in errors and metrics.
 const STORE: &str = "redis";
 
-/// The Lua scripts, as they are in the workspace's `lua/` folder and as the store sends
-/// them. Each opens with its contract.
+/// The Lua scripts, as they are in the workspace's `lua/redis/` folder. Each opens with its
+/// contract; `complete`, `release`, `extend` and `apply` are sent with `prelude.lua` (their
+/// shared lease check) placed after their first line.
 pub mod lua {
     #![doc = concat!("## begin.lua\n\n```lua\n", include_str!("../lua/begin.lua"), "```\n")]
     #![doc = concat!("## complete.lua\n\n```lua\n", include_str!("../lua/complete.lua"), "```\n")]
@@ -196,4 +197,5 @@ pub mod lua {
     #![doc = concat!("## extend.lua\n\n```lua\n", include_str!("../lua/extend.lua"), "```\n")]
     #![doc = concat!("## get.lua\n\n```lua\n", include_str!("../lua/get.lua"), "```\n")]
     #![doc = concat!("## apply.lua\n\n```lua\n", include_str!("../lua/apply.lua"), "```\n")]
+    #![doc = concat!("## prelude.lua\n\n```lua\n", include_str!("../lua/prelude.lua"), "```\n")]
 }

@@ -1,4 +1,4 @@
-//! The Lua scripts of `lua/`, loaded once per process.
+//! The Lua scripts of `lua/redis/`, loaded once per process.
 //!
 //! Each is called through [`redis::Script`]'s invocation (`EVALSHA`, and on `NOSCRIPT` a
 //! `SCRIPT LOAD` and a second try), so a server that lost its script cache (a restart, a
@@ -37,24 +37,51 @@ pub(crate) async fn invoke(
     }
 }
 
-/// `lua/begin.lua`.
+/// `lua/redis/prelude.lua`: the lease check that `complete`, `release`, `extend` and
+/// `apply` share.
+const PRELUDE: &str = include_str!("../lua/prelude.lua");
+
+/// A script with the prelude placed after its shebang line (which must stay first: Redis
+/// reads the script's flags from it).
+pub(crate) fn with_prelude(source: &str) -> String {
+    let (shebang, body) = source.split_once('\n').unwrap_or((source, ""));
+    format!("{shebang}\n{PRELUDE}{body}")
+}
+
+/// `lua/redis/begin.lua`.
 pub(crate) static BEGIN: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/begin.lua")));
-/// `lua/complete.lua`.
+/// `lua/redis/complete.lua`, with the prelude.
 pub(crate) static COMPLETE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/complete.lua")));
-/// `lua/release.lua`.
+    LazyLock::new(|| Script::new(&with_prelude(include_str!("../lua/complete.lua"))));
+/// `lua/redis/release.lua`, with the prelude.
 pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
-/// `lua/extend.lua`.
+    LazyLock::new(|| Script::new(&with_prelude(include_str!("../lua/release.lua"))));
+/// `lua/redis/extend.lua`, with the prelude.
 pub(crate) static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
-/// `lua/apply.lua`.
+    LazyLock::new(|| Script::new(&with_prelude(include_str!("../lua/extend.lua"))));
+/// `lua/redis/apply.lua`, with the prelude.
 pub(crate) static APPLY: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/apply.lua")));
-/// `lua/get.lua`.
+    LazyLock::new(|| Script::new(&with_prelude(include_str!("../lua/apply.lua"))));
+/// `lua/redis/get.lua`.
 pub(crate) static GET: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/get.lua")));
+
+/// A script as the store sends it (`complete`, `release`, `extend` and `apply` with the
+/// prelude), for tests that call it directly.
+#[cfg(feature = "testing")]
+pub(crate) fn source(name: &str) -> Option<String> {
+    let raw = match name {
+        "begin" => return Some(include_str!("../lua/begin.lua").to_owned()),
+        "get" => return Some(include_str!("../lua/get.lua").to_owned()),
+        "complete" => include_str!("../lua/complete.lua"),
+        "release" => include_str!("../lua/release.lua"),
+        "extend" => include_str!("../lua/extend.lua"),
+        "apply" => include_str!("../lua/apply.lua"),
+        _ => return None,
+    };
+    Some(with_prelude(raw))
+}
 
 #[cfg(test)]
 mod tests {
@@ -78,5 +105,10 @@ mod tests {
             // Keys are never built inside a script: only KEYS[1] is ever touched.
             assert!(!source.contains("KEYS[2]"), "{name}");
         }
+        // The shared lease check goes after the shebang, never before it.
+        let assembled = super::with_prelude(include_str!("../lua/complete.lua"));
+        assert!(assembled.starts_with("#!lua"));
+        assert!(assembled.contains("local function lease_head"));
+        assert!(!include_str!("../lua/prelude.lua").contains("#!lua"));
     }
 }

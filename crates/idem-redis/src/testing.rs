@@ -13,6 +13,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+/// The script `name` (`begin`, `complete`, `release`, `extend`, `get`, `apply`) exactly as the
+/// store sends it, for tests that call a script directly.
+pub fn script(name: &str) -> Option<redis::Script> {
+    crate::scripts::source(name).map(|source| redis::Script::new(&source))
+}
+
 /// Whether `redis-server` and `redis-cli` can be run.
 pub fn binaries_available() -> bool {
     ["redis-server", "redis-cli"].iter().all(|bin| {

@@ -602,8 +602,8 @@ async fn resent_calls_count_once() {
     };
     let store = builder(&url).connect().await.unwrap();
     let mut conn = raw(&url).await;
-    let complete = redis::Script::new(include_str!("../../../lua/redis/complete.lua"));
-    let release = redis::Script::new(include_str!("../../../lua/redis/release.lua"));
+    let complete = idem_redis::testing::script("complete").expect("the complete script");
+    let release = idem_redis::testing::script("release").expect("the release script");
     let id = new_id("k");
     let lease = acquire(&store, &id).await;
     let key = store.record_key(&id);
