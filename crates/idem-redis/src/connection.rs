@@ -153,7 +153,7 @@ impl Conn {
         let reply = match self {
             Self::Standalone(manager) => wait.query_async::<Value>(manager).await,
             Self::Cluster(cluster) => {
-                let route = Route::new(crate::key::slot(key.as_bytes()), SlotAddr::Master);
+                let route = Route::with_key(key.as_bytes(), SlotAddr::Master);
                 cluster
                     .route_command(
                         wait,
