@@ -25,6 +25,8 @@
 //! end.
 
 use std::sync::Arc;
+
+use idemkit::url::StoreUrl;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
@@ -192,35 +194,28 @@ async fn run(args: &Args) -> Result<(), String> {
 
 /// Opens the store under this run's own prefix or schema, and the server side for the floor.
 async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), String> {
-    let url = args.store.trim();
-    let scheme = url.split_once("://").map_or(url, |(s, _)| s);
+    let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
     let prefix = format!("idem-bench:{run_id}:");
-    match scheme {
-        "redis" | "rediss" | "unix" | "redis+cluster" | "rediss+cluster" => {
+    match &url {
+        StoreUrl::Redis(url) => {
             let store = redis_store(url, &prefix).await?;
             let side = Arc::new(RedisSide::connect(url, &prefix).await?);
             Ok((Arc::new(store.clone()), Server::Redis(side, store)))
         }
-        "postgres" | "postgresql" => {
+        StoreUrl::Postgres(url) => {
             let store = pg_store(args, url, run_id).await?;
             let side = PgSide::create(&store).await?;
             Ok((Arc::new(store), Server::Postgres(side)))
         }
-        // `tiered:<redis URL>|<postgres URL>`, as `idemkit::connect` takes it.
-        _ if scheme.starts_with("tiered:") => {
-            let Some((redis_url, pg_url)) = url["tiered:".len()..].split_once('|') else {
-                return Err(format!(
-                    "{url}: a tiered store URL is tiered:<redis URL>|<postgres URL>"
-                ));
-            };
-            let pg = pg_store(args, pg_url, run_id).await?;
+        StoreUrl::Tiered { redis, postgres } => {
+            let pg = pg_store(args, postgres, run_id).await?;
             let side = PgSide::create(&pg).await?;
-            let store = TieredStore::new(redis_store(redis_url, &prefix).await?, pg);
+            let store = TieredStore::new(redis_store(redis, &prefix).await?, pg);
             Ok((Arc::new(store.clone()), Server::Tiered(side, store)))
         }
         // Everything else through the facade, which names what this build can open.
         _ => Ok((
-            idemkit::connect(url)
+            idemkit::connect_url(&url)
                 .await
                 .map_err(|e| format!("{url}: {e}"))?,
             Server::None,

@@ -19,7 +19,7 @@ mod ops;
 mod serve;
 mod store;
 
-use store::StoreUrl;
+use idem_core::url::StoreUrl;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -219,8 +219,8 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> Result<String, CliError> {
     match command {
         Command::Serve(args) => {
-            let url = StoreUrl::parse(&args.store.store)?;
-            let store = url.open().await?;
+            let url = store::parse(&args.store.store)?;
+            let store = store::open(&url).await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| CliError::Usage(format!("cannot listen on {}: {e}", args.listen)))?;
@@ -251,14 +251,14 @@ async fn run(command: Command) -> Result<String, CliError> {
             ops::evict(store.as_ref(), &id, args.json).await
         }
         Command::Stats(args) => {
-            let url = StoreUrl::parse(&args.store.store)?;
+            let url = store::parse(&args.store.store)?;
             refuse_memory(&url)?;
             let scope = args
                 .scope
                 .map(Scope::new)
                 .transpose()
                 .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
-            let store = url.open().await?;
+            let store = store::open(&url).await?;
             let stuck_after = Duration::from_secs(args.stuck_after);
             ops::stats(store.as_ref(), scope.as_ref(), stuck_after, args.json).await
         }
@@ -274,9 +274,9 @@ async fn open_for_record(
         .map_err(|e| CliError::Usage(format!("invalid key {:?}: {e}", args.key)))?;
     let scope = Scope::new(args.scope.clone())
         .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
-    let url = StoreUrl::parse(&args.store.store)?;
+    let url = store::parse(&args.store.store)?;
     refuse_memory(&url)?;
-    Ok((url.open().await?, RecordId::new(scope, key)))
+    Ok((store::open(&url).await?, RecordId::new(scope, key)))
 }
 
 /// The operator commands refuse the memory store: it lives inside one process, so another

@@ -49,6 +49,8 @@ pub use idem_redis as redis;
 
 use std::sync::Arc;
 
+use idem_core::url::StoreUrl;
+
 /// Opens the store a URL names:
 ///
 /// | URL | store | feature |
@@ -64,38 +66,35 @@ use std::sync::Arc;
 /// [`Error::Invalid`] for a URL no compiled-in backend takes; the backend's own errors
 /// ([`Error::Unavailable`] when its server cannot be reached).
 pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
-    let url = url.trim();
-    let scheme = url
-        .split_once("://")
-        .map_or(url, |(scheme, _)| scheme)
-        .to_ascii_lowercase();
-    match scheme.as_str() {
-        "memory" | "mem" => Ok(Arc::new(MemoryStore::new())),
+    connect_url(&StoreUrl::parse(url)?).await
+}
+
+/// [`connect`] for a URL already parsed.
+///
+/// # Errors
+///
+/// As [`connect`].
+pub async fn connect_url(url: &StoreUrl) -> Result<Arc<dyn Store>, Error> {
+    match url {
+        StoreUrl::Memory => Ok(Arc::new(MemoryStore::new())),
         #[cfg(feature = "redis")]
-        "redis" | "rediss" | "unix" | "redis+cluster" | "rediss+cluster" => {
-            Ok(Arc::new(idem_redis::RedisStore::connect(url).await?))
-        }
+        StoreUrl::Redis(url) => Ok(Arc::new(idem_redis::RedisStore::connect(url).await?)),
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
+        StoreUrl::Postgres(url) => {
             let store = idem_postgres::PgStore::connect(url).await?;
             store.migrate().await?;
             Ok(Arc::new(store))
         }
         #[cfg(feature = "outbox")]
-        _ if scheme.starts_with("tiered:") => {
-            let rest = &url["tiered:".len()..];
-            let Some((redis_url, pg_url)) = rest.split_once('|') else {
-                return Err(Error::Invalid(
-                    "a tiered store URL is tiered:<redis URL>|<postgres URL>".into(),
-                ));
-            };
-            let redis = idem_redis::RedisStore::connect(redis_url).await?;
-            let pg = idem_postgres::PgStore::connect(pg_url).await?;
+        StoreUrl::Tiered { redis, postgres } => {
+            let redis = idem_redis::RedisStore::connect(redis).await?;
+            let pg = idem_postgres::PgStore::connect(postgres).await?;
             pg.migrate().await?;
             Ok(Arc::new(idem_outbox::TieredStore::new(redis, pg)))
         }
-        _ => Err(Error::Invalid(format!(
-            "no store for {scheme:?} URLs in this build; compiled in: {}",
+        #[allow(unreachable_patterns)]
+        other => Err(Error::Invalid(format!(
+            "no store for {other} in this build; compiled in: {}",
             compiled_in().join(", ")
         ))),
     }
@@ -130,7 +129,7 @@ mod tests {
         let err = super::connect("mysql://x").await.err().unwrap();
         let text = err.to_string();
         assert!(
-            text.contains("\"mysql\"") && text.contains("memory"),
+            text.contains("\"mysql://x\"") && text.contains("memory"),
             "{text}"
         );
     }
