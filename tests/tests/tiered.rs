@@ -51,7 +51,7 @@ mod tiered {
         let pg = PgStore::new(pool)
             .with_schema(&schema_name())
             .expect("valid schema name");
-        pg.migrate().await.expect("migrate");
+        idem_outbox::migrate(&pg).await.expect("migrate");
         Some(pg)
     }
 
@@ -453,5 +453,149 @@ mod tiered {
             "redis-server on PATH (Debian/Ubuntu: apt-get install redis-server)",
         )
         .then(|| RedisServer::start().expect("start redis-server"))
+    }
+
+    // --- the outbox's own schema ---------------------------------------------------------------
+
+    /// The outbox table and index as idem-postgres's former `0002_outbox` created them, before
+    /// idem-outbox owned its schema.
+    const OLD_0002_OUTBOX: &str = r#"
+CREATE TABLE outbox (
+    id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    scope       bytea       NOT NULL,
+    key         text        COLLATE "C" NOT NULL,
+    fingerprint bytea       NOT NULL CHECK (octet_length(fingerprint) = 32),
+    -- The lease that completed: the relay writes over Redis's in-progress record only when
+    -- it is still held by this token.
+    token       uuid        NOT NULL,
+    attempt     integer     NOT NULL CHECK (attempt >= 1),
+    meta        bytea       NOT NULL,
+    body        bytea       NOT NULL,
+    -- When the completed record is forgotten: the copy in Redis expires then too.
+    expires_at  timestamptz NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- Relay bookkeeping: failed applications so far, when to try next, and why it failed.
+    tries       integer     NOT NULL DEFAULT 0,
+    next_try_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    dead        boolean     NOT NULL DEFAULT false,
+    last_error  text
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.05
+);
+
+CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
+"#;
+
+    async fn has_table(pg: &PgStore, table: &str) -> bool {
+        sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
+            .bind(format!("{}.{table}", pg.quoted_schema()))
+            .fetch_one(pg.pool())
+            .await
+            .expect("to_regclass")
+    }
+
+    async fn ledger(pg: &PgStore) -> Vec<i64> {
+        sqlx::query_scalar(&format!(
+            "SELECT version FROM {}._sqlx_migrations ORDER BY version",
+            pg.quoted_schema()
+        ))
+        .fetch_all(pg.pool())
+        .await
+        .expect("read the ledger")
+    }
+
+    /// A plain PostgreSQL store gets no outbox table; the outbox's migrations add it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_outbox_creates_the_outbox_table() {
+        let Some(url) = harness::database_url() else {
+            return;
+        };
+        let pg = PgStore::connect(&url)
+            .await
+            .expect("connect")
+            .with_schema(&schema_name())
+            .expect("schema");
+        pg.migrate().await.expect("migrate records");
+        assert!(has_table(&pg, "records").await);
+        assert!(
+            !has_table(&pg, "outbox").await,
+            "idem-postgres made an outbox"
+        );
+        idem_outbox::migrate(&pg).await.expect("migrate the outbox");
+        idem_outbox::migrate(&pg)
+            .await
+            .expect("migrating again is a no-op");
+        assert!(has_table(&pg, "outbox").await);
+        assert_eq!(ledger(&pg).await, [1, 1001]);
+    }
+
+    /// A database migrated when idem-postgres still made the outbox (its version 2, now
+    /// gone) keeps working: both migrators pass over the version they do not know, the
+    /// outbox migration finds its table already there, and the tiered store works on it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_database_with_the_former_outbox_migration_keeps_working() {
+        let (Some(url), Some(redis_url)) = (harness::database_url(), harness::redis_url()) else {
+            return;
+        };
+        let pg = PgStore::connect(&url)
+            .await
+            .expect("connect")
+            .with_schema(&schema_name())
+            .expect("schema");
+        pg.migrate().await.expect("migrate records");
+        let schema = pg.quoted_schema().to_owned();
+        let mut tx = pg.pool().begin().await.expect("tx");
+        sqlx::query(&format!("SET LOCAL search_path TO {schema}"))
+            .execute(&mut *tx)
+            .await
+            .expect("search_path");
+        sqlx::raw_sql(OLD_0002_OUTBOX)
+            .execute(&mut *tx)
+            .await
+            .expect("the former 0002");
+        sqlx::query(&format!(
+            "INSERT INTO {schema}._sqlx_migrations \
+             (version, description, success, checksum, execution_time) \
+             VALUES (2, 'outbox', true, '\\x00'::bytea, 0)"
+        ))
+        .execute(&mut *tx)
+        .await
+        .expect("the former 0002 in the ledger");
+        tx.commit().await.expect("commit");
+
+        pg.migrate()
+            .await
+            .expect("idem-postgres passes over version 2");
+        idem_outbox::migrate(&pg)
+            .await
+            .expect("the outbox migration over the former table");
+        assert_eq!(ledger(&pg).await, [1, 2, 1001]);
+
+        // The tiered store works on it: a completion writes its outbox row.
+        let store = TieredStore::new(redis_tier(&redis_url).await, pg.clone());
+        let id = id("order-1");
+        let lease = acquired(&store, &id, LONG).await;
+        let mut tx = pg.pool().begin().await.expect("tx");
+        store
+            .complete_in(&mut tx, &lease, &charged("ok"), KEEP)
+            .await
+            .expect("complete in the business transaction");
+        tx.commit().await.expect("commit");
+        let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.outbox"))
+            .fetch_one(pg.pool())
+            .await
+            .expect("count outbox rows");
+        assert_eq!(rows, 1);
+        store
+            .publish(&lease, &charged("ok"), KEEP)
+            .await
+            .expect("publish to Redis");
+        assert!(matches!(begin(&store, &id, LONG).await, Begin::Replay(_)));
+        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+            .execute(pg.pool())
+            .await
+            .expect("drop the test schema");
     }
 }

@@ -245,7 +245,8 @@ async fn pg_store(args: &Args, url: &str, run_id: &str) -> Result<PgStore, Strin
     let store = PgStore::new(pool)
         .with_schema(&format!("idem_bench_{run_id}"))
         .map_err(e)?;
-    store.migrate().await.map_err(e)?;
+    // The records table and the outbox's (the tiered store needs both).
+    idemkit::outbox::migrate(&store).await.map_err(e)?;
     Ok(store)
 }
 

@@ -559,7 +559,8 @@ mod postgres {
         let store = PgStore::new(pool)
             .with_schema(&schema_name())
             .expect("a valid schema name");
-        store.migrate().await.expect("migrate");
+        // The records table and the outbox's: the tiered backend uses this store too.
+        idem_outbox::migrate(&store).await.expect("migrate");
         let (pool, schema) = (store.pool().clone(), store.schema().to_owned());
         let teardown: Teardown = Box::pin(async move { drop_schema(&pool, &schema).await });
         Some((store, teardown))

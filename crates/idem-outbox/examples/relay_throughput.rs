@@ -99,7 +99,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let schema = format!("idem_bench_{}", &run[..12]);
     let pg = PgStore::new(pool).with_schema(&schema)?;
-    pg.migrate().await?;
+    idem_outbox::migrate(&pg).await?;
     // The relays and the lag sampler have pools of their own, as a relay process would:
     // sharing the writers' pool would measure the queue for its connections.
     let relay_pg =

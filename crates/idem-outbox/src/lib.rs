@@ -114,8 +114,10 @@
 //! at most once a second by the worker.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod migrate;
 mod relay;
 mod tiered;
 
+pub use migrate::{migrate, migrator};
 pub use relay::{Batch, DeadEntry, Gauges, Outbox, Relay, RelayConfig, RelayMetrics};
 pub use tiered::{TieredStore, CHANNEL, STORE};

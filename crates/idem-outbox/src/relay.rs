@@ -163,7 +163,7 @@ struct Counters {
 /// use idem_redis::RedisStore;
 ///
 /// let pg = PgStore::connect("postgres://app@127.0.0.1/app").await?;
-/// pg.migrate().await?;
+/// idem_outbox::migrate(&pg).await?;
 /// let redis = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// let relay = Relay::new(pg, redis).with_config(RelayConfig::default());
 /// // Runs until `stop` is notified (from a signal handler, say), then finishes the batch
@@ -221,7 +221,7 @@ pub struct Gauges {
 }
 
 impl Outbox {
-    /// The outbox in `pg`'s schema (created by `pg.migrate()`).
+    /// The outbox in `pg`'s schema (created by [`crate::migrate`]).
     pub fn new(pg: PgStore) -> Self {
         Self {
             sql: Arc::new(Statements::new(pg.quoted_schema())),
@@ -410,7 +410,7 @@ enum Outcome {
 
 impl Relay {
     /// A relay with the default [`RelayConfig`] for the outbox in `pg`'s schema, applying to
-    /// `redis`. Run `pg.migrate()` first.
+    /// `redis`. Run [`crate::migrate`] first.
     pub fn new(pg: PgStore, redis: RedisStore) -> Self {
         let outbox = Outbox::new(pg.clone());
         Self {

@@ -47,10 +47,20 @@ pub struct TieredStore {
 }
 
 impl TieredStore {
-    /// Tiers `redis` over `pg`. Run `pg.migrate()` once first: it creates the outbox table
-    /// too.
+    /// Tiers `redis` over `pg`. Run [`TieredStore::migrate`] (or [`crate::migrate`]) once
+    /// first: it creates the records table and the outbox table.
     pub fn new(redis: RedisStore, pg: PgStore) -> Self {
         Self { redis, pg }
+    }
+
+    /// Applies idem-postgres's migrations and the outbox's in the PostgreSQL tier's schema
+    /// ([`crate::migrate`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`PgStore::migrate`].
+    pub async fn migrate(&self) -> Result<(), Error> {
+        crate::migrate(&self.pg).await
     }
 
     /// The Redis tier.

@@ -58,7 +58,7 @@ mod relay {
         let store = PgStore::new(pool)
             .with_schema(&schema_name())
             .expect("a valid schema name");
-        store.migrate().await.expect("migrate");
+        idem_outbox::migrate(&store).await.expect("migrate");
         store
     }
 

@@ -1,5 +1,7 @@
 //! idem's migrations, applied in its own schema with its own ledger.
 
+use std::sync::LazyLock;
+
 use idem_core::Error;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -7,9 +9,16 @@ use sqlx::{Connection, PgConnection, PgPool};
 use crate::error::{self, Class, NAME};
 use crate::schema::{Schema, DEFAULT_SCHEMA};
 
-static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+/// idem-postgres's migrations. The schema's ledger is shared with the migrations of crates
+/// built on this store (idem-outbox's outbox table, at versions of their own): each
+/// migrator ignores the versions it does not know, and checks those it does.
+static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.set_ignore_missing(true);
+    migrator
+});
 
-/// idem's migrations (the top-level `migrations/` folder, embedded at build time).
+/// idem's migrations (the top-level `migrations/postgres/` folder, embedded at build time).
 ///
 /// They name no schema: they create their tables in the first schema of the connection's
 /// `search_path`, and sqlx keeps its ledger (`_sqlx_migrations`) there too. Prefer
@@ -44,17 +53,27 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 
 /// [`migrate`] into a given schema.
 pub(crate) async fn migrate_schema(pool: &PgPool, schema: &Schema) -> Result<(), Error> {
+    migrate_schema_with(pool, schema, &MIGRATOR).await
+}
+
+/// `migrator` applied in `schema`, as idem's own migrations are (see
+/// [`crate::PgStore::migrate_with`]).
+pub(crate) async fn migrate_schema_with(
+    pool: &PgPool,
+    schema: &Schema,
+    migrator: &Migrator,
+) -> Result<(), Error> {
     // A connection of our own, taken out of the pool for good: its search_path is changed
     // below, and it must never go back to serve the application's queries. Closing it also
     // frees sqlx's advisory lock if a migration failed with the lock held.
     let mut conn = pool.acquire().await.map_err(error::map)?.detach();
-    let result = run(&mut conn, schema).await;
+    let result = run(&mut conn, schema, migrator).await;
     // Closing is a courtesy to the server; the outcome is the migration's.
     let _ = conn.close().await;
     result
 }
 
-async fn run(conn: &mut PgConnection, schema: &Schema) -> Result<(), Error> {
+async fn run(conn: &mut PgConnection, schema: &Schema, migrator: &Migrator) -> Result<(), Error> {
     create_schema(conn, schema).await?;
     // Session-level and on this connection only: the migrations and sqlx's ledger resolve
     // unqualified names in idem's schema and nowhere else.
@@ -65,7 +84,7 @@ async fn run(conn: &mut PgConnection, schema: &Schema) -> Result<(), Error> {
     // `run_direct` rather than `run`: `run` goes through `Acquire`, whose higher-ranked
     // bounds make the future not `Send` for `&mut PgConnection` (sqlx keeps `run_direct`
     // public for exactly this), and callers spawn `migrate` on multi-threaded runtimes.
-    MIGRATOR.run_direct(conn).await.map_err(map_migrate)
+    migrator.run_direct(conn).await.map_err(map_migrate)
 }
 
 /// Creates the schema unless it exists. Looks first, so a role without the CREATE privilege

@@ -171,6 +171,20 @@ impl PgStore {
         migrate::migrate_schema(&self.pool, &self.schema).await
     }
 
+    /// Applies another crate's migrations in the store's schema, the way [`PgStore::migrate`]
+    /// applies idem's: on a connection of its own whose `search_path` is the schema alone,
+    /// under sqlx's advisory lock, with the schema's ledger. For crates that keep tables of
+    /// their own beside `records` (idem-outbox's outbox). Their versions must not collide
+    /// with idem-postgres's (which start at 1), and their migrator must ignore the versions
+    /// it does not know (`Migrator::set_ignore_missing`), since the ledger is shared.
+    ///
+    /// # Errors
+    ///
+    /// As [`crate::migrate`].
+    pub async fn migrate_with(&self, migrator: &sqlx::migrate::Migrator) -> Result<(), Error> {
+        migrate::migrate_schema_with(&self.pool, &self.schema, migrator).await
+    }
+
     /// [`Store::begin`] as part of the caller's transaction (pass `&mut *tx`).
     ///
     /// The in-progress record is written by the transaction: it becomes visible to others,

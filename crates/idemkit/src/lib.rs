@@ -89,7 +89,7 @@ pub async fn connect_url(url: &StoreUrl) -> Result<Arc<dyn Store>, Error> {
         StoreUrl::Tiered { redis, postgres } => {
             let redis = idem_redis::RedisStore::connect(redis).await?;
             let pg = idem_postgres::PgStore::connect(postgres).await?;
-            pg.migrate().await?;
+            idem_outbox::migrate(&pg).await?;
             Ok(Arc::new(idem_outbox::TieredStore::new(redis, pg)))
         }
         #[allow(unreachable_patterns)]

@@ -227,7 +227,7 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
     let redis = redis.connect().await?;
     let pg = pg_store(&args.pg).await?;
     // Safe while other instances migrate too.
-    pg.migrate().await?;
+    idem_outbox::migrate(&pg).await?;
     let config = RelayConfig::default()
         .with_batch(args.batch)
         .with_poll_interval(Duration::from_millis(args.poll_ms))

@@ -1,7 +1,13 @@
--- 0002_outbox: completions committed by the tiered store, waiting for the relay to copy them
--- into Redis.
+-- 1001_outbox: completions committed by the tiered store, waiting for the relay to copy them
+-- into Redis. Owned by idem-outbox (its own migrator, `idem_outbox::migrator`); a plain
+-- PostgreSQL store never gets this table.
 --
--- Runs with search_path set to idem's own schema, like 0001.
+-- Runs with search_path set to idem's schema, where idem-postgres's 0001 made `records`.
+-- The version (1001) stays clear of idem-postgres's, since both migrators keep their ledger
+-- in the schema's one `_sqlx_migrations` table (each ignores the other's versions).
+--
+-- IF NOT EXISTS: databases migrated before this crate owned the table got it from
+-- idem-postgres's former 0002_outbox (the same table and index): for them this is a no-op.
 --
 -- A row is written in the same transaction as the completed record it mirrors (by
 -- `idem_outbox::TieredStore::complete_in`, or `complete` in a transaction of its own), so it
@@ -17,7 +23,7 @@
 --
 -- Built for insert-then-delete churn: no foreign keys, one partial index over the rows still
 -- to relay (dead rows leave it), and autovacuum started early.
-CREATE TABLE outbox (
+CREATE TABLE IF NOT EXISTS outbox (
     id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     scope       bytea       NOT NULL,
     key         text        COLLATE "C" NOT NULL,
@@ -42,4 +48,4 @@ CREATE TABLE outbox (
     autovacuum_analyze_scale_factor = 0.05
 );
 
-CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
