@@ -114,10 +114,15 @@
 //! at most once a second by the worker.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod metrics;
 mod migrate;
+mod outbox;
 mod relay;
+mod statements;
 mod tiered;
 
+pub use metrics::RelayMetrics;
 pub use migrate::{migrate, migrator};
-pub use relay::{Batch, DeadEntry, Gauges, Outbox, Relay, RelayConfig, RelayMetrics};
+pub use outbox::{DeadEntry, Gauges, Outbox};
+pub use relay::{Batch, Relay, RelayConfig};
 pub use tiered::{TieredStore, CHANNEL, STORE};

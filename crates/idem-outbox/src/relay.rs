@@ -1,7 +1,6 @@
 //! [`Relay`]: the worker that copies committed completions from the outbox table into Redis.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +13,9 @@ use sqlx::postgres::{PgListener, PgRow};
 use sqlx::Row;
 use tokio::time::{sleep, Instant};
 
+use crate::metrics::{Counters, RelayMetrics};
+use crate::outbox::Outbox;
+use crate::statements::Statements;
 use crate::tiered::CHANNEL;
 
 /// Settings of a [`Relay`]. Every field has a documented default.
@@ -88,58 +90,6 @@ pub struct Batch {
     pub dead: usize,
 }
 
-/// A dead outbox row, for operators ([`Outbox::dead_entries`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadEntry {
-    /// The row's id, for [`Outbox::retry_dead`].
-    pub id: i64,
-    /// The record's scope (invalid UTF-8 shown lossily: that may be why it died).
-    pub scope: String,
-    /// The record's key.
-    pub key: String,
-    /// Failed applications.
-    pub tries: u32,
-    /// The last failure.
-    pub last_error: Option<String>,
-    /// Time since the completion committed.
-    pub age: Duration,
-}
-
-/// A snapshot of a relay's metrics ([`Relay::metrics`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct RelayMetrics {
-    /// Rows applied to Redis and deleted, by this relay, since it was created.
-    pub relayed_total: u64,
-    /// Rows deleted unapplied because their record had expired, by this relay.
-    pub expired_total: u64,
-    /// Failed applications of single rows (decoding, Redis refusing the row), by this
-    /// relay. A Redis outage does not count here: the batch is rolled back whole.
-    pub failed_total: u64,
-    /// Rows that this relay marked dead.
-    pub dead_marked_total: u64,
-    /// Batches rolled back because Redis or PostgreSQL was unavailable, by this relay.
-    pub outages_total: u64,
-    /// Dead rows in the outbox (all relays), as last read.
-    pub dead: u64,
-    /// Rows waiting to be relayed (all relays), as last read.
-    pub backlog: u64,
-    /// Age in seconds of the oldest row waiting to be relayed (0 when none), as last read.
-    pub lag_seconds: f64,
-}
-
-#[derive(Debug, Default)]
-struct Counters {
-    relayed: AtomicU64,
-    expired: AtomicU64,
-    failed: AtomicU64,
-    dead_marked: AtomicU64,
-    outages: AtomicU64,
-    dead: AtomicU64,
-    backlog: AtomicU64,
-    /// f64 bits.
-    lag: AtomicU64,
-}
-
 /// The relay worker: claims batches of outbox rows with `FOR UPDATE SKIP LOCKED`, applies
 /// each to Redis ([`RedisStore::apply_completion`], idempotent and never overwriting a
 /// newer state) and deletes them, in one transaction per batch.
@@ -188,195 +138,6 @@ pub struct Relay {
     counters: Arc<Counters>,
 }
 
-/// The outbox table of one schema, for operators: its gauges, and the dead rows to list
-/// and retry. Needs PostgreSQL only. Cheap to clone.
-///
-/// ```no_run
-/// # async fn example() -> Result<(), idem_core::Error> {
-/// use idem_outbox::Outbox;
-/// use idem_postgres::PgStore;
-///
-/// let outbox = Outbox::new(PgStore::connect("postgres://app@127.0.0.1/app").await?);
-/// for dead in outbox.dead_entries(100).await? {
-///     println!("{} {}/{}: {:?}", dead.id, dead.scope, dead.key, dead.last_error);
-/// }
-/// outbox.retry_dead(None).await?;
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-pub struct Outbox {
-    pg: PgStore,
-    sql: Arc<Statements>,
-}
-
-/// The outbox's gauges, read by [`Outbox::gauges`].
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Gauges {
-    /// Rows waiting to be relayed (due now or waiting for a retry).
-    pub backlog: u64,
-    /// Dead rows.
-    pub dead: u64,
-    /// Age in seconds of the oldest row waiting to be relayed; 0 when there is none.
-    pub lag_seconds: f64,
-}
-
-impl Outbox {
-    /// The outbox in `pg`'s schema (created by [`crate::migrate`]).
-    pub fn new(pg: PgStore) -> Self {
-        Self {
-            sql: Arc::new(Statements::new(pg.quoted_schema())),
-            pg,
-        }
-    }
-
-    /// The schema.
-    pub fn schema(&self) -> &str {
-        self.pg.schema()
-    }
-
-    /// Reads backlog, dead rows and lag: one `count(*)` over the outbox.
-    ///
-    /// # Errors
-    ///
-    /// PostgreSQL errors.
-    pub async fn gauges(&self) -> Result<Gauges, Error> {
-        let row = sqlx::query(&self.sql.gauges)
-            .fetch_one(self.pg.pool())
-            .await
-            .map_err(map_error)?;
-        let backlog: i64 = row.try_get("backlog").map_err(map_error)?;
-        let dead: i64 = row.try_get("dead").map_err(map_error)?;
-        let lag: f64 = row.try_get("lag").map_err(map_error)?;
-        Ok(Gauges {
-            backlog: u64::try_from(backlog).unwrap_or(0),
-            dead: u64::try_from(dead).unwrap_or(0),
-            lag_seconds: lag.max(0.0),
-        })
-    }
-
-    /// The dead rows, oldest first, at most `limit`: what `idem-relay dead list` prints.
-    ///
-    /// # Errors
-    ///
-    /// PostgreSQL errors.
-    pub async fn dead_entries(&self, limit: u32) -> Result<Vec<DeadEntry>, Error> {
-        let rows = sqlx::query(&self.sql.dead)
-            .bind(i64::from(limit))
-            .fetch_all(self.pg.pool())
-            .await
-            .map_err(map_error)?;
-        rows.iter()
-            .map(|row| {
-                let scope: Vec<u8> = row.try_get("scope")?;
-                let tries: i32 = row.try_get("tries")?;
-                let age: f64 = row.try_get("age")?;
-                Ok(DeadEntry {
-                    id: row.try_get("id")?,
-                    scope: String::from_utf8_lossy(&scope).into_owned(),
-                    key: row.try_get("key")?,
-                    tries: u32::try_from(tries).unwrap_or(0),
-                    last_error: row.try_get("last_error")?,
-                    age: Duration::try_from_secs_f64(age.max(0.0)).unwrap_or_default(),
-                })
-            })
-            .collect::<Result<_, sqlx::Error>>()
-            .map_err(map_error)
-    }
-
-    /// Makes dead rows pending again (tries back to 0, due now, relays woken): all of them
-    /// with `ids` = `None`, or those listed. Returns how many rows came back. The last
-    /// error is kept until the next failure replaces it.
-    ///
-    /// # Errors
-    ///
-    /// PostgreSQL errors.
-    pub async fn retry_dead(&self, ids: Option<&[i64]>) -> Result<u64, Error> {
-        let query = match ids {
-            None => sqlx::query_scalar(&self.sql.retry_all),
-            Some(_) => sqlx::query_scalar(&self.sql.retry_ids),
-        }
-        .bind(CHANNEL)
-        .bind(self.pg.schema());
-        let query = match ids {
-            Some(ids) => query.bind(ids),
-            None => query,
-        };
-        let n: i64 = query.fetch_one(self.pg.pool()).await.map_err(map_error)?;
-        Ok(u64::try_from(n).unwrap_or(0))
-    }
-}
-
-/// The relay's SQL, spliced with the schema once.
-#[derive(Debug)]
-struct Statements {
-    claim: String,
-    delete: String,
-    fail: String,
-    gauges: String,
-    dead: String,
-    retry_all: String,
-    retry_ids: String,
-}
-
-impl Statements {
-    fn new(schema: &str) -> Self {
-        Self {
-            // The oldest due rows first; rows another relay holds are skipped, not waited
-            // for. The time left is computed by the database's clock, the one that set
-            // expires_at.
-            claim: format!(
-                "SELECT id, scope, key, fingerprint, token, attempt, meta, body, tries, \
-                        floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
-                            AS ttl_ms \
-                 FROM {schema}.outbox \
-                 WHERE NOT dead AND next_try_at <= clock_timestamp() \
-                 ORDER BY next_try_at, id \
-                 LIMIT $1 \
-                 FOR UPDATE SKIP LOCKED"
-            ),
-            delete: format!("DELETE FROM {schema}.outbox WHERE id = ANY($1)"),
-            // One statement for all the failed rows of a batch.
-            fail: format!(
-                "UPDATE {schema}.outbox AS o \
-                 SET tries = o.tries + 1, \
-                     next_try_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
-                     last_error = f.error, \
-                     dead = o.tries + 1 >= $4 \
-                 FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS f(id, delay_ms, error) \
-                 WHERE o.id = f.id \
-                 RETURNING o.id, o.dead"
-            ),
-            gauges: format!(
-                "SELECT count(*) FILTER (WHERE NOT dead) AS backlog, \
-                        count(*) FILTER (WHERE dead) AS dead, \
-                        COALESCE(extract(epoch FROM clock_timestamp() \
-                            - min(created_at) FILTER (WHERE NOT dead)), 0)::float8 AS lag \
-                 FROM {schema}.outbox"
-            ),
-            dead: format!(
-                "SELECT id, scope, key, tries, last_error, \
-                        extract(epoch FROM clock_timestamp() - created_at)::float8 AS age \
-                 FROM {schema}.outbox WHERE dead ORDER BY id LIMIT $1"
-            ),
-            // Retried rows wake the relays like new ones.
-            retry_all: format!(
-                "WITH retried AS ( \
-                     UPDATE {schema}.outbox SET dead = false, tries = 0, \
-                         next_try_at = clock_timestamp() \
-                     WHERE dead RETURNING id) \
-                 SELECT count(*) FROM retried, (SELECT pg_notify($1, $2)) AS wake"
-            ),
-            retry_ids: format!(
-                "WITH retried AS ( \
-                     UPDATE {schema}.outbox SET dead = false, tries = 0, \
-                         next_try_at = clock_timestamp() \
-                     WHERE dead AND id = ANY($3) RETURNING id) \
-                 SELECT count(*) FROM retried, (SELECT pg_notify($1, $2)) AS wake"
-            ),
-        }
-    }
-}
-
 /// One claimed row.
 struct Claimed {
     id: i64,
@@ -413,13 +174,14 @@ impl Relay {
     /// `redis`. Run [`crate::migrate`] first.
     pub fn new(pg: PgStore, redis: RedisStore) -> Self {
         let outbox = Outbox::new(pg.clone());
+        let counters = Arc::new(Counters::new(pg.schema()));
         Self {
             sql: outbox.sql.clone(),
             outbox,
             pg,
             redis,
             config: Arc::new(RelayConfig::default()),
-            counters: Arc::new(Counters::default()),
+            counters,
         }
     }
 
@@ -446,17 +208,7 @@ impl Relay {
 
     /// The counters and the gauges as last read (see [`Relay::observe`] to read them now).
     pub fn metrics(&self) -> RelayMetrics {
-        let c = &self.counters;
-        RelayMetrics {
-            relayed_total: c.relayed.load(Ordering::Relaxed),
-            expired_total: c.expired.load(Ordering::Relaxed),
-            failed_total: c.failed.load(Ordering::Relaxed),
-            dead_marked_total: c.dead_marked.load(Ordering::Relaxed),
-            outages_total: c.outages.load(Ordering::Relaxed),
-            dead: c.dead.load(Ordering::Relaxed),
-            backlog: c.backlog.load(Ordering::Relaxed),
-            lag_seconds: f64::from_bits(c.lag.load(Ordering::Relaxed)),
-        }
+        self.counters.snapshot()
     }
 
     /// Reads the gauges (backlog, dead rows, lag) from PostgreSQL now, stores them, and
@@ -466,16 +218,7 @@ impl Relay {
     ///
     /// PostgreSQL errors.
     pub async fn observe(&self) -> Result<RelayMetrics, Error> {
-        let gauges = self.outbox.gauges().await?;
-        let c = &self.counters;
-        c.backlog.store(gauges.backlog, Ordering::Relaxed);
-        c.dead.store(gauges.dead, Ordering::Relaxed);
-        c.lag.store(gauges.lag_seconds.to_bits(), Ordering::Relaxed);
-        let schema = self.pg.schema().to_owned();
-        metrics::gauge!("idem_relay_backlog", "schema" => schema.clone())
-            .set(gauges.backlog as f64);
-        metrics::gauge!("idem_relay_dead", "schema" => schema.clone()).set(gauges.dead as f64);
-        metrics::gauge!("idem_relay_lag_seconds", "schema" => schema).set(gauges.lag_seconds);
+        self.counters.gauges(&self.outbox.gauges().await?);
         Ok(self.metrics())
     }
 
@@ -488,17 +231,7 @@ impl Relay {
     /// back full.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let schema = self.pg.schema().to_owned();
-        // Every counter exists from the start (at 0), so a dashboard or an alert on a rate
-        // sees the series before the first event.
-        for name in [
-            "idem_relay_relayed_total",
-            "idem_relay_expired_total",
-            "idem_relay_failed_total",
-            "idem_relay_dead_marked_total",
-            "idem_relay_outages_total",
-        ] {
-            metrics::counter!(name, "schema" => schema.clone()).increment(0);
-        }
+        self.counters.register();
         tokio::pin!(shutdown);
         // Set once `shutdown` resolved (a finished future must not be polled again).
         let mut stopping = false;
@@ -552,9 +285,7 @@ impl Relay {
                         // Redis or PostgreSQL unavailable (or PostgreSQL failing outright):
                         // the batch was rolled back, its rows are untouched. Pause the whole
                         // worker, doubling up to the cap, instead of burning tries.
-                        self.counters.outages.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("idem_relay_outages_total", "schema" => schema.clone())
-                            .increment(1);
+                        self.counters.outage();
                         if error.is_retryable() {
                             tracing::warn!(schema = %schema, %error, pause = ?outage_pause, "idem relay: store unavailable, batch rolled back; backing off");
                         } else {
@@ -742,17 +473,7 @@ impl Relay {
         // 5. Commit: the deletions and the tries become visible together. If the commit
         // fails, the rows come back and are applied again (idempotently).
         tx.commit().await.map_err(map_error)?;
-        let c = &self.counters;
-        let schema = self.pg.schema().to_owned();
-        for (counter, name, n) in [
-            (&c.relayed, "idem_relay_relayed_total", batch.relayed),
-            (&c.expired, "idem_relay_expired_total", batch.expired),
-            (&c.failed, "idem_relay_failed_total", batch.failed),
-            (&c.dead_marked, "idem_relay_dead_marked_total", batch.dead),
-        ] {
-            counter.fetch_add(n as u64, Ordering::Relaxed);
-            metrics::counter!(name, "schema" => schema.clone()).increment(n as u64);
-        }
+        self.counters.batch(&batch);
         Ok(batch)
     }
 

@@ -1,5 +1,6 @@
 //! [`TieredStore`]: Redis first, PostgreSQL as the arbiter.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -8,6 +9,8 @@ use idem_core::{
     Stats, Store,
 };
 use idem_postgres::{map_error, PgStore};
+
+use crate::statements::Statements;
 use idem_redis::{Applied, OversizeBody, RedisStore};
 use sqlx::PgConnection;
 
@@ -44,13 +47,15 @@ pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
 pub struct TieredStore {
     redis: RedisStore,
     pg: PgStore,
+    sql: Arc<Statements>,
 }
 
 impl TieredStore {
     /// Tiers `redis` over `pg`. Run [`TieredStore::migrate`] (or [`crate::migrate`]) once
     /// first: it creates the records table and the outbox table.
     pub fn new(redis: RedisStore, pg: PgStore) -> Self {
-        Self { redis, pg }
+        let sql = Arc::new(Statements::new(pg.quoted_schema()));
+        Self { redis, pg, sql }
     }
 
     /// Applies idem-postgres's migrations and the outbox's in the PostgreSQL tier's schema
@@ -95,18 +100,8 @@ impl TieredStore {
         self.pg
             .complete_in(conn, lease, completion, retention)
             .await?;
-        let schema = self.pg.quoted_schema();
-        // The row copies the completed record this transaction just wrote (it sees its own
-        // write), so the body is not encoded twice and the expiry is the database's.
-        let sql = format!(
-            "INSERT INTO {schema}.outbox \
-                 (scope, key, fingerprint, token, attempt, meta, body, expires_at) \
-             SELECT r.scope, r.key, r.fingerprint, $3, r.attempt, r.meta, r.body, r.expires_at \
-             FROM {schema}.records AS r, (SELECT pg_notify($4, $5)) AS wake \
-             WHERE r.scope = $1 AND r.key = $2 AND r.token IS NULL"
-        );
         let id = lease.id();
-        let done = sqlx::query(&sql)
+        let done = sqlx::query(&self.sql.record)
             .bind(id.scope().as_str().as_bytes())
             .bind(id.key().as_str())
             .bind(lease.token().as_uuid())
@@ -328,15 +323,12 @@ impl Store for TieredStore {
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
         // The key's outbox rows go first, so the relay cannot write an evicted completion
         // back into Redis.
-        let schema = self.pg.quoted_schema();
-        sqlx::query(&format!(
-            "DELETE FROM {schema}.outbox WHERE scope = $1 AND key = $2"
-        ))
-        .bind(id.scope().as_str().as_bytes())
-        .bind(id.key().as_str())
-        .execute(self.pg.pool())
-        .await
-        .map_err(map_error)?;
+        sqlx::query(&self.sql.evict)
+            .bind(id.scope().as_str().as_bytes())
+            .bind(id.key().as_str())
+            .execute(self.pg.pool())
+            .await
+            .map_err(map_error)?;
         let in_pg = self.pg.evict(id).await?;
         let in_redis = self.redis.evict(id).await?;
         Ok(in_pg || in_redis)
