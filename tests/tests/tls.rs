@@ -52,25 +52,13 @@ mod tls {
             return;
         }
         let pki = Pki::new();
-        let tls_port = harness::free_port().to_string();
         let (cert, key, ca) = (
             pki.path("server.pem"),
             pki.path("server.key"),
             pki.path("ca.pem"),
         );
-        let _server = RedisServer::start_with(&[
-            "--tls-port",
-            &tls_port,
-            "--tls-cert-file",
-            &cert,
-            "--tls-key-file",
-            &key,
-            "--tls-ca-cert-file",
-            &ca,
-            "--tls-auth-clients",
-            "no",
-        ])
-        .expect("start redis-server with TLS");
+        let (_server, tls_port) =
+            RedisServer::start_tls(&cert, &key, &ca).expect("start redis-server with TLS");
 
         // Trusting the authority that signed the server's certificate: it works, by name
         // and by address.
@@ -109,18 +97,7 @@ mod tls {
             return;
         }
         let pki = Pki::new();
-        let server = PgServer::start(
-            &[
-                ("ssl", "on"),
-                ("ssl_cert_file", "server.pem"),
-                ("ssl_key_file", "server.key"),
-            ],
-            &[
-                ("server.pem", pki.server_cert.as_bytes()),
-                ("server.key", pki.server_key.as_bytes()),
-            ],
-        )
-        .expect("start PostgreSQL with ssl=on");
+        let server = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
         let port = server.port();
         let ca = pki.path("ca.pem");
 

@@ -569,32 +569,9 @@ mod tls {
             pki.path("server.key"),
             pki.path("ca.pem"),
         );
-        let tls_port = idem_testkit::harness::free_port().to_string();
-        let _redis = RedisServer::start_with(&[
-            "--tls-port",
-            &tls_port,
-            "--tls-cert-file",
-            &cert,
-            "--tls-key-file",
-            &key,
-            "--tls-ca-cert-file",
-            &ca,
-            "--tls-auth-clients",
-            "no",
-        ])
-        .expect("start redis-server with TLS");
-        let postgres = PgServer::start(
-            &[
-                ("ssl", "on"),
-                ("ssl_cert_file", "server.pem"),
-                ("ssl_key_file", "server.key"),
-            ],
-            &[
-                ("server.pem", pki.server_cert.as_bytes()),
-                ("server.key", pki.server_key.as_bytes()),
-            ],
-        )
-        .expect("start PostgreSQL with ssl=on");
+        let (_redis, tls_port) =
+            RedisServer::start_tls(&cert, &key, &ca).expect("start redis-server with TLS");
+        let postgres = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
         let url = format!(
             "tiered:rediss://localhost:{tls_port}/?tls_ca_file={ca}|\
              postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}",

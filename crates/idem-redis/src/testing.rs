@@ -74,6 +74,30 @@ impl RedisServer {
         Self::start_inner(extra, false)
     }
 
+    /// A standalone server that also listens for TLS on a port of its own, with the PEM
+    /// files given (clients are not asked for certificates). Returns the server and its TLS
+    /// port; [`RedisServer::port`] stays the plain one.
+    ///
+    /// # Errors
+    ///
+    /// When the server cannot be started (a `redis-server` built without TLS, say).
+    pub fn start_tls(cert: &str, key: &str, ca: &str) -> io::Result<(Self, u16)> {
+        let tls_port = free_port(false)?;
+        let server = Self::start_with(&[
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            cert,
+            "--tls-key-file",
+            key,
+            "--tls-ca-cert-file",
+            ca,
+            "--tls-auth-clients",
+            "no",
+        ])?;
+        Ok((server, tls_port))
+    }
+
     /// A replica of `primary`, once its replication link is up.
     ///
     /// # Errors

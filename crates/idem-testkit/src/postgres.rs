@@ -127,6 +127,25 @@ impl PgServer {
         Ok(server)
     }
 
+    /// A server with `ssl=on`, serving the certificate of `pki`.
+    ///
+    /// # Errors
+    ///
+    /// As [`PgServer::start`].
+    pub fn start_tls(pki: &crate::tls::Pki) -> io::Result<Self> {
+        Self::start(
+            &[
+                ("ssl", "on"),
+                ("ssl_cert_file", "server.pem"),
+                ("ssl_key_file", "server.key"),
+            ],
+            &[
+                ("server.pem", pki.server_cert.as_bytes()),
+                ("server.key", pki.server_key.as_bytes()),
+            ],
+        )
+    }
+
     /// The port it listens on (127.0.0.1).
     pub fn port(&self) -> u16 {
         self.port
