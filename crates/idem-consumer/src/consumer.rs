@@ -5,6 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+use idem_core::telemetry::KeyHash;
 use idem_core::{
     Error, Failure, FailurePolicy, Fingerprint, Idem, Key, Lease, Once, OnceError, RecordId, Scope,
 };
@@ -494,17 +495,19 @@ impl Consumer {
         };
         match &decision {
             Delivery::DeadLetter { reason, attempt } => {
-                tracing::warn!(%id, attempt, %reason, "dead-lettered");
+                tracing::warn!(key_hash = %KeyHash::of(&id), attempt, %reason, "dead-lettered");
             }
             Delivery::Nack {
                 after,
                 attempt,
                 error,
-            } => tracing::info!(%id, attempt, ?after, %error, "handler failed; retry later"),
-            Delivery::Requeue { after, reason } => {
-                tracing::debug!(%id, ?after, ?reason, "requeued");
+            } => {
+                tracing::info!(key_hash = %KeyHash::of(&id), attempt, ?after, %error, "handler failed; retry later")
             }
-            Delivery::Ack(_) => tracing::debug!(%id, "acked"),
+            Delivery::Requeue { after, reason } => {
+                tracing::debug!(key_hash = %KeyHash::of(&id), ?after, ?reason, "requeued");
+            }
+            Delivery::Ack(_) => tracing::debug!(key_hash = %KeyHash::of(&id), "acked"),
         }
         decision
     }

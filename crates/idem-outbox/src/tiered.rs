@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, RecordState, Replay, Scope,
     Stats, Store,
@@ -153,7 +154,7 @@ impl TieredStore {
             return;
         }
         if let Err(e) = self.redis.release(lease).await {
-            tracing::debug!(id = %lease.id(), error = %e, "Redis lease not released");
+            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not released");
         }
     }
 
@@ -249,7 +250,7 @@ impl TieredStore {
             .await;
         self.let_go_unless_applied(redis_lease, &result).await;
         if let Err(e) = result {
-            tracing::warn!(%id, error = %e, "could not write a replayed completion back into Redis");
+            tracing::warn!(key_hash = %KeyHash::of(id), error = %e, "could not write a replayed completion back into Redis");
         }
     }
 }
@@ -294,7 +295,7 @@ impl Store for TieredStore {
             .await?;
         tx.commit().await.map_err(map_error)?;
         if let Err(e) = self.publish(lease, completion, retention).await {
-            tracing::debug!(id = %lease.id(), error = %e, "completion left to the relay");
+            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "completion left to the relay");
         }
         Ok(())
     }
@@ -303,7 +304,7 @@ impl Store for TieredStore {
         self.pg.release(lease).await?;
         if let Err(e) = self.redis.release(lease).await {
             // The Redis lease expires on its own; until then retries see in flight.
-            tracing::debug!(id = %lease.id(), error = %e, "Redis lease not released");
+            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not released");
         }
         Ok(())
     }
@@ -311,7 +312,7 @@ impl Store for TieredStore {
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
         let renewed = self.pg.extend(lease, by).await?;
         if let Err(e) = self.redis.extend(lease, by).await {
-            tracing::debug!(id = %lease.id(), error = %e, "Redis lease not extended");
+            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not extended");
         }
         Ok(renewed)
     }
