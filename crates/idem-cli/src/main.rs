@@ -26,7 +26,7 @@ use idem_core::url::StoreUrl;
     name = "idem",
     version,
     about = "Idempotency keys for HTTP APIs and message consumers: a demo service and operator tools",
-    after_help = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, 3 store or I/O error."
+    after_help = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, 3 store, I/O or listen error (unreachable store, port in use)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -93,7 +93,7 @@ struct StoreArg {
 #[derive(Debug, Args)]
 struct ServeArgs {
     /// Address to listen on; port 0 picks a free port (the URL is printed).
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    #[arg(long, default_value = "127.0.0.1:8080", value_parser = parse_listen)]
     listen: SocketAddr,
     #[command(flatten)]
     store: StoreArg,
@@ -223,7 +223,7 @@ async fn run(command: Command) -> Result<String, CliError> {
             let store = store::open(&url).await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
-                .map_err(|e| CliError::Usage(format!("cannot listen on {}: {e}", args.listen)))?;
+                .map_err(|e| listen_error(args.listen, &e))?;
             let exporter = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
                 .and_then(|builder| builder.install_recorder())
@@ -318,6 +318,33 @@ async fn shutdown_signal() {
     let _ = writeln!(std::io::stderr(), "idem demo: shutting down");
 }
 
+/// `--listen`: a socket address, with a hint for the common bare port.
+fn parse_listen(text: &str) -> Result<SocketAddr, String> {
+    text.trim().parse().map_err(|_| {
+        if text.trim().parse::<u16>().is_ok() {
+            format!(
+                "HOST:PORT expected, e.g. --listen 127.0.0.1:{}",
+                text.trim()
+            )
+        } else {
+            format!("HOST:PORT expected (e.g. 127.0.0.1:8080 or [::1]:8080), not {text:?}")
+        }
+    })
+}
+
+/// A failed bind is the machine's state, not bad input: it exits 3 and names the fix.
+fn listen_error(addr: SocketAddr, e: &std::io::Error) -> CliError {
+    let hint = match e.kind() {
+        std::io::ErrorKind::AddrInUse => {
+            "the port is in use; stop the other process or pick another --listen port (0 picks a free one)"
+        }
+        std::io::ErrorKind::PermissionDenied => "ports below 1024 need privileges; pick a higher port",
+        std::io::ErrorKind::AddrNotAvailable => "this machine has no such address; try 127.0.0.1",
+        _ => "check --listen",
+    };
+    CliError::Open(format!("cannot listen on {addr}: {e} ({hint})"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,5 +353,29 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn listen_takes_host_port_and_says_so() {
+        assert_eq!(
+            parse_listen("127.0.0.1:0"),
+            Ok("127.0.0.1:0".parse().unwrap())
+        );
+        let err = parse_listen("8080").unwrap_err();
+        assert!(
+            err.contains("HOST:PORT") && err.contains("127.0.0.1:8080"),
+            "{err}"
+        );
+        assert!(parse_listen("localhost").unwrap_err().contains("HOST:PORT"));
+    }
+
+    #[tokio::test]
+    async fn a_port_in_use_is_not_bad_input() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let e = tokio::net::TcpListener::bind(addr).await.unwrap_err();
+        let err = listen_error(addr, &e);
+        assert_eq!(err.exit_code(), 3);
+        assert!(err.to_string().contains("in use"), "{err}");
     }
 }
