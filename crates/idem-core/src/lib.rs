@@ -82,6 +82,7 @@ mod memory;
 mod record;
 mod store;
 pub mod telemetry;
+pub mod transition;
 pub mod url;
 
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -15,6 +15,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Record, RecordState, Replay};
 use crate::store::{Begin, BeginRequest, Stats, Store};
+use crate::transition::{decide_begin, BeginStep, Found};
 
 const SHARDS: usize = 32;
 /// Expired records removed per write, at most: enough to outpace inserts (one per `begin`)
@@ -221,27 +222,39 @@ impl Store for MemoryStore {
             },
             expiry: (Duration::ZERO, 0),
         };
-        let Some(entry) = shard.live(req.id, now) else {
-            shard.insert(
-                req.id.clone(),
-                fresh(1),
-                kept_until(now, req.lease, req.retention),
-            );
-            return Ok(Begin::Acquired(lease(1)));
-        };
-        if entry.fingerprint != req.fingerprint {
-            return Ok(Begin::Mismatch);
-        }
-        let expires_in = entry.expiry.0.saturating_sub(now);
-        match &entry.state {
-            State::Completed(completion) => Ok(Begin::Replay(Replay {
-                completion: completion.clone(),
-                expires_in,
-            })),
-            State::InProgress { token, deadline } if *token == req.token => {
+        // One look at the record: what the rule reads, and the completion a replay hands out.
+        let mut replay = None;
+        let found = shard.live(req.id, now).map(|entry| Found {
+            fingerprint: entry.fingerprint,
+            attempt: entry.attempt,
+            lease: match &entry.state {
+                State::InProgress { token, deadline } => Some((*token, *deadline)),
+                State::Completed(completion) => {
+                    if entry.fingerprint == req.fingerprint {
+                        replay = Some(Replay {
+                            completion: completion.clone(),
+                            expires_in: entry.expiry.0.saturating_sub(now),
+                        });
+                    }
+                    None
+                }
+            },
+        });
+        match decide_begin(found.as_ref(), req.fingerprint, req.token, now) {
+            BeginStep::Insert => {
+                let expires_at = kept_until(now, req.lease, req.retention);
+                shard.insert(req.id.clone(), fresh(1), expires_at);
+                Ok(Begin::Acquired(lease(1)))
+            }
+            BeginStep::Mismatch => Ok(Begin::Mismatch),
+            // The rule answers Replay only for a completed record of this fingerprint, which
+            // is when `replay` was filled.
+            BeginStep::Replay => replay
+                .map(Begin::Replay)
+                .ok_or_else(|| Error::corrupt(self.name(), "replay of a record not completed")),
+            BeginStep::SameAttempt { remaining } => {
                 // The same attempt asking again: hand its lease back.
-                let attempt = entry.attempt;
-                let remaining = deadline.saturating_sub(now);
+                let attempt = found.map_or(1, |f| f.attempt);
                 let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
                 Ok(if attempt == 1 {
                     Begin::Acquired(lease)
@@ -249,16 +262,10 @@ impl Store for MemoryStore {
                     Begin::TookOver(lease)
                 })
             }
-            State::InProgress { deadline, .. } if *deadline > now => Ok(Begin::InFlight {
-                retry_after: *deadline - now,
-            }),
-            State::InProgress { .. } => {
-                let attempt = entry.attempt.saturating_add(1);
-                shard.insert(
-                    req.id.clone(),
-                    fresh(attempt),
-                    kept_until(now, req.lease, req.retention),
-                );
+            BeginStep::InFlight { retry_after } => Ok(Begin::InFlight { retry_after }),
+            BeginStep::TakeOver { attempt } => {
+                let expires_at = kept_until(now, req.lease, req.retention);
+                shard.insert(req.id.clone(), fresh(attempt), expires_at);
                 Ok(Begin::TookOver(lease(attempt)))
             }
         }
