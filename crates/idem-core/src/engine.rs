@@ -26,6 +26,21 @@ pub enum FailurePolicy {
     Store,
 }
 
+/// What [`Idem::run_with_heartbeat`] does with the work when it finds the lease lost (taken
+/// over after it expired, or evicted by an operator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnLost {
+    /// Drop the work at its next `.await` and return the error (the default): for work
+    /// whose later steps would race the new holder.
+    #[default]
+    Cancel,
+    /// Stop renewing and let the work run to its end: for work that must not stop halfway,
+    /// such as an HTTP handler whose client waits for an answer. Storing its outcome then
+    /// finds [`Error::LeaseLost`].
+    Finish,
+}
+
 /// Settings of an [`Idem`]. Every field has a documented default, and a `with_*` setter:
 /// `Config::default().with_lease(Duration::from_secs(10))`.
 #[derive(Debug, Clone, derive_setters::Setters)]
@@ -275,9 +290,10 @@ impl Idem {
     /// Runs `work` at most once per key and hands every later call its stored value: the
     /// helper for message consumers and plain functions. The value is stored as JSON.
     ///
-    /// While `work` runs, the lease is extended every third of [`Config::lease`]; if an
-    /// extension finds the lease lost, `work` is dropped at its next `.await` and
-    /// [`Error::LeaseLost`] is returned.
+    /// While `work` runs, the lease is extended every third of [`Config::lease`]
+    /// ([`Idem::run_with_heartbeat`] with [`OnLost::Cancel`]); if an extension finds the
+    /// lease lost, `work` is dropped at its next `.await` and [`Error::LeaseLost`] is
+    /// returned.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -325,7 +341,9 @@ impl Idem {
             Begin::Mismatch => return Ok(Once::Mismatch),
         };
         let attempt = lease.attempt();
-        let (lease, outcome) = self.run_with_heartbeat(lease.clone(), work(lease)).await?;
+        let (lease, outcome) = self
+            .run_with_heartbeat(lease.clone(), OnLost::Cancel, work(lease))
+            .await?;
         match outcome {
             Ok(value) => {
                 let body = match serde_json::to_vec(&value) {
@@ -355,15 +373,46 @@ impl Idem {
         }
     }
 
-    /// Drives `work` while renewing `lease`; returns the latest lease with the work's output.
+    /// Drives `work` while renewing `lease` every third of [`Config::lease`]: the one
+    /// heartbeat of idem, used by [`Idem::execute_once`], the HTTP layer and anyone holding
+    /// a lease over long work. Returns the latest lease (renewed) with the work's output.
     ///
-    /// A heartbeat that fails for a retryable reason (the store briefly unavailable, a call
-    /// over its time limit) is tried again at the next beat while the lease still has time
-    /// left by the local estimate: a hiccup must not cancel work halfway through. The work
-    /// is dropped only when the lease is lost, or when it ran out without a renewal.
-    async fn run_with_heartbeat<O>(
+    /// A renewal that fails for a retryable reason (the store briefly unavailable, a call
+    /// over its time limit) is tried again at the next beat: a hiccup must not stop work
+    /// halfway. When the lease is lost (taken over or evicted), or ran out without a
+    /// renewal, `on_lost` decides:
+    ///
+    /// - [`OnLost::Cancel`]: `work` is dropped at its next `.await` and the error returned;
+    /// - [`OnLost::Finish`]: renewing stops and `work` runs to its end; this never returns an
+    ///   error, and storing the outcome afterwards finds [`Error::LeaseLost`].
+    ///
+    /// The work finishing wins over a heartbeat due at the same moment.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_core::Error> {
+    /// use idem_core::{Begin, Fingerprint, Idem, Key, MemoryStore, OnLost, RecordId, Response, Scope};
+    ///
+    /// let idem = Idem::new(MemoryStore::new());
+    /// let id = RecordId::new(Scope::new("reports").unwrap(), Key::new("2025-q1").unwrap());
+    /// let Begin::Acquired(lease) = idem.begin(&id, Fingerprint::of_bytes(b"q1")).await? else {
+    ///     unreachable!("a fresh key")
+    /// };
+    /// let (lease, report) = idem
+    ///     .run_with_heartbeat(lease, OnLost::Cancel, async { "a long report" })
+    ///     .await?;
+    /// idem.complete(&lease, Response::new(200, report)).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Under [`OnLost::Cancel`]: [`Error::LeaseLost`] when the lease was lost; the last
+    /// renewal's error when the lease ran out without a renewal. Under [`OnLost::Finish`]:
+    /// none.
+    pub async fn run_with_heartbeat<O>(
         &self,
         mut lease: Lease,
+        on_lost: OnLost,
         work: impl Future<Output = O>,
     ) -> Result<(Lease, O), Error> {
         let every = (self.config.lease / 3).max(Duration::from_millis(1));
@@ -381,12 +430,24 @@ impl Idem {
                 out = &mut work => return Ok((lease, out)),
                 renewed = beat => match renewed {
                     Ok(renewed) => lease = renewed,
-                    Err(e) if e.is_retryable() && !lease.remaining().is_zero() => {
+                    // Finish keeps trying past the local deadline: a lease nobody took
+                    // over still renews.
+                    Err(e) if e.is_retryable()
+                        && (on_lost == OnLost::Finish || !lease.remaining().is_zero()) =>
+                    {
                         tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e, "lease renewal failed; trying again");
                     }
-                    // Lost, or expired without a renewal: the work future is dropped with
-                    // this frame.
-                    Err(e) => return Err(e),
+                    Err(e) => match on_lost {
+                        // Lost, or expired without a renewal: the work future is dropped
+                        // with this frame.
+                        OnLost::Cancel => return Err(e),
+                        OnLost::Finish => {
+                            tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e,
+                                "lease lost while the work ran; it runs to its end unrenewed");
+                            let out = work.await;
+                            return Ok((lease, out));
+                        }
+                    },
                 },
             }
         }

@@ -86,7 +86,7 @@ pub mod transition;
 pub mod url;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{Config, Failure, FailurePolicy, Idem, Once, OnceError};
+pub use engine::{Config, Failure, FailurePolicy, Idem, OnLost, Once, OnceError};
 pub use error::{BoxError, Error};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection};
 pub use key::{Key, KeyError, RecordId, Scope, MAX_KEY_LEN, MAX_SCOPE_LEN};
