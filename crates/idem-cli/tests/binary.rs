@@ -217,6 +217,10 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     )
     .await;
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        anonymous.json()["type"],
+        "urn:idem:problem:principal-missing"
+    );
 
     // The side effect ran once per key: two payments for alice, none for bob.
     let list = call(&client, "GET", &payments, &[alice], "").await;
@@ -253,8 +257,9 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
             .parse()
             .unwrap()
     };
-    // executed: order-1, race-1, bad-1 (a stored 422) and anon-1 (a stored 401).
-    assert_eq!(metric("executed"), 4, "{text}");
+    // executed: order-1, race-1 and bad-1 (a stored 422); anon-1 was refused before the
+    // handler, as was the request without a key.
+    assert_eq!(metric("executed"), 3, "{text}");
     assert_eq!(
         metric("replayed") as usize,
         1 + (8 - 1 - conflicts),
@@ -262,7 +267,7 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     );
     assert_eq!(metric("in_flight") as usize, conflicts, "{text}");
     assert_eq!(metric("mismatch"), 1, "{text}");
-    assert_eq!(metric("rejected"), 1, "{text}");
+    assert_eq!(metric("rejected"), 2, "{text}");
     assert!(
         text.contains("idem_demo_payments_created_total 2"),
         "{text}"
