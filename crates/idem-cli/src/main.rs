@@ -15,6 +15,7 @@ use idem_core::telemetry::LATENCY_BUCKETS;
 use idem_core::{Key, RecordId, Scope};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
+mod ledger;
 mod ops;
 mod serve;
 mod store;
@@ -220,7 +221,7 @@ async fn run(command: Command) -> Result<String, CliError> {
     match command {
         Command::Serve(args) => {
             let url = store::parse(&args.store.store)?;
-            let store = store::open(&url).await?;
+            let backend = ledger::Backend::open(&url).await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| listen_error(args.listen, &e))?;
@@ -239,7 +240,7 @@ async fn run(command: Command) -> Result<String, CliError> {
                 wait_ms = args.wait_ms,
                 "idem serve starting"
             );
-            serve::run(listener, store, &options, shutdown_signal()).await?;
+            serve::run(listener, backend, &options, shutdown_signal()).await?;
             Ok("idem demo: stopped\n".into())
         }
         Command::Inspect(args) => {

@@ -25,14 +25,20 @@ pub fn parse(url: &str) -> Result<StoreUrl, CliError> {
 /// [`CliError::Usage`] for a URL the backend refuses; [`CliError::Open`] when the store
 /// cannot be reached or fails. Neither carries the URL's password.
 pub async fn open(url: &StoreUrl) -> Result<Arc<dyn Store>, CliError> {
-    idemkit::connect_url(url).await.map_err(|e| {
-        // Drivers may quote the URL they were given: never let its password through.
-        let detail = url.scrub(&e.to_string());
-        match e {
-            Error::Invalid(_) => CliError::Usage(format!("cannot open store {url}: {detail}")),
-            _ => CliError::Open(format!("cannot open store {url}: {detail}")),
-        }
-    })
+    idemkit::connect_url(url)
+        .await
+        .map_err(|e| open_error(url, e))
+}
+
+/// The error of opening the store `url` names: [`CliError::Usage`] for a URL the backend
+/// refuses, [`CliError::Open`] otherwise; the message names the store without its password.
+pub fn open_error(url: &StoreUrl, e: Error) -> CliError {
+    // Drivers may quote the URL they were given: never let its password through.
+    let detail = url.scrub(&e.to_string());
+    match e {
+        Error::Invalid(_) => CliError::Usage(format!("cannot open store {url}: {detail}")),
+        _ => CliError::Open(format!("cannot open store {url}: {detail}")),
+    }
 }
 
 #[cfg(test)]

@@ -94,6 +94,17 @@ async fn call(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Reply {
+    try_call(client, method, url, headers, body).await.unwrap()
+}
+
+/// [`call`], for a request whose connection may break.
+async fn try_call(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<Reply, String> {
     let mut req = hyper::Request::builder().method(method).uri(url);
     for (n, v) in headers {
         req = req.header(*n, *v);
@@ -101,13 +112,13 @@ async fn call(
     let response = client
         .request(req.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
         .await
-        .unwrap();
+        .map_err(|e| e.to_string())?;
     let (parts, body) = response.into_parts();
-    Reply {
+    Ok(Reply {
         status: parts.status,
         headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
+        body: body.collect().await.map_err(|e| e.to_string())?.to_bytes(),
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,6 +499,138 @@ async fn operator_commands_over(store: &str) {
     assert_eq!(list.json()["count"], 2);
 }
 
+/// The demo's payments of `owner` in PostgreSQL, counted.
+async fn payment_rows(pool: &sqlx::PgPool, owner: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idem_demo.payments WHERE owner = $1")
+        .bind(owner)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// `idem serve` killed with `kill -9` after the payment's transaction committed and before
+/// the response was written (`x-demo-delay-after-commit-ms` holds it in that window): after
+/// a restart, the retry replays the committed payment, and PostgreSQL holds one row.
+async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let client = Arc::new(client);
+    let owner = format!("crash-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let order = r#"{"amount": 1250, "currency": "EUR"}"#;
+    let mut served = spawn_serve_on(store);
+
+    let first = {
+        let (client, url, auth) = (
+            client.clone(),
+            format!("{}/payments", served.base),
+            auth.clone(),
+        );
+        tokio::spawn(async move {
+            let headers = [
+                ("authorization", auth.as_str()),
+                ("content-type", "application/json"),
+                ("idempotency-key", "order-1"),
+                ("x-demo-delay-after-commit-ms", "30000"),
+            ];
+            try_call(&client, "POST", &url, &headers, order).await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while payment_rows(&pool, &owner).await == 0 {
+        assert!(Instant::now() < deadline, "the payment was never committed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The payment is committed and its response not yet written: kill -9.
+    let mut child = served.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(first.await.unwrap().is_err(), "the killed server answered");
+
+    let served = spawn_serve_on(store);
+    let payments = format!("{}/payments", served.base);
+    let headers = [
+        ("authorization", auth.as_str()),
+        ("content-type", "application/json"),
+        ("idempotency-key", "order-1"),
+    ];
+    let retry = call(&client, "POST", &payments, &headers, order).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        payment_rows(&pool, &owner).await,
+        1,
+        "the payment was made twice"
+    );
+    let list = call(
+        &client,
+        "GET",
+        &payments,
+        &[("authorization", auth.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(list.json()["count"], 1);
+    assert_eq!(list.json()["payments"][0]["id"], retry.json()["id"]);
+}
+
+/// Two `idem serve` processes on one database: 40 identical requests split across them
+/// make one payment, and both list the same one.
+async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let client = Arc::new(client);
+    let servers = [spawn_serve_on(store), spawn_serve_on(store)];
+    let owner = format!("race-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let order = r#"{"amount": 500, "currency": "USD"}"#;
+
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let url = format!("{}/payments", servers[i % 2].base);
+        let (client, auth) = (client.clone(), auth.clone());
+        tasks.push(tokio::spawn(async move {
+            let headers = [
+                ("authorization", auth.as_str()),
+                ("content-type", "application/json"),
+                ("idempotency-key", "race-40"),
+                ("x-demo-delay-ms", "300"),
+            ];
+            call(&client, "POST", &url, &headers, order).await
+        }));
+    }
+    let mut created = Vec::new();
+    for task in tasks {
+        let reply = task.await.unwrap();
+        match reply.status {
+            StatusCode::CREATED => created.push(reply.json()["id"].clone()),
+            StatusCode::CONFLICT => assert_eq!(reply.headers["retry-after"], "1"),
+            other => panic!("unexpected {other}: {:?}", reply.body),
+        }
+    }
+    assert!(!created.is_empty());
+    assert!(created.iter().all(|id| *id == created[0]), "{created:?}");
+    assert_eq!(
+        payment_rows(&pool, &owner).await,
+        1,
+        "the race paid more than once"
+    );
+    for server in &servers {
+        let list = call(
+            &client,
+            "GET",
+            &format!("{}/payments", server.base),
+            &[("authorization", auth.as_str())],
+            "",
+        )
+        .await;
+        assert_eq!(list.json()["count"], 1);
+        assert_eq!(list.json()["payments"][0]["id"], created[0]);
+    }
+}
+
 mod redis {
     //! Against `IDEM_TEST_REDIS_URL`.
 
@@ -509,6 +652,22 @@ mod postgres {
             return;
         };
         super::operator_commands_over(&url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_after_the_commit_loses_nothing() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_race_across_two_processes_runs_once() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::a_race_across_two_processes_runs_once(&url, &url).await;
     }
 }
 
@@ -546,6 +705,48 @@ mod tiered {
             return;
         };
         super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
+    }
+
+    /// The relay of the tiered store, in this process, as it runs next to the services:
+    /// it copies committed completions into Redis, where a killed process left its lease.
+    async fn relay(redis: &str, postgres: &str) -> tokio::sync::oneshot::Sender<()> {
+        let pg = idemkit::postgres::PgStore::connect(postgres).await.unwrap();
+        let redis = idemkit::redis::RedisStore::connect(redis).await.unwrap();
+        let relay = idemkit::outbox::Relay::new(pg, redis);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            relay
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        stop
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_after_the_commit_loses_nothing() {
+        let (Some(redis), Some(postgres)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        let _relay = relay(&redis, &postgres).await;
+        let store = format!("tiered:{redis}|{postgres}");
+        super::a_crash_after_the_commit_loses_nothing(&store, &postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_race_across_two_processes_runs_once() {
+        let (Some(redis), Some(postgres)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        let store = format!("tiered:{redis}|{postgres}");
+        super::a_race_across_two_processes_runs_once(&store, &postgres).await;
     }
 }
 
