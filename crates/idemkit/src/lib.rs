@@ -13,6 +13,7 @@
 //! | `postgres` | `idemkit::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
 //! | `outbox` | `idemkit::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay |
 //! | `http` | `idemkit::http` | `idem-http`: the tower middleware |
+//! | `axum` | `idemkit::http` | `idem-http` with `LeaseHandle` as an axum extractor, for handlers that complete the record in their own transaction |
 //! | `consumer` | `idemkit::consumer` | `idem-consumer`: message consumers (RabbitMQ) |
 //! | `full` | all of the above | |
 //!
