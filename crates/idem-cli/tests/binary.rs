@@ -124,9 +124,7 @@ async fn try_call(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     let mut served = spawn_serve();
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let client = Arc::new(client);
+    let client = client();
     let payments = format!("{}/payments", served.base);
     let alice = ("authorization", "Bearer alice");
     let json = ("content-type", "application/json");
@@ -369,9 +367,7 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
 /// to the call, so tests sharing a server never count each other's records.
 async fn operator_commands_over(store: &str) {
     let served = spawn_serve_on(store);
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let client = Arc::new(client);
+    let client = client();
     let payments = format!("{}/payments", served.base);
     let caller = format!("ops-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {caller}");
@@ -386,12 +382,7 @@ async fn operator_commands_over(store: &str) {
     let first = {
         let (client, payments, auth) = (client.clone(), payments.clone(), auth.clone());
         tokio::spawn(async move {
-            let headers = [
-                ("authorization", auth.as_str()),
-                ("content-type", "application/json"),
-                ("idempotency-key", "order-1"),
-                ("x-demo-delay-ms", "2500"),
-            ];
+            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "2500")]);
             call(&client, "POST", &payments, &headers, order).await
         })
     };
@@ -456,11 +447,7 @@ async fn operator_commands_over(store: &str) {
     assert!(text.contains("succeeded       1"), "{text}");
 
     // A retry is a replay; once evicted, the key runs again.
-    let headers = [
-        ("authorization", auth.as_str()),
-        ("content-type", "application/json"),
-        ("idempotency-key", "order-1"),
-    ];
+    let headers = payment(&auth, "order-1", &[]);
     let replay = call(&client, "POST", &payments, &headers, order).await;
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay.body, first.body);
@@ -488,15 +475,39 @@ async fn operator_commands_over(store: &str) {
         payment_id.as_str(),
         "the key did not run again"
     );
-    let list = call(
-        &client,
-        "GET",
-        &payments,
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
-    assert_eq!(list.json()["count"], 2);
+    assert_eq!(list(&client, &served.base, &auth).await["count"], 2);
+}
+
+/// A client for the tests' requests.
+fn client() -> Arc<Client<HttpConnector, Full<Bytes>>> {
+    Arc::new(Client::builder(TokioExecutor::new()).build_http())
+}
+
+/// The headers of a JSON payment by `auth` (`Bearer <name>`) under `key`, then `extra`.
+fn payment<'a>(
+    auth: &'a str,
+    key: &'a str,
+    extra: &[(&'a str, &'a str)],
+) -> Vec<(&'a str, &'a str)> {
+    let mut headers = vec![
+        ("authorization", auth),
+        ("content-type", "application/json"),
+        ("idempotency-key", key),
+    ];
+    headers.extend_from_slice(extra);
+    headers
+}
+
+/// `GET /payments` as `auth`: the caller's payments, as the server lists them.
+async fn list(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    base: &str,
+    auth: &str,
+) -> serde_json::Value {
+    let url = format!("{base}/payments");
+    let reply = call(client, "GET", &url, &[("authorization", auth)], "").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    reply.json()
 }
 
 /// The demo's payments of `owner` in PostgreSQL, counted.
@@ -513,9 +524,7 @@ async fn payment_rows(pool: &sqlx::PgPool, owner: &str) -> i64 {
 /// a restart, the retry replays the committed payment, and PostgreSQL holds one row.
 async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let client = Arc::new(client);
+    let client = client();
     let owner = format!("crash-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {owner}");
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
@@ -528,12 +537,11 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
             auth.clone(),
         );
         tokio::spawn(async move {
-            let headers = [
-                ("authorization", auth.as_str()),
-                ("content-type", "application/json"),
-                ("idempotency-key", "order-1"),
-                ("x-demo-delay-after-commit-ms", "30000"),
-            ];
+            let headers = payment(
+                &auth,
+                "order-1",
+                &[("x-demo-delay-after-commit-ms", "30000")],
+            );
             try_call(&client, "POST", &url, &headers, order).await
         })
     };
@@ -550,11 +558,7 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
 
     let served = spawn_serve_on(store);
     let payments = format!("{}/payments", served.base);
-    let headers = [
-        ("authorization", auth.as_str()),
-        ("content-type", "application/json"),
-        ("idempotency-key", "order-1"),
-    ];
+    let headers = payment(&auth, "order-1", &[]);
     let retry = call(&client, "POST", &payments, &headers, order).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(retry.headers["idempotent-replayed"], "true");
@@ -563,25 +567,16 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
         1,
         "the payment was made twice"
     );
-    let list = call(
-        &client,
-        "GET",
-        &payments,
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
-    assert_eq!(list.json()["count"], 1);
-    assert_eq!(list.json()["payments"][0]["id"], retry.json()["id"]);
+    let listed = list(&client, &served.base, &auth).await;
+    assert_eq!(listed["count"], 1);
+    assert_eq!(listed["payments"][0]["id"], retry.json()["id"]);
 }
 
 /// Two `idem serve` processes on one database: 40 identical requests split across them
 /// make one payment, and both list the same one.
 async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let client = Arc::new(client);
+    let client = client();
     let servers = [spawn_serve_on(store), spawn_serve_on(store)];
     let owner = format!("race-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {owner}");
@@ -592,12 +587,7 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
         let url = format!("{}/payments", servers[i % 2].base);
         let (client, auth) = (client.clone(), auth.clone());
         tasks.push(tokio::spawn(async move {
-            let headers = [
-                ("authorization", auth.as_str()),
-                ("content-type", "application/json"),
-                ("idempotency-key", "race-40"),
-                ("x-demo-delay-ms", "300"),
-            ];
+            let headers = payment(&auth, "race-40", &[("x-demo-delay-ms", "300")]);
             call(&client, "POST", &url, &headers, order).await
         }));
     }
@@ -618,16 +608,9 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
         "the race paid more than once"
     );
     for server in &servers {
-        let list = call(
-            &client,
-            "GET",
-            &format!("{}/payments", server.base),
-            &[("authorization", auth.as_str())],
-            "",
-        )
-        .await;
-        assert_eq!(list.json()["count"], 1);
-        assert_eq!(list.json()["payments"][0]["id"], created[0]);
+        let listed = list(&client, &server.base, &auth).await;
+        assert_eq!(listed["count"], 1);
+        assert_eq!(listed["payments"][0]["id"], created[0]);
     }
 }
 
