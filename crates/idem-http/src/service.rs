@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
@@ -647,65 +648,99 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let config = &shared.config;
-    let (parts, body) = response.into_parts();
-    let mut body = Box::pin(body);
-    let limit = config.max_response_body;
+    let (mut parts, body) = response.into_parts();
+    match buffer(body, config.max_response_body).await {
+        Buffer::Broken(read, e) => {
+            // The body broke off: nothing complete to store. The client sees the same
+            // break it would have seen without the layer.
+            release(&shared.idem, &lease, "the response body failed").await;
+            shared.observe(Outcome::NotStored);
+            Response::from_parts(parts, ResponseBody::new(Broken::new(read, e)))
+        }
+        Buffer::Oversize(read, rest) => {
+            let limit = config.max_response_body;
+            tracing::warn!(limit, "response too large to store; sent unstored");
+            if config.unstored == Unstored::Release {
+                release(&shared.idem, &lease, "a response too large to store").await;
+            }
+            shared.observe(Outcome::NotStored);
+            Response::from_parts(parts, ResponseBody::new(Prefixed::new(read, rest)))
+        }
+        Buffer::Whole(bytes, trailers) => {
+            match keep(shared, lease, handle, &parts, bytes.clone()).await {
+                // The first response advertises its expiry too, as replays do.
+                Kept::Stored => insert_expires(&mut parts.headers, shared.idem.config().retention),
+                Kept::Unstored => {}
+                Kept::Unrecorded => return not_recorded(config).into_response(),
+            }
+            Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
+        }
+    }
+}
 
+/// A response body, read up to the storing limit.
+enum Buffer<B> {
+    /// Read whole, with its trailers.
+    Whole(Bytes, Option<HeaderMap>),
+    /// Over the limit: what was read, and the rest, still to be streamed.
+    Oversize(Bytes, Pin<Box<B>>),
+    /// Broken off: what was read, and the error.
+    Broken(Bytes, BoxError),
+}
+
+/// Reads `body` until its end, or until it is over `limit` bytes.
+async fn buffer<B>(body: B, limit: usize) -> Buffer<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
     let mut trailers = None;
-    let oversize = body.size_hint().lower() > limit as u64
-        || loop {
-            let next = body
-                .frame()
-                .await
-                .map(|r| r.map_err(Into::<BoxError>::into));
-            match next {
-                None => break false,
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        buf.extend_from_slice(&data);
-                        if buf.len() > limit {
-                            break true;
-                        }
-                    }
-                    Err(frame) => {
-                        if let Ok(t) = frame.into_trailers() {
-                            trailers = Some(t);
-                        }
-                    }
-                },
-                Some(Err(e)) => {
-                    // The body broke off: nothing complete to store. The client sees the same
-                    // break it would have seen without the layer.
-                    release(&shared.idem, &lease, "the response body failed").await;
-                    shared.observe(Outcome::NotStored);
-                    let body = Broken::new(buf.freeze(), e);
-                    return Response::from_parts(parts, ResponseBody::new(body));
-                }
-            }
-        };
-
-    if oversize {
-        tracing::warn!(limit, "response too large to store; sent unstored");
-        if config.unstored == Unstored::Release {
-            release(&shared.idem, &lease, "a response too large to store").await;
-        }
-        shared.observe(Outcome::NotStored);
-        let body = Prefixed::new(buf.freeze(), body);
-        return Response::from_parts(parts, ResponseBody::new(body));
+    if body.size_hint().lower() > limit as u64 {
+        return Buffer::Oversize(buf.freeze(), body);
     }
-
-    let bytes = buf.freeze();
-    let retention = shared.idem.config().retention;
-    // `stored`: the first response advertises its expiry too, as replays do.
-    let send = |mut parts: http::response::Parts, bytes, stored: bool| {
-        if stored {
-            insert_expires(&mut parts.headers, retention);
+    loop {
+        match body.frame().await {
+            None => return Buffer::Whole(buf.freeze(), trailers),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > limit {
+                        return Buffer::Oversize(buf.freeze(), body);
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers = Some(t);
+                    }
+                }
+            },
+            Some(Err(e)) => return Buffer::Broken(buf.freeze(), e.into()),
         }
-        Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
-    };
-    let stored = config.to_stored(parts.status, &parts.headers, bytes.clone());
+    }
+}
 
+/// What became of a whole response.
+enum Kept {
+    /// Stored for replay (by the layer, or by the handler in its transaction).
+    Stored,
+    /// Not stored: its status is not stored (the key released), or the lease was lost.
+    Unstored,
+    /// It should have been stored and the store failed: it must not be sent as done.
+    Unrecorded,
+}
+
+/// Stores a whole response when it should be, unless the handler did already.
+async fn keep(
+    shared: &Shared,
+    lease: Lease,
+    handle: &LeaseHandle,
+    parts: &http::response::Parts,
+    bytes: Bytes,
+) -> Kept {
+    let config = &shared.config;
+    let stored = config.to_stored(parts.status, &parts.headers, bytes);
     if let Some(committed) = handle.committed_response() {
         // The handler completed the record in its own transaction: nothing to store.
         if committed != stored {
@@ -715,50 +750,41 @@ where
             );
         }
         shared.observe(Outcome::Executed);
-        return send(parts, bytes, true);
+        return Kept::Stored;
     }
-
     if !(config.store_status)(parts.status) {
-        release(
-            &shared.idem,
-            &lease,
-            "a response whose status is not stored",
-        )
-        .await;
+        let why = "a response whose status is not stored";
+        release(&shared.idem, &lease, why).await;
         shared.observe(Outcome::NotStored);
-        return send(parts, bytes, false);
+        return Kept::Unstored;
     }
-
-    match shared.idem.complete(&lease, stored.clone()).await {
-        Ok(()) => {
-            shared.observe(Outcome::Executed);
-            send(parts, bytes, true)
-        }
+    let kept = match shared.idem.complete(&lease, stored.clone()).await {
+        Ok(()) => Kept::Stored,
         // The record already holds this very response: the handler completed it in its
         // transaction without saying so.
-        Err(Error::LeaseLost) if holds(&shared.idem, &lease, &stored).await => {
-            shared.observe(Outcome::Executed);
-            send(parts, bytes, true)
-        }
+        Err(Error::LeaseLost) if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
         Err(Error::LeaseLost) => {
             // Another request took the key over after this lease expired (or an operator
             // evicted it): nothing of ours can be stored, and this response is the truth
             // for this request.
             tracing::warn!("lease lost before the response was stored");
-            shared.observe(Outcome::NotStored);
-            send(parts, bytes, false)
+            Kept::Unstored
         }
         Err(e) => {
             tracing::warn!(error = %e, "storing the response failed; retrying");
             if store_later(shared, lease, stored).await {
-                shared.observe(Outcome::Executed);
-                send(parts, bytes, true)
+                Kept::Stored
             } else {
-                shared.observe(Outcome::StoreError);
-                not_recorded(config).into_response()
+                Kept::Unrecorded
             }
         }
-    }
+    };
+    shared.observe(match kept {
+        Kept::Stored => Outcome::Executed,
+        Kept::Unstored => Outcome::NotStored,
+        Kept::Unrecorded => Outcome::StoreError,
+    });
+    kept
 }
 
 /// The answer when the handler ran but its outcome is not recorded (yet).
