@@ -299,3 +299,29 @@ async fn a_failed_heartbeat_does_not_cancel_the_work() {
         }
     );
 }
+
+#[tokio::test]
+async fn a_lost_lease_under_on_lost_finish_lets_the_work_end() {
+    use idem_core::OnLost;
+
+    let idem = idem(Config::default().with_lease(Duration::from_millis(90)));
+    let Begin::Acquired(lease) = idem.begin(&id("finish"), fp()).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    let evicter = idem.clone();
+    let (lease, out) = idem
+        .run_with_heartbeat(lease, OnLost::Finish, async move {
+            // An operator evicts the key: the next heartbeat finds the lease lost, and the
+            // work still runs to its end.
+            evicter.store().evict(&id("finish")).await.unwrap();
+            sleep(Duration::from_millis(300)).await;
+            "finished"
+        })
+        .await
+        .unwrap();
+    assert_eq!(out, "finished");
+    // Storing its outcome finds the lease lost: nothing is written over the new state.
+    let stored = idem.complete(&lease, Response::new(200, out)).await;
+    assert!(matches!(stored, Err(Error::LeaseLost)), "{stored:?}");
+    assert!(idem.store().get(&id("finish")).await.unwrap().is_none());
+}
