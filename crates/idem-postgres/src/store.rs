@@ -176,7 +176,8 @@ impl PgStore {
     /// under sqlx's advisory lock, with the schema's ledger. For crates that keep tables of
     /// their own beside `records` (idem-outbox's outbox). Their versions must not collide
     /// with idem-postgres's (which start at 1), and their migrator must ignore the versions
-    /// it does not know (`Migrator::set_ignore_missing`), since the ledger is shared.
+    /// it does not know, since the ledger is shared: build it with
+    /// [`sharing_the_ledger`](crate::sharing_the_ledger).
     ///
     /// # Errors
     ///
