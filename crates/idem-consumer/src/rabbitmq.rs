@@ -489,18 +489,10 @@ impl Settle {
         };
         drop(slot);
         match decision {
-            Delivery::Ack(_) => match delivery.acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => Settled::Acked,
-                // `Ok(false)`: the channel is gone (lapin poisons its ackers).
-                Ok(false) => {
-                    tracing::warn!("channel closed before the ack; the broker will redeliver");
-                    Settled::Unsettled
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "ack failed; the broker will redeliver");
-                    Settled::Unsettled
-                }
-            },
+            Delivery::Ack(_) => {
+                let acked = delivery.acker.ack(BasicAckOptions::default()).await;
+                settled(acked, "ack", Settled::Acked)
+            }
             Delivery::Requeue { after, .. } => self.requeue(&delivery, after).await,
             Delivery::Nack { after, attempt, .. } => {
                 let mut headers = headers_of(&delivery);
@@ -609,17 +601,7 @@ impl Settle {
             requeue: true,
             ..BasicNackOptions::default()
         };
-        match delivery.acker.nack(nack).await {
-            Ok(true) => Settled::Requeued,
-            Ok(false) => {
-                tracing::warn!("channel closed before the nack; the broker will redeliver");
-                Settled::Unsettled
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "nack failed; the broker will redeliver");
-                Settled::Unsettled
-            }
-        }
+        settled(delivery.acker.nack(nack).await, "nack", Settled::Requeued)
     }
 }
 
@@ -679,6 +661,23 @@ pub fn with_idempotency_key(
     properties.with_headers(headers)
 }
 
+/// What an ack or nack (`what`) that answered `result` settled: `done` when the broker got
+/// it; otherwise nothing, and the broker will redeliver.
+fn settled(result: Result<bool, lapin::Error>, what: &str, done: Settled) -> Settled {
+    match result {
+        Ok(true) => done,
+        // `Ok(false)`: the channel is gone (lapin poisons its ackers).
+        Ok(false) => {
+            tracing::warn!("channel closed before the {what}; the broker will redeliver");
+            Settled::Unsettled
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "{what} failed; the broker will redeliver");
+            Settled::Unsettled
+        }
+    }
+}
+
 fn headers_of(delivery: &AmqpDelivery) -> FieldTable {
     delivery.properties.headers().clone().unwrap_or_default()
 }
@@ -734,37 +733,30 @@ mod tests {
     /// the headers and expiration it is given.
     #[test]
     fn copies_keep_the_properties_but_user_id() {
-        let original = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_content_encoding("gzip".into())
+        // What a copy keeps as it is.
+        let kept = |p: BasicProperties| {
+            p.with_content_type("application/json".into())
+                .with_content_encoding("gzip".into())
+                .with_priority(7)
+                .with_correlation_id("corr".into())
+                .with_reply_to("replies".into())
+                .with_message_id("msg-1".into())
+                .with_timestamp(1_700_000_000)
+                .with_type("payment".into())
+                .with_app_id("shop".into())
+                .with_cluster_id("c1".into())
+        };
+        let original = kept(BasicProperties::default())
             .with_delivery_mode(1)
-            .with_priority(7)
-            .with_correlation_id("corr".into())
-            .with_reply_to("replies".into())
             .with_expiration("60000".into())
-            .with_message_id("msg-1".into())
-            .with_timestamp(1_700_000_000)
-            .with_type("payment".into())
-            .with_user_id("someone".into())
-            .with_app_id("shop".into())
-            .with_cluster_id("c1".into());
+            .with_user_id("someone".into());
         let mut headers = FieldTable::default();
         headers.insert("x-idem-attempt".into(), AMQPValue::LongLongInt(2));
         let copy = copy_properties(&original, headers.clone(), Some("500".into()));
-        let expected = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_content_encoding("gzip".into())
+        let expected = kept(BasicProperties::default())
             .with_headers(headers.clone())
             .with_delivery_mode(2)
-            .with_priority(7)
-            .with_correlation_id("corr".into())
-            .with_reply_to("replies".into())
-            .with_expiration("500".into())
-            .with_message_id("msg-1".into())
-            .with_timestamp(1_700_000_000)
-            .with_type("payment".into())
-            .with_app_id("shop".into())
-            .with_cluster_id("c1".into());
+            .with_expiration("500".into());
         assert_eq!(copy, expected);
         // No expiration given: the original's is not kept.
         let copy = copy_properties(&original, headers, None);
