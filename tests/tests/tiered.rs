@@ -169,31 +169,24 @@ mod tiered {
             let mut tx = pool.begin().await.expect("tx");
             insert_work(&mut tx, store.pg(), "order-1", 1250).await;
             complete_in_tx(&store, &mut tx, &lease, "ch_1").await;
-            if !commit {
+            let (n, what) = if commit {
+                tx.commit().await.expect("commit");
+                (1, "the business row and the outbox row commit together")
+            } else {
                 tx.rollback().await.expect("rollback");
-                assert_eq!(
-                    (
-                        runs(store.pg(), "order-1").await,
-                        count(&pool, &outbox).await
-                    ),
-                    (0, 0),
-                    "business or outbox rows survived a rollback"
-                );
+                (0, "business or outbox rows survived a rollback")
+            };
+            let rows = (
+                runs(store.pg(), "order-1").await,
+                count(&pool, &outbox).await,
+            );
+            assert_eq!(rows, (n, n), "{what}");
+            if !commit {
                 match store.get(&id).await.expect("get").expect("record").state {
                     RecordState::InProgress { token, .. } => assert_eq!(token, lease.token()),
                     other => panic!("a rolled-back completion is visible: {other:?}"),
                 }
-                continue;
             }
-            tx.commit().await.expect("commit");
-            assert_eq!(
-                (
-                    runs(store.pg(), "order-1").await,
-                    count(&pool, &outbox).await
-                ),
-                (1, 1),
-                "the business row and the outbox row commit together"
-            );
         }
         store
             .publish(&lease, &charged("ch_1"), KEEP)

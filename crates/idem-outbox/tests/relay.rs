@@ -168,6 +168,13 @@ mod relay {
             .await;
         }
 
+        /// [`Env::assert_in_redis`] for every key of `keys`.
+        async fn assert_all_in_redis(&self, keys: std::ops::Range<usize>) {
+            for i in keys {
+                self.assert_in_redis(i).await;
+            }
+        }
+
         /// Asserts that Redis holds key `i` completed with its own completion.
         async fn assert_in_redis(&self, i: usize) {
             let record = self
@@ -299,16 +306,24 @@ mod relay {
         Some((server, env))
     }
 
+    /// An environment (see [`env`]) whose outbox holds `rows` committed completions (keys
+    /// `0..rows`) that nothing published.
+    async fn with_backlog(rows: usize) -> Option<Arc<Env>> {
+        let env = Arc::new(env(None).await?);
+        env.commit_many(0..rows, 8).await;
+        Some(env)
+    }
+
     // --- tests ---------------------------------------------------------------------------------
 
     /// `kill -9` of a relay process while it drains a backlog in small batches, then a new
     /// process: every committed completion reaches Redis, and the outbox empties.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn relay_process_killed_mid_stream_loses_nothing() {
-        let Some(env) = env(None).await else { return };
-        let env = Arc::new(env);
         const ROWS: usize = 1200;
-        env.commit_many(0..ROWS, 8).await;
+        let Some(env) = with_backlog(ROWS).await else {
+            return;
+        };
         assert_eq!(env.outbox_rows().await, ROWS as i64);
 
         let mut first = env.spawn_relay_process(&["--batch", "10", "--poll-ms", "50"]);
@@ -334,9 +349,7 @@ mod relay {
         sigterm(&second);
         assert!(wait_exit(&mut second).await.success());
 
-        for i in 0..ROWS {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(0..ROWS).await;
         env.drop_schema().await;
     }
 
@@ -387,9 +400,7 @@ mod relay {
         // Redis back, empty: the backlog drains into it.
         server.start_again().expect("restart redis-server");
         env.wait_outbox_empty().await;
-        for i in DOWN {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(DOWN).await;
         let after = relay.observe().await.expect("observe");
         assert_eq!((after.backlog, after.dead, after.failed_total), (0, 0, 0));
         assert!(after.relayed_total >= 10 + DOWN.len() as u64, "{after:?}");
@@ -433,9 +444,7 @@ mod relay {
         let relayed: u64 = relays.iter().map(|r| r.metrics().relayed_total).sum();
         assert_eq!(relayed, ROWS as u64);
         assert!(relays.iter().all(|r| r.metrics().failed_total == 0));
-        for i in 0..ROWS {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(0..ROWS).await;
         env.drop_schema().await;
     }
 
@@ -550,10 +559,10 @@ mod relay {
     /// relayed is gone and every row left is untouched (no half-done batch).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn shutdown_finishes_the_batch_and_returns() {
-        let Some(env) = env(None).await else { return };
-        let env = Arc::new(env);
         const ROWS: usize = 800;
-        env.commit_many(0..ROWS, 8).await;
+        let Some(env) = with_backlog(ROWS).await else {
+            return;
+        };
         let relay = env.relay(RelayConfig::default().with_batch(10));
         let running = start(&relay);
         eventually("the relay started", Duration::from_millis(1), || async {
@@ -628,9 +637,7 @@ mod relay {
         // The batch in hand was finished, not dropped: applied, deleted, committed.
         assert_eq!(relay.metrics().relayed_total, ROWS as u64);
         assert_eq!(env.outbox_rows().await, 0);
-        for i in 0..ROWS {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(0..ROWS).await;
         env.drop_schema().await;
     }
 

@@ -88,6 +88,14 @@ async fn config_set(
         .expect("CONFIG SET");
 }
 
+/// A store with a prefix of its own on the shared server (`IDEM_TEST_REDIS_URL`), and a
+/// raw connection to it; `None` when it is not set.
+async fn on_the_shared_server() -> Option<(RedisStore, redis::aio::MultiplexedConnection)> {
+    let url = idem_testkit::harness::redis_url()?;
+    let store = builder(&url).connect().await.unwrap();
+    Some((store, raw(&url).await))
+}
+
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(url)
         .unwrap()
@@ -485,11 +493,9 @@ fn corrupt<T>(r: &Result<T, Error>) -> bool {
 /// A value that is not a record is reported as corrupt by every call, and left as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_records_are_reported_and_left_alone() {
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, mut conn)) = on_the_shared_server().await else {
         return;
     };
-    let store = builder(&url).connect().await.unwrap();
-    let mut conn = raw(&url).await;
     let id = new_id("k");
     let lease = acquire(&store, &id).await;
     let key = store.record_key(&id);
@@ -577,11 +583,9 @@ async fn body_limit_policies() {
 /// gone, succeed; the same calls not marked as re-sent are lease-lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resent_calls_count_once() {
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, mut conn)) = on_the_shared_server().await else {
         return;
     };
-    let store = builder(&url).connect().await.unwrap();
-    let mut conn = raw(&url).await;
     let complete = idem_redis::testing::script("complete").expect("the complete script");
     let release = idem_redis::testing::script("release").expect("the release script");
     let id = new_id("k");
