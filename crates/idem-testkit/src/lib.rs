@@ -41,9 +41,10 @@ pub mod tls;
 /// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
 /// `$store` (an `async fn() -> Option<Arc<dyn Store>>`) for a fresh store. With
 /// `unreachable = $f` (an `async fn() -> Arc<dyn Store>` pointed at a closed port) it adds
-/// the unavailability case; with `stats` last, the case of [`Store::stats`](idem_core::Store::stats)
-/// (for stores that count; the trait's default answers `Unsupported`). It also adds
-/// `follows_the_model`, the [`model`] check on the store's own clock (16 random cases).
+/// the unavailability case; with `stats` last, the case of
+/// [`Store::stats`](idem_core::Store::stats) (for stores that count; the trait's default
+/// answers `Unsupported`). It also adds `follows_the_model`, the [`model`] check on the
+/// store's own clock (16 random cases).
 #[macro_export]
 macro_rules! conformance_suite {
     ($store:path) => {

@@ -66,26 +66,19 @@ impl RabbitServer {
             child: None,
         };
         let log = std::fs::File::create(server.dir.join("server.log"))?;
+        // Everything the node writes stays in its directory; no config file, no plugins.
+        let files = [
+            ("MNESIA_BASE", "mnesia"),
+            ("LOG_BASE", "log"),
+            ("CONFIG_FILE", "none"),
+            ("ENABLED_PLUGINS_FILE", "enabled_plugins"),
+        ]
+        .map(|(var, file)| format!("RABBITMQ_{var}={}", server.dir.join(file).display()));
         let child = server
             .node_env()
             .arg(format!("RABBITMQ_NODE_PORT={port}"))
             .arg(format!("RABBITMQ_DIST_PORT={}", harness::free_port()))
-            .arg(format!(
-                "RABBITMQ_MNESIA_BASE={}",
-                server.dir.join("mnesia").display()
-            ))
-            .arg(format!(
-                "RABBITMQ_LOG_BASE={}",
-                server.dir.join("log").display()
-            ))
-            .arg(format!(
-                "RABBITMQ_CONFIG_FILE={}",
-                server.dir.join("none").display()
-            ))
-            .arg(format!(
-                "RABBITMQ_ENABLED_PLUGINS_FILE={}",
-                server.dir.join("enabled_plugins").display()
-            ))
+            .args(files)
             .arg(server.bin.join("rabbitmq-server"))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
