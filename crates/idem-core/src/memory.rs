@@ -308,13 +308,7 @@ impl Store for MemoryStore {
         let expires_at = entry.expiry.0.saturating_add(moved);
         let attempt = entry.attempt;
         shard.set_expiry(lease.id(), expires_at);
-        Ok(Lease::new(
-            lease.id().clone(),
-            lease.token(),
-            attempt,
-            by,
-            sent_at,
-        ))
+        Ok(lease.renewed(attempt, by, sent_at))
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
@@ -380,20 +374,30 @@ mod tests {
         RecordId::new(Scope::global(), Key::new(k).unwrap())
     }
 
+    /// A `begin` with a token of its own, for `lease`, keeping the record `retention`.
+    fn req(id: &RecordId, lease: Duration, retention: Duration) -> BeginRequest<'_> {
+        BeginRequest {
+            id,
+            fingerprint: Fingerprint::of_bytes(b""),
+            token: FencingToken::random(),
+            lease,
+            retention,
+        }
+    }
+
+    /// A fresh key's lease.
+    async fn acquire(store: &MemoryStore, req: BeginRequest<'_>) -> Lease {
+        let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
+            panic!("fresh key not acquired")
+        };
+        lease
+    }
+
     #[tokio::test]
     async fn endless_durations_do_not_panic() {
         let store = MemoryStore::new();
         let id = id("forever");
-        let req = BeginRequest {
-            id: &id,
-            fingerprint: Fingerprint::of_bytes(b""),
-            token: FencingToken::random(),
-            lease: Duration::MAX,
-            retention: Duration::MAX,
-        };
-        let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
-            panic!("fresh key not acquired")
-        };
+        let lease = acquire(&store, req(&id, Duration::MAX, Duration::MAX)).await;
         let lease = store.extend(&lease, Duration::MAX).await.unwrap();
         store
             .complete(
@@ -412,16 +416,8 @@ mod tests {
         let store = MemoryStore::with_clock(Arc::new(clock.clone()));
         for i in 0..1000 {
             let id = id(&format!("k{i}"));
-            let req = BeginRequest {
-                id: &id,
-                fingerprint: Fingerprint::of_bytes(b""),
-                token: FencingToken::random(),
-                lease: Duration::from_secs(1),
-                retention: Duration::from_secs(1),
-            };
-            let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
-                panic!("fresh key not acquired")
-            };
+            let second = Duration::from_secs(1);
+            let lease = acquire(&store, req(&id, second, second)).await;
             store
                 .complete(
                     &lease,
@@ -436,14 +432,8 @@ mod tests {
         // Writes sweep as they go: steady traffic keeps the store at its live size.
         for i in 0..200 {
             let id = id(&format!("n{i}"));
-            let req = BeginRequest {
-                id: &id,
-                fingerprint: Fingerprint::of_bytes(b""),
-                token: FencingToken::random(),
-                lease: Duration::from_secs(1),
-                retention: Duration::from_secs(1),
-            };
-            store.begin(req).await.unwrap();
+            let second = Duration::from_secs(1);
+            store.begin(req(&id, second, second)).await.unwrap();
         }
         assert!(
             store.len() < 1000,

@@ -24,6 +24,13 @@ fn idem(config: Config) -> Idem {
     Idem::new(MemoryStore::new()).with_config(config)
 }
 
+/// The error of `execute_once` on `key` when its work fails with `failure`.
+async fn fails(idem: &Idem, key: &str, failure: Failure<String>) -> OnceError<String> {
+    idem.execute_once(&id(key), fp(), |_| async { Err::<u32, _>(failure) })
+        .await
+        .unwrap_err()
+}
+
 #[tokio::test]
 async fn wait_returns_the_holders_result() {
     let idem = idem(Config::default().with_wait(Duration::from_secs(5)));
@@ -107,12 +114,7 @@ async fn execute_once_maps_every_outcome() {
     );
 
     // A retryable failure releases the key: the next call runs the work again.
-    let err = idem
-        .execute_once(&id("flaky"), fp(), |_| async {
-            Err::<u32, _>(Failure::Retryable("timeout".to_owned()))
-        })
-        .await
-        .unwrap_err();
+    let err = fails(&idem, "flaky", Failure::Retryable("timeout".to_owned())).await;
     assert!(matches!(err, OnceError::Work { stored: false, .. }));
     assert_eq!(
         idem.execute_once(&id("flaky"), fp(), work(1))
@@ -125,12 +127,7 @@ async fn execute_once_maps_every_outcome() {
     );
 
     // A terminal failure under FailurePolicy::Store is replayed.
-    let err = idem
-        .execute_once(&id("bad"), fp(), |_| async {
-            Err::<u32, _>(Failure::Terminal("card declined".to_owned()))
-        })
-        .await
-        .unwrap_err();
+    let err = fails(&idem, "bad", Failure::Terminal("card declined".to_owned())).await;
     assert!(matches!(err, OnceError::Work { stored: true, .. }));
     assert_eq!(
         idem.execute_once(&id("bad"), fp(), work(1)).await.unwrap(),
@@ -150,12 +147,7 @@ async fn execute_once_maps_every_outcome() {
 #[tokio::test]
 async fn terminal_failure_under_release_policy_runs_again() {
     let idem = idem(Config::default());
-    let err = idem
-        .execute_once(&id("k"), fp(), |_| async {
-            Err::<u32, _>(Failure::Terminal("no".to_owned()))
-        })
-        .await
-        .unwrap_err();
+    let err = fails(&idem, "k", Failure::Terminal("no".to_owned())).await;
     assert!(matches!(err, OnceError::Work { stored: false, .. }));
     assert!(matches!(
         idem.begin(&id("k"), fp()).await.unwrap(),

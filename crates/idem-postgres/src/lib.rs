@@ -215,7 +215,7 @@ mod schema;
 mod store;
 
 pub use error::{is_transaction_conflict, map as map_error, TransactionConflict};
-pub use migrate::{migrate, migrator};
+pub use migrate::{migrate, migrator, sharing_the_ledger};
 pub use purge::{PurgeConfig, PurgeHandle};
 pub use schema::DEFAULT_SCHEMA;
 pub use store::{PgStore, DEFAULT_CONFLICT_RETRIES, MAX_DURATION};

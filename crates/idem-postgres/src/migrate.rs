@@ -12,11 +12,16 @@ use crate::schema::{Schema, DEFAULT_SCHEMA};
 /// idem-postgres's migrations. The schema's ledger is shared with the migrations of crates
 /// built on this store (idem-outbox's outbox table, at versions of their own): each
 /// migrator ignores the versions it does not know, and checks those it does.
-static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
-    let mut migrator = sqlx::migrate!("./migrations");
+static MIGRATOR: LazyLock<Migrator> =
+    LazyLock::new(|| sharing_the_ledger(sqlx::migrate!("./migrations")));
+
+/// `migrator`, made to share a schema's ledger: it ignores the versions it does not know
+/// (`Migrator::set_ignore_missing`), those of idem-postgres and of the other crates whose
+/// tables live in the schema. Build the migrator of [`crate::PgStore::migrate_with`] with it.
+pub fn sharing_the_ledger(mut migrator: Migrator) -> Migrator {
     migrator.set_ignore_missing(true);
     migrator
-});
+}
 
 /// idem's migrations (the top-level `migrations/postgres/` folder, embedded at build time).
 ///
