@@ -1,0 +1,73 @@
+//! [`PgStore::stuck`]: the records whose worker is gone, for operators.
+
+use std::time::Duration;
+
+use idem_core::{Error, Key, RecordId, Scope};
+use sqlx::Row;
+
+use crate::error::{self, NAME};
+use crate::store::PgStore;
+
+/// An in-progress record whose lease expired long ago, with no retry to take it over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StuckRecord {
+    /// The record.
+    pub id: RecordId,
+    /// The attempt that holds it.
+    pub attempt: u32,
+    /// How long ago its lease expired, by the database's clock.
+    pub expired_for: Duration,
+}
+
+impl PgStore {
+    /// The in-progress records (in `scope`, or in all) whose lease expired more than
+    /// `stuck_after` ago, the longest expired first, at most `limit`: the records that
+    /// [`idem_core::Store::stats`] counts as stuck. Reads only.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when the database cannot be reached; [`Error::Corrupt`] for a
+    /// row whose scope or key is not valid; [`Error::Backend`] otherwise (a missing table).
+    pub async fn stuck(
+        &self,
+        scope: Option<&Scope>,
+        stuck_after: Duration,
+        limit: u32,
+    ) -> Result<Vec<StuckRecord>, Error> {
+        let sql = include_str!("sql/stuck.sql")
+            .replace("{records}", &format!("{}.records", self.quoted_schema()));
+        let after = sqlx::postgres::types::PgInterval {
+            months: 0,
+            days: 0,
+            microseconds: i64::try_from(stuck_after.min(crate::MAX_DURATION).as_micros())
+                .unwrap_or(i64::MAX),
+        };
+        let rows = sqlx::query(&sql)
+            .bind(scope.map(|s| s.as_str().as_bytes()))
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await
+            .map_err(error::map)?;
+        rows.iter()
+            .map(|row| {
+                let scope: Vec<u8> = row.try_get("scope").map_err(error::map)?;
+                let key: String = row.try_get("key").map_err(error::map)?;
+                let attempt: i32 = row.try_get("attempt").map_err(error::map)?;
+                let expired_us: i64 = row.try_get("expired_us").map_err(error::map)?;
+                let bad = |what: &str| Error::corrupt(NAME, format!("a stuck row's {what}"));
+                let scope = String::from_utf8(scope)
+                    .ok()
+                    .and_then(|s| Scope::new(s).ok())
+                    .ok_or_else(|| bad("scope"))?;
+                let key = Key::new(key).map_err(|_| bad("key"))?;
+                Ok(StuckRecord {
+                    id: RecordId::new(scope, key),
+                    attempt: u32::try_from(attempt).map_err(|_| bad("attempt"))?,
+                    expired_for: Duration::from_micros(u64::try_from(expired_us).unwrap_or(0)),
+                })
+            })
+            .collect()
+    }
+}
