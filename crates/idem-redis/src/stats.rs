@@ -111,6 +111,9 @@ pub struct Scan {
     nodes: Option<Vec<Node>>,
     node: usize,
     cursor: u64,
+    /// `SCAN` calls made on the current primary, and its `DBSIZE` (read at its first page).
+    node_pages: u64,
+    node_size: u64,
     done: bool,
     counts: ScanCounts,
     findings: Vec<Finding>,
@@ -143,6 +146,8 @@ impl RedisStore {
             nodes: None,
             node: 0,
             cursor: 0,
+            node_pages: 0,
+            node_size: 0,
             done: false,
             counts: ScanCounts::default(),
             findings: Vec::new(),
@@ -215,6 +220,19 @@ impl Scan {
         }
     }
 
+    /// An estimate of how far the scan of the current primary is, from 0 to 1: the `SCAN`
+    /// calls made times [`PAGE`] against the primary's `DBSIZE` (a `SCAN` call visits about
+    /// `COUNT` keys of the whole keyspace, matching or not). Capped below 1 until done.
+    pub fn primary_progress(&self) -> f64 {
+        if self.done {
+            return 1.0;
+        }
+        if self.node_size == 0 {
+            return 0.0;
+        }
+        (self.node_pages as f64 * PAGE as f64 / self.node_size as f64).min(0.99)
+    }
+
     /// One page: `SCAN`, the keys' types and the strings' values, counted. Nothing is
     /// counted unless the whole page was read.
     async fn page(&mut self) -> Result<(), Error> {
@@ -226,6 +244,16 @@ impl Scan {
         let Some(node) = nodes.get(self.node).cloned() else {
             self.done = true;
             return Ok(());
+        };
+        let size = if self.cursor == 0 {
+            // A primary's first page: its size, for the progress estimate.
+            let reply = conn.on_node(&node, redis::cmd("DBSIZE")).await?;
+            match reply {
+                Value::Int(n) => Some(u64::try_from(n).unwrap_or(0)),
+                other => return Err(unexpected("DBSIZE", &other)),
+            }
+        } else {
+            None
         };
         let mut scan = redis::cmd("SCAN");
         scan.arg(self.cursor)
@@ -279,8 +307,13 @@ impl Scan {
                     page.keys += 1;
                     let (value, pttl) = match pair {
                         [Value::BulkString(value), Value::Int(pttl)] => (value.clone(), *pttl),
-                        // Changed type or vanished between the two round trips: not counted
-                        // as a record.
+                        // Made another type between the two round trips.
+                        [Value::ServerError(e), _] if e.code() == "WRONGTYPE" => {
+                            page.foreign += 1;
+                            found.push(((*key).clone(), Problem::Foreign("not a string".into())));
+                            continue;
+                        }
+                        // Gone between the two round trips.
                         _ => continue,
                     };
                     let value = if value.len() >= READ {
@@ -314,6 +347,11 @@ impl Scan {
                 problem,
             });
         }
+        if let Some(size) = size {
+            self.node_size = size;
+            self.node_pages = 0;
+        }
+        self.node_pages += 1;
         if next == 0 {
             self.node += 1;
             self.cursor = 0;
