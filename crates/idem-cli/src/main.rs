@@ -49,8 +49,9 @@ struct Cli {
         value_parser = ["text", "json"]
     )]
     log_format: String,
-    /// Print JSON instead of text: the result on stdout, and an error as one JSON object
-    /// on stderr (`{"error": {"kind", "message", "exit_code"}}`).
+    /// Print JSON instead of text: the result on stdout, and on stderr an error as one JSON
+    /// object (`{"error": {"kind", "message", "exit_code"}}`, the last line) after the log
+    /// lines, which are JSON too.
     #[arg(long, global = true)]
     json: bool,
 }
@@ -321,7 +322,9 @@ fn main() -> ExitCode {
         Command::Serve(_) => "info,sqlx=warn",
         _ => "warn",
     };
-    init_logs(&cli.log_format, default_level);
+    // With --json, stderr holds JSON lines only: the logs as well as an error.
+    let log_format = if cli.json { "json" } else { &cli.log_format };
+    init_logs(log_format, default_level);
     let json = cli.json;
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,

@@ -275,9 +275,10 @@ impl Progress {
         let (primary, primaries) = scan.primaries();
         let _ = write!(
             std::io::stderr(),
-            "\ridem {}: {} keys read (primary {primary} of {primaries}), {}\x1b[K",
+            "\ridem {}: {} keys read, primary {primary} of {primaries} about {:.0}% scanned, {}\x1b[K",
             self.what,
             scan.counts().keys,
+            scan.primary_progress() * 100.0,
             human(self.started.elapsed())
         );
     }
