@@ -1075,3 +1075,80 @@ mod errors {
         }
     }
 }
+
+mod tiered_evict {
+    //! `evict` through a `tiered:` URL, in a schema and prefix of its own.
+
+    use idem_core::Store as _;
+    use idemkit::outbox::TieredStore;
+    use idemkit::postgres::PgStore;
+    use idemkit::redis::RedisStore;
+    use redis::AsyncCommands as _;
+
+    use super::records;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn evict_deletes_both_tiers_and_the_outbox_rows() {
+        let (Some(redis_url), Some(pg_url)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        let schema = idem_testkit::harness::unique_name("idem_ops_");
+        let prefix = format!("ops-{}:", uuid::Uuid::new_v4().simple());
+        let url = format!("tiered:{redis_url}|{pg_url}");
+        let cmd = |args: &[&str]| {
+            let mut all = args.to_vec();
+            all.extend(["--store", &url, "--schema", &schema, "--prefix", &prefix]);
+            super::run(&all)
+        };
+        let (code, out, err) = cmd(&["migrate", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(super::json(&out)["applied"], serde_json::json!([1, 1001]));
+
+        let pg = PgStore::connect(&pg_url)
+            .await
+            .unwrap()
+            .with_schema(&schema)
+            .unwrap();
+        let redis = RedisStore::builder(redis_url.as_str())
+            .with_prefix(prefix.clone())
+            .connect()
+            .await
+            .unwrap();
+        let tiered = TieredStore::new(redis.clone(), pg.clone());
+        let id = records::id("s", "paid");
+        records::completed(tiered.clone(), &id).await;
+        let outbox_rows = || async {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM {}.outbox WHERE key = 'paid'",
+                pg.quoted_schema()
+            ))
+            .fetch_one(pg.pool())
+            .await
+            .unwrap()
+        };
+        // Completed in both tiers, its outbox row not yet relayed (no relay runs here).
+        assert!(redis.get(&id).await.unwrap().is_some());
+        assert!(pg.get(&id).await.unwrap().is_some());
+        assert_eq!(outbox_rows().await, 1);
+
+        let (code, out, err) = cmd(&["evict", "paid", "--scope", "s"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(out, "evicted key \"paid\" in scope \"s\"\n");
+        assert!(redis.get(&id).await.unwrap().is_none(), "left in Redis");
+        assert!(pg.get(&id).await.unwrap().is_none(), "left in PostgreSQL");
+        assert_eq!(outbox_rows().await, 0, "outbox rows left for the relay");
+
+        let _ = sqlx::query(&format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            pg.quoted_schema()
+        ))
+        .execute(pg.pool())
+        .await;
+        let client = redis::Client::open(redis_url.as_str()).unwrap();
+        let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = raw.del(redis.record_key(&id)).await.unwrap();
+    }
+}
