@@ -83,14 +83,15 @@ struct Counted {
 }
 
 /// Counts records by state; in-progress records whose lease expired more than
-/// `stuck_after` ago are the "stuck" alarm. On Redis, also the corrupt and foreign keys
-/// under the store's prefix, page by page (with progress on stderr when it is a terminal)
-/// until done or `timeout`.
+/// `stuck_after` ago are the "stuck" alarm. On Redis (alone, or the tiered store's first
+/// tier), also the corrupt and foreign keys under the store's prefix, page by page (with
+/// progress on stderr when it is a terminal) until done or `timeout`.
 ///
 /// # Errors
 ///
 /// Store errors; on PostgreSQL, a count that does not end within `timeout`.
 pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliError> {
+    let started = Instant::now();
     let counted = match opened {
         Opened::Redis(redis) => {
             let mut scan = redis.scan(survey.scope, survey.stuck_after);
@@ -102,30 +103,26 @@ pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliErro
                 primaries: scan.primaries(),
             }
         }
-        other => {
-            let store = other.store();
-            let stats = tokio::time::timeout(
-                survey.timeout,
-                store.stats(survey.scope, survey.stuck_after),
-            )
-            .await
-            .map_err(|_| {
-                CliError::Store(Error::unavailable(
-                    store.name(),
-                    format!(
-                        "the count did not end within --timeout {} (it is one statement on \
-                         PostgreSQL); raise --timeout",
-                        human(survey.timeout)
-                    ),
-                ))
-            })??;
+        Opened::Tiered(tiered) => {
+            // The states from PostgreSQL, the arbiter; the broken keys from Redis, where a
+            // corrupt record fails the requests that read it first.
+            let stats = db_stats(opened, survey).await?;
+            let mut scan = tiered.redis().scan(survey.scope, survey.stuck_after);
+            let left = survey.timeout.saturating_sub(started.elapsed());
+            let complete = walk(&mut scan, left, "stats").await?;
             Counted {
                 stats,
-                redis: None,
-                complete: true,
-                primaries: (0, 0),
+                redis: Some(scan.counts().clone()),
+                complete,
+                primaries: scan.primaries(),
             }
         }
+        other => Counted {
+            stats: db_stats(other, survey).await?,
+            redis: None,
+            complete: true,
+            primaries: (0, 0),
+        },
     };
     let output = if survey.json {
         stats_json(&counted, survey)
@@ -133,6 +130,31 @@ pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliErro
         stats_text(&counted, survey)
     };
     Ok(Done::partial_unless(counted.complete, output))
+}
+
+/// [`Store::stats`] on a store that counts in one call (PostgreSQL, memory), within
+/// `survey.timeout`.
+async fn db_stats(opened: &Opened, survey: &Survey<'_>) -> Result<idem_core::Stats, CliError> {
+    let store: std::sync::Arc<dyn Store> = match opened.pg() {
+        Some(pg) => std::sync::Arc::new(pg.clone()),
+        None => opened.store(),
+    };
+    tokio::time::timeout(
+        survey.timeout,
+        store.stats(survey.scope, survey.stuck_after),
+    )
+    .await
+    .map_err(|_| {
+        CliError::Store(Error::unavailable(
+            store.name(),
+            format!(
+                "the count did not end within --timeout {} (it is one statement on \
+                 PostgreSQL); raise --timeout",
+                human(survey.timeout)
+            ),
+        ))
+    })?
+    .map_err(CliError::from)
 }
 
 fn stats_json(counted: &Counted, survey: &Survey<'_>) -> String {
@@ -297,74 +319,50 @@ impl Progress {
 ///
 /// Store errors; on PostgreSQL, a listing that does not end within `timeout`.
 pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<Done, CliError> {
+    let started = Instant::now();
     let mut rows: Vec<serde_json::Value> = Vec::new();
-    let complete = match opened {
-        Opened::Redis(redis) => {
-            let mut scan = redis
-                .scan(survey.scope, survey.stuck_after)
-                .with_findings(limit as usize);
-            let complete = walk(&mut scan, survey.timeout, "stuck").await?;
-            for finding in scan.findings() {
-                let mut row = serde_json::json!({
-                    "redis_key": finding.key,
-                    "scope": finding.id.as_ref().map(|id| id.scope().as_str()),
-                    "key": finding.id.as_ref().map(|id| id.key().as_str()),
-                });
-                match &finding.problem {
-                    Problem::Stuck {
-                        expired_for,
-                        attempt,
-                    } => {
-                        row["problem"] = "stuck".into();
-                        row["attempt"] = (*attempt).into();
-                        row["expired_for_ms"] = millis(*expired_for).into();
-                    }
-                    Problem::Corrupt(why) => {
-                        row["problem"] = "corrupt".into();
-                        row["detail"] = why.as_str().into();
-                    }
-                    Problem::Foreign(what) => {
-                        row["problem"] = "foreign".into();
-                        row["detail"] = what.as_str().into();
-                    }
-                    other => {
-                        row["problem"] = "other".into();
-                        row["detail"] = other.to_string().into();
-                    }
-                }
-                rows.push(row);
-            }
-            complete
+    if let Some(pg) = opened.pg() {
+        let found = tokio::time::timeout(
+            survey.timeout,
+            pg.stuck(survey.scope, survey.stuck_after, limit),
+        )
+        .await
+        .map_err(|_| {
+            CliError::Store(Error::unavailable(
+                "postgres",
+                format!("no answer within --timeout {}", human(survey.timeout)),
+            ))
+        })??;
+        for record in found {
+            rows.push(serde_json::json!({
+                "scope": record.id.scope().as_str(),
+                "key": record.id.key().as_str(),
+                "problem": "stuck",
+                "attempt": record.attempt,
+                "expired_for_ms": millis(record.expired_for),
+            }));
         }
-        other => {
-            let Some(pg) = other.pg() else {
-                return Err(CliError::Unsupported(
-                    "no stuck records to list here".into(),
-                ));
-            };
-            let found = tokio::time::timeout(
-                survey.timeout,
-                pg.stuck(survey.scope, survey.stuck_after, limit),
-            )
-            .await
-            .map_err(|_| {
-                CliError::Store(Error::unavailable(
-                    "postgres",
-                    format!("no answer within --timeout {}", human(survey.timeout)),
-                ))
-            })??;
-            for record in found {
-                rows.push(serde_json::json!({
-                    "scope": record.id.scope().as_str(),
-                    "key": record.id.key().as_str(),
-                    "problem": "stuck",
-                    "attempt": record.attempt,
-                    "expired_for_ms": millis(record.expired_for),
-                }));
-            }
-            true
-        }
+    }
+    // Redis: its stuck records (alone), its corrupt and foreign keys (alone or tiered).
+    let redis = match opened {
+        Opened::Redis(redis) => Some(redis),
+        Opened::Tiered(tiered) => Some(tiered.redis()),
+        _ => None,
     };
+    let mut complete = true;
+    if let Some(redis) = redis {
+        let room = (limit as usize).saturating_sub(rows.len());
+        let mut scan = redis
+            .scan(survey.scope, survey.stuck_after)
+            .with_findings(room);
+        let left = survey.timeout.saturating_sub(started.elapsed());
+        complete = walk(&mut scan, left, "stuck").await?;
+        rows.extend(scan.findings().iter().map(finding_row));
+    } else if opened.pg().is_none() {
+        return Err(CliError::Unsupported(
+            "no stuck records to list here".into(),
+        ));
+    }
     let output = if survey.json {
         format!(
             "{}\n",
@@ -379,6 +377,38 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
         stuck_text(&rows, complete, survey, limit)
     };
     Ok(Done::partial_unless(complete, output))
+}
+
+/// One key a Redis scan found wrong, as `stuck --json` lists it.
+fn finding_row(finding: &idemkit::redis::Finding) -> serde_json::Value {
+    let mut row = serde_json::json!({
+        "redis_key": finding.key,
+        "scope": finding.id.as_ref().map(|id| id.scope().as_str()),
+        "key": finding.id.as_ref().map(|id| id.key().as_str()),
+    });
+    match &finding.problem {
+        Problem::Stuck {
+            expired_for,
+            attempt,
+        } => {
+            row["problem"] = "stuck".into();
+            row["attempt"] = (*attempt).into();
+            row["expired_for_ms"] = millis(*expired_for).into();
+        }
+        Problem::Corrupt(why) => {
+            row["problem"] = "corrupt".into();
+            row["detail"] = why.as_str().into();
+        }
+        Problem::Foreign(what) => {
+            row["problem"] = "foreign".into();
+            row["detail"] = what.as_str().into();
+        }
+        other => {
+            row["problem"] = "other".into();
+            row["detail"] = other.to_string().into();
+        }
+    }
+    row
 }
 
 fn stuck_text(

@@ -1134,6 +1134,26 @@ mod tiered_evict {
         assert!(pg.get(&id).await.unwrap().is_some());
         assert_eq!(outbox_rows().await, 1);
 
+        // A corrupt value in the Redis tier: counted and listed, with PostgreSQL's states.
+        let client = redis::Client::open(redis_url.as_str()).unwrap();
+        let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+        let broken = records::id("s", "broken");
+        let _: () = raw.set(redis.record_key(&broken), "garbage").await.unwrap();
+        let (code, out, err) = cmd(&["stats", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(
+            (doc["succeeded"].as_u64(), doc["corrupt"].as_u64()),
+            (Some(1), Some(1)),
+            "{doc}"
+        );
+        let (code, out, err) = cmd(&["stuck", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(doc["records"][0]["key"], "broken", "{doc}");
+        assert_eq!(doc["records"][0]["problem"], "corrupt", "{doc}");
+        let _: () = raw.del(redis.record_key(&broken)).await.unwrap();
+
         let (code, out, err) = cmd(&["evict", "paid", "--scope", "s"]);
         assert_eq!(code, 0, "{err}");
         assert_eq!(out, "evicted key \"paid\" in scope \"s\"\n");
@@ -1147,8 +1167,6 @@ mod tiered_evict {
         ))
         .execute(pg.pool())
         .await;
-        let client = redis::Client::open(redis_url.as_str()).unwrap();
-        let mut raw = client.get_multiplexed_async_connection().await.unwrap();
         let _: () = raw.del(redis.record_key(&id)).await.unwrap();
     }
 }
