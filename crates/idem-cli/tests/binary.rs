@@ -529,15 +529,20 @@ mod redis_cluster {
     }
 }
 
+/// `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`, when both are set.
+fn both_urls() -> Option<(String, String)> {
+    Some((
+        idem_testkit::harness::redis_url()?,
+        idem_testkit::harness::database_url()?,
+    ))
+}
+
 mod tiered {
     //! The tiered store: `tiered:<IDEM_TEST_REDIS_URL>|<IDEM_TEST_DATABASE_URL>`.
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
-        let (Some(redis), Some(postgres)) = (
-            idem_testkit::harness::redis_url(),
-            idem_testkit::harness::database_url(),
-        ) else {
+        let Some((redis, postgres)) = super::both_urls() else {
             return;
         };
         super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
@@ -609,19 +614,27 @@ fn json(text: &str) -> serde_json::Value {
 mod records {
     use std::time::Duration;
 
-    use idem_core::{Begin, Config, Fingerprint, Idem, Key, RecordId, Response, Scope, Store};
+    use idem_core::{
+        Begin, Config, Fingerprint, Idem, Key, Lease, RecordId, Response, Scope, Store,
+    };
 
     pub fn id(scope: &str, key: &str) -> RecordId {
         RecordId::new(Scope::new(scope).unwrap(), Key::new(key).unwrap())
     }
 
-    /// A completed record (201).
-    pub async fn completed(store: impl Store + 'static, id: &RecordId) {
-        let idem = Idem::new(store);
+    /// A fresh lease on `id` through an engine with `config`.
+    async fn acquired(store: impl Store + 'static, config: Config, id: &RecordId) -> (Idem, Lease) {
+        let idem = Idem::new(store).with_config(config);
         let Begin::Acquired(lease) = idem.begin(id, Fingerprint::of_bytes(b"r")).await.unwrap()
         else {
             panic!("fresh key")
         };
+        (idem, lease)
+    }
+
+    /// A completed record (201).
+    pub async fn completed(store: impl Store + 'static, id: &RecordId) {
+        let (idem, lease) = acquired(store, Config::default(), id).await;
         idem.complete(&lease, Response::new(201, "paid"))
             .await
             .unwrap();
@@ -629,27 +642,17 @@ mod records {
 
     /// An in-progress record whose 1 ms lease is left to expire: the worker "died".
     pub async fn abandoned(store: impl Store + 'static, id: &RecordId) {
-        let idem = Idem::new(store).with_config(
-            Config::default()
-                .with_lease(Duration::from_millis(1))
-                .with_retention(Duration::from_secs(600)),
-        );
-        let Begin::Acquired(lease) = idem.begin(id, Fingerprint::of_bytes(b"r")).await.unwrap()
-        else {
-            panic!("fresh key")
-        };
+        let config = Config::default()
+            .with_lease(Duration::from_millis(1))
+            .with_retention(Duration::from_secs(600));
         // Nothing releases or completes it: the lease runs out, as when a worker dies.
-        drop(lease);
+        let _ = acquired(store, config, id).await;
     }
 
     /// A completed record kept 1 ms: expired at once.
     pub async fn expired(store: impl Store + 'static, id: &RecordId) {
-        let idem = Idem::new(store)
-            .with_config(Config::default().with_retention(Duration::from_millis(1)));
-        let Begin::Acquired(lease) = idem.begin(id, Fingerprint::of_bytes(b"r")).await.unwrap()
-        else {
-            panic!("fresh key")
-        };
+        let config = Config::default().with_retention(Duration::from_millis(1));
+        let (idem, lease) = acquired(store, config, id).await;
         idem.complete(&lease, Response::new(201, "paid"))
             .await
             .unwrap();
@@ -994,10 +997,7 @@ mod errors {
 
     #[test]
     fn wrong_ports_and_schemes_say_what_to_do() {
-        let (Some(redis), Some(postgres)) = (
-            idem_testkit::harness::redis_url(),
-            idem_testkit::harness::database_url(),
-        ) else {
+        let Some((redis, postgres)) = super::both_urls() else {
             return;
         };
         let port = |url: &str| {
@@ -1089,10 +1089,7 @@ mod tiered_evict {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn evict_deletes_both_tiers_and_the_outbox_rows() {
-        let (Some(redis_url), Some(pg_url)) = (
-            idem_testkit::harness::redis_url(),
-            idem_testkit::harness::database_url(),
-        ) else {
+        let Some((redis_url, pg_url)) = super::both_urls() else {
             return;
         };
         let schema = idem_testkit::harness::unique_name("idem_ops_");

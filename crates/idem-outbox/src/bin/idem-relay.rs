@@ -83,27 +83,22 @@ struct Urls {
 const OLD_DATABASE_VAR: &str = "IDEM_DATABASE_URL";
 const OLD_REDIS_VAR: &str = "IDEM_REDIS_URL";
 
+/// A deprecated setting and the name it came by: the flag, else the variable.
+fn former(
+    flag: &Option<String>,
+    flag_name: &'static str,
+    var: &'static str,
+) -> Option<(String, &'static str)> {
+    flag.clone()
+        .map(|url| (url, flag_name))
+        .or_else(|| std::env::var(var).ok().map(|url| (url, var)))
+}
+
 impl StoreArgs {
     /// Resolves the URLs; `warn` receives one line per deprecated name in use.
     fn urls(&self, mut warn: impl FnMut(String)) -> Result<Urls, Failure> {
-        let old_database = self
-            .database_url
-            .clone()
-            .map(|url| (url, "--database-url"))
-            .or_else(|| {
-                std::env::var(OLD_DATABASE_VAR)
-                    .ok()
-                    .map(|url| (url, OLD_DATABASE_VAR))
-            });
-        let old_redis = self
-            .redis_url
-            .clone()
-            .map(|url| (url, "--redis-url"))
-            .or_else(|| {
-                std::env::var(OLD_REDIS_VAR)
-                    .ok()
-                    .map(|url| (url, OLD_REDIS_VAR))
-            });
+        let old_database = former(&self.database_url, "--database-url", OLD_DATABASE_VAR);
+        let old_redis = former(&self.redis_url, "--redis-url", OLD_REDIS_VAR);
         if let Some(store) = &self.store {
             for (_, name) in old_database.iter().chain(&old_redis) {
                 warn(format!("{name} is ignored: --store (IDEM_STORE) is set"));
