@@ -29,7 +29,7 @@ use crate::store::RedisStore;
 use crate::STORE;
 
 /// Keys asked for per `SCAN` step.
-pub const PAGE: usize = 1000;
+const PAGE: usize = 1000;
 
 /// Bytes of each value read by a page's pipeline. A record longer than this (a large body)
 /// is read again whole, on its own, to be decoded.
@@ -100,8 +100,15 @@ pub struct Finding {
     pub problem: Problem,
 }
 
-/// A walk over the store's keys, a page at a time; see the [module docs](self). Made by
-/// [`RedisStore::scan`].
+/// A walk over the store's keys, a page at a time. Made by [`RedisStore::scan`].
+///
+/// Each [`Scan::step`] reads one `SCAN` page (`COUNT 1000`) on one primary and the types and
+/// values of the keys it returns, in two pipelined round trips, bounded by
+/// [`crate::RedisConfig::call_timeout`]; the walk as a whole has no limit of its own. Every
+/// key under the store's pattern is counted once, in one category: a record in one of its
+/// states, corrupt (a string that does not decode), or foreign (another type, or a name
+/// that is not a record's). Not a snapshot: records that change meanwhile may be counted in
+/// either state, or missed.
 #[derive(Debug)]
 pub struct Scan {
     store: RedisStore,
@@ -221,8 +228,9 @@ impl Scan {
     }
 
     /// An estimate of how far the scan of the current primary is, from 0 to 1: the `SCAN`
-    /// calls made times [`PAGE`] against the primary's `DBSIZE` (a `SCAN` call visits about
-    /// `COUNT` keys of the whole keyspace, matching or not). Capped below 1 until done.
+    /// calls made times their `COUNT` (1000) against the primary's `DBSIZE` (a `SCAN` call
+    /// visits about `COUNT` keys of the whole keyspace, matching or not). Capped below 1
+    /// until done.
     pub fn primary_progress(&self) -> f64 {
         if self.done {
             return 1.0;
