@@ -268,6 +268,11 @@ async fn diagnose(url: &str, e: &Error) -> Option<String> {
             expected.name(),
             found.fix(&addr)
         )),
+        Reach::Silent => Some(format!(
+            "{addr} accepts connections but answered nothing in time (timed out): check that \
+             this port is {}'s, and that the server is not stalled",
+            expected.name()
+        )),
         Reach::Speaks(_) | Reach::Unknown => None,
     }
 }
@@ -281,6 +286,8 @@ enum Reach {
     NoAnswer,
     /// A server of this protocol.
     Speaks(Protocol),
+    /// Something accepts connections and answers neither probe.
+    Silent,
     /// A server that does not tell (or the address does not resolve).
     Unknown,
 }
@@ -343,13 +350,14 @@ fn probe(addr: &str) -> Reach {
         Ok(reply[..n].to_vec())
     };
     // SSLRequest: length 8, code 80877103.
-    match exchange(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f]) {
+    let first = match exchange(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f]) {
         Err(reach) => return reach,
         Ok(reply) if reply == b"N" || reply == b"S" => return Reach::Speaks(Protocol::Postgres),
-        Ok(_) => {}
-    }
+        Ok(reply) => reply,
+    };
     match exchange(b"PING\r\n\r\n") {
         Err(reach) => reach,
+        Ok(reply) if reply.is_empty() && first.is_empty() => Reach::Silent,
         Ok(reply) if reply.starts_with(b"HTTP/") => Reach::Speaks(Protocol::Http),
         Ok(reply) if reply.starts_with(b"+") || reply.starts_with(b"-") => {
             Reach::Speaks(Protocol::Redis)

@@ -1043,6 +1043,27 @@ mod errors {
             assert!(message.contains("start the server"), "{message}");
         }
 
+        // A port that accepts connections and never answers: a timeout, said as such.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent_port = silent.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in silent.incoming().flatten() {
+                held.push(stream);
+            }
+        });
+        for url in [
+            format!("redis://127.0.0.1:{silent_port}"),
+            format!("postgres://postgres@127.0.0.1:{silent_port}/test"),
+        ] {
+            let (code, _, err) = super::run(&["stats", "--store", &url]);
+            assert_eq!(code, 3, "{err}");
+            assert!(
+                err.contains("answered nothing in time (timed out)"),
+                "{url}: {err}"
+            );
+        }
+
         // Usage errors are JSON too with --json, and exit 2.
         let (code, out, err) = super::run(&["stats", "--timeout", "soon", "--json"]);
         assert_eq!((code, out.as_str()), (2, ""), "{err}");
