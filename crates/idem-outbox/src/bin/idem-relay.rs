@@ -283,7 +283,7 @@ async fn redis_store(url: &str, prefix: Option<&String>) -> Result<RedisStore, F
     }
     match builder.clone().connect().await {
         Ok(redis) => Ok(redis),
-        Err(error) if error.is_retryable() => {
+        Err(error) if unreachable(&error) => {
             tracing::warn!(
                 redis = %idem_core::url::redact(url),
                 %error,
@@ -296,6 +296,45 @@ async fn redis_store(url: &str, prefix: Option<&String>) -> Result<RedisStore, F
         }
         Err(error) => Err(error.into()),
     }
+}
+
+/// Whether `error` says Redis is out of reach (nothing listening, no answer, the connection
+/// dropped), as opposed to reached and refusing us (a certificate from another authority, a
+/// wrong password): only the first is worth starting without it.
+fn unreachable(error: &Error) -> bool {
+    use std::io::ErrorKind;
+    if !error.is_retryable() {
+        return false;
+    }
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(cause) = source {
+        // redis-rs keeps an I/O error in an `Arc`, whose own `source` skips it.
+        let io = cause.downcast_ref::<std::io::Error>().or_else(|| {
+            cause
+                .downcast_ref::<Shared>()
+                .and_then(|shared| shared.downcast_ref::<std::io::Error>())
+        });
+        if let Some(io) = io {
+            return matches!(
+                io.kind(),
+                ErrorKind::ConnectionRefused
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::NotConnected
+                    | ErrorKind::BrokenPipe
+                    | ErrorKind::TimedOut
+                    | ErrorKind::HostUnreachable
+                    | ErrorKind::NetworkUnreachable
+                    | ErrorKind::AddrNotAvailable
+                    | ErrorKind::NotFound
+            );
+        }
+        source = cause.source();
+    }
+    // No I/O error underneath: the call's own time limit ran out, or the server answered
+    // that it cannot serve yet (LOADING, ...).
+    true
 }
 
 /// Logs once Redis answers (started without it), trying every second.
