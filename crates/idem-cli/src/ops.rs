@@ -247,7 +247,7 @@ fn stats_text(counted: &Counted, survey: &Survey<'_>) -> String {
 
 /// Walks a Redis scan until done or `timeout`, with progress on stderr when it is a
 /// terminal. `true` when done.
-async fn walk(scan: &mut Scan, timeout: Duration, what: &str) -> Result<bool, CliError> {
+async fn walk(scan: &mut Scan, timeout: Duration, what: &'static str) -> Result<bool, CliError> {
     let started = Instant::now();
     let deadline = started + timeout;
     let mut progress = Progress::new(what, started);
@@ -276,9 +276,9 @@ struct Progress {
 }
 
 impl Progress {
-    fn new(what: &str, started: Instant) -> Self {
+    fn new(what: &'static str, started: Instant) -> Self {
         Self {
-            what: if what == "stats" { "stats" } else { "stuck" },
+            what,
             on: std::io::stderr().is_terminal(),
             started,
             shown: None,
