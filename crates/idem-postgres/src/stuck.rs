@@ -1,8 +1,9 @@
-//! [`PgStore::stuck`]: the records whose worker is gone, for operators.
+//! For operators: [`PgStore::stuck`], the records whose worker is gone, and
+//! [`PgStore::corrupt_count`], the completed records that cannot be read.
 
 use std::time::Duration;
 
-use idem_core::{Error, Key, RecordId, Scope};
+use idem_core::{encode_meta, CompletionKind, Error, Key, RecordId, Response, Scope};
 use sqlx::Row;
 
 use crate::error::{self, NAME};
@@ -69,5 +70,28 @@ impl PgStore {
                 })
             })
             .collect()
+    }
+
+    /// How many live completed records (in `scope`, or in all) hold metadata idem cannot
+    /// read: too short, another version, or an unknown completion kind (the headers are
+    /// checked only when a record is read). Every request for such a key fails until it is
+    /// evicted. Reads the whole table (or the scope's rows): an operator's tool.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when the database cannot be reached; [`Error::Backend`]
+    /// otherwise (a missing table).
+    pub async fn corrupt_count(&self, scope: Option<&Scope>) -> Result<u64, Error> {
+        let sql = include_str!("sql/corrupt.sql")
+            .replace("{records}", &format!("{}.records", self.quoted_schema()));
+        // The version byte idem writes, read off what it writes.
+        let version = encode_meta(CompletionKind::Succeeded, &Response::new(200, ""))[0];
+        let count: i64 = sqlx::query_scalar(&sql)
+            .bind(scope.map(|s| s.as_str().as_bytes()))
+            .bind(i32::from(version))
+            .fetch_one(self.pool())
+            .await
+            .map_err(error::map)?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 }
