@@ -76,6 +76,8 @@ struct Counted {
     stats: idem_core::Stats,
     /// Redis only: corrupt and foreign keys, keys read.
     redis: Option<idemkit::redis::ScanCounts>,
+    /// PostgreSQL only (alone or tiered): completed records that cannot be read.
+    pg_corrupt: Option<u64>,
     /// `false` when the time limit stopped it.
     complete: bool,
     /// Where a partial count stopped: primaries `(i, n)`.
@@ -99,6 +101,7 @@ pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliErro
             Counted {
                 stats: scan.counts().stats,
                 redis: Some(scan.counts().clone()),
+                pg_corrupt: None,
                 complete,
                 primaries: scan.primaries(),
             }
@@ -107,12 +110,14 @@ pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliErro
             // The states from PostgreSQL, the arbiter; the broken keys from Redis, where a
             // corrupt record fails the requests that read it first.
             let stats = db_stats(opened, survey).await?;
+            let pg_corrupt = pg_corrupt(tiered.pg(), survey).await?;
             let mut scan = tiered.redis().scan(survey.scope, survey.stuck_after);
             let left = survey.timeout.saturating_sub(started.elapsed());
             let complete = walk(&mut scan, left, "stats").await?;
             Counted {
                 stats,
                 redis: Some(scan.counts().clone()),
+                pg_corrupt: Some(pg_corrupt),
                 complete,
                 primaries: scan.primaries(),
             }
@@ -120,6 +125,10 @@ pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliErro
         other => Counted {
             stats: db_stats(other, survey).await?,
             redis: None,
+            pg_corrupt: match other.pg() {
+                Some(pg) => Some(pg_corrupt(pg, survey).await?),
+                None => None,
+            },
             complete: true,
             primaries: (0, 0),
         },
@@ -157,6 +166,31 @@ async fn db_stats(opened: &Opened, survey: &Survey<'_>) -> Result<idem_core::Sta
     .map_err(CliError::from)
 }
 
+/// [`PgStore::corrupt_count`](idemkit::postgres::PgStore::corrupt_count) within
+/// `survey.timeout`.
+async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey<'_>) -> Result<u64, CliError> {
+    tokio::time::timeout(survey.timeout, pg.corrupt_count(survey.scope))
+        .await
+        .map_err(|_| {
+            CliError::Store(Error::unavailable(
+                "postgres",
+                format!("no answer within --timeout {}", human(survey.timeout)),
+            ))
+        })?
+        .map_err(CliError::from)
+}
+
+/// Corrupt records in every tier counted: `None` when no tier counts them (memory).
+fn corrupt(counted: &Counted) -> Option<u64> {
+    match (
+        counted.redis.as_ref().map(|r| r.corrupt),
+        counted.pg_corrupt,
+    ) {
+        (None, None) => None,
+        (redis, pg) => Some(redis.unwrap_or(0) + pg.unwrap_or(0)),
+    }
+}
+
 fn stats_json(counted: &Counted, survey: &Survey<'_>) -> String {
     let stats = &counted.stats;
     let mut doc = serde_json::json!({
@@ -171,8 +205,10 @@ fn stats_json(counted: &Counted, survey: &Survey<'_>) -> String {
         "corrupt": null,
         "foreign": null,
     });
+    if let Some(corrupt) = corrupt(counted) {
+        doc["corrupt"] = corrupt.into();
+    }
     if let Some(redis) = &counted.redis {
-        doc["corrupt"] = redis.corrupt.into();
         doc["foreign"] = redis.foreign.into();
         doc["keys_read"] = redis.keys.into();
     }
@@ -220,13 +256,14 @@ fn stats_text(counted: &Counted, survey: &Survey<'_>) -> String {
     );
     let _ = writeln!(out, "succeeded       {}", stats.succeeded);
     let _ = writeln!(out, "failed          {}", stats.failed);
-    if let Some(redis) = &counted.redis {
+    if let Some(corrupt) = corrupt(counted) {
         let _ = writeln!(
             out,
-            "corrupt         {} (not decodable: each answers every request with an error){}",
-            redis.corrupt,
-            if redis.corrupt > 0 { "  <- ALARM" } else { "" }
+            "corrupt         {corrupt} (not decodable: each answers every request with an error){}",
+            if corrupt > 0 { "  <- ALARM" } else { "" }
         );
+    }
+    if let Some(redis) = &counted.redis {
         let _ = writeln!(
             out,
             "foreign         {} (under the prefix, not idem's: another type or name)",
@@ -234,12 +271,8 @@ fn stats_text(counted: &Counted, survey: &Survey<'_>) -> String {
         );
         let _ = writeln!(out, "keys read       {}", redis.keys);
     }
-    if counted
-        .redis
-        .as_ref()
-        .is_some_and(|r| r.corrupt + r.foreign > 0)
-        || stats.stuck > 0
-    {
+    let foreign = counted.redis.as_ref().map_or(0, |r| r.foreign);
+    if corrupt(counted).unwrap_or(0) + foreign > 0 || stats.stuck > 0 {
         let _ = writeln!(out, "(`idem stuck` lists them)");
     }
     out

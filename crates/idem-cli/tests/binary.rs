@@ -972,13 +972,28 @@ mod postgres_schema {
         assert_eq!(rows[0]["key"], "gone");
         assert_eq!(rows[0]["scope"], "s");
         assert_eq!(rows[0]["problem"], "stuck");
+        // A completed record whose metadata names an unknown completion kind.
+        records::completed(store.clone(), &records::id("s", "bad")).await;
+        sqlx::query(&format!(
+            "UPDATE {}.records SET meta = set_byte(meta, 1, 9) WHERE key = 'bad'",
+            store.quoted_schema()
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
         let (code, out, _) = cmd(&["stats", "--stuck-after", "0", "--json"]);
         assert_eq!(code, 0);
         let doc = super::json(&out);
         assert_eq!(
             (doc["stuck"].as_u64(), doc["succeeded"].as_u64()),
-            (Some(1), Some(1))
+            (Some(1), Some(1)),
+            "{doc}"
         );
+        assert_eq!(doc["corrupt"], 1, "{doc}");
+        assert_eq!(doc["foreign"], serde_json::Value::Null, "{doc}");
+        let (code, _, err) = cmd(&["inspect", "bad", "--scope", "s"]);
+        assert_eq!(code, 4, "{err}");
+        assert!(err.contains("unknown completion kind"), "{err}");
 
         let (code, out, err) = cmd(&["purge", "--json"]);
         assert_eq!(code, 0, "{err}");
