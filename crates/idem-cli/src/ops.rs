@@ -166,10 +166,19 @@ async fn db_stats(opened: &Opened, survey: &Survey<'_>) -> Result<idem_core::Sta
     .map_err(CliError::from)
 }
 
-/// [`PgStore::corrupt_count`](idemkit::postgres::PgStore::corrupt_count) within
+/// How many records [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) finds, within
 /// `survey.timeout`.
 async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey<'_>) -> Result<u64, CliError> {
-    tokio::time::timeout(survey.timeout, pg.corrupt_count(survey.scope))
+    pg_corrupt_list(pg, survey, 0).await.map(|(total, _)| total)
+}
+
+/// [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) within `survey.timeout`.
+async fn pg_corrupt_list(
+    pg: &idemkit::postgres::PgStore,
+    survey: &Survey<'_>,
+    limit: u32,
+) -> Result<(u64, Vec<RecordId>), CliError> {
+    tokio::time::timeout(survey.timeout, pg.corrupt(survey.scope, limit))
         .await
         .map_err(|_| {
             CliError::Store(Error::unavailable(
@@ -373,6 +382,16 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
                 "problem": "stuck",
                 "attempt": record.attempt,
                 "expired_for_ms": millis(record.expired_for),
+            }));
+        }
+        let room = u32::try_from(rows.len()).map_or(0, |n| limit.saturating_sub(n));
+        let (_, corrupt) = pg_corrupt_list(pg, survey, room).await?;
+        for id in corrupt {
+            rows.push(serde_json::json!({
+                "scope": id.scope().as_str(),
+                "key": id.key().as_str(),
+                "problem": "corrupt",
+                "detail": "metadata of another version or an unknown completion kind",
             }));
         }
     }

@@ -994,6 +994,16 @@ mod postgres_schema {
         let (code, _, err) = cmd(&["inspect", "bad", "--scope", "s"]);
         assert_eq!(code, 4, "{err}");
         assert!(err.contains("unknown completion kind"), "{err}");
+        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        let problems: Vec<(&str, &str)> = doc["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["key"].as_str().unwrap(), r["problem"].as_str().unwrap()))
+            .collect();
+        assert_eq!(problems, [("gone", "stuck"), ("bad", "corrupt")], "{doc}");
 
         let (code, out, err) = cmd(&["purge", "--json"]);
         assert_eq!(code, 0, "{err}");
