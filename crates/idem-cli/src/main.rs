@@ -90,8 +90,8 @@ enum Command {
     /// the count reads the keyspace a page at a time, with progress on stderr when it is a
     /// terminal; at --timeout it prints what it counted, marked partial, and exits 4.
     Stats(StatsArgs),
-    /// List the stuck records (lease expired long ago, no retry), and on Redis the corrupt
-    /// and foreign keys under the prefix.
+    /// List the stuck records (lease expired long ago, no retry), the corrupt ones (Redis
+    /// and PostgreSQL), and on Redis the foreign keys under the prefix.
     Stuck(StuckArgs),
     /// Delete expired records (PostgreSQL; Redis expires its records itself).
     Purge(PurgeArgs),
