@@ -16,11 +16,11 @@ use idem_core::{Completion, Error, Store};
 use idem_http::LeaseHandle;
 use idemkit::outbox::TieredStore;
 use idemkit::postgres::{map_error, PgStore};
-use idemkit::redis::RedisStore;
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::{store, CliError};
+use crate::store::Opened;
+use crate::CliError;
 
 /// One payment, as stored and as answered.
 #[derive(Debug, Clone, Serialize)]
@@ -44,36 +44,32 @@ pub struct Backend {
 }
 
 impl Backend {
-    /// Opens the store and its ledger; on PostgreSQL, creates `idem_demo.payments` if it
-    /// is missing.
+    /// The ledger that goes with the store `url` named, opened (and migrated) by
+    /// [`crate::store::open_with`]; on PostgreSQL, creates `idem_demo.payments` if it is missing.
     ///
     /// # Errors
     ///
-    /// As [`store::open`]: the store cannot be opened, or the payments table not created.
-    pub async fn open(url: &StoreUrl) -> Result<Self, CliError> {
-        let failed = |e| store::open_error(url, e);
-        let (store, records): (Arc<dyn Store>, Records) = match url {
-            StoreUrl::Postgres(postgres) => {
-                let pg = PgStore::connect(postgres).await.map_err(failed)?;
-                pg.migrate().await.map_err(failed)?;
-                (Arc::new(pg.clone()), Records::Pg(pg))
-            }
-            StoreUrl::Tiered { redis, postgres } => {
-                let redis = RedisStore::connect(redis).await.map_err(failed)?;
-                let pg = PgStore::connect(postgres).await.map_err(failed)?;
-                idemkit::outbox::migrate(&pg).await.map_err(failed)?;
-                let tiered = TieredStore::new(redis, pg);
-                (Arc::new(tiered.clone()), Records::Tiered(tiered))
-            }
-            _ => {
+    /// [`CliError::Open`] when the payments table cannot be created.
+    pub async fn open(url: &StoreUrl, opened: Opened) -> Result<Self, CliError> {
+        let store = opened.store();
+        let records = match opened {
+            Opened::Postgres(pg) => Records::Pg(pg),
+            Opened::Tiered(tiered) => Records::Tiered(tiered),
+            Opened::Memory(_) | Opened::Redis(_) => {
                 return Ok(Self {
-                    store: store::open(url).await?,
+                    store,
                     ledger: Ledger::Memory(Mutex::default()),
                 })
             }
         };
         let ledger = Postgres { records };
-        ledger.migrate().await.map_err(failed)?;
+        ledger.migrate().await.map_err(|e| {
+            // Drivers may quote the URL they were given: never let its password through.
+            let detail = url.scrub(&e.to_string());
+            CliError::Open(format!(
+                "cannot create the demo's payments table in {url}: {detail}"
+            ))
+        })?;
         Ok(Self {
             store,
             ledger: Ledger::Postgres(ledger),

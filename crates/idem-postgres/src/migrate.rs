@@ -128,3 +128,33 @@ fn map_migrate(err: MigrateError) -> Error {
         other => Error::backend(NAME, other),
     }
 }
+
+/// The versions of `migrator`'s migrations not applied in `schema`, read from the schema's
+/// ledger without changing anything: all of them when the schema or its ledger is absent.
+pub(crate) async fn pending_in(
+    pool: &PgPool,
+    schema: &Schema,
+    migrator: &Migrator,
+) -> Result<Vec<i64>, Error> {
+    let ledger = format!("{}._sqlx_migrations", schema.quoted());
+    // to_regclass answers NULL, never an error, for a missing schema or table.
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&ledger)
+        .fetch_one(pool)
+        .await
+        .map_err(error::map)?;
+    let applied: Vec<i64> = if exists {
+        sqlx::query_scalar(&format!("SELECT version FROM {ledger} WHERE success"))
+            .fetch_all(pool)
+            .await
+            .map_err(error::map)?
+    } else {
+        Vec::new()
+    };
+    Ok(migrator
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .map(|m| m.version)
+        .filter(|v| !applied.contains(v))
+        .collect())
+}

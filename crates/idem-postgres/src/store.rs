@@ -186,6 +186,31 @@ impl PgStore {
         migrate::migrate_schema_with(&self.pool, &self.schema, migrator).await
     }
 
+    /// The versions of idem's migrations not yet applied in the store's schema (all of them
+    /// when the schema is absent), read without changing anything: for tools that open a
+    /// store to read it and must neither need DDL rights nor create schemas.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when the database cannot be reached; [`Error::Backend`] when
+    /// the ledger cannot be read.
+    pub async fn pending_migrations(&self) -> Result<Vec<i64>, Error> {
+        migrate::pending_in(&self.pool, &self.schema, migrate::migrator()).await
+    }
+
+    /// [`PgStore::pending_migrations`] for another crate's migrations kept in the store's
+    /// schema (see [`PgStore::migrate_with`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`PgStore::pending_migrations`].
+    pub async fn pending_migrations_with(
+        &self,
+        migrator: &sqlx::migrate::Migrator,
+    ) -> Result<Vec<i64>, Error> {
+        migrate::pending_in(&self.pool, &self.schema, migrator).await
+    }
+
     /// [`Store::begin`] as part of the caller's transaction (pass `&mut *tx`).
     ///
     /// The in-progress record is written by the transaction: it becomes visible to others,

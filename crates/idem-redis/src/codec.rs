@@ -151,6 +151,7 @@ pub(crate) fn decode_record(
     pttl_ms: i64,
     now_ms: i64,
 ) -> Result<idem_core::Record, Error> {
+    check_tag(record)?;
     let (fingerprint, attempt) = decode_head(record)?;
     let state = match record[0] {
         b'p' => {
@@ -177,6 +178,23 @@ pub(crate) fn decode_record(
         state,
         expires_in: millis(pttl_ms),
     })
+}
+
+/// Refuses a value whose first byte is no record tag, saying so (rather than failing later
+/// on a length that means nothing in a foreign value).
+fn check_tag(record: &[u8]) -> Result<(), Error> {
+    match record.first() {
+        Some(b'p' | b'c' | b'z' | b'h') => Ok(()),
+        Some(&tag) => Err(Error::corrupt(
+            STORE,
+            format!(
+                "unknown record tag {:?} (byte 0x{tag:02x}; idem writes 'p', 'c', 'z' or 'h'): \
+                 the value was not written by this version of idem",
+                char::from(tag)
+            ),
+        )),
+        None => Err(Error::corrupt(STORE, "empty value (not a record)")),
+    }
 }
 
 /// A non-negative millisecond count from Redis as a duration (negative counts are zero).
@@ -291,6 +309,17 @@ mod tests {
             }
             let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());
             let _ = decode_record(&id, &record, 1000, 0);
+        }
+
+        #[test]
+        fn unknown_tags_are_named(record in proptest::collection::vec(any::<u8>(), 0..120), tag in any::<u8>().prop_filter("not a tag", |t| !b"pczh".contains(t))) {
+            let mut record = record;
+            record.insert(0, tag);
+            let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());
+            let Err(Error::Corrupt { detail, .. }) = decode_record(&id, &record, 1000, 0) else {
+                panic!("tag {tag} decoded");
+            };
+            prop_assert!(detail.contains("unknown record tag"), "{}", detail);
         }
     }
 }

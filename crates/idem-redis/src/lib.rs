@@ -118,7 +118,8 @@
 //! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
 //!
 //! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
-//! prefix (and scope) and reads each record's first 59 bytes, a pipelined page at a time.
+//! prefix (and scope) and reads each key's type and value, a pipelined page at a time
+//! ([`RedisStore::scan`]: counts by state, corrupt and foreign keys, and the stuck ones).
 //!
 //! Deadlines are computed in the scripts from `TIME` (the server's clock, milliseconds),
 //! expiries set with `PX` / `PEXPIRE`: no application instance's clock is ever used. In a
@@ -182,6 +183,7 @@ pub mod testing;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 pub use error::{EvictionPolicyError, ReplicationError};
+pub use stats::{Finding, Problem, Scan, ScanCounts};
 pub use store::{Applied, RedisStore, RedisStoreBuilder};
 
 /// The store's name in errors and metrics.
