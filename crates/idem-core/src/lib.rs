@@ -90,7 +90,7 @@ pub use engine::{Config, Failure, FailurePolicy, Idem, Once, OnceError};
 pub use error::{BoxError, Error};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection};
 pub use key::{Key, KeyError, RecordId, Scope, MAX_KEY_LEN, MAX_SCOPE_LEN};
-pub use memory::MemoryStore;
+pub use memory::{CapacityError, MemoryCapacity, MemoryStore, RECORD_OVERHEAD};
 pub use record::{
     decode_meta, encode_meta, Completion, CompletionKind, DecodeError, FencingToken, Lease, Record,
     RecordState, Replay, Response,
