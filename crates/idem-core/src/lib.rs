@@ -79,6 +79,7 @@ mod error;
 mod fingerprint;
 mod key;
 mod memory;
+mod orphan;
 mod record;
 mod store;
 pub mod telemetry;
