@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordId;
+use crate::orphan::Orphans;
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
 use crate::store::{Begin, BeginRequest, Store};
 use crate::telemetry::{Instrumented, KeyHash};
@@ -62,6 +63,11 @@ pub struct Config {
     pub failure: FailurePolicy,
     /// The longest any one store call may take before it counts as
     /// [`Error::Unavailable`]. Default: 5 s.
+    ///
+    /// A `begin` that fails this way may still reach the store (a paused server runs it
+    /// when it resumes) and hold its key under a token nobody has: the engine then releases
+    /// that claim by its token in the background, retrying with backoff until the store
+    /// answers, so retries of the key are not answered in flight for a whole lease.
     pub store_timeout: Duration,
 }
 
@@ -107,6 +113,8 @@ pub struct Idem {
     /// The same store, reporting every call (spans and metrics; see [`crate::telemetry`]).
     calls: Instrumented,
     config: Config,
+    /// Claims of begins that failed as unavailable, given back in the background.
+    orphans: Orphans,
 }
 
 /// What [`Idem::execute_once`] did.
@@ -175,6 +183,7 @@ impl Idem {
             calls: Instrumented::new(store.clone()).with_timeout(config.store_timeout),
             store,
             config,
+            orphans: Orphans::new(),
         }
     }
 
@@ -203,7 +212,8 @@ impl Idem {
     /// # Errors
     ///
     /// Store errors; [`Error::Unavailable`] when a store call takes longer than
-    /// [`Config::store_timeout`].
+    /// [`Config::store_timeout`] (the claim it may have made is released in the background;
+    /// see there).
     pub async fn begin(&self, id: &RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
         let token = FencingToken::random();
         let give_up = self.config.wait.map(|w| {
@@ -221,7 +231,13 @@ impl Idem {
                 lease: self.config.lease,
                 retention: self.config.retention,
             };
-            let answer = self.calls.begin(req).await?;
+            let answer = self.calls.begin(req).await.inspect_err(|e| {
+                if e.is_retryable() {
+                    let (lease, limit) = (self.config.lease, self.config.store_timeout);
+                    let store = self.store.clone();
+                    self.orphans.release_later(store, id, token, lease, limit);
+                }
+            })?;
             let (Begin::InFlight { retry_after }, Some(give_up)) = (&answer, give_up) else {
                 return Ok(answer);
             };
