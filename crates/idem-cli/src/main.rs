@@ -145,6 +145,17 @@ struct ServeArgs {
     /// request's response, instead of answering 409 at once.
     #[arg(long, value_name = "MS")]
     wait_ms: Option<u64>,
+    /// How long a request holds its key while the handler runs (fractions allowed); a
+    /// crashed server's keys are taken over by a retry after it.
+    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
+    lease: Duration,
+    /// How long a stored response is replayed (fractions allowed).
+    #[arg(long, default_value = "86400", value_name = "SECS", value_parser = parse_secs)]
+    retention: Duration,
+    /// On PostgreSQL and tiered stores, delete expired records every SECS (0: never), so
+    /// the database does not grow forever.
+    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
+    purge_every: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -363,6 +374,14 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             let url = store::parse(&args.store.store)?;
             let opened =
                 store::open_with(&url, &args.store.options(store::SchemaMode::Migrate)).await?;
+            // Expired records are deleted in the background while the demo runs; Redis
+            // expires its own, the memory store sweeps as it writes.
+            let _purge = match opened.pg() {
+                Some(pg) if !args.purge_every.is_zero() => Some(pg.spawn_purge(
+                    idemkit::postgres::PurgeConfig::default().with_interval(args.purge_every),
+                )),
+                _ => None,
+            };
             let backend = ledger::Backend::open(&url, opened).await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
@@ -373,6 +392,8 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
                 .map_err(|e| CliError::Io(std::io::Error::other(format!("metrics: {e}"))))?;
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
+                lease: args.lease,
+                retention: args.retention,
                 store: url.to_string(),
                 exporter: Some(exporter),
             };

@@ -53,6 +53,10 @@ pub struct Options {
     /// When set, a request for a key in flight waits this long for the first one's response
     /// instead of answering 409 at once.
     pub wait: Option<Duration>,
+    /// How long a request holds its key while the handler runs.
+    pub lease: Duration,
+    /// How long a stored response is replayed.
+    pub retention: Duration,
     /// The store as printed at start-up: its URL without the password.
     pub store: String,
     /// What `GET /metrics` renders; without one it answers 404.
@@ -66,7 +70,9 @@ pub fn app(backend: Backend, options: &Options) -> Router {
         ledger,
         exporter: options.exporter.clone(),
     });
-    let mut config = idem_core::Config::default();
+    let mut config = idem_core::Config::default()
+        .with_lease(options.lease)
+        .with_retention(options.retention);
     config.wait = options.wait;
     let idem = Idem::from_arc(store).with_config(config);
     let layer = IdempotencyLayer::new(idem)

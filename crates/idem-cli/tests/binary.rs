@@ -39,8 +39,14 @@ fn spawn_serve() -> Served {
 
 /// `idem serve --store <store>` on a free port.
 fn spawn_serve_on(store: &str) -> Served {
+    spawn_serve_with(store, &[])
+}
+
+/// `idem serve --store <store> <extra>` on a free port.
+fn spawn_serve_with(store: &str, extra: &[&str]) -> Served {
     let mut child = Command::new(BIN)
         .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
+        .args(extra)
         .env_remove("IDEM_STORE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -572,6 +578,59 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
     assert_eq!(listed["payments"][0]["id"], retry.json()["id"]);
 }
 
+/// `idem serve --lease 2` killed with `kill -9` while a handler runs, before anything was
+/// committed: after a restart, the retry is refused while the dead server's lease lasts and
+/// takes the key over within seconds of its end (not the default 30 s lease), and the
+/// payment is made once.
+async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client = client();
+    let owner = format!("lease-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let order = r#"{"amount": 700, "currency": "EUR"}"#;
+    let mut served = spawn_serve_with(store, &["--lease", "2"]);
+    let first = {
+        let (client, url, auth) = (
+            client.clone(),
+            format!("{}/payments", served.base),
+            auth.clone(),
+        );
+        tokio::spawn(async move {
+            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "30000")]);
+            try_call(&client, "POST", &url, &headers, order).await
+        })
+    };
+    // Let the first request take the key, then kill -9 the server mid-handler.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut child = served.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed = Instant::now();
+    assert!(first.await.unwrap().is_err(), "the killed server answered");
+
+    let served = spawn_serve_with(store, &["--lease", "2"]);
+    let url = format!("{}/payments", served.base);
+    let headers = payment(&auth, "order-1", &[]);
+    let mut refused = 0;
+    let retry = loop {
+        let reply = call(&client, "POST", &url, &headers, order).await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        refused += 1;
+        assert!(
+            killed.elapsed() < Duration::from_secs(8),
+            "the key is still held {:?} after the crash: --lease was not applied",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(retry.headers.get("idempotent-replayed").is_none());
+    assert!(refused > 0, "the dead server's lease was not honoured");
+    assert_eq!(payment_rows(&pool, &owner).await, 1);
+}
+
 /// Two `idem serve` processes on one database: 40 identical requests split across them
 /// make one payment, and both list the same one.
 async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
@@ -643,6 +702,14 @@ mod postgres {
             return;
         };
         super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_mid_handler_frees_the_key_after_the_lease() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::a_crash_mid_handler_frees_the_key_after_the_lease(&url, &url).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
