@@ -130,6 +130,7 @@ impl StoreArg {
             prefix: self.prefix.clone(),
             schema: self.schema.clone(),
             schema_mode,
+            without_redis: false,
         }
     }
 }
@@ -156,6 +157,10 @@ struct ServeArgs {
     /// the database does not grow forever.
     #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
     purge_every: Duration,
+    /// Apply idem's migrations (and the outbox's, on a tiered store) at start; without it,
+    /// a database without idem's tables is an error that says to run `idem migrate`.
+    #[arg(long)]
+    migrate: bool,
 }
 
 #[derive(Debug, Args)]
@@ -372,8 +377,16 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
     match command {
         Command::Serve(args) => {
             let url = store::parse(&args.store.store)?;
-            let opened =
-                store::open_with(&url, &args.store.options(store::SchemaMode::Migrate)).await?;
+            let schema_mode = if args.migrate {
+                store::SchemaMode::Migrate
+            } else {
+                store::SchemaMode::Require
+            };
+            let options = store::Options {
+                without_redis: true,
+                ..args.store.options(schema_mode)
+            };
+            let opened = store::open_with(&url, &options).await?;
             // Expired records are deleted in the background while the demo runs; Redis
             // expires its own, the memory store sweeps as it writes.
             let _purge = match opened.pg() {

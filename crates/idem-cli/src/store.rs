@@ -15,7 +15,7 @@ use idem_core::url::StoreUrl;
 use idem_core::{Error, MemoryStore, Store};
 use idemkit::outbox::TieredStore;
 use idemkit::postgres::PgStore;
-use idemkit::redis::RedisStore;
+use idemkit::redis::{RedisStore, RedisStoreBuilder};
 
 use crate::CliError;
 
@@ -37,6 +37,10 @@ pub struct Options {
     pub schema: Option<String>,
     /// What to do with PostgreSQL's schema.
     pub schema_mode: SchemaMode,
+    /// On a tiered store, start while Redis is out of reach (PostgreSQL answers alone until
+    /// it returns) instead of failing: for `idem serve`, so that a restart during a Redis
+    /// outage does not crash-loop.
+    pub without_redis: bool,
 }
 
 /// What opening a store does with PostgreSQL's schema.
@@ -46,7 +50,7 @@ pub enum SchemaMode {
     /// that says to run `idem migrate`. Changes nothing.
     #[default]
     Require,
-    /// Apply the migrations (`idem serve`).
+    /// Apply the migrations (`idem migrate`, `idem serve --migrate`).
     Migrate,
     /// Neither check nor migrate (`idem migrate` looks for itself).
     Leave,
@@ -115,7 +119,12 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
                 Err(e) => return Err(failure(url, postgres, e).await),
             };
             ready_schema(url, &pg, options, true).await?;
-            match open_redis(redis, options).await {
+            let opened = if options.without_redis {
+                open_redis_or_wait(redis, options).await
+            } else {
+                open_redis(redis, options).await
+            };
+            match opened {
                 Ok(redis) => Ok(Opened::Tiered(TieredStore::new(redis, pg))),
                 Err(e) => Err(failure(url, redis, e).await),
             }
@@ -126,12 +135,29 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
     }
 }
 
-async fn open_redis(url: &str, options: &Options) -> Result<RedisStore, Error> {
-    let mut builder = RedisStore::builder(url);
-    if let Some(prefix) = &options.prefix {
-        builder = builder.with_prefix(prefix.clone());
+fn redis_builder(url: &str, options: &Options) -> RedisStoreBuilder {
+    let builder = RedisStore::builder(url);
+    match &options.prefix {
+        Some(prefix) => builder.with_prefix(prefix.clone()),
+        None => builder,
     }
-    builder.connect().await
+}
+
+async fn open_redis(url: &str, options: &Options) -> Result<RedisStore, Error> {
+    redis_builder(url, options).connect().await
+}
+
+/// [`open_redis`], or the store built without Redis when it is out of reach, said in the log.
+async fn open_redis_or_wait(url: &str, options: &Options) -> Result<RedisStore, Error> {
+    let name = idem_core::url::redact(url);
+    let (redis, answered) = redis_builder(url, options).connect_or_wait(&name).await?;
+    if !answered {
+        tracing::warn!(
+            redis = %name,
+            "Redis unreachable at start: PostgreSQL answers alone until it returns"
+        );
+    }
+    Ok(redis)
 }
 
 async fn open_pg(url: &str, options: &Options) -> Result<PgStore, Error> {

@@ -5,7 +5,7 @@
 //! PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`) and the tiered store of both
 //! (`mod tiered`); `scripts/test` provides the URLs.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,10 +42,17 @@ fn spawn_serve_on(store: &str) -> Served {
     spawn_serve_with(store, &[])
 }
 
-/// `idem serve --store <store> <extra>` on a free port.
+/// `idem serve --store <store> --migrate <extra>` on a free port.
 fn spawn_serve_with(store: &str, extra: &[&str]) -> Served {
     let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            store,
+            "--migrate",
+        ])
         .args(extra)
         .env_remove("IDEM_STORE")
         .stdout(Stdio::piped())
@@ -309,16 +316,37 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     assert!(exit.success(), "exit status {exit}");
 }
 
+/// `idem <args>` to its end: its exit code, stdout and stderr. A command still running after
+/// two minutes (a `serve` that should have refused to start, a hung command) is killed and
+/// reported with the code -1, so the test fails instead of hanging.
 fn run(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args(args)
         .env_remove("IDEM_STORE")
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    // Read both pipes while the command runs, so a long output never blocks it.
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = pipe.read_to_end(&mut text);
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let status = child.wait().unwrap();
     (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
+        status.code().unwrap_or(-1),
+        stdout.join().unwrap(),
+        stderr.join().unwrap(),
     )
 }
 
@@ -779,6 +807,58 @@ mod tiered {
         stop
     }
 
+    /// `idem serve` on the tiered store while its Redis is down: it starts, says so, takes
+    /// payments on PostgreSQL alone, and says when Redis answers again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_starts_while_redis_is_down() {
+        use idem_redis::testing::{self, RedisServer};
+
+        let Some(postgres) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        if !idem_testkit::harness::present(
+            testing::binaries_available(),
+            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
+        ) {
+            return;
+        }
+        let mut redis = RedisServer::start().expect("start redis-server");
+        redis.stop();
+        let store = format!("tiered:{}|{postgres}", redis.url());
+        let mut served = super::spawn_serve_on(&store);
+        let client = super::client();
+        let owner = format!("down-{}", uuid::Uuid::new_v4().simple());
+        let auth = format!("Bearer {owner}");
+        let url = format!("{}/payments", served.base);
+        let order = r#"{"amount": 300, "currency": "EUR"}"#;
+        let headers = super::payment(&auth, "order-1", &[]);
+        let first = super::call(&client, "POST", &url, &headers, order).await;
+        assert_eq!(first.status, super::StatusCode::CREATED, "{:?}", first.body);
+        let again = super::call(&client, "POST", &url, &headers, order).await;
+        assert_eq!(again.status, super::StatusCode::CREATED, "{:?}", again.body);
+        assert_eq!(again.headers["idempotent-replayed"], "true");
+
+        redis.start_again().expect("restart redis-server");
+        // The server notices within its one-second probe.
+        tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+        let headers = super::payment(&auth, "order-2", &[]);
+        let second = super::call(&client, "POST", &url, &headers, order).await;
+        assert_eq!(
+            second.status,
+            super::StatusCode::CREATED,
+            "{:?}",
+            second.body
+        );
+        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 2);
+
+        let mut child = served.child.take().unwrap();
+        child.kill().unwrap();
+        let out = child.wait_with_output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(log.contains("Redis unreachable at start"), "{log}");
+        assert!(log.contains("Redis reachable"), "{log}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_crash_after_the_commit_loses_nothing() {
         let (Some(redis), Some(postgres)) = (
@@ -1187,6 +1267,7 @@ mod postgres_schema {
             &["inspect", "k"],
             &["evict", "k"],
             &["purge"],
+            &["serve", "--listen", "127.0.0.1:0"],
         ] {
             let (code, _, err) = cmd(args);
             assert_eq!(code, 3, "{args:?}: {err}");
@@ -1198,7 +1279,10 @@ mod postgres_schema {
                 "{err}"
             );
         }
-        assert!(!exists().await, "a read-only command created the schema");
+        assert!(
+            !exists().await,
+            "a read-only command (or serve without --migrate) created the schema"
+        );
 
         let (code, out, err) = cmd(&["migrate", "--json"]);
         assert_eq!(code, 0, "{err}");

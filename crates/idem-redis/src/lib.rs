@@ -175,6 +175,7 @@ mod config;
 mod connection;
 mod error;
 mod key;
+mod reach;
 mod scripts;
 mod stats;
 mod store;
@@ -183,6 +184,7 @@ pub mod testing;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 pub use error::{EvictionPolicyError, ReplicationError};
+pub use reach::is_unreachable;
 pub use stats::{Finding, Problem, Scan, ScanCounts};
 pub use store::{Applied, RedisStore, RedisStoreBuilder};
 

@@ -273,83 +273,25 @@ fn deprecated(line: String) {
     eprintln!("idem-relay: warning: {line}");
 }
 
-/// Connects to Redis; when it is unreachable, starts without it: the relay keeps the rows
-/// pending (its batches fail without counting tries) and relays them once Redis answers.
-/// A task logs when it does.
+/// Connects to Redis; when it is out of reach, starts without it: the relay keeps the rows
+/// pending (its batches fail without counting tries) and relays them once Redis answers,
+/// which a task logs.
 async fn redis_store(url: &str, prefix: Option<&String>) -> Result<RedisStore, Failure> {
     let mut builder = RedisStore::builder(url);
     if let Some(prefix) = prefix {
         builder = builder.with_prefix(prefix.clone());
     }
-    match builder.clone().connect().await {
-        Ok(redis) => Ok(redis),
-        Err(error) if unreachable(&error) => {
+    let redacted = idem_core::url::redact(url);
+    match builder.connect_or_wait(&redacted).await? {
+        (redis, true) => Ok(redis),
+        (redis, false) => {
             tracing::warn!(
-                redis = %idem_core::url::redact(url),
-                %error,
+                redis = %redacted,
                 "Redis unreachable at start: relaying waits for it (completions stay in \
                  PostgreSQL's outbox, nothing is lost)"
             );
-            let redis = builder.connect_lazy()?;
-            tokio::spawn(announce_redis(redis.clone(), idem_core::url::redact(url)));
             Ok(redis)
         }
-        Err(error) => Err(error.into()),
-    }
-}
-
-/// Whether `error` says Redis is out of reach (nothing listening, no answer, the connection
-/// dropped), as opposed to reached and refusing us (a certificate from another authority, a
-/// wrong password): only the first is worth starting without it.
-fn unreachable(error: &Error) -> bool {
-    use std::io::ErrorKind;
-    if !error.is_retryable() {
-        return false;
-    }
-    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(cause) = source {
-        // redis-rs keeps an I/O error in an `Arc`, whose own `source` skips it.
-        let io = cause.downcast_ref::<std::io::Error>().or_else(|| {
-            cause
-                .downcast_ref::<Shared>()
-                .and_then(|shared| shared.downcast_ref::<std::io::Error>())
-        });
-        if let Some(io) = io {
-            return matches!(
-                io.kind(),
-                ErrorKind::ConnectionRefused
-                    | ErrorKind::ConnectionReset
-                    | ErrorKind::ConnectionAborted
-                    | ErrorKind::NotConnected
-                    | ErrorKind::BrokenPipe
-                    | ErrorKind::TimedOut
-                    | ErrorKind::HostUnreachable
-                    | ErrorKind::NetworkUnreachable
-                    | ErrorKind::AddrNotAvailable
-                    | ErrorKind::NotFound
-            );
-        }
-        source = cause.source();
-    }
-    // No I/O error underneath: the call's own time limit ran out, or the server answered
-    // that it cannot serve yet (LOADING, ...).
-    true
-}
-
-/// Logs once Redis answers (started without it), trying every second.
-async fn announce_redis(redis: RedisStore, url: String) {
-    use idem_core::Store as _;
-    let probe = idem_core::RecordId::new(
-        idem_core::Scope::global(),
-        idem_core::Key::new("idem-relay-probe").expect("a valid key"),
-    );
-    loop {
-        if redis.get(&probe).await.is_ok() {
-            tracing::info!(redis = %url, "Redis reachable: relaying into it");
-            return;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
