@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use idem_core::{Error, Scope, Stats};
+use idem_core::{CompletionKind, Error, Scope, Stats};
 use redis::Value;
 
-use crate::codec::IN_PROGRESS_LEN;
+use crate::codec::{self, Head, IN_PROGRESS_LEN};
 use crate::connection::Conn;
 use crate::error::unexpected;
 
@@ -40,8 +40,9 @@ pub(crate) async fn stats(
             let (next, keys): (u64, Vec<Vec<u8>>) =
                 redis::from_redis_value(reply.clone()).map_err(|_| unexpected("SCAN", &reply))?;
             if !keys.is_empty() {
-                // The clock and every head in one round trip. A completed record's head
-                // holds its metadata's kind byte (offset 42) within these bytes.
+                // The clock, every head and its time to live in one round trip (a lease's
+                // deadline is the key's expiry minus the margin its head holds). A
+                // completed record's head holds its kind within these bytes.
                 let mut pipe = redis::pipe();
                 pipe.cmd("TIME");
                 for key in &keys {
@@ -49,12 +50,15 @@ pub(crate) async fn stats(
                         .arg(key)
                         .arg(0)
                         .arg(IN_PROGRESS_LEN - 1);
+                    pipe.cmd("PTTL").arg(key);
                 }
-                let replies = conn.pipeline_on_node(&node, pipe, keys.len() + 1).await?;
+                let replies = conn
+                    .pipeline_on_node(&node, pipe, 2 * keys.len() + 1)
+                    .await?;
                 let now = server_millis(&replies[0])?;
-                for head in &replies[1..] {
-                    if let Value::BulkString(head) = head {
-                        count(&mut stats, head, now, stuck_after);
+                for pair in replies[1..].chunks_exact(2) {
+                    if let [Value::BulkString(head), Value::Int(pttl)] = pair {
+                        count(&mut stats, head, *pttl, now, stuck_after);
                     }
                 }
             }
@@ -67,29 +71,26 @@ pub(crate) async fn stats(
     Ok(stats)
 }
 
-/// Adds one record's head to the counts. Heads that are empty (the record expired since the
-/// scan) or not a record are skipped.
-fn count(stats: &mut Stats, head: &[u8], now_ms: i64, stuck_after_ms: i64) {
-    match head.first() {
-        Some(b'p') if head.len() == IN_PROGRESS_LEN => {
-            let mut deadline = [0; 8];
-            deadline[2..].copy_from_slice(&head[53..59]);
-            let deadline = i64::try_from(u64::from_be_bytes(deadline)).unwrap_or(i64::MAX);
-            if deadline > now_ms {
+/// Adds one record's head to the counts (`pttl_ms`: the key's time to live). Heads that
+/// are empty (the record expired since the scan) or not a record are skipped.
+fn count(stats: &mut Stats, head: &[u8], pttl_ms: i64, now_ms: i64, stuck_after_ms: i64) {
+    match codec::decode_head(head, pttl_ms, now_ms) {
+        Some(Head::InProgress { lease_left_ms, .. }) => {
+            if lease_left_ms > 0 {
                 stats.in_flight += 1;
             } else {
                 stats.expired_leases += 1;
-                if now_ms - deadline > stuck_after_ms {
+                if -lease_left_ms > stuck_after_ms {
                     stats.stuck += 1;
                 }
             }
         }
-        Some(b'c' | b'z' | b'h') if head.len() > 42 => match head[42] {
-            0 => stats.succeeded += 1,
-            1 => stats.failed += 1,
-            _ => {}
+        Some(Head::Completed { kind, .. }) => match kind {
+            Some(CompletionKind::Succeeded) => stats.succeeded += 1,
+            Some(CompletionKind::Failed) => stats.failed += 1,
+            None => {}
         },
-        _ => {}
+        None => {}
     }
 }
 
@@ -142,19 +143,21 @@ mod tests {
 
     #[test]
     fn counts_by_state() {
+        let fp = idem_core::Fingerprint::of_bytes(b"f");
+        let in_progress = codec::in_progress(&idem_core::FencingToken::random(), 1_000, &fp, 1);
         let mut stats = Stats::default();
-        let mut in_progress = vec![b'p'; IN_PROGRESS_LEN];
-        in_progress[53..59].copy_from_slice(&1_000u64.to_be_bytes()[2..]);
-        count(&mut stats, &in_progress, 500, 0);
-        count(&mut stats, &in_progress, 1_500, 0);
-        count(&mut stats, &in_progress, 1_500, 10_000);
+        // A time to live of 1.5 s with a 1 s margin: 500 ms of lease left.
+        count(&mut stats, &in_progress, 1_500, 0, 0);
+        // 500 ms past the deadline, and 500 ms is not yet stuck at 10 s.
+        count(&mut stats, &in_progress, 500, 0, 0);
+        count(&mut stats, &in_progress, 500, 0, 10_000);
         let mut completed = vec![b'c'; 50];
-        completed[42] = 1;
-        count(&mut stats, &completed, 0, 0);
-        completed[42] = 0;
-        count(&mut stats, &completed, 0, 0);
-        count(&mut stats, b"", 0, 0);
-        count(&mut stats, b"garbage", 0, 0);
+        completed[37] = 0xc0;
+        count(&mut stats, &completed, 100, 0, 0);
+        completed[37] = 0x80;
+        count(&mut stats, &completed, 100, 0, 0);
+        count(&mut stats, b"", -2, 0, 0);
+        count(&mut stats, b"garbage", 100, 0, 0);
         assert_eq!(
             stats,
             Stats::default()
