@@ -109,7 +109,7 @@ impl Side {
 /// The commands idem's store sends outside scripts on the two phases' paths, per operation
 /// (`begin` is `SET .. NX GET PX` and a `PTTL` in one round trip; `complete` a script whose
 /// `SET` is counted inside it). Keep in step with `idem-redis`'s `store.rs`.
-const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pttl", 1.0)];
+pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pttl", 1.0)];
 
 /// What every side stores and how.
 struct Workload {
@@ -315,7 +315,11 @@ async fn measure_plain(
 /// ran no script, and otherwise only for the calls the side sends itself (`top_level`:
 /// calls per operation, taken at the command's mean time per call); the rest of its calls
 /// were made inside the scripts and are listed as such.
-fn server_usec(delta: &CommandStats, top_level: &[(&str, f64)], ops: f64) -> (f64, String) {
+pub(crate) fn server_usec(
+    delta: &CommandStats,
+    top_level: &[(&str, f64)],
+    ops: f64,
+) -> (f64, String) {
     let scripted = |name: &str| {
         matches!(
             name,

@@ -599,8 +599,10 @@ async fn sample_usage(side: &RedisSide, keys: Vec<String>) -> Result<f64, String
     Ok(total as f64 / count as f64)
 }
 
-/// Server CPU per operation of a phase, from the `INFO commandstats` delta around it;
-/// the basis names each command's calls per operation and microseconds per call.
+/// Server CPU per operation of a phase, from the `INFO commandstats` delta around it; the
+/// basis names each command's calls per operation and microseconds per call. Scripts count
+/// with the commands they call, and the store's own plain commands on their own
+/// ([`compare::server_usec`]).
 fn cpu_figure(
     figures: &mut Vec<Figure>,
     what: &str,
@@ -608,41 +610,14 @@ fn cpu_figure(
     before: &CommandStats,
     after: &CommandStats,
 ) {
-    let delta = stats_delta(before, after);
     let ops = phase.ops().max(1) as f64;
-    // A script's time includes the commands it calls, which commandstats also counts on
-    // their own: when the phase ran scripts (the store's phases run nothing else), only the
-    // scripts add up, and the commands they called are listed for the breakdown.
-    let scripted = |name: &str| {
-        matches!(
-            name,
-            "evalsha" | "evalsha_ro" | "eval" | "eval_ro" | "fcall"
-        )
-    };
-    let scripts = delta.keys().any(|n| scripted(n));
-    let mut total = 0u64;
-    let mut parts = Vec::new();
-    for (name, (calls, usec)) in &delta {
-        // The snapshots' own INFO calls are not the phase's work.
-        if name == "info" {
-            continue;
-        }
-        let counted = !scripts || scripted(name);
-        if counted {
-            total += usec;
-        }
-        parts.push(format!(
-            "{}{name} {:.2}/op x {:.2} µs",
-            if counted { "" } else { "(in script) " },
-            *calls as f64 / ops,
-            *usec as f64 / *calls as f64
-        ));
-    }
+    let (total, parts) =
+        compare::server_usec(&stats_delta(before, after), compare::IDEM_TOP_LEVEL, ops);
     figures.push(Figure::new(
         format!("redis CPU per op: {what}"),
-        total as f64 / ops,
+        total / ops,
         "µs",
-        parts.join(", "),
+        parts,
     ));
 }
 

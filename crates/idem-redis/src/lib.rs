@@ -83,17 +83,18 @@
 //! | record | `MEMORY USAGE` | beyond the body | the same body as a plain string under the same key |
 //! |---|---|---|---|
 //! | in progress | 152 | | |
-//! | completed, empty body | 152 | 152 | 104 |
-//! | completed, 16-byte body | 168 | 152 | 120 |
+//! | completed, empty body | 136 | 136 | 104 |
+//! | completed, 16-byte body | 152 | 136 | 120 |
 //! | completed, 100-byte body | 248 | 148 | 200 |
 //! | completed, 200-byte body | 344 | 144 | 312 |
 //! | completed, 1000-byte body | 1368 | 368 | 1112 |
 //!
 //! Redis itself charges about 104 bytes for any key of this length holding an empty string
-//! (key, dictionary entry, object header); a record adds its 47 bytes of head and metadata
-//! (+6 per header and its bytes) to that, so a completed record costs about 145–150 bytes
-//! beyond its body. Past 1 KiB, jemalloc's size classes round every allocation up by up to
-//! a quarter, for records and plain strings alike. Reproduce with
+//! (key, dictionary entry, object header); a record adds its 40 bytes of head and metadata
+//! (+3 per header and its bytes) to that, rounded up to jemalloc's size classes (16 bytes
+//! apart up to 128, 32 up to 256), so a completed record costs about 136–150 bytes beyond
+//! its body. Past 1 KiB, those classes round every allocation up by up to a quarter, for
+//! records and plain strings alike. Reproduce with
 //! `cargo test -p idem-tests --test redis completed_record_memory -- --nocapture`.
 //!
 //! ### Large bodies
