@@ -197,7 +197,15 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
 
     // Untimed: connections made, scripts loaded.
     for side_ in sides.iter().chain(&cluster) {
-        lifecycle(side_, &workload, "warm", 500.min(s.keys), s.concurrency).await?;
+        run_phase(
+            side_,
+            &workload,
+            "lifecycle",
+            "warm",
+            500.min(s.keys),
+            s.concurrency,
+        )
+        .await?;
     }
 
     let phases = [
@@ -267,7 +275,7 @@ async fn measure(
     server: &RedisSide,
     side: &Side,
     w: &Arc<Workload>,
-    phase: &str,
+    phase: &'static str,
     keys: &str,
     n: usize,
     c: usize,
@@ -291,15 +299,12 @@ async fn measure(
 async fn measure_plain(
     side: &Side,
     w: &Arc<Workload>,
-    phase: &str,
+    phase: &'static str,
     keys: &str,
     n: usize,
     c: usize,
 ) -> Result<(Sample, PhaseReport), String> {
-    let report = match phase {
-        "lifecycle" => lifecycle(side, w, keys, n, c).await?,
-        _ => replay(side, w, keys, n, c).await?,
-    };
+    let report = run_phase(side, w, phase, keys, n, c).await?;
     let sample = Sample {
         ops_per_sec: report.throughput(),
         p50_us: report.p50().as_secs_f64() * 1e6,
@@ -358,111 +363,108 @@ pub(crate) fn server_usec(
     (total, parts.join(", "))
 }
 
-/// Claim and complete `n` new keys named after `keys`.
-async fn lifecycle(
+/// Runs `n` operations of `phase` on one side, on keys named after `keys`: `lifecycle`
+/// claims and completes new keys, `replay` claims the keys a lifecycle completed.
+async fn run_phase(
     side: &Side,
     w: &Arc<Workload>,
+    phase: &'static str,
     keys: &str,
     n: usize,
     c: usize,
 ) -> Result<PhaseReport, String> {
     let (side, w, keys) = (side.clone(), w.clone(), Arc::<str>::from(keys));
-    drive("lifecycle", n, c, move |i| {
+    drive(phase, n, c, move |i| {
         let (side, w, key) = (side.clone(), w.clone(), format!("{keys}-{i}"));
         async move {
-            match &side {
-                Side::Idem { store, .. } => {
-                    let id = idem_id(&key)?;
-                    match idem_begin(store, &w, &id).await? {
-                        Begin::Acquired(lease) => store
-                            .complete(&lease, &w.completion, w.retention)
-                            .await
-                            .map(|()| "executed")
-                            .map_err(|e| e.to_string()),
-                        other => Err(format!("idem: a new key was not acquired: {other:?}")),
-                    }
-                }
-                Side::Idempotent(store) => {
-                    let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
-                    let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
-                    let entry = IdempotencyEntry::new(fp, w.retention);
-                    match store.try_insert(&key, entry.clone()).await {
-                        Ok(InsertResult::Claimed { fencing_token }) => store
-                            .complete(&key, entry.complete(w.cached.clone()), fencing_token)
-                            .await
-                            .map(|()| "executed")
-                            .map_err(|e| format!("idempotent: {e:?}")),
-                        other => Err(format!("idempotent: a new key was not claimed: {other:?}")),
-                    }
-                }
-                Side::Klauthed(store) => {
-                    let key = format!("{}{key}", w.prefix["klauthed"]);
-                    match store.begin(&key).await {
-                        Ok(Outcome::New) => store
-                            .complete(&key, (*w.json).clone())
-                            .await
-                            .map(|()| "executed")
-                            .map_err(|e| format!("klauthed-data: {e}")),
-                        other => Err(format!(
-                            "klauthed-data: a new key was not claimed: {other:?}"
-                        )),
-                    }
-                }
+            match phase {
+                "lifecycle" => lifecycle(&side, &w, key).await,
+                _ => replay(&side, &w, key).await,
             }
         }
     })
     .await
 }
 
-/// Claim `n` keys that [`lifecycle`] completed under `keys`: each replays.
-async fn replay(
-    side: &Side,
-    w: &Arc<Workload>,
-    keys: &str,
-    n: usize,
-    c: usize,
-) -> Result<PhaseReport, String> {
-    let (side, w, keys) = (side.clone(), w.clone(), Arc::<str>::from(keys));
-    drive("replay", n, c, move |i| {
-        let (side, w, key) = (side.clone(), w.clone(), format!("{keys}-{i}"));
-        async move {
-            let replayed = match &side {
-                Side::Idem { store, .. } => {
-                    let id = idem_id(&key)?;
-                    match idem_begin(store, &w, &id).await? {
-                        Begin::Replay(r) => r.completion.response.body == w.body,
-                        other => return Err(format!("idem: no replay: {other:?}")),
-                    }
-                }
-                Side::Idempotent(store) => {
-                    let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
-                    let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
-                    match store
-                        .try_insert(&key, IdempotencyEntry::new(fp, w.retention))
-                        .await
-                    {
-                        Ok(InsertResult::Exists(ExistingEntry::Completed(entry))) => {
-                            entry.fingerprint_matches(fp) && entry.response().body == w.body
-                        }
-                        other => return Err(format!("idempotent: no replay: {other:?}")),
-                    }
-                }
-                Side::Klauthed(store) => {
-                    let key = format!("{}{key}", w.prefix["klauthed"]);
-                    match store.begin(&key).await {
-                        Ok(Outcome::Completed(value)) => value == *w.json,
-                        other => return Err(format!("klauthed-data: no replay: {other:?}")),
-                    }
-                }
-            };
-            if replayed {
-                Ok("replayed")
-            } else {
-                Err(format!("{}: the replayed response differs", side.name()))
+/// Claims a new key and stores the response.
+async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static str, String> {
+    match side {
+        Side::Idem { store, .. } => {
+            let id = idem_id(&key)?;
+            match idem_begin(store, w, &id).await? {
+                Begin::Acquired(lease) => store
+                    .complete(&lease, &w.completion, w.retention)
+                    .await
+                    .map(|()| "executed")
+                    .map_err(|e| e.to_string()),
+                other => Err(format!("idem: a new key was not acquired: {other:?}")),
             }
         }
-    })
-    .await
+        Side::Idempotent(store) => {
+            let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+            let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
+            let entry = IdempotencyEntry::new(fp, w.retention);
+            match store.try_insert(&key, entry.clone()).await {
+                Ok(InsertResult::Claimed { fencing_token }) => store
+                    .complete(&key, entry.complete(w.cached.clone()), fencing_token)
+                    .await
+                    .map(|()| "executed")
+                    .map_err(|e| format!("idempotent: {e:?}")),
+                other => Err(format!("idempotent: a new key was not claimed: {other:?}")),
+            }
+        }
+        Side::Klauthed(store) => {
+            let key = format!("{}{key}", w.prefix["klauthed"]);
+            match store.begin(&key).await {
+                Ok(Outcome::New) => store
+                    .complete(&key, (*w.json).clone())
+                    .await
+                    .map(|()| "executed")
+                    .map_err(|e| format!("klauthed-data: {e}")),
+                other => Err(format!(
+                    "klauthed-data: a new key was not claimed: {other:?}"
+                )),
+            }
+        }
+    }
+}
+
+/// Claims a key that [`lifecycle`] completed: it replays.
+async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, String> {
+    let replayed = match side {
+        Side::Idem { store, .. } => {
+            let id = idem_id(&key)?;
+            match idem_begin(store, w, &id).await? {
+                Begin::Replay(r) => r.completion.response.body == w.body,
+                other => return Err(format!("idem: no replay: {other:?}")),
+            }
+        }
+        Side::Idempotent(store) => {
+            let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+            let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
+            match store
+                .try_insert(&key, IdempotencyEntry::new(fp, w.retention))
+                .await
+            {
+                Ok(InsertResult::Exists(ExistingEntry::Completed(entry))) => {
+                    entry.fingerprint_matches(fp) && entry.response().body == w.body
+                }
+                other => return Err(format!("idempotent: no replay: {other:?}")),
+            }
+        }
+        Side::Klauthed(store) => {
+            let key = format!("{}{key}", w.prefix["klauthed"]);
+            match store.begin(&key).await {
+                Ok(Outcome::Completed(value)) => value == *w.json,
+                other => return Err(format!("klauthed-data: no replay: {other:?}")),
+            }
+        }
+    };
+    if replayed {
+        Ok("replayed")
+    } else {
+        Err(format!("{}: the replayed response differs", side.name()))
+    }
 }
 
 fn idem_id(key: &str) -> Result<RecordId, String> {
