@@ -10,16 +10,11 @@ mod memory {
         Some(Arc::new(MemoryStore::new()))
     }
 
-    idem_testkit::conformance_suite!(store);
+    idem_testkit::conformance_suite!(store, stats);
 
     /// 512 random interleavings against the model, on a manual clock.
     #[test]
     fn follows_the_model_on_a_manual_clock() {
         idem_testkit::model::check_manual_clock(512);
-    }
-
-    #[tokio::test]
-    async fn stats_count_by_state() {
-        idem_testkit::cases::stats_count_by_state(Arc::new(MemoryStore::new())).await;
     }
 }

@@ -7,8 +7,7 @@
 //! server; schemas left by earlier runs are dropped after an hour.
 
 mod postgres {
-    use std::collections::HashMap;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -18,114 +17,39 @@ mod postgres {
     };
     use idem_postgres::{is_transaction_conflict, PgStore, PurgeConfig};
     use idem_testkit::harness;
-    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use idem_testkit::postgres::{self as pg, drop_schema};
+    use idem_tests::{create_work_table, id, insert_work, work_rows};
+    use sqlx::postgres::PgConnectOptions;
     use sqlx::{Connection, PgConnection, PgPool};
     use tokio::time::{sleep, timeout, Instant};
 
     const LONG: Duration = Duration::from_secs(30);
     const KEEP: Duration = Duration::from_secs(600);
-    const SCHEMA_PREFIX: &str = "idem_t_";
 
     // --- harness ---------------------------------------------------------------------------
 
-    fn schema_name() -> String {
-        harness::unique_name(SCHEMA_PREFIX)
-    }
-
-    /// Pool settings for tests: the store's defaults, with a longer acquire timeout so a
-    /// loaded CI machine does not turn queueing for a connection into a failure.
-    fn pool_options(max: u32) -> PgPoolOptions {
-        PgStore::pool_options()
-            .max_connections(max)
-            .acquire_timeout(Duration::from_secs(15))
-    }
-
-    async fn connect(url: &str, max: u32) -> PgPool {
-        pool_options(max)
-            .connect(url)
-            .await
-            .expect("connect to IDEM_TEST_DATABASE_URL")
-    }
-
-    /// Drops the schemas of test runs that ended over an hour ago, once per process, so a
-    /// long-lived test server does not collect them.
-    async fn drop_stale_schemas(pool: &PgPool) {
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        if SWEPT.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
-        )
-        .bind(SCHEMA_PREFIX)
-        .fetch_all(pool)
-        .await
-        .expect("list test schemas");
-        for name in names {
-            if harness::is_stale(&name, SCHEMA_PREFIX) {
-                // Another process may drop it at the same time: its error is not ours.
-                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(pool)
-                    .await;
-            }
-        }
-    }
-
-    /// A migrated store in a fresh schema, on a pool of `max` connections; `None` when no
-    /// server is configured (the harness printed why, or panicked if backends are required).
-    async fn fresh_store(max: u32) -> Option<PgStore> {
-        let url = harness::database_url()?;
-        let pool = connect(&url, max).await;
-        drop_stale_schemas(&pool).await;
-        let store = PgStore::new(pool)
-            .with_schema(&schema_name())
-            .expect("valid schema name");
+    /// A migrated store in a fresh schema, with the work table of [`create_work_table`], on
+    /// a pool of `max` connections; `None` when no server is configured (the harness printed
+    /// why, or panicked if backends are required).
+    async fn fresh(max: u32) -> Option<PgStore> {
+        let store = pg::fresh_store(max).await?;
         store.migrate().await.expect("migrate");
+        create_work_table(&store).await;
         Some(store)
     }
 
-    async fn drop_schema(store: &PgStore) {
-        sqlx::query(&format!(
-            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
-            store.schema()
-        ))
-        .execute(store.pool())
-        .await
-        .expect("drop the test schema");
-    }
-
     async fn store() -> Option<Arc<dyn Store>> {
-        Some(Arc::new(fresh_store(8).await?))
+        Some(Arc::new(fresh(8).await?))
     }
 
     /// A store whose pool points at a port nothing listens on.
     async fn unreachable() -> Arc<dyn Store> {
-        let url = format!(
-            "postgres://postgres@127.0.0.1:{}/test",
-            harness::free_port()
-        );
-        let pool = PgStore::pool_options()
-            .connect_lazy(&url)
-            .expect("a well-formed URL");
-        Arc::new(PgStore::new(pool))
+        Arc::new(pg::closed_port_store())
     }
 
-    idem_testkit::conformance_suite!(store, unreachable = unreachable);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn stats_count_by_state() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::stats_count_by_state(store).await;
-    }
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
     // --- helpers ---------------------------------------------------------------------------
-
-    fn id(key: &str) -> RecordId {
-        RecordId::new(
-            Scope::new("tenant").expect("scope"),
-            Key::new(key).expect("key"),
-        )
-    }
 
     fn fp(text: &str) -> Fingerprint {
         Fingerprint::of_bytes(text.as_bytes())
@@ -152,44 +76,52 @@ mod postgres {
         }
     }
 
-    /// The business table that the protected work writes to, in the test's schema.
-    async fn create_work_table(store: &PgStore) -> String {
-        let table = format!("\"{}\".work", store.schema());
-        sqlx::query(&format!(
-            "CREATE TABLE {table} (key text NOT NULL, worker integer NOT NULL)"
-        ))
-        .execute(store.pool())
-        .await
-        .expect("create the work table");
-        table
+    /// A lease on `id` (acquired or taken over) for `lease`.
+    async fn claim(store: &PgStore, id: &RecordId, lease: Duration) -> Lease {
+        leased(store.begin(req(id, lease)).await.expect("begin"))
     }
 
-    async fn work_rows(store: &PgStore, table: &str) -> HashMap<String, i64> {
-        let rows: Vec<(String, i64)> =
-            sqlx::query_as(&format!("SELECT key, count(*) FROM {table} GROUP BY key"))
-                .fetch_all(store.pool())
-                .await
-                .expect("count work rows");
-        rows.into_iter().collect()
+    /// A lease on `id` claimed inside the transaction on `conn`.
+    async fn claim_in(conn: &mut PgConnection, store: &PgStore, id: &RecordId) -> Lease {
+        leased(store.begin_in(conn, req(id, LONG)).await.expect("begin"))
     }
 
-    async fn insert_work(conn: &mut PgConnection, table: &str, key: &str, worker: i32) {
-        sqlx::query(&format!(
-            "INSERT INTO {table} (key, worker) VALUES ($1, $2)"
-        ))
-        .bind(key)
-        .bind(worker)
-        .execute(conn)
-        .await
-        .expect("business write");
+    /// A record for `id`, completed now and kept for `retention`.
+    async fn completed(store: &PgStore, id: &RecordId, retention: Duration) {
+        let lease = claim(store, id, LONG).await;
+        store
+            .complete(&lease, &done("x"), retention)
+            .await
+            .expect("complete");
     }
 
-    /// The protected work in a business transaction of its own: a row in `table` for `key` by
-    /// `worker`, then the lease's completion with `body`. The transaction is handed back open,
-    /// with the completion's result, for the test to commit, roll back or kill.
+    /// Asserts that the work of `key` ran once, and that a retry replays the stored `body`.
+    async fn assert_done_once(store: &PgStore, key: &str, body: &str) {
+        assert_eq!(work_rows(store).await.get(key), Some(&1), "runs of {key}");
+        match store.begin(req(&id(key), LONG)).await.expect("begin") {
+            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, body),
+            other => panic!("expected Replay, got {other:?}"),
+        }
+    }
+
+    /// The protected work on `conn`: a row in the work table for `key` by `worker`, then the
+    /// lease's completion with `body` (its result is returned).
+    async fn work_in(
+        conn: &mut PgConnection,
+        store: &PgStore,
+        lease: &Lease,
+        key: &str,
+        worker: i32,
+        body: &str,
+    ) -> Result<(), Error> {
+        insert_work(conn, store, key, worker).await;
+        store.complete_in(conn, lease, &done(body), KEEP).await
+    }
+
+    /// [`work_in`] a business transaction of its own, handed back open with the completion's
+    /// result, for the test to commit, roll back or kill.
     async fn work_and_complete(
         store: &PgStore,
-        table: &str,
         lease: &Lease,
         key: &str,
         worker: i32,
@@ -199,21 +131,13 @@ mod postgres {
         Result<(), Error>,
     ) {
         let mut tx = store.pool().begin().await.expect("tx");
-        insert_work(&mut tx, table, key, worker).await;
-        let completed = store.complete_in(&mut tx, lease, &done(body), KEEP).await;
+        let completed = work_in(&mut tx, store, lease, key, worker, body).await;
         (tx, completed)
     }
 
     /// [`work_and_complete`], committed.
-    async fn commit_work(
-        store: &PgStore,
-        table: &str,
-        lease: &Lease,
-        key: &str,
-        worker: i32,
-        body: &str,
-    ) {
-        let (tx, completed) = work_and_complete(store, table, lease, key, worker, body).await;
+    async fn commit_work(store: &PgStore, lease: &Lease, key: &str, worker: i32, body: &str) {
+        let (tx, completed) = work_and_complete(store, lease, key, worker, body).await;
         completed.expect("complete");
         tx.commit().await.expect("commit");
     }
@@ -235,13 +159,13 @@ mod postgres {
     }
 
     /// Many workers on many connections run every key to completion, retrying while the key
-    /// is in flight; the protected work writes one row per run to `table`. Returns how many
+    /// is in flight; the protected work writes one row per run to the work table. Returns how many
     /// transaction conflicts reached the workers (who retry them, as a client would).
-    async fn race(store: &PgStore, keys: usize, workers: usize, table: &str) -> usize {
+    async fn race(store: &PgStore, keys: usize, workers: usize) -> usize {
         let conflicts = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
         for worker in 0..workers {
-            let (store, conflicts, table) = (store.clone(), conflicts.clone(), table.to_owned());
+            let (store, conflicts) = (store.clone(), conflicts.clone());
             tasks.push(tokio::spawn(async move {
                 // Each worker walks the keys from its own starting point, so every key sees
                 // a different crowd at a different moment.
@@ -254,7 +178,7 @@ mod postgres {
                             Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => {
                                 // The protected work: a row in the business table.
                                 let mut conn = store.pool().acquire().await.expect("acquire");
-                                insert_work(&mut conn, &table, &key, worker as i32).await;
+                                insert_work(&mut conn, &store, &key, worker as i32).await;
                                 drop(conn);
                                 sleep(Duration::from_millis(2)).await;
                                 store
@@ -293,13 +217,10 @@ mod postgres {
     /// per key, and every worker ends with the one stored result.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn race_runs_the_work_once_per_key() {
-        let Some(store) = fresh_store(16).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(16).await else { return };
         let keys = 30;
-        race(&store, keys, 24, &table).await;
-        let rows = work_rows(&store, &table).await;
+        race(&store, keys, 24).await;
+        let rows = work_rows(&store).await;
         assert_eq!(rows.len(), keys, "keys that ran: {rows:?}");
         for (key, n) in &rows {
             assert_eq!(*n, 1, "{key} ran {n} times");
@@ -316,7 +237,7 @@ mod postgres {
         };
         let options: PgConnectOptions = url.parse().expect("a well-formed URL");
         let options = options.options([("default_transaction_isolation", "serializable")]);
-        let pool = pool_options(12)
+        let pool = pg::pool_options(12)
             .connect_with(options)
             .await
             .expect("connect");
@@ -326,13 +247,13 @@ mod postgres {
             .expect("show");
         assert_eq!(level, "serializable");
         let store = PgStore::new(pool)
-            .with_schema(&schema_name())
+            .with_schema(&harness::unique_name(pg::SCHEMA_PREFIX))
             .expect("schema");
         store.migrate().await.expect("migrate");
-        let table = create_work_table(&store).await;
+        create_work_table(&store).await;
         let keys = 12;
-        let reported = race(&store, keys, 16, &table).await;
-        let rows = work_rows(&store, &table).await;
+        let reported = race(&store, keys, 16).await;
+        let rows = work_rows(&store).await;
         assert_eq!(rows.len(), keys);
         for (key, n) in &rows {
             assert_eq!(*n, 1, "{key} ran {n} times");
@@ -344,17 +265,10 @@ mod postgres {
     /// Sixteen callers find the same expired lease at once: exactly one takes it over.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn race_for_an_expired_lease_has_one_winner() {
-        let Some(store) = fresh_store(16).await else {
-            return;
-        };
+        let Some(store) = fresh(16).await else { return };
         let keys: Vec<RecordId> = (0..10).map(|k| id(&format!("k{k}"))).collect();
         for id in &keys {
-            leased(
-                store
-                    .begin(req(id, Duration::from_millis(100)))
-                    .await
-                    .expect("begin"),
-            );
+            claim(&store, id, Duration::from_millis(100)).await;
         }
         sleep(Duration::from_millis(300)).await;
         for id in &keys {
@@ -389,25 +303,15 @@ mod postgres {
     /// lease expires a retry takes over and finishes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn killed_transaction_leaves_nothing_and_a_retry_proceeds() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(4).await else { return };
         let id = id("order-1");
         // Long enough to outlast the kill below on a slow machine, so the retry first sees
         // the key in flight.
-        let lease = leased(
-            store
-                .begin(req(&id, Duration::from_secs(3)))
-                .await
-                .expect("begin"),
-        );
+        let lease = claim(&store, &id, Duration::from_secs(3)).await;
 
         let mut tx = store.pool().begin().await.expect("tx");
         let pid = backend_pid(&mut tx).await;
-        insert_work(&mut tx, &table, "order-1", 1).await;
-        store
-            .complete_in(&mut tx, &lease, &done("first"), KEEP)
+        work_in(&mut tx, &store, &lease, "order-1", 1, "first")
             .await
             .expect("complete in the transaction");
         // Kill the backend while the transaction is busy with more work.
@@ -431,10 +335,7 @@ mod postgres {
         }
         assert!(tx.commit().await.is_err(), "a dead transaction committed");
 
-        assert!(
-            work_rows(&store, &table).await.is_empty(),
-            "business rows survived"
-        );
+        assert!(work_rows(&store).await.is_empty(), "business rows survived");
         let record = store.get(&id).await.expect("get").expect("record");
         assert!(
             matches!(record.state, RecordState::InProgress { token, .. } if token == lease.token()),
@@ -452,12 +353,8 @@ mod postgres {
             Begin::TookOver(lease) => lease,
             other => panic!("expected TookOver, got {other:?}"),
         };
-        commit_work(&store, &table, &retry, "order-1", 2, "second").await;
-        assert_eq!(work_rows(&store, &table).await.get("order-1"), Some(&1));
-        match store.begin(req(&id, LONG)).await.expect("begin") {
-            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "second"),
-            other => panic!("expected Replay, got {other:?}"),
-        }
+        commit_work(&store, &retry, "order-1", 2, "second").await;
+        assert_done_once(&store, "order-1", "second").await;
         drop_schema(&store).await;
     }
 
@@ -465,28 +362,18 @@ mod postgres {
     /// a retry acquires the key at once as attempt 1.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn killed_transaction_that_claimed_the_key_leaves_it_absent() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(4).await else { return };
         let id = id("order-2");
         let mut tx = store.pool().begin().await.expect("tx");
         let pid = backend_pid(&mut tx).await;
-        let lease = leased(
-            store
-                .begin_in(&mut tx, req(&id, LONG))
-                .await
-                .expect("begin"),
-        );
-        insert_work(&mut tx, &table, "order-2", 1).await;
-        store
-            .complete_in(&mut tx, &lease, &done("first"), KEEP)
+        let lease = claim_in(&mut tx, &store, &id).await;
+        work_in(&mut tx, &store, &lease, "order-2", 1, "first")
             .await
             .expect("complete");
         terminate(store.pool(), pid).await;
         assert!(tx.commit().await.is_err(), "a killed transaction committed");
 
-        assert!(work_rows(&store, &table).await.is_empty());
+        assert!(work_rows(&store).await.is_empty());
         assert!(store.get(&id).await.expect("get").is_none());
         let retry = match store.begin(req(&id, LONG)).await.expect("begin") {
             Begin::Acquired(lease) => lease,
@@ -502,18 +389,13 @@ mod postgres {
     /// the transaction also claimed it, in progress under the lease when the pool did.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rollback_leaves_the_key_rerunnable() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(4).await else { return };
 
         // Claimed and completed in the transaction, rolled back: as if never seen.
         let a = id("a");
         let mut tx = store.pool().begin().await.expect("tx");
-        let lease = leased(store.begin_in(&mut tx, req(&a, LONG)).await.expect("begin"));
-        insert_work(&mut tx, &table, "a", 1).await;
-        store
-            .complete_in(&mut tx, &lease, &done("a"), KEEP)
+        let lease = claim_in(&mut tx, &store, &a).await;
+        work_in(&mut tx, &store, &lease, "a", 1, "a")
             .await
             .expect("complete");
         tx.rollback().await.expect("rollback");
@@ -525,8 +407,8 @@ mod postgres {
 
         // Claimed on the pool, completed in a transaction that rolls back: still ours.
         let b = id("b");
-        let lease = leased(store.begin(req(&b, LONG)).await.expect("begin"));
-        let (tx, completed) = work_and_complete(&store, &table, &lease, "b", 1, "b").await;
+        let lease = claim(&store, &b, LONG).await;
+        let (tx, completed) = work_and_complete(&store, &lease, "b", 1, "b").await;
         completed.expect("complete");
         tx.rollback().await.expect("rollback");
         let record = store.get(&b).await.expect("get").expect("record");
@@ -534,8 +416,8 @@ mod postgres {
             matches!(record.state, RecordState::InProgress { token, .. } if token == lease.token())
         );
         // The work runs again, in a transaction that commits.
-        commit_work(&store, &table, &lease, "b", 2, "b").await;
-        let rows = work_rows(&store, &table).await;
+        commit_work(&store, &lease, "b", 2, "b").await;
+        let rows = work_rows(&store).await;
         assert_eq!(rows.get("a"), None);
         assert_eq!(rows.get("b"), Some(&1));
         drop_schema(&store).await;
@@ -546,34 +428,22 @@ mod postgres {
     /// write out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn completing_a_key_completed_by_a_takeover_is_refused() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(4).await else { return };
         let id = id("k");
-        let slow = leased(
-            store
-                .begin(req(&id, Duration::from_millis(100)))
-                .await
-                .expect("begin"),
-        );
+        let slow = claim(&store, &id, Duration::from_millis(100)).await;
         sleep(Duration::from_millis(300)).await;
         let fast = match store.begin(req(&id, LONG)).await.expect("begin") {
             Begin::TookOver(lease) => lease,
             other => panic!("expected TookOver, got {other:?}"),
         };
-        commit_work(&store, &table, &fast, "k", 2, "fast").await;
+        commit_work(&store, &fast, "k", 2, "fast").await;
 
-        let (tx, completed) = work_and_complete(&store, &table, &slow, "k", 1, "slow").await;
+        let (tx, completed) = work_and_complete(&store, &slow, "k", 1, "slow").await;
         match completed {
             Err(Error::LeaseLost) => tx.rollback().await.expect("rollback"),
             other => panic!("expected LeaseLost, got {other:?}"),
         }
-        assert_eq!(work_rows(&store, &table).await.get("k"), Some(&1));
-        match store.begin(req(&id, LONG)).await.expect("begin") {
-            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "fast"),
-            other => panic!("expected Replay, got {other:?}"),
-        }
+        assert_done_once(&store, "k", "fast").await;
         drop_schema(&store).await;
     }
 
@@ -582,25 +452,19 @@ mod postgres {
     /// and is refused. The work is committed once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_duplicate_completion_is_refused() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(4).await else { return };
         let id = id("k");
-        let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+        let lease = claim(&store, &id, LONG).await;
 
         let mut first = store.pool().begin().await.expect("tx");
-        insert_work(&mut first, &table, "k", 1).await;
-        store
-            .complete_in(&mut first, &lease, &done("first"), KEEP)
+        work_in(&mut first, &store, &lease, "k", 1, "first")
             .await
             .expect("complete");
 
         let second = {
-            let (store, lease, table) = (store.clone(), lease.clone(), table.clone());
+            let (store, lease) = (store.clone(), lease.clone());
             tokio::spawn(async move {
-                let (tx, result) =
-                    work_and_complete(&store, &table, &lease, "k", 2, "second").await;
+                let (tx, result) = work_and_complete(&store, &lease, "k", 2, "second").await;
                 match result {
                     Ok(()) => tx.commit().await.expect("commit"),
                     Err(_) => tx.rollback().await.expect("rollback"),
@@ -616,7 +480,7 @@ mod postgres {
             Err(Error::LeaseLost) => {}
             other => panic!("expected LeaseLost, got {other:?}"),
         }
-        assert_eq!(work_rows(&store, &table).await.get("k"), Some(&1));
+        assert_done_once(&store, "k", "first").await;
         drop_schema(&store).await;
     }
 
@@ -624,18 +488,10 @@ mod postgres {
     /// which commits its work and completion, and then gets the replay.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn begin_in_waits_for_the_claiming_transaction() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let table = create_work_table(&store).await;
+        let Some(store) = fresh(4).await else { return };
         let id = id("k");
         let mut first = store.pool().begin().await.expect("tx");
-        let lease = leased(
-            store
-                .begin_in(&mut first, req(&id, LONG))
-                .await
-                .expect("begin"),
-        );
+        let lease = claim_in(&mut first, &store, &id).await;
         let second = {
             let (store, id) = (store.clone(), id.clone());
             tokio::spawn(async move {
@@ -650,9 +506,7 @@ mod postgres {
         };
         sleep(Duration::from_millis(300)).await;
         assert!(!second.is_finished(), "the second begin did not wait");
-        insert_work(&mut first, &table, "k", 1).await;
-        store
-            .complete_in(&mut first, &lease, &done("once"), KEEP)
+        work_in(&mut first, &store, &lease, "k", 1, "once")
             .await
             .expect("complete");
         first.commit().await.expect("commit");
@@ -660,7 +514,7 @@ mod postgres {
             Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "once"),
             other => panic!("expected Replay, got {other:?}"),
         }
-        assert_eq!(work_rows(&store, &table).await.get("k"), Some(&1));
+        assert_done_once(&store, "k", "once").await;
         drop_schema(&store).await;
     }
 
@@ -669,21 +523,15 @@ mod postgres {
     /// transaction sees the key in flight.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn repeatable_read_conflict_is_reported() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
+        let Some(store) = fresh(4).await else { return };
         let id = id("k");
-        let mut tx = store.pool().begin().await.expect("tx");
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            .execute(&mut *tx)
-            .await
-            .expect("isolation");
+        let mut tx = repeatable_read(&store).await;
         // The snapshot is taken by the first statement.
         sqlx::query("SELECT 1")
             .execute(&mut *tx)
             .await
             .expect("snapshot");
-        leased(store.begin(req(&id, LONG)).await.expect("begin"));
+        claim(&store, &id, LONG).await;
         let err = store
             .begin_in(&mut tx, req(&id, LONG))
             .await
@@ -696,11 +544,7 @@ mod postgres {
         );
         tx.rollback().await.expect("rollback");
 
-        let mut tx = store.pool().begin().await.expect("tx");
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            .execute(&mut *tx)
-            .await
-            .expect("isolation");
+        let mut tx = repeatable_read(&store).await;
         assert!(matches!(
             store
                 .begin_in(&mut tx, req(&id, LONG))
@@ -712,6 +556,16 @@ mod postgres {
         drop_schema(&store).await;
     }
 
+    /// A transaction at REPEATABLE READ.
+    async fn repeatable_read(store: &PgStore) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut tx = store.pool().begin().await.expect("tx");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx)
+            .await
+            .expect("isolation");
+        tx
+    }
+
     // --- migrations ------------------------------------------------------------------------
 
     /// Eight instances migrate the same new schema at once: all succeed, the table exists
@@ -721,12 +575,12 @@ mod postgres {
         let Some(url) = harness::database_url() else {
             return;
         };
-        let schema = schema_name();
+        let schema = harness::unique_name(pg::SCHEMA_PREFIX);
         let mut tasks = Vec::new();
         for _ in 0..8 {
             let (url, schema) = (url.clone(), schema.clone());
             tasks.push(tokio::spawn(async move {
-                let store = PgStore::new(connect(&url, 2).await)
+                let store = PgStore::new(pg::connect(&url, 2).await)
                     .with_schema(&schema)
                     .expect("schema");
                 store.migrate().await.expect("concurrent migrate");
@@ -758,7 +612,7 @@ mod postgres {
         assert!(!path.contains(&schema), "search_path leaked: {path}");
         // Running it again is a no-op, and the store works.
         store.migrate().await.expect("migrate again");
-        leased(store.begin(req(&id("k"), LONG)).await.expect("begin"));
+        claim(store, &id("k"), LONG).await;
         drop_schema(store).await;
     }
 
@@ -768,7 +622,7 @@ mod postgres {
         let Some(url) = harness::database_url() else {
             return;
         };
-        let pool = connect(&url, 2).await;
+        let pool = pg::connect(&url, 2).await;
         idem_postgres::migrate(&pool).await.expect("migrate");
         let ledger: Option<String> =
             sqlx::query_scalar("SELECT to_regclass('idem._sqlx_migrations')::text")
@@ -781,36 +635,28 @@ mod postgres {
         // A unique scope: the schema `idem` is shared by every run against this server.
         let scope = Scope::new(uuid::Uuid::new_v4().to_string()).expect("scope");
         let id = RecordId::new(scope, Key::new("k").expect("key"));
-        let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
+        let lease = claim(&store, &id, LONG).await;
         store.release(&lease).await.expect("release");
     }
 
     // --- purge -----------------------------------------------------------------------------
 
     async fn table_rows(store: &PgStore) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM \"{}\".records",
-            store.schema()
-        ))
-        .fetch_one(store.pool())
-        .await
-        .expect("count")
+        let count = format!("SELECT count(*) FROM {}.records", store.quoted_schema());
+        sqlx::query_scalar(&count)
+            .fetch_one(store.pool())
+            .await
+            .expect("count")
     }
 
     /// Expired records (completed or abandoned) go in batches of at most the size asked;
     /// live ones stay.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn purge_deletes_expired_records_in_batches() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
+        let Some(store) = fresh(4).await else { return };
         for k in 0..10 {
             let id = id(&format!("done-{k}"));
-            let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
-            store
-                .complete(&lease, &done("x"), Duration::from_millis(50))
-                .await
-                .expect("complete");
+            completed(&store, &id, Duration::from_millis(50)).await;
         }
         for k in 0..10 {
             let id = id(&format!("abandoned-{k}"));
@@ -851,18 +697,12 @@ mod postgres {
     /// The background task purges on its own and stops promptly on shutdown.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn purge_task_runs_and_shuts_down() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
+        let Some(store) = fresh(4).await else { return };
         for k in 0..12 {
             let id = id(&format!("done-{k}"));
-            let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
-            store
-                .complete(&lease, &done("x"), Duration::from_millis(50))
-                .await
-                .expect("complete");
+            completed(&store, &id, Duration::from_millis(50)).await;
         }
-        leased(store.begin(req(&id("live"), LONG)).await.expect("begin"));
+        claim(&store, &id("live"), LONG).await;
         sleep(Duration::from_millis(200)).await;
         let purge = store.spawn_purge(
             PurgeConfig::default()
@@ -892,15 +732,9 @@ mod postgres {
     /// `get`, and left as it is.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn corrupt_record_is_reported_and_left_alone() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
+        let Some(store) = fresh(4).await else { return };
         let id = id("k");
-        let lease = leased(store.begin(req(&id, LONG)).await.expect("begin"));
-        store
-            .complete(&lease, &done("x"), KEEP)
-            .await
-            .expect("complete");
+        completed(&store, &id, KEEP).await;
         sqlx::query(&format!(
             "UPDATE \"{}\".records SET meta = '\\x09ff'",
             store.schema()
@@ -925,10 +759,8 @@ mod postgres {
     /// A connection the server terminated (`57P01`, then a closed socket) gives Unavailable.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn terminated_connection_is_unavailable() {
-        let Some(store) = fresh_store(4).await else {
-            return;
-        };
-        let url = harness::database_url().expect("checked by fresh_store");
+        let Some(store) = fresh(4).await else { return };
+        let url = harness::database_url().expect("checked by fresh");
         let mut conn = PgConnection::connect(&url).await.expect("connect");
         let pid = backend_pid(&mut conn).await;
         terminate(store.pool(), pid).await;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::Store;
-use idem_redis::testing::{self, RedisServer};
+use idem_redis::testing;
 use idem_redis::{RedisStore, RedisStoreBuilder};
 
 /// A key prefix of its own for every store, so tests share a server without meeting.
@@ -27,20 +27,6 @@ fn builder(url: &str) -> RedisStoreBuilder {
         .with_prefix(prefix())
         .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
         .with_call_timeout(Duration::from_secs(15))
-}
-
-/// Whether tests that start their own `redis-server` can run; panics when backends are
-/// required (`IDEM_TEST_REQUIRE_BACKENDS=1`) and they cannot.
-fn can_start_servers() -> bool {
-    idem_testkit::harness::present(
-        testing::binaries_available(),
-        "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-    )
-}
-
-/// A throwaway server, or `None` (skipped) when the binaries are missing.
-fn throwaway(args: &[&str]) -> Option<RedisServer> {
-    can_start_servers().then(|| RedisServer::start_with(args).expect("start redis-server"))
 }
 
 /// A store pointed at a port nothing listens on.
@@ -72,13 +58,7 @@ mod redis {
         closed_port_store(format!("redis://127.0.0.1:{port}")).await
     }
 
-    idem_testkit::conformance_suite!(store, unreachable = unreachable);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn stats_count_by_state() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::stats_count_by_state(store).await;
-    }
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
     pub(crate) mod specific;
 }
@@ -95,7 +75,7 @@ mod redis_cluster {
     /// when this process exits (each runs under a watchdog polling the test's pid).
     fn cluster() -> Option<&'static RedisCluster> {
         static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
-        if !can_start_servers() {
+        if !testing::available() {
             return None;
         }
         Some(CLUSTER.get_or_init(|| RedisCluster::start(3).expect("start a 3-primary cluster")))
@@ -121,13 +101,7 @@ mod redis_cluster {
         closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
     }
 
-    idem_testkit::conformance_suite!(store, unreachable = unreachable);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn stats_count_by_state() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::stats_count_by_state(store).await;
-    }
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
     mod specific;
 }

@@ -12,24 +12,21 @@ mod tiered {
     use std::time::Duration;
 
     use idem_core::{
-        Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
-        RecordState, Response, Scope, Store,
+        Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, RecordId,
+        RecordState, Response, Store,
     };
     use idem_outbox::TieredStore;
     use idem_postgres::PgStore;
-    use idem_redis::testing::RedisServer;
+    use idem_redis::testing::throwaway;
     use idem_redis::RedisStore;
     use idem_testkit::harness;
-    use sqlx::PgPool;
+    use idem_testkit::postgres as pg;
+    use idem_tests::{create_work_table, id, insert_work, runs};
+    use sqlx::{PgConnection, PgPool};
     use tokio::time::{sleep, timeout};
 
     const LONG: Duration = Duration::from_secs(30);
     const KEEP: Duration = Duration::from_secs(600);
-
-    fn schema_name() -> String {
-        // The Postgres tests' prefix: their sweep drops these leftovers too.
-        harness::unique_name("idem_t_")
-    }
 
     async fn redis_tier(url: &str) -> RedisStore {
         RedisStore::builder(url)
@@ -41,16 +38,7 @@ mod tiered {
     }
 
     async fn pg_tier() -> Option<PgStore> {
-        let url = harness::database_url()?;
-        let pool = PgStore::pool_options()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(15))
-            .connect(&url)
-            .await
-            .expect("connect to IDEM_TEST_DATABASE_URL");
-        let pg = PgStore::new(pool)
-            .with_schema(&schema_name())
-            .expect("valid schema name");
+        let pg = pg::fresh_store(8).await?;
         idem_outbox::migrate(&pg).await.expect("migrate");
         Some(pg)
     }
@@ -69,32 +57,12 @@ mod tiered {
     /// Both tiers pointed at ports nothing listens on.
     async fn unreachable() -> Arc<dyn Store> {
         let redis = redis_tier(&format!("redis://127.0.0.1:{}", harness::free_port())).await;
-        let url = format!(
-            "postgres://postgres@127.0.0.1:{}/test",
-            harness::free_port()
-        );
-        let pool = PgStore::pool_options()
-            .connect_lazy(&url)
-            .expect("a well-formed URL");
-        Arc::new(TieredStore::new(redis, PgStore::new(pool)))
+        Arc::new(TieredStore::new(redis, pg::closed_port_store()))
     }
 
-    idem_testkit::conformance_suite!(store, unreachable = unreachable);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn stats_count_by_state() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::stats_count_by_state(store).await;
-    }
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
     // --- helpers ---------------------------------------------------------------------------
-
-    fn id(key: &str) -> RecordId {
-        RecordId::new(
-            Scope::new("tenant").expect("scope"),
-            Key::new(key).expect("key"),
-        )
-    }
 
     fn fp() -> Fingerprint {
         Fingerprint::of_bytes(b"charge 12.50 EUR")
@@ -124,16 +92,55 @@ mod tiered {
         Completion::succeeded(Response::new(201, body.to_owned()))
     }
 
-    /// The business table of these tests: one row per charge.
-    async fn business_table(pool: &PgPool, schema: &str) -> String {
-        let table = format!("\"{schema}\".charges");
-        sqlx::query(&format!(
-            "CREATE TABLE IF NOT EXISTS {table} (key text NOT NULL, amount int NOT NULL)"
-        ))
-        .execute(pool)
-        .await
-        .expect("create the business table");
-        table
+    /// A business transaction in which `lease` completed with `body`, left open for the test
+    /// to commit or roll back.
+    async fn completing(
+        store: &TieredStore,
+        lease: &Lease,
+        body: &str,
+    ) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut tx = store.pg().pool().begin().await.expect("tx");
+        complete_in_tx(store, &mut tx, lease, body).await;
+        tx
+    }
+
+    /// A first worker's business transaction completing `id` with "first", still open after
+    /// the worker's lease (150 ms) ran out.
+    async fn open_past_its_lease(
+        store: &TieredStore,
+        id: &RecordId,
+    ) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let first = acquired(store, id, Duration::from_millis(150)).await;
+        let tx = completing(store, &first, "first").await;
+        sleep(Duration::from_millis(400)).await;
+        tx
+    }
+
+    /// `lease` completed with `body` inside the business transaction on `conn`.
+    async fn complete_in_tx(
+        store: &TieredStore,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        body: &str,
+    ) {
+        store
+            .complete_in(conn, lease, &charged(body), KEEP)
+            .await
+            .expect("complete_in");
+    }
+
+    /// Asserts that a retry of `id` replays `completion`; `context` says when, or what
+    /// another answer would mean.
+    async fn assert_replays(
+        store: &dyn Store,
+        id: &RecordId,
+        completion: &Completion,
+        context: &str,
+    ) {
+        match begin(store, id, LONG).await {
+            Begin::Replay(r) => assert_eq!(&r.completion, completion),
+            other => panic!("{context}: expected the replay, got {other:?}"),
+        }
     }
 
     async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -145,7 +152,7 @@ mod tiered {
 
     // --- the outbox's guarantees -----------------------------------------------------------
 
-    /// Completing inside the business transaction: rollback leaves neither business rows nor
+    /// Completing inside the business transaction: rollback leaves neither work rows nor
     /// a completion nor an outbox row; commit makes all three visible, and `publish` puts the
     /// completion into Redis.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,54 +160,34 @@ mod tiered {
         let Some(store) = tiered().await else { return };
         let pool = store.pg().pool().clone();
         let schema = store.pg().schema().to_owned();
-        let charges = business_table(&pool, &schema).await;
+        create_work_table(store.pg()).await;
         let outbox = format!("SELECT count(*) FROM \"{schema}\".outbox");
         let id = id("order-1");
 
         let lease = acquired(&store, &id, LONG).await;
-        let mut tx = pool.begin().await.expect("tx");
-        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-1', 1250)"))
-            .execute(&mut *tx)
-            .await
-            .expect("business write");
-        store
-            .complete_in(&mut tx, &lease, &charged("ch_1"), KEEP)
-            .await
-            .expect("complete_in");
-        tx.rollback().await.expect("rollback");
-        assert_eq!(
-            count(&pool, &format!("SELECT count(*) FROM {charges}")).await,
-            0
-        );
-        assert_eq!(
-            count(&pool, &outbox).await,
-            0,
-            "outbox row survived a rollback"
-        );
-        match store.get(&id).await.expect("get").expect("record").state {
-            RecordState::InProgress { token, .. } => assert_eq!(token, lease.token()),
-            other => panic!("a rolled-back completion is visible: {other:?}"),
+        for commit in [false, true] {
+            let mut tx = pool.begin().await.expect("tx");
+            insert_work(&mut tx, store.pg(), "order-1", 1250).await;
+            complete_in_tx(&store, &mut tx, &lease, "ch_1").await;
+            let (n, what) = if commit {
+                tx.commit().await.expect("commit");
+                (1, "the business row and the outbox row commit together")
+            } else {
+                tx.rollback().await.expect("rollback");
+                (0, "business or outbox rows survived a rollback")
+            };
+            let rows = (
+                runs(store.pg(), "order-1").await,
+                count(&pool, &outbox).await,
+            );
+            assert_eq!(rows, (n, n), "{what}");
+            if !commit {
+                match store.get(&id).await.expect("get").expect("record").state {
+                    RecordState::InProgress { token, .. } => assert_eq!(token, lease.token()),
+                    other => panic!("a rolled-back completion is visible: {other:?}"),
+                }
+            }
         }
-
-        let mut tx = pool.begin().await.expect("tx");
-        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-1', 1250)"))
-            .execute(&mut *tx)
-            .await
-            .expect("business write");
-        store
-            .complete_in(&mut tx, &lease, &charged("ch_1"), KEEP)
-            .await
-            .expect("complete_in");
-        tx.commit().await.expect("commit");
-        assert_eq!(
-            count(&pool, &format!("SELECT count(*) FROM {charges}")).await,
-            1
-        );
-        assert_eq!(
-            count(&pool, &outbox).await,
-            1,
-            "the outbox row commits with it"
-        );
         store
             .publish(&lease, &charged("ch_1"), KEEP)
             .await
@@ -216,17 +203,14 @@ mod tiered {
             Some(RecordState::Completed(c)) => assert_eq!(c, charged("ch_1")),
             other => panic!("Redis does not hold the completion: {other:?}"),
         }
-        match begin(&store, &id, LONG).await {
-            Begin::Replay(r) => assert_eq!(r.completion, charged("ch_1")),
-            other => panic!("expected the replay, got {other:?}"),
-        }
+        assert_replays(&store, &id, &charged("ch_1"), "Redis after the publish").await;
     }
 
     /// Redis flushed after the completion committed: the retry is replayed from PostgreSQL
     /// (the work does not run again), and Redis is repaired.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_flushed_after_completion_replays_from_postgres() {
-        let Some(server) = throwaway_redis() else {
+        let Some(server) = throwaway(&[]) else {
             return;
         };
         let Some(pg) = pg_tier().await else { return };
@@ -241,10 +225,13 @@ mod tiered {
         server.cli(&["FLUSHALL"]).expect("FLUSHALL");
         assert!(store.redis().get(&id).await.expect("get").is_none());
 
-        match begin(&store, &id, LONG).await {
-            Begin::Replay(r) => assert_eq!(r.completion, charged("ch_2")),
-            other => panic!("a flushed Redis let the work run again: {other:?}"),
-        }
+        assert_replays(
+            &store,
+            &id,
+            &charged("ch_2"),
+            "a flushed Redis let the work run again",
+        )
+        .await;
         match store.redis().get(&id).await.expect("get").map(|r| r.state) {
             Some(RecordState::Completed(c)) => assert_eq!(c, charged("ch_2")),
             other => panic!("Redis was not repaired: {other:?}"),
@@ -255,7 +242,7 @@ mod tiered {
     /// wait in the outbox.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_down_postgres_answers_alone() {
-        let Some(mut server) = throwaway_redis() else {
+        let Some(mut server) = throwaway(&[]) else {
             return;
         };
         let Some(pg) = pg_tier().await else { return };
@@ -271,10 +258,7 @@ mod tiered {
             .complete(&lease, &charged("ch_3"), KEEP)
             .await
             .expect("complete commits in PostgreSQL with Redis down");
-        match begin(&store, &id, LONG).await {
-            Begin::Replay(r) => assert_eq!(r.completion, charged("ch_3")),
-            other => panic!("expected the replay, got {other:?}"),
-        }
+        assert_replays(&store, &id, &charged("ch_3"), "with Redis down").await;
         let pool = store.pg().pool();
         let pending = format!("SELECT count(*) FROM \"{}\".outbox", store.pg().schema());
         assert_eq!(
@@ -291,28 +275,19 @@ mod tiered {
     async fn a_taken_over_worker_cannot_commit_its_transaction() {
         let Some(store) = tiered().await else { return };
         let pool = store.pg().pool().clone();
-        let charges = business_table(&pool, store.pg().schema()).await;
+        create_work_table(store.pg()).await;
         let id = id("order-4");
 
         let slow = acquired(&store, &id, Duration::from_millis(150)).await;
         let mut slow_tx = pool.begin().await.expect("tx");
-        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-4', 1)"))
-            .execute(&mut *slow_tx)
-            .await
-            .expect("business write");
+        insert_work(&mut slow_tx, store.pg(), "order-4", 1).await;
         sleep(Duration::from_millis(400)).await;
 
         let fast = acquired(&store, &id, LONG).await;
         assert_eq!(fast.attempt(), 2);
         let mut fast_tx = pool.begin().await.expect("tx");
-        sqlx::query(&format!("INSERT INTO {charges} VALUES ('order-4', 2)"))
-            .execute(&mut *fast_tx)
-            .await
-            .expect("business write");
-        store
-            .complete_in(&mut fast_tx, &fast, &charged("fast"), KEEP)
-            .await
-            .expect("the holder completes");
+        insert_work(&mut fast_tx, store.pg(), "order-4", 2).await;
+        complete_in_tx(&store, &mut fast_tx, &fast, "fast").await;
         fast_tx.commit().await.expect("commit");
         store
             .publish(&fast, &charged("fast"), KEEP)
@@ -326,14 +301,8 @@ mod tiered {
             Err(Error::LeaseLost) => slow_tx.rollback().await.expect("rollback"),
             other => panic!("the taken-over worker could complete: {other:?}"),
         }
-        assert_eq!(
-            count(&pool, &format!("SELECT count(*) FROM {charges}")).await,
-            1
-        );
-        match begin(&store, &id, LONG).await {
-            Begin::Replay(r) => assert_eq!(r.completion, charged("fast")),
-            other => panic!("expected the holder's replay, got {other:?}"),
-        }
+        assert_eq!(runs(store.pg(), "order-4").await, 1);
+        assert_replays(&store, &id, &charged("fast"), "the holder completed").await;
     }
 
     /// A takeover attempted while the first worker's completing transaction is still open
@@ -341,16 +310,8 @@ mod tiered {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_takeover_waits_for_an_open_completing_transaction() {
         let Some(store) = tiered().await else { return };
-        let pool = store.pg().pool().clone();
         let id = id("order-5");
-        let first = acquired(&store, &id, Duration::from_millis(150)).await;
-        let mut tx = pool.begin().await.expect("tx");
-        store
-            .complete_in(&mut tx, &first, &charged("first"), KEEP)
-            .await
-            .expect("complete_in");
-        // The lease runs out while the transaction is open.
-        sleep(Duration::from_millis(400)).await;
+        let tx = open_past_its_lease(&store, &id).await;
         let racer = {
             let store = store.clone();
             let id = id.clone();
@@ -377,16 +338,9 @@ mod tiered {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_takeover_after_a_rolled_back_transaction_gets_a_live_lease() {
         let Some(store) = tiered().await else { return };
-        let pool = store.pg().pool().clone();
         let id = id("order-6");
         let lease_len = Duration::from_millis(600);
-        let first = acquired(&store, &id, Duration::from_millis(150)).await;
-        let mut tx = pool.begin().await.expect("tx");
-        store
-            .complete_in(&mut tx, &first, &charged("first"), KEEP)
-            .await
-            .expect("complete_in");
-        sleep(Duration::from_millis(300)).await;
+        let tx = open_past_its_lease(&store, &id).await;
         let racer = {
             let store = store.clone();
             let id = id.clone();
@@ -447,14 +401,6 @@ mod tiered {
         assert!(store.redis().get(&id).await.expect("get").is_none());
     }
 
-    fn throwaway_redis() -> Option<RedisServer> {
-        harness::present(
-            idem_redis::testing::binaries_available(),
-            "redis-server on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        )
-        .then(|| RedisServer::start().expect("start redis-server"))
-    }
-
     // --- the outbox's own schema ---------------------------------------------------------------
 
     /// The outbox table and index as idem-postgres's former `0002_outbox` created them, before
@@ -509,14 +455,9 @@ CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
     /// A plain PostgreSQL store gets no outbox table; the outbox's migrations add it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_the_outbox_creates_the_outbox_table() {
-        let Some(url) = harness::database_url() else {
+        let Some(pg) = pg::fresh_store(2).await else {
             return;
         };
-        let pg = PgStore::connect(&url)
-            .await
-            .expect("connect")
-            .with_schema(&schema_name())
-            .expect("schema");
         pg.migrate().await.expect("migrate records");
         assert!(has_table(&pg, "records").await);
         assert!(
@@ -536,14 +477,12 @@ CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
     /// outbox migration finds its table already there, and the tiered store works on it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_database_with_the_former_outbox_migration_keeps_working() {
-        let (Some(url), Some(redis_url)) = (harness::database_url(), harness::redis_url()) else {
+        let Some(redis_url) = harness::redis_url() else {
             return;
         };
-        let pg = PgStore::connect(&url)
-            .await
-            .expect("connect")
-            .with_schema(&schema_name())
-            .expect("schema");
+        let Some(pg) = pg::fresh_store(2).await else {
+            return;
+        };
         pg.migrate().await.expect("migrate records");
         let schema = pg.quoted_schema().to_owned();
         let mut tx = pg.pool().begin().await.expect("tx");
@@ -578,10 +517,7 @@ CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
         let id = id("order-1");
         let lease = acquired(&store, &id, LONG).await;
         let mut tx = pg.pool().begin().await.expect("tx");
-        store
-            .complete_in(&mut tx, &lease, &charged("ok"), KEEP)
-            .await
-            .expect("complete in the business transaction");
+        complete_in_tx(&store, &mut tx, &lease, "ok").await;
         tx.commit().await.expect("commit");
         let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.outbox"))
             .fetch_one(pg.pool())

@@ -11,7 +11,6 @@ mod tls {
     use idem_postgres::PgStore;
     use idem_redis::testing::{self, RedisServer};
     use idem_redis::RedisStore;
-    use idem_testkit::harness;
     use idem_testkit::postgres::{self as pg, PgServer};
     use idem_testkit::tls::Pki;
 
@@ -45,20 +44,13 @@ mod tls {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_over_tls_verifies_the_server() {
-        if !harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) {
+        if !testing::available() {
             return;
         }
         let pki = Pki::new();
-        let (cert, key, ca) = (
-            pki.path("server.pem"),
-            pki.path("server.key"),
-            pki.path("ca.pem"),
-        );
+        let ca = pki.path("ca.pem");
         let (_server, tls_port) =
-            RedisServer::start_tls(&cert, &key, &ca).expect("start redis-server with TLS");
+            RedisServer::start_tls_with(&pki).expect("start redis-server with TLS");
 
         // Trusting the authority that signed the server's certificate: it works, by name
         // and by address.

@@ -15,6 +15,9 @@
 //! - `race`: R rounds of K concurrent callers on one key each, counting how many times the
 //!   protected work ran (must equal R);
 //! - `inflight`: `begin` by many callers on keys another worker holds;
+//! - `memory`: resident memory per record of the in-memory store (200,000 records of a
+//!   155 B body: `idem-bench --phases memory --keys 200000 --body-bytes 155`; whatever
+//!   `--store` says);
 //! - `middleware`: requests/s of a trivial axum handler, bare and behind the idem-http layer
 //!   on the in-memory store, over loopback HTTP (whatever `--store` says);
 //! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
@@ -38,6 +41,7 @@ use idemkit::redis::RedisStore;
 use idemkit::{Completion, Response, Scope, Store};
 
 mod compare;
+mod footprint;
 mod middleware;
 mod pg_floor;
 mod phases;
@@ -80,8 +84,9 @@ struct Args {
     /// Concurrent callers per key in the race phase.
     #[arg(long, default_value_t = 16)]
     race_callers: usize,
-    /// Phases to run, comma-separated: lifecycle, replay, race, inflight, middleware, relay
-    /// (the tiered store's outbox relay: `--store tiered:...` only).
+    /// Phases to run, comma-separated: lifecycle, replay, race, inflight, memory (the
+    /// in-memory store's footprint), middleware, relay (the tiered store's outbox relay:
+    /// `--store tiered:...` only).
     #[arg(
         long,
         value_delimiter = ',',
@@ -121,8 +126,9 @@ struct Args {
     json: bool,
 }
 
-const PHASES: [&str; 7] = [
+const PHASES: [&str; 8] = [
     "compare",
+    "memory",
     "lifecycle",
     "replay",
     "race",
@@ -324,6 +330,13 @@ async fn measure(
         Server::Redis(side, store) if !args.no_floor => Some((side.clone(), store)),
         _ => None,
     };
+
+    // First, before any other phase frees memory that its records would reuse unseen.
+    if wants("memory") {
+        let (phase, measured) = footprint::run(n, args.body_bytes).await?;
+        reports.push(phase);
+        figures.extend(measured);
+    }
 
     if store_phases {
         // Untimed: connections opened, scripts loaded, statements prepared.

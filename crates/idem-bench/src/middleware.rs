@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idemkit::http::IdempotencyLayer;
+use idemkit::http::{Anonymous, Config, IdempotencyLayer};
 use idemkit::{Idem, MemoryStore};
 
 use crate::phases::drive;
@@ -97,7 +97,9 @@ async fn hammer(
 pub async fn run(n: usize, concurrency: usize) -> Result<Vec<PhaseReport>, String> {
     const ROUNDS: usize = 3;
     let bare = serve(app()).await?;
-    let layer = IdempotencyLayer::new(Idem::new(MemoryStore::new()));
+    // One caller: its requests share the anonymous scope.
+    let layer = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
+        .with_config(Config::default().with_anonymous(Anonymous::Shared));
     let guarded = serve(app().layer(layer)).await?;
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(concurrency)

@@ -2,7 +2,9 @@
 //! commands.
 //!
 //! Exit codes: 0 success; 1 no such record; 2 bad input, or a command or backend this
-//! build does not support; 3 a store or I/O error.
+//! build does not support; 3 a store or I/O error (unreachable store, missing schema, port
+//! in use); 4 a corrupt record (`inspect`), or an incomplete answer (`stats`, `stuck`,
+//! `purge` stopped at `--timeout`: the output is printed, marked partial).
 
 use std::fmt;
 use std::io::Write as _;
@@ -15,18 +17,25 @@ use idem_core::telemetry::LATENCY_BUCKETS;
 use idem_core::{Key, RecordId, Scope};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
+mod ledger;
 mod ops;
 mod serve;
 mod store;
 
 use idem_core::url::StoreUrl;
 
+/// The exit codes, as `--help` and the README list them.
+const EXIT_CODES: &str = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, \
+    3 store, I/O or listen error (unreachable store, missing schema, port in use), 4 corrupt \
+    record (inspect) or partial answer (stats, stuck, purge stopped at --timeout; the output \
+    says so).";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "idem",
     version,
     about = "Idempotency keys for HTTP APIs and message consumers: a demo service and operator tools",
-    after_help = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, 3 store, I/O or listen error (unreachable store, port in use)."
+    after_help = EXIT_CODES
 )]
 struct Cli {
     #[command(subcommand)]
@@ -41,6 +50,11 @@ struct Cli {
         value_parser = ["text", "json"]
     )]
     log_format: String,
+    /// Print JSON instead of text: the result on stdout, and on stderr an error as one JSON
+    /// object (`{"error": {"kind", "message", "exit_code"}}`, the last line) after the log
+    /// lines, which are JSON too.
+    #[arg(long, global = true)]
+    json: bool,
 }
 
 /// Installs the log subscriber: lines on stderr, filtered by `RUST_LOG` (else `default`),
@@ -67,19 +81,33 @@ enum Command {
     Serve(ServeArgs),
     /// Show one record: state, lease holder and time left, attempts, expiry, stored response.
     Inspect(RecordArgs),
-    /// Delete one record whatever its state, so that the key runs again.
+    /// Delete one record whatever its state, so that the key runs again. On a tiered store:
+    /// in Redis, in PostgreSQL, and the key's outbox rows.
     Evict(RecordArgs),
-    /// Count records by state, and the stuck ones: in progress, lease expired long ago.
+    /// Count records by state, the stuck ones (in progress, lease expired long ago), and on
+    /// Redis the corrupt and foreign keys under the prefix.
     ///
-    /// A stuck record's worker died or gave up and no retry came to take it over.
+    /// A stuck record's worker died or gave up and no retry came to take it over. On Redis
+    /// the count reads the keyspace a page at a time, with progress on stderr when it is a
+    /// terminal; at --timeout it prints what it counted, marked partial, and exits 4.
     Stats(StatsArgs),
+    /// List the stuck records (lease expired long ago, no retry), the corrupt ones (Redis
+    /// and PostgreSQL), and on Redis the foreign keys under the prefix.
+    Stuck(StuckArgs),
+    /// Delete expired records (PostgreSQL; Redis expires its records itself).
+    Purge(PurgeArgs),
+    /// Create or update idem's tables in PostgreSQL (and the outbox's, on a tiered store):
+    /// the only command that changes a schema.
+    Migrate(StoreArg),
 }
 
+/// `idem` and `idem-relay` read the same variables: `IDEM_STORE`, `IDEM_PREFIX`,
+/// `IDEM_SCHEMA`, `IDEM_LOG_FORMAT`.
 #[derive(Debug, Args)]
 struct StoreArg {
     /// The store: `memory` (this process only), `redis://[:PASSWORD@]HOST:PORT[/DB]`,
-    /// `redis+cluster://HOST:PORT[,HOST:PORT...]`, `postgres://USER[:PASSWORD]@HOST/DB`
-    /// (tables in schema `idem`, created on first use), `tiered:REDIS_URL|POSTGRES_URL`.
+    /// `redis+cluster://HOST:PORT[,HOST:PORT...]`, `postgres://USER[:PASSWORD]@HOST/DB`,
+    /// `tiered:REDIS_URL|POSTGRES_URL`.
     // The URL may hold a password: `--help` must not print the variable's value.
     #[arg(
         long,
@@ -88,6 +116,22 @@ struct StoreArg {
         default_value = "memory"
     )]
     store: String,
+    /// The Redis key prefix of the records (default `idem:`).
+    #[arg(long, env = "IDEM_PREFIX", value_name = "PREFIX")]
+    prefix: Option<String>,
+    /// The PostgreSQL schema of idem's tables (default `idem`).
+    #[arg(long, env = "IDEM_SCHEMA", value_name = "SCHEMA")]
+    schema: Option<String>,
+}
+
+impl StoreArg {
+    fn options(&self, schema_mode: store::SchemaMode) -> store::Options {
+        store::Options {
+            prefix: self.prefix.clone(),
+            schema: self.schema.clone(),
+            schema_mode,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -101,6 +145,17 @@ struct ServeArgs {
     /// request's response, instead of answering 409 at once.
     #[arg(long, value_name = "MS")]
     wait_ms: Option<u64>,
+    /// How long a request holds its key while the handler runs (fractions allowed); a
+    /// crashed server's keys are taken over by a retry after it.
+    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
+    lease: Duration,
+    /// How long a stored response is replayed (fractions allowed).
+    #[arg(long, default_value = "86400", value_name = "SECS", value_parser = parse_secs)]
+    retention: Duration,
+    /// On PostgreSQL and tiered stores, delete expired records every SECS (0: never), so
+    /// the database does not grow forever.
+    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
+    purge_every: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -112,25 +167,71 @@ struct RecordArgs {
     scope: String,
     #[command(flatten)]
     store: StoreArg,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
 }
 
 #[derive(Debug, Args)]
-struct StatsArgs {
+struct SurveyArgs {
     #[command(flatten)]
     store: StoreArg,
-    /// Count one scope only (all scopes when absent).
+    /// One scope only (all scopes when absent).
     #[arg(long)]
     scope: Option<String>,
     /// In-progress records whose lease expired more than this many seconds ago count as
     /// stuck.
     #[arg(long, default_value_t = 300, value_name = "SECS")]
     stuck_after: u64,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
+    /// Stop after this many seconds (fractions allowed) and print what was found so far,
+    /// marked partial (exit 4).
+    #[arg(long, default_value = "300", value_name = "SECS", value_parser = parse_secs)]
+    timeout: Duration,
+}
+
+#[derive(Debug, Args)]
+struct StatsArgs {
+    #[command(flatten)]
+    survey: SurveyArgs,
+}
+
+#[derive(Debug, Args)]
+struct StuckArgs {
+    #[command(flatten)]
+    survey: SurveyArgs,
+    /// List at most this many keys.
+    #[arg(long, default_value_t = 100)]
+    limit: u32,
+}
+
+#[derive(Debug, Args)]
+struct PurgeArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    /// Stop after this many seconds (fractions allowed); what was deleted stays deleted.
+    #[arg(long, default_value = "300", value_name = "SECS", value_parser = parse_secs)]
+    timeout: Duration,
+}
+
+/// What a command printed, and its exit code (0, or 4 for a partial answer).
+#[derive(Debug)]
+pub struct Done {
+    /// Standard output.
+    pub output: String,
+    /// The exit code.
+    pub code: u8,
+}
+
+impl Done {
+    /// A complete answer.
+    pub fn ok(output: String) -> Self {
+        Self { output, code: 0 }
+    }
+
+    /// A complete answer, or a partial one (exit 4).
+    pub fn partial_unless(complete: bool, output: String) -> Self {
+        Self {
+            output,
+            code: if complete { 0 } else { 4 },
+        }
+    }
 }
 
 /// Why a command failed; each kind has its exit code.
@@ -148,6 +249,8 @@ pub enum CliError {
     Open(String),
     /// An I/O error (exit 3).
     Io(std::io::Error),
+    /// The record read is corrupt or not idem's (exit 4); the message says what is wrong.
+    Corrupt(String),
 }
 
 impl CliError {
@@ -156,6 +259,20 @@ impl CliError {
             Self::NotFound(_) => 1,
             Self::Usage(_) | Self::Unsupported(_) => 2,
             Self::Store(_) | Self::Open(_) | Self::Io(_) => 3,
+            Self::Corrupt(_) => 4,
+        }
+    }
+
+    /// The kind's name in a JSON error.
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::NotFound(_) => "not_found",
+            Self::Usage(_) => "usage",
+            Self::Unsupported(_) => "unsupported",
+            Self::Store(_) => "store",
+            Self::Open(_) => "open",
+            Self::Io(_) => "io",
+            Self::Corrupt(_) => "corrupt",
         }
     }
 }
@@ -163,13 +280,23 @@ impl CliError {
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::NotFound(m) | Self::Usage(m) | Self::Unsupported(m) | Self::Open(m) => {
-                f.write_str(m)
-            }
+            Self::NotFound(m)
+            | Self::Usage(m)
+            | Self::Unsupported(m)
+            | Self::Open(m)
+            | Self::Corrupt(m) => f.write_str(m),
             Self::Store(e) => write!(f, "store error: {e}"),
             Self::Io(e) => write!(f, "I/O error: {e}"),
         }
     }
+}
+
+/// One error as the JSON object `--json` prints on stderr.
+fn json_error(kind: &str, message: &str, code: u8) -> String {
+    serde_json::json!({
+        "error": { "kind": kind, "message": message, "exit_code": code }
+    })
+    .to_string()
 }
 
 impl From<idem_core::Error> for CliError {
@@ -185,13 +312,32 @@ impl From<std::io::Error> for CliError {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `--help` and `--version` print and exit 0; with `--json` anywhere, a usage
+            // error is JSON too (clap has not told us whether the flag parsed).
+            let wants_json = std::env::args_os().any(|a| a == "--json");
+            if !wants_json || !e.use_stderr() {
+                e.exit();
+            }
+            let message = e.kind().to_string();
+            let detail = e.to_string();
+            let detail = detail.lines().next().unwrap_or(&message);
+            let detail = detail.strip_prefix("error: ").unwrap_or(detail);
+            let _ = writeln!(std::io::stderr(), "{}", json_error("usage", detail, 2));
+            return ExitCode::from(2);
+        }
+    };
     let default_level = match cli.command {
         // sqlx reports every statement at info: its warnings are enough.
         Command::Serve(_) => "info,sqlx=warn",
         _ => "warn",
     };
-    init_logs(&cli.log_format, default_level);
+    // With --json, stderr holds JSON lines only: the logs as well as an error.
+    let log_format = if cli.json { "json" } else { &cli.log_format };
+    init_logs(log_format, default_level);
+    let json = cli.json;
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -202,25 +348,41 @@ fn main() -> ExitCode {
             return ExitCode::from(3);
         }
     };
-    match runtime.block_on(run(cli.command)) {
-        Ok(output) => {
+    match runtime.block_on(run(cli.command, json)) {
+        Ok(done) => {
             // A closed stdout (say, `idem inspect ... | head -1`) is not an error worth a
             // panic: the output was not wanted.
-            let _ = std::io::stdout().write_all(output.as_bytes());
-            ExitCode::SUCCESS
+            let _ = std::io::stdout().write_all(done.output.as_bytes());
+            ExitCode::from(done.code)
         }
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "idem: {e}");
-            ExitCode::from(e.exit_code())
+            let code = e.exit_code();
+            let line = if json {
+                json_error(e.kind(), &e.to_string(), code)
+            } else {
+                format!("idem: {e}")
+            };
+            let _ = writeln!(std::io::stderr(), "{line}");
+            ExitCode::from(code)
         }
     }
 }
 
-async fn run(command: Command) -> Result<String, CliError> {
+async fn run(command: Command, json: bool) -> Result<Done, CliError> {
     match command {
         Command::Serve(args) => {
             let url = store::parse(&args.store.store)?;
-            let store = store::open(&url).await?;
+            let opened =
+                store::open_with(&url, &args.store.options(store::SchemaMode::Migrate)).await?;
+            // Expired records are deleted in the background while the demo runs; Redis
+            // expires its own, the memory store sweeps as it writes.
+            let _purge = match opened.pg() {
+                Some(pg) if !args.purge_every.is_zero() => Some(pg.spawn_purge(
+                    idemkit::postgres::PurgeConfig::default().with_interval(args.purge_every),
+                )),
+                _ => None,
+            };
+            let backend = ledger::Backend::open(&url, opened).await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| listen_error(args.listen, &e))?;
@@ -230,6 +392,8 @@ async fn run(command: Command) -> Result<String, CliError> {
                 .map_err(|e| CliError::Io(std::io::Error::other(format!("metrics: {e}"))))?;
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
+                lease: args.lease,
+                retention: args.retention,
                 store: url.to_string(),
                 exporter: Some(exporter),
             };
@@ -239,44 +403,84 @@ async fn run(command: Command) -> Result<String, CliError> {
                 wait_ms = args.wait_ms,
                 "idem serve starting"
             );
-            serve::run(listener, store, &options, shutdown_signal()).await?;
-            Ok("idem demo: stopped\n".into())
+            serve::run(listener, backend, &options, shutdown_signal()).await?;
+            Ok(Done::ok("idem demo: stopped\n".into()))
         }
         Command::Inspect(args) => {
-            let (store, id) = open_for_record(&args).await?;
-            ops::inspect(store.as_ref(), &id, args.json).await
+            let (opened, id) = open_for_record(&args).await?;
+            ops::inspect(opened.store().as_ref(), &id, json)
+                .await
+                .map(Done::ok)
         }
         Command::Evict(args) => {
-            let (store, id) = open_for_record(&args).await?;
-            ops::evict(store.as_ref(), &id, args.json).await
+            let (opened, id) = open_for_record(&args).await?;
+            ops::evict(opened.store().as_ref(), &id, json)
+                .await
+                .map(Done::ok)
         }
         Command::Stats(args) => {
-            let url = store::parse(&args.store.store)?;
-            refuse_memory(&url)?;
-            let scope = args
-                .scope
-                .map(Scope::new)
-                .transpose()
-                .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
-            let store = store::open(&url).await?;
-            let stuck_after = Duration::from_secs(args.stuck_after);
-            ops::stats(store.as_ref(), scope.as_ref(), stuck_after, args.json).await
+            let (opened, scope) = open_for_survey(&args.survey).await?;
+            ops::stats(&opened, &survey(&args.survey, scope.as_ref(), json)).await
+        }
+        Command::Stuck(args) => {
+            let (opened, scope) = open_for_survey(&args.survey).await?;
+            ops::stuck(
+                &opened,
+                &survey(&args.survey, scope.as_ref(), json),
+                args.limit,
+            )
+            .await
+        }
+        Command::Purge(args) => {
+            let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
+            ops::purge(&opened, args.timeout, json).await
+        }
+        Command::Migrate(args) => {
+            let opened = open_shared(&args, store::SchemaMode::Leave).await?;
+            ops::migrate(&opened, json).await
         }
     }
 }
 
-/// Opens the store of an operator command, refusing the memory store: it lives inside one
-/// process, so another process has nothing to inspect.
-async fn open_for_record(
-    args: &RecordArgs,
-) -> Result<(std::sync::Arc<dyn idem_core::Store>, RecordId), CliError> {
+fn survey<'a>(args: &SurveyArgs, scope: Option<&'a Scope>, json: bool) -> ops::Survey<'a> {
+    ops::Survey {
+        scope,
+        stuck_after: Duration::from_secs(args.stuck_after),
+        timeout: args.timeout,
+        json,
+    }
+}
+
+/// Opens the store of an operator command that reads records, without migrating.
+async fn open_for_survey(args: &SurveyArgs) -> Result<(store::Opened, Option<Scope>), CliError> {
+    let scope = args
+        .scope
+        .clone()
+        .map(Scope::new)
+        .transpose()
+        .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
+    let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
+    Ok((opened, scope))
+}
+
+/// Opens a shared store (refusing the memory store) for an operator command.
+async fn open_shared(
+    args: &StoreArg,
+    schema_mode: store::SchemaMode,
+) -> Result<store::Opened, CliError> {
+    let url = store::parse(&args.store)?;
+    refuse_memory(&url)?;
+    store::open_with(&url, &args.options(schema_mode)).await
+}
+
+/// Opens the store of `inspect` or `evict`, without migrating, refusing the memory store.
+async fn open_for_record(args: &RecordArgs) -> Result<(store::Opened, RecordId), CliError> {
     let key = Key::new(args.key.clone())
         .map_err(|e| CliError::Usage(format!("invalid key {:?}: {e}", args.key)))?;
     let scope = Scope::new(args.scope.clone())
         .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
-    let url = store::parse(&args.store.store)?;
-    refuse_memory(&url)?;
-    Ok((store::open(&url).await?, RecordId::new(scope, key)))
+    let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
+    Ok((opened, RecordId::new(scope, key)))
 }
 
 /// The operator commands refuse the memory store: it lives inside one process, so another
@@ -330,6 +534,18 @@ fn parse_listen(text: &str) -> Result<SocketAddr, String> {
             format!("HOST:PORT expected (e.g. 127.0.0.1:8080 or [::1]:8080), not {text:?}")
         }
     })
+}
+
+/// `--timeout`: seconds, fractions allowed, above zero.
+fn parse_secs(text: &str) -> Result<Duration, String> {
+    let secs: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("a number of seconds expected (e.g. 30 or 0.5), not {text:?}"))?;
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("a number of seconds above zero expected, not {text:?}"))
 }
 
 /// A failed bind is the machine's state, not bad input: it exits 3 and names the fix.

@@ -1,11 +1,15 @@
-//! The operator commands: `inspect`, `evict`, `stats`.
+//! The operator commands: `inspect`, `evict`, `stats`, `stuck`, `purge`, `migrate`.
 
 use std::fmt::Write as _;
+use std::io::{IsTerminal as _, Write as _};
 use std::time::Duration;
 
-use idem_core::{CompletionKind, Record, RecordId, RecordState, Scope, Store};
+use idem_core::{CompletionKind, Error, Record, RecordId, RecordState, Scope, Store};
+use idemkit::redis::{Problem, Scan};
+use tokio::time::Instant;
 
-use crate::CliError;
+use crate::store::Opened;
+use crate::{CliError, Done};
 
 /// Reads one record and renders it, human-readable or as JSON.
 ///
@@ -15,7 +19,8 @@ use crate::CliError;
 pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<String, CliError> {
     let record = store
         .get(id)
-        .await?
+        .await
+        .map_err(|e| unreadable(id, e))?
         .ok_or_else(|| CliError::NotFound(format!("no record for {}", describe(id))))?;
     Ok(if json {
         let mut doc = record_json(&record).to_string();
@@ -52,56 +57,581 @@ pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Strin
     })
 }
 
+/// What `stats` and `stuck` look at, and for how long.
+#[derive(Debug, Clone)]
+pub struct Survey<'a> {
+    /// One scope, or all.
+    pub scope: Option<&'a Scope>,
+    /// In-progress records whose lease expired longer ago than this are stuck.
+    pub stuck_after: Duration,
+    /// The whole command's time limit: at it, the counts so far are printed, marked
+    /// partial, and the command exits 4.
+    pub timeout: Duration,
+    /// Print JSON instead of text.
+    pub json: bool,
+}
+
+/// How a count ended.
+struct Counted {
+    stats: idem_core::Stats,
+    /// Redis only: corrupt and foreign keys, keys read.
+    redis: Option<idemkit::redis::ScanCounts>,
+    /// PostgreSQL only (alone or tiered): completed records that cannot be read.
+    pg_corrupt: Option<u64>,
+    /// `false` when the time limit stopped it.
+    complete: bool,
+    /// Where a partial count stopped: primaries `(i, n)`.
+    primaries: (usize, usize),
+}
+
 /// Counts records by state; in-progress records whose lease expired more than
-/// `stuck_after` ago are the "stuck" alarm.
+/// `stuck_after` ago are the "stuck" alarm. On Redis (alone, or the tiered store's first
+/// tier), also the corrupt and foreign keys under the store's prefix, page by page (with
+/// progress on stderr when it is a terminal) until done or `timeout`.
 ///
 /// # Errors
 ///
-/// Store errors, [`idem_core::Error::Unsupported`] included.
-pub async fn stats(
-    store: &dyn Store,
-    scope: Option<&Scope>,
-    stuck_after: Duration,
-    json: bool,
-) -> Result<String, CliError> {
-    let stats = store.stats(scope, stuck_after).await?;
-    Ok(if json {
+/// Store errors; on PostgreSQL, a count that does not end within `timeout`.
+pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliError> {
+    let started = Instant::now();
+    let counted = match opened {
+        Opened::Redis(redis) => {
+            let mut scan = redis.scan(survey.scope, survey.stuck_after);
+            let complete = walk(&mut scan, survey.timeout, "stats").await?;
+            Counted {
+                stats: scan.counts().stats,
+                redis: Some(scan.counts().clone()),
+                pg_corrupt: None,
+                complete,
+                primaries: scan.primaries(),
+            }
+        }
+        Opened::Tiered(tiered) => {
+            // The states from PostgreSQL, the arbiter; the broken keys from Redis, where a
+            // corrupt record fails the requests that read it first.
+            let stats = db_stats(opened, survey).await?;
+            let pg_corrupt = pg_corrupt(tiered.pg(), survey).await?;
+            let mut scan = tiered.redis().scan(survey.scope, survey.stuck_after);
+            let left = survey.timeout.saturating_sub(started.elapsed());
+            let complete = walk(&mut scan, left, "stats").await?;
+            Counted {
+                stats,
+                redis: Some(scan.counts().clone()),
+                pg_corrupt: Some(pg_corrupt),
+                complete,
+                primaries: scan.primaries(),
+            }
+        }
+        other => Counted {
+            stats: db_stats(other, survey).await?,
+            redis: None,
+            pg_corrupt: match other.pg() {
+                Some(pg) => Some(pg_corrupt(pg, survey).await?),
+                None => None,
+            },
+            complete: true,
+            primaries: (0, 0),
+        },
+    };
+    let output = if survey.json {
+        stats_json(&counted, survey)
+    } else {
+        stats_text(&counted, survey)
+    };
+    Ok(Done::partial_unless(counted.complete, output))
+}
+
+/// [`Store::stats`] on a store that counts in one call (PostgreSQL, memory), within
+/// `survey.timeout`.
+async fn db_stats(opened: &Opened, survey: &Survey<'_>) -> Result<idem_core::Stats, CliError> {
+    let store: std::sync::Arc<dyn Store> = match opened.pg() {
+        Some(pg) => std::sync::Arc::new(pg.clone()),
+        None => opened.store(),
+    };
+    tokio::time::timeout(
+        survey.timeout,
+        store.stats(survey.scope, survey.stuck_after),
+    )
+    .await
+    .map_err(|_| {
+        CliError::Store(Error::unavailable(
+            store.name(),
+            format!(
+                "the count did not end within --timeout {} (it is one statement on \
+                 PostgreSQL); raise --timeout",
+                human(survey.timeout)
+            ),
+        ))
+    })?
+    .map_err(CliError::from)
+}
+
+/// How many records [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) finds, within
+/// `survey.timeout`.
+async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey<'_>) -> Result<u64, CliError> {
+    pg_corrupt_list(pg, survey, 0).await.map(|(total, _)| total)
+}
+
+/// [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) within `survey.timeout`.
+async fn pg_corrupt_list(
+    pg: &idemkit::postgres::PgStore,
+    survey: &Survey<'_>,
+    limit: u32,
+) -> Result<(u64, Vec<RecordId>), CliError> {
+    tokio::time::timeout(survey.timeout, pg.corrupt(survey.scope, limit))
+        .await
+        .map_err(|_| {
+            CliError::Store(Error::unavailable(
+                "postgres",
+                format!("no answer within --timeout {}", human(survey.timeout)),
+            ))
+        })?
+        .map_err(CliError::from)
+}
+
+/// Corrupt records in every tier counted: `None` when no tier counts them (memory).
+fn corrupt(counted: &Counted) -> Option<u64> {
+    match (
+        counted.redis.as_ref().map(|r| r.corrupt),
+        counted.pg_corrupt,
+    ) {
+        (None, None) => None,
+        (redis, pg) => Some(redis.unwrap_or(0) + pg.unwrap_or(0)),
+    }
+}
+
+fn stats_json(counted: &Counted, survey: &Survey<'_>) -> String {
+    let stats = &counted.stats;
+    let mut doc = serde_json::json!({
+        "complete": counted.complete,
+        "scope": survey.scope.map(Scope::as_str),
+        "in_flight": stats.in_flight,
+        "expired_leases": stats.expired_leases,
+        "stuck": stats.stuck,
+        "stuck_after_ms": millis(survey.stuck_after),
+        "succeeded": stats.succeeded,
+        "failed": stats.failed,
+        "corrupt": null,
+        "foreign": null,
+    });
+    if let Some(corrupt) = corrupt(counted) {
+        doc["corrupt"] = corrupt.into();
+    }
+    if let Some(redis) = &counted.redis {
+        doc["foreign"] = redis.foreign.into();
+        doc["keys_read"] = redis.keys.into();
+    }
+    if !counted.complete {
+        doc["stopped"] = serde_json::json!({
+            "reason": "timeout",
+            "timeout_ms": millis(survey.timeout),
+            "primary": counted.primaries.0,
+            "primaries": counted.primaries.1,
+        });
+    }
+    format!("{doc}\n")
+}
+
+fn stats_text(counted: &Counted, survey: &Survey<'_>) -> String {
+    let stats = &counted.stats;
+    let mut out = String::new();
+    if !counted.complete {
+        let _ = writeln!(
+            out,
+            "PARTIAL         stopped at --timeout {} on primary {} of {}: the counts below \
+             are a lower bound",
+            human(survey.timeout),
+            counted.primaries.0,
+            counted.primaries.1
+        );
+    }
+    let _ = writeln!(
+        out,
+        "scope           {}",
+        survey.scope.map_or("(all)", |s| if s.as_str().is_empty() {
+            "(global)"
+        } else {
+            s.as_str()
+        })
+    );
+    let _ = writeln!(out, "in flight       {}", stats.in_flight);
+    let _ = writeln!(out, "expired leases  {}", stats.expired_leases);
+    let _ = writeln!(
+        out,
+        "stuck           {} (lease expired over {} ago, no retry came){}",
+        stats.stuck,
+        human(survey.stuck_after),
+        if stats.stuck > 0 { "  <- ALARM" } else { "" }
+    );
+    let _ = writeln!(out, "succeeded       {}", stats.succeeded);
+    let _ = writeln!(out, "failed          {}", stats.failed);
+    if let Some(corrupt) = corrupt(counted) {
+        let _ = writeln!(
+            out,
+            "corrupt         {corrupt} (not decodable: each answers every request with an error){}",
+            if corrupt > 0 { "  <- ALARM" } else { "" }
+        );
+    }
+    if let Some(redis) = &counted.redis {
+        let _ = writeln!(
+            out,
+            "foreign         {} (under the prefix, not idem's: another type or name)",
+            redis.foreign
+        );
+        let _ = writeln!(out, "keys read       {}", redis.keys);
+    }
+    let foreign = counted.redis.as_ref().map_or(0, |r| r.foreign);
+    if corrupt(counted).unwrap_or(0) + foreign > 0 || stats.stuck > 0 {
+        let _ = writeln!(out, "(`idem stuck` lists them)");
+    }
+    out
+}
+
+/// Walks a Redis scan until done or `timeout`, with progress on stderr when it is a
+/// terminal. `true` when done.
+async fn walk(scan: &mut Scan, timeout: Duration, what: &'static str) -> Result<bool, CliError> {
+    let started = Instant::now();
+    let deadline = started + timeout;
+    let mut progress = Progress::new(what, started);
+    let complete = loop {
+        match tokio::time::timeout_at(deadline, scan.step()).await {
+            Ok(Ok(true)) => progress.show(scan),
+            Ok(Ok(false)) => break true,
+            Ok(Err(e)) => {
+                progress.clear();
+                return Err(e.into());
+            }
+            // The page in flight is dropped uncounted: the counts are those of whole pages.
+            Err(_) => break false,
+        }
+    };
+    progress.clear();
+    Ok(complete)
+}
+
+/// A progress line on stderr, rewritten in place, only when stderr is a terminal.
+struct Progress {
+    what: &'static str,
+    on: bool,
+    started: Instant,
+    shown: Option<Instant>,
+}
+
+impl Progress {
+    fn new(what: &'static str, started: Instant) -> Self {
+        Self {
+            what,
+            on: std::io::stderr().is_terminal(),
+            started,
+            shown: None,
+        }
+    }
+
+    fn show(&mut self, scan: &Scan) {
+        if !self.on
+            || self
+                .shown
+                .is_some_and(|at| at.elapsed() < Duration::from_millis(200))
+        {
+            return;
+        }
+        self.shown = Some(Instant::now());
+        let (primary, primaries) = scan.primaries();
+        let _ = write!(
+            std::io::stderr(),
+            "\ridem {}: {} keys read, primary {primary} of {primaries} about {:.0}% scanned, {}\x1b[K",
+            self.what,
+            scan.counts().keys,
+            scan.primary_progress() * 100.0,
+            human(self.started.elapsed())
+        );
+    }
+
+    fn clear(&self) {
+        if self.on && self.shown.is_some() {
+            let _ = write!(std::io::stderr(), "\r\x1b[K");
+        }
+    }
+}
+
+/// Lists the stuck records (lease expired over `stuck_after` ago, no retry), and on Redis
+/// the corrupt and foreign keys under the prefix, at most `limit` of them.
+///
+/// # Errors
+///
+/// Store errors; on PostgreSQL, a listing that does not end within `timeout`.
+pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<Done, CliError> {
+    let started = Instant::now();
+    let mut rows: Vec<serde_json::Value> = Vec::new();
+    if let Some(pg) = opened.pg() {
+        let found = tokio::time::timeout(
+            survey.timeout,
+            pg.stuck(survey.scope, survey.stuck_after, limit),
+        )
+        .await
+        .map_err(|_| {
+            CliError::Store(Error::unavailable(
+                "postgres",
+                format!("no answer within --timeout {}", human(survey.timeout)),
+            ))
+        })??;
+        for record in found {
+            rows.push(serde_json::json!({
+                "scope": record.id.scope().as_str(),
+                "key": record.id.key().as_str(),
+                "problem": "stuck",
+                "attempt": record.attempt,
+                "expired_for_ms": millis(record.expired_for),
+            }));
+        }
+        let room = u32::try_from(rows.len()).map_or(0, |n| limit.saturating_sub(n));
+        let (_, corrupt) = pg_corrupt_list(pg, survey, room).await?;
+        for id in corrupt {
+            rows.push(serde_json::json!({
+                "scope": id.scope().as_str(),
+                "key": id.key().as_str(),
+                "problem": "corrupt",
+                "detail": "metadata of another version or an unknown completion kind",
+            }));
+        }
+    }
+    // Redis: its stuck records (alone), its corrupt and foreign keys (alone or tiered).
+    let redis = match opened {
+        Opened::Redis(redis) => Some(redis),
+        Opened::Tiered(tiered) => Some(tiered.redis()),
+        _ => None,
+    };
+    let mut complete = true;
+    if let Some(redis) = redis {
+        let room = (limit as usize).saturating_sub(rows.len());
+        let mut scan = redis
+            .scan(survey.scope, survey.stuck_after)
+            .with_findings(room);
+        let left = survey.timeout.saturating_sub(started.elapsed());
+        complete = walk(&mut scan, left, "stuck").await?;
+        rows.extend(scan.findings().iter().map(finding_row));
+    } else if opened.pg().is_none() {
+        return Err(CliError::Unsupported(
+            "no stuck records to list here".into(),
+        ));
+    }
+    let output = if survey.json {
         format!(
             "{}\n",
             serde_json::json!({
-                "scope": scope.map(Scope::as_str),
-                "in_flight": stats.in_flight,
-                "expired_leases": stats.expired_leases,
-                "stuck": stats.stuck,
-                "stuck_after_ms": millis(stuck_after),
-                "succeeded": stats.succeeded,
-                "failed": stats.failed,
+                "complete": complete,
+                "stuck_after_ms": millis(survey.stuck_after),
+                "limit": limit,
+                "records": rows,
             })
         )
     } else {
-        let mut out = String::new();
+        stuck_text(&rows, complete, survey, limit)
+    };
+    Ok(Done::partial_unless(complete, output))
+}
+
+/// One key a Redis scan found wrong, as `stuck --json` lists it.
+fn finding_row(finding: &idemkit::redis::Finding) -> serde_json::Value {
+    let mut row = serde_json::json!({
+        "redis_key": finding.key,
+        "scope": finding.id.as_ref().map(|id| id.scope().as_str()),
+        "key": finding.id.as_ref().map(|id| id.key().as_str()),
+    });
+    match &finding.problem {
+        Problem::Stuck {
+            expired_for,
+            attempt,
+        } => {
+            row["problem"] = "stuck".into();
+            row["attempt"] = (*attempt).into();
+            row["expired_for_ms"] = millis(*expired_for).into();
+        }
+        Problem::Corrupt(why) => {
+            row["problem"] = "corrupt".into();
+            row["detail"] = why.as_str().into();
+        }
+        Problem::Foreign(what) => {
+            row["problem"] = "foreign".into();
+            row["detail"] = what.as_str().into();
+        }
+        other => {
+            row["problem"] = "other".into();
+            row["detail"] = other.to_string().into();
+        }
+    }
+    row
+}
+
+fn stuck_text(
+    rows: &[serde_json::Value],
+    complete: bool,
+    survey: &Survey<'_>,
+    limit: u32,
+) -> String {
+    let mut out = String::new();
+    if !complete {
         let _ = writeln!(
             out,
-            "scope           {}",
-            scope.map_or("(all)", |s| if s.as_str().is_empty() {
-                "(global)"
+            "PARTIAL: stopped at --timeout {}; the list below is what was found so far",
+            human(survey.timeout)
+        );
+    }
+    for row in rows {
+        let name = match (row["scope"].as_str(), row["key"].as_str()) {
+            (Some(""), Some(key)) => format!("key {key:?} (global scope)"),
+            (Some(scope), Some(key)) => format!("key {key:?} in scope {scope:?}"),
+            _ => format!("redis key {}", row["redis_key"]),
+        };
+        let detail = match row["problem"].as_str() {
+            Some("stuck") => format!(
+                "attempt {}, lease expired {} ago, no retry came",
+                row["attempt"],
+                human(Duration::from_millis(
+                    row["expired_for_ms"].as_u64().unwrap_or(0)
+                ))
+            ),
+            _ => row["detail"].as_str().unwrap_or_default().to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<8} {name}: {detail}",
+            row["problem"].as_str().unwrap_or_default()
+        );
+    }
+    if rows.is_empty() {
+        let _ = writeln!(
+            out,
+            "nothing stuck (no lease expired over {} ago without a retry){}",
+            human(survey.stuck_after),
+            if complete { "" } else { " so far" }
+        );
+    } else {
+        if rows.len() >= limit as usize {
+            let _ = writeln!(out, "(first {limit}; --limit shows more)");
+        }
+        let _ = writeln!(
+            out,
+            "`idem evict KEY --scope SCOPE` deletes one, so that its key runs again"
+        );
+    }
+    out
+}
+
+/// Deletes expired records, in batches: on PostgreSQL (and the tiered store's PostgreSQL)
+/// only; Redis expires its records itself.
+///
+/// # Errors
+///
+/// Store errors; [`CliError::Unsupported`] on the memory store.
+pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Done, CliError> {
+    let Some(pg) = opened.pg() else {
+        let text =
+            "Redis deletes expired records itself (each has a time to live): nothing to purge";
+        return Ok(Done::ok(if json {
+            format!(
+                "{}\n",
+                serde_json::json!({"purged": 0, "complete": true, "note": text})
+            )
+        } else {
+            format!("{text}\n")
+        }));
+    };
+    const BATCH: u32 = 1000;
+    let deadline = Instant::now() + timeout;
+    let mut purged = 0u64;
+    let complete = loop {
+        match tokio::time::timeout_at(deadline, pg.purge_expired(BATCH)).await {
+            Ok(Ok(n)) => {
+                purged += n;
+                if n < u64::from(BATCH) {
+                    break true;
+                }
+            }
+            Ok(Err(e)) => return Err(e.into()),
+            // A batch cut short is rolled back whole by PostgreSQL.
+            Err(_) => break false,
+        }
+    };
+    let output = if json {
+        format!(
+            "{}\n",
+            serde_json::json!({"purged": purged, "complete": complete, "schema": pg.schema()})
+        )
+    } else {
+        format!(
+            "{}purged {purged} expired records from schema {:?}\n",
+            if complete {
+                ""
             } else {
-                s.as_str()
-            })
-        );
-        let _ = writeln!(out, "in flight       {}", stats.in_flight);
-        let _ = writeln!(out, "expired leases  {}", stats.expired_leases);
-        let _ = writeln!(
-            out,
-            "stuck           {} (lease expired over {} ago, no retry came){}",
-            stats.stuck,
-            human(stuck_after),
-            if stats.stuck > 0 { "  <- ALARM" } else { "" }
-        );
-        let _ = writeln!(out, "succeeded       {}", stats.succeeded);
-        let _ = writeln!(out, "failed          {}", stats.failed);
-        out
-    })
+                "PARTIAL (stopped at --timeout): "
+            },
+            pg.schema()
+        )
+    };
+    Ok(Done::partial_unless(complete, output))
+}
+
+/// Applies the migrations PostgreSQL's schema lacks (idem's, and the outbox's on a tiered
+/// store); the only command that changes a schema.
+///
+/// # Errors
+///
+/// Store errors (a role without the right to create tables, ...).
+pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
+    let (pg, outbox) = match opened {
+        Opened::Postgres(pg) => (pg, false),
+        Opened::Tiered(tiered) => (tiered.pg(), true),
+        _ => {
+            let text = "Redis keeps no schema: nothing to migrate";
+            return Ok(Done::ok(if json {
+                format!("{}\n", serde_json::json!({"applied": [], "note": text}))
+            } else {
+                format!("{text}\n")
+            }));
+        }
+    };
+    let pending = crate::store::pending(pg, outbox).await?;
+    if outbox {
+        idemkit::outbox::migrate(pg).await?;
+    } else {
+        pg.migrate().await?;
+    }
+    Ok(Done::ok(if json {
+        format!(
+            "{}\n",
+            serde_json::json!({"schema": pg.schema(), "applied": pending})
+        )
+    } else if pending.is_empty() {
+        format!("schema {:?} is up to date: nothing to apply\n", pg.schema())
+    } else {
+        format!("schema {:?}: applied migrations {pending:?}\n", pg.schema())
+    }))
+}
+
+/// A record that cannot be read says what is wrong with it and how to clear it.
+fn unreadable(id: &RecordId, e: Error) -> CliError {
+    let evict = format!(
+        "`idem evict {}{}` deletes it, so that the key runs again",
+        id.key().as_str(),
+        if id.scope().as_str().is_empty() {
+            String::new()
+        } else {
+            format!(" --scope {}", id.scope().as_str())
+        }
+    );
+    match &e {
+        Error::Corrupt { detail, .. } => CliError::Corrupt(format!(
+            "the record for {} is corrupt: {detail}; every request for it fails until {evict}",
+            describe(id)
+        )),
+        Error::Backend { .. } if e.to_string().contains("WRONGTYPE") => CliError::Corrupt(format!(
+            "the key of {} holds a Redis value of another type, not an idem record; \
+                 {evict}",
+            describe(id)
+        )),
+        _ => CliError::Store(e),
+    }
 }
 
 fn describe(id: &RecordId) -> String {
@@ -308,20 +838,27 @@ mod tests {
             .await
             .unwrap();
         let scope = Scope::new("alice").unwrap();
-        let text = stats(&store, Some(&scope), Duration::from_secs(300), false)
-            .await
-            .unwrap();
+        let opened = Opened::Memory(std::sync::Arc::new(store));
+        let mut survey = Survey {
+            scope: Some(&scope),
+            stuck_after: Duration::from_secs(300),
+            timeout: Duration::from_secs(10),
+            json: false,
+        };
+        let done = stats(&opened, &survey).await.unwrap();
+        let text = done.output;
+        assert_eq!(done.code, 0);
         assert!(text.contains("in flight       1"), "{text}");
         assert!(text.contains("succeeded       1"), "{text}");
         assert!(!text.contains("ALARM"), "{text}");
-        let doc: serde_json::Value = serde_json::from_str(
-            &stats(&store, None, Duration::from_secs(300), true)
-                .await
-                .unwrap(),
-        )
-        .unwrap();
+        assert!(!text.contains("PARTIAL"), "{text}");
+        survey.scope = None;
+        survey.json = true;
+        let doc: serde_json::Value =
+            serde_json::from_str(&stats(&opened, &survey).await.unwrap().output).unwrap();
         assert_eq!(doc["in_flight"], 1);
         assert_eq!(doc["stuck"], 0);
+        assert_eq!(doc["complete"], true);
         assert_eq!(doc["scope"], serde_json::Value::Null);
     }
 

@@ -3,7 +3,11 @@
 //! - `POST /payments` `{"amount": 1250, "currency": "EUR"}` creates a payment (the side
 //!   effect) and answers 201 with it; `Idempotency-Key` is required, `Authorization:
 //!   Bearer <name>` names the caller and scopes the keys, `X-Demo-Delay-Ms: <n>` makes the
-//!   handler take that long, to show races.
+//!   handler take that long, to show races; `X-Demo-Delay-After-Commit-Ms: <n>` makes it
+//!   wait that long after the payment is committed and before it answers, to show a crash
+//!   in that window.
+//! - Where payments live: see [`crate::ledger`]. On `postgres://` and `tiered:` stores each
+//!   payment is a row committed in one transaction with its idempotency record.
 //! - `GET /payments/{id}` reads one of the caller's payments; `GET /payments` lists them,
 //!   so anyone can count how many times the side effect really ran.
 //! - `GET /metrics`: Prometheus text of every metric the process records (requests by
@@ -12,49 +16,35 @@
 
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use idem_core::{Idem, Scope, Store};
-use idem_http::{Config, IdempotencyLayer, MissingKey};
+use idem_core::{Error, Idem, Scope};
+use idem_http::{Config, IdempotencyLayer, LeaseHandle, MissingKey};
 use metrics_exporter_prometheus::PrometheusHandle;
-use serde::Serialize;
+
+use crate::ledger::{Backend, Ledger, Payment};
 
 /// The header that makes the handler sleep, to show races.
 pub const DELAY_HEADER: &str = "x-demo-delay-ms";
+/// The header that makes the handler sleep after the payment is committed and before it
+/// answers: the window in which a crash loses the response but not the payment.
+pub const AFTER_COMMIT_HEADER: &str = "x-demo-delay-after-commit-ms";
 /// The longest accepted demo delay.
 const MAX_DELAY: Duration = Duration::from_secs(60);
 
-/// One payment, as stored and as answered.
-#[derive(Debug, Clone, Serialize)]
-pub struct Payment {
-    id: String,
-    amount: u64,
-    currency: String,
-    status: &'static str,
-    created_at: String,
-    #[serde(skip)]
-    owner: String,
-}
-
 /// The demo's state: its payments, and the exporter `/metrics` renders.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Demo {
-    payments: Mutex<Vec<Payment>>,
+    ledger: Ledger,
     exporter: Option<PrometheusHandle>,
-}
-
-impl Demo {
-    fn payments(&self) -> std::sync::MutexGuard<'_, Vec<Payment>> {
-        self.payments.lock().unwrap_or_else(PoisonError::into_inner)
-    }
 }
 
 /// Settings of the demo service.
@@ -63,19 +53,26 @@ pub struct Options {
     /// When set, a request for a key in flight waits this long for the first one's response
     /// instead of answering 409 at once.
     pub wait: Option<Duration>,
+    /// How long a request holds its key while the handler runs.
+    pub lease: Duration,
+    /// How long a stored response is replayed.
+    pub retention: Duration,
     /// The store as printed at start-up: its URL without the password.
     pub store: String,
     /// What `GET /metrics` renders; without one it answers 404.
     pub exporter: Option<PrometheusHandle>,
 }
 
-/// The demo's router over `store`.
-pub fn app(store: Arc<dyn Store>, options: &Options) -> Router {
+/// The demo's router over the store and payments of `backend`.
+pub fn app(backend: Backend, options: &Options) -> Router {
+    let Backend { store, ledger } = backend;
     let demo = Arc::new(Demo {
+        ledger,
         exporter: options.exporter.clone(),
-        ..Demo::default()
     });
-    let mut config = idem_core::Config::default();
+    let mut config = idem_core::Config::default()
+        .with_lease(options.lease)
+        .with_retention(options.retention);
     config.wait = options.wait;
     let idem = Idem::from_arc(store).with_config(config);
     let layer = IdempotencyLayer::new(idem)
@@ -108,7 +105,7 @@ pub fn app(store: Arc<dyn Store>, options: &Options) -> Router {
 /// I/O errors of the listener.
 pub async fn run(
     listener: tokio::net::TcpListener,
-    store: Arc<dyn Store>,
+    backend: Backend,
     options: &Options,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -118,8 +115,9 @@ pub async fn run(
     let mut out = std::io::stdout();
     let _ = writeln!(
         out,
-        "idem demo: payments API listening on http://{addr} (store: {})",
-        options.store
+        "idem demo: payments API listening on http://{addr} (store: {}; payments {})",
+        options.store,
+        backend.ledger.describe()
     );
     let _ = writeln!(
         out,
@@ -128,7 +126,7 @@ pub async fn run(
          -d '{{\"amount\": 1250, \"currency\": \"EUR\"}}'"
     );
     let _ = out.flush();
-    axum::serve(listener, app(store, options))
+    axum::serve(listener, app(backend, options))
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -178,8 +176,9 @@ fn unauthorized() -> Response {
 
 async fn create_payment(
     State(demo): State<Arc<Demo>>,
+    lease: Option<LeaseHandle>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Bytes,
 ) -> Response {
     let Some(owner) = caller(&headers) else {
         return unauthorized();
@@ -208,42 +207,90 @@ async fn create_payment(
             )
         }
     };
-    if let Some(value) = headers.get(DELAY_HEADER) {
-        let delay = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_millis)
-            .filter(|d| *d <= MAX_DELAY);
-        let Some(delay) = delay else {
+    let (delay, after_commit) = match (
+        demo_delay(&headers, DELAY_HEADER),
+        demo_delay(&headers, AFTER_COMMIT_HEADER),
+    ) {
+        (Ok(delay), Ok(after_commit)) => (delay, after_commit),
+        (Err(detail), _) | (_, Err(detail)) => {
             return problem(
                 StatusCode::BAD_REQUEST,
                 "invalid-delay",
                 "Invalid delay",
-                format!("{DELAY_HEADER} must be a whole number of milliseconds, at most 60000"),
-            );
-        };
+                detail,
+            )
+        }
+    };
+    if let Some(delay) = delay {
         tokio::time::sleep(delay).await;
     }
 
-    // The side effect.
     let payment = Payment {
         id: format!("pay_{}", &uuid::Uuid::new_v4().simple().to_string()[..16]),
         amount,
         currency,
-        status: "succeeded",
+        status: "succeeded".into(),
         created_at: rfc3339(SystemTime::now()),
         owner,
     };
-    demo.payments().push(payment.clone());
-    metrics::counter!("idem_demo_payments_created_total").increment(1);
-
-    let location = format!("/payments/{}", payment.id);
-    let mut response = (StatusCode::CREATED, Json(&payment)).into_response();
-    if let Ok(location) = HeaderValue::from_str(&location) {
-        response.headers_mut().insert(LOCATION, location);
+    let mut out = HeaderMap::new();
+    out.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Ok(location) = HeaderValue::from_str(&format!("/payments/{}", payment.id)) {
+        out.insert(LOCATION, location);
     }
-    response
+    let body = match serde_json::to_vec(&payment) {
+        Ok(body) => Bytes::from(body),
+        Err(e) => return unavailable(&Error::Invalid(e.to_string())),
+    };
+    // The side effect. On PostgreSQL the payment's row and the completed idempotency
+    // record commit together.
+    let completion = lease
+        .as_ref()
+        .map(|lease| lease.completion(StatusCode::CREATED, &out, body.clone()));
+    let held = lease.as_ref().zip(completion.as_ref());
+    match demo.ledger.pay(&payment, held, after_commit).await {
+        Ok(()) => {}
+        Err(Error::LeaseLost) => {
+            return problem(
+                StatusCode::CONFLICT,
+                "request-taken-over",
+                "Request taken over",
+                "another request took this idempotency key over while this one ran; \
+                 nothing was paid by this one: retry with the same key for the outcome",
+            )
+        }
+        Err(e) => return unavailable(&e),
+    }
+    metrics::counter!("idem_demo_payments_created_total").increment(1);
+    (StatusCode::CREATED, out, body).into_response()
+}
+
+/// A demo delay header: `Ok(None)` when absent, why not when it is not a whole number of
+/// milliseconds up to a minute.
+fn demo_delay(headers: &HeaderMap, name: &str) -> Result<Option<Duration>, String> {
+    let Some(value) = headers.get(name) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_millis)
+        .filter(|d| *d <= MAX_DELAY)
+        .map(Some)
+        .ok_or_else(|| format!("{name} must be a whole number of milliseconds, at most 60000"))
+}
+
+/// The payments database failed: 503, which the layer does not store, so a retry with the
+/// same key runs again.
+fn unavailable(e: &Error) -> Response {
+    tracing::warn!(error = %e, "payments database failed");
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "payments-unavailable",
+        "Payments unavailable",
+        "the payment could not be recorded; retry with the same idempotency key",
+    )
 }
 
 /// Checks `{"amount": <positive integer, minor units>, "currency": "<ISO 4217 code>"}`.
@@ -282,19 +329,15 @@ async fn get_payment(
     let Some(owner) = caller(&headers) else {
         return unauthorized();
     };
-    let found = demo
-        .payments()
-        .iter()
-        .find(|p| p.id == id && p.owner == owner)
-        .cloned();
-    match found {
-        Some(payment) => Json(payment).into_response(),
-        None => problem(
+    match demo.ledger.find(&owner, &id).await {
+        Ok(Some(payment)) => Json(payment).into_response(),
+        Ok(None) => problem(
             StatusCode::NOT_FOUND,
             "payment-not-found",
             "Payment not found",
             format!("{owner} has no payment {id}"),
         ),
+        Err(e) => unavailable(&e),
     }
 }
 
@@ -302,13 +345,11 @@ async fn list_payments(State(demo): State<Arc<Demo>>, headers: HeaderMap) -> Res
     let Some(owner) = caller(&headers) else {
         return unauthorized();
     };
-    let payments: Vec<Payment> = demo
-        .payments()
-        .iter()
-        .filter(|p| p.owner == owner)
-        .cloned()
-        .collect();
-    Json(serde_json::json!({ "count": payments.len(), "payments": payments })).into_response()
+    match demo.ledger.list(&owner).await {
+        Ok(payments) => Json(serde_json::json!({ "count": payments.len(), "payments": payments }))
+            .into_response(),
+        Err(e) => unavailable(&e),
+    }
 }
 
 async fn metrics(State(demo): State<Arc<Demo>>) -> Response {

@@ -39,8 +39,14 @@ fn spawn_serve() -> Served {
 
 /// `idem serve --store <store>` on a free port.
 fn spawn_serve_on(store: &str) -> Served {
+    spawn_serve_with(store, &[])
+}
+
+/// `idem serve --store <store> <extra>` on a free port.
+fn spawn_serve_with(store: &str, extra: &[&str]) -> Served {
     let mut child = Command::new(BIN)
         .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
+        .args(extra)
         .env_remove("IDEM_STORE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -94,6 +100,17 @@ async fn call(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Reply {
+    try_call(client, method, url, headers, body).await.unwrap()
+}
+
+/// [`call`], for a request whose connection may break.
+async fn try_call(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<Reply, String> {
     let mut req = hyper::Request::builder().method(method).uri(url);
     for (n, v) in headers {
         req = req.header(*n, *v);
@@ -101,21 +118,19 @@ async fn call(
     let response = client
         .request(req.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
         .await
-        .unwrap();
+        .map_err(|e| e.to_string())?;
     let (parts, body) = response.into_parts();
-    Reply {
+    Ok(Reply {
         status: parts.status,
         headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
+        body: body.collect().await.map_err(|e| e.to_string())?.to_bytes(),
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     let mut served = spawn_serve();
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let client = Arc::new(client);
+    let client = client();
     let payments = format!("{}/payments", served.base);
     let alice = ("authorization", "Bearer alice");
     let json = ("content-type", "application/json");
@@ -217,6 +232,10 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     )
     .await;
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        anonymous.json()["type"],
+        "urn:idem:problem:principal-missing"
+    );
 
     // The side effect ran once per key: two payments for alice, none for bob.
     let list = call(&client, "GET", &payments, &[alice], "").await;
@@ -253,8 +272,9 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
             .parse()
             .unwrap()
     };
-    // executed: order-1, race-1, bad-1 (a stored 422) and anon-1 (a stored 401).
-    assert_eq!(metric("executed"), 4, "{text}");
+    // executed: order-1, race-1 and bad-1 (a stored 422); anon-1 was refused before the
+    // handler, as was the request without a key.
+    assert_eq!(metric("executed"), 3, "{text}");
     assert_eq!(
         metric("replayed") as usize,
         1 + (8 - 1 - conflicts),
@@ -262,7 +282,7 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     );
     assert_eq!(metric("in_flight") as usize, conflicts, "{text}");
     assert_eq!(metric("mismatch"), 1, "{text}");
-    assert_eq!(metric("rejected"), 1, "{text}");
+    assert_eq!(metric("rejected"), 2, "{text}");
     assert!(
         text.contains("idem_demo_payments_created_total 2"),
         "{text}"
@@ -353,9 +373,7 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
 /// to the call, so tests sharing a server never count each other's records.
 async fn operator_commands_over(store: &str) {
     let served = spawn_serve_on(store);
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let client = Arc::new(client);
+    let client = client();
     let payments = format!("{}/payments", served.base);
     let caller = format!("ops-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {caller}");
@@ -370,12 +388,7 @@ async fn operator_commands_over(store: &str) {
     let first = {
         let (client, payments, auth) = (client.clone(), payments.clone(), auth.clone());
         tokio::spawn(async move {
-            let headers = [
-                ("authorization", auth.as_str()),
-                ("content-type", "application/json"),
-                ("idempotency-key", "order-1"),
-                ("x-demo-delay-ms", "2500"),
-            ];
+            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "2500")]);
             call(&client, "POST", &payments, &headers, order).await
         })
     };
@@ -440,11 +453,7 @@ async fn operator_commands_over(store: &str) {
     assert!(text.contains("succeeded       1"), "{text}");
 
     // A retry is a replay; once evicted, the key runs again.
-    let headers = [
-        ("authorization", auth.as_str()),
-        ("content-type", "application/json"),
-        ("idempotency-key", "order-1"),
-    ];
+    let headers = payment(&auth, "order-1", &[]);
     let replay = call(&client, "POST", &payments, &headers, order).await;
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay.body, first.body);
@@ -472,15 +481,196 @@ async fn operator_commands_over(store: &str) {
         payment_id.as_str(),
         "the key did not run again"
     );
-    let list = call(
-        &client,
-        "GET",
-        &payments,
-        &[("authorization", auth.as_str())],
-        "",
-    )
-    .await;
-    assert_eq!(list.json()["count"], 2);
+    assert_eq!(list(&client, &served.base, &auth).await["count"], 2);
+}
+
+/// A client for the tests' requests.
+fn client() -> Arc<Client<HttpConnector, Full<Bytes>>> {
+    Arc::new(Client::builder(TokioExecutor::new()).build_http())
+}
+
+/// The headers of a JSON payment by `auth` (`Bearer <name>`) under `key`, then `extra`.
+fn payment<'a>(
+    auth: &'a str,
+    key: &'a str,
+    extra: &[(&'a str, &'a str)],
+) -> Vec<(&'a str, &'a str)> {
+    let mut headers = vec![
+        ("authorization", auth),
+        ("content-type", "application/json"),
+        ("idempotency-key", key),
+    ];
+    headers.extend_from_slice(extra);
+    headers
+}
+
+/// `GET /payments` as `auth`: the caller's payments, as the server lists them.
+async fn list(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    base: &str,
+    auth: &str,
+) -> serde_json::Value {
+    let url = format!("{base}/payments");
+    let reply = call(client, "GET", &url, &[("authorization", auth)], "").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    reply.json()
+}
+
+/// The demo's payments of `owner` in PostgreSQL, counted.
+async fn payment_rows(pool: &sqlx::PgPool, owner: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idem_demo.payments WHERE owner = $1")
+        .bind(owner)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// `idem serve` killed with `kill -9` after the payment's transaction committed and before
+/// the response was written (`x-demo-delay-after-commit-ms` holds it in that window): after
+/// a restart, the retry replays the committed payment, and PostgreSQL holds one row.
+async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client = client();
+    let owner = format!("crash-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let order = r#"{"amount": 1250, "currency": "EUR"}"#;
+    let mut served = spawn_serve_on(store);
+
+    let first = {
+        let (client, url, auth) = (
+            client.clone(),
+            format!("{}/payments", served.base),
+            auth.clone(),
+        );
+        tokio::spawn(async move {
+            let headers = payment(
+                &auth,
+                "order-1",
+                &[("x-demo-delay-after-commit-ms", "30000")],
+            );
+            try_call(&client, "POST", &url, &headers, order).await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while payment_rows(&pool, &owner).await == 0 {
+        assert!(Instant::now() < deadline, "the payment was never committed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The payment is committed and its response not yet written: kill -9.
+    let mut child = served.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(first.await.unwrap().is_err(), "the killed server answered");
+
+    let served = spawn_serve_on(store);
+    let payments = format!("{}/payments", served.base);
+    let headers = payment(&auth, "order-1", &[]);
+    let retry = call(&client, "POST", &payments, &headers, order).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        payment_rows(&pool, &owner).await,
+        1,
+        "the payment was made twice"
+    );
+    let listed = list(&client, &served.base, &auth).await;
+    assert_eq!(listed["count"], 1);
+    assert_eq!(listed["payments"][0]["id"], retry.json()["id"]);
+}
+
+/// `idem serve --lease 2` killed with `kill -9` while a handler runs, before anything was
+/// committed: after a restart, the retry is refused while the dead server's lease lasts and
+/// takes the key over within seconds of its end (not the default 30 s lease), and the
+/// payment is made once.
+async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client = client();
+    let owner = format!("lease-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let order = r#"{"amount": 700, "currency": "EUR"}"#;
+    let mut served = spawn_serve_with(store, &["--lease", "2"]);
+    let first = {
+        let (client, url, auth) = (
+            client.clone(),
+            format!("{}/payments", served.base),
+            auth.clone(),
+        );
+        tokio::spawn(async move {
+            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "30000")]);
+            try_call(&client, "POST", &url, &headers, order).await
+        })
+    };
+    // Let the first request take the key, then kill -9 the server mid-handler.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut child = served.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed = Instant::now();
+    assert!(first.await.unwrap().is_err(), "the killed server answered");
+
+    let served = spawn_serve_with(store, &["--lease", "2"]);
+    let url = format!("{}/payments", served.base);
+    let headers = payment(&auth, "order-1", &[]);
+    let mut refused = 0;
+    let retry = loop {
+        let reply = call(&client, "POST", &url, &headers, order).await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        refused += 1;
+        assert!(
+            killed.elapsed() < Duration::from_secs(8),
+            "the key is still held {:?} after the crash: --lease was not applied",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(retry.headers.get("idempotent-replayed").is_none());
+    assert!(refused > 0, "the dead server's lease was not honoured");
+    assert_eq!(payment_rows(&pool, &owner).await, 1);
+}
+
+/// Two `idem serve` processes on one database: 40 identical requests split across them
+/// make one payment, and both list the same one.
+async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client = client();
+    let servers = [spawn_serve_on(store), spawn_serve_on(store)];
+    let owner = format!("race-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let order = r#"{"amount": 500, "currency": "USD"}"#;
+
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let url = format!("{}/payments", servers[i % 2].base);
+        let (client, auth) = (client.clone(), auth.clone());
+        tasks.push(tokio::spawn(async move {
+            let headers = payment(&auth, "race-40", &[("x-demo-delay-ms", "300")]);
+            call(&client, "POST", &url, &headers, order).await
+        }));
+    }
+    let mut created = Vec::new();
+    for task in tasks {
+        let reply = task.await.unwrap();
+        match reply.status {
+            StatusCode::CREATED => created.push(reply.json()["id"].clone()),
+            StatusCode::CONFLICT => assert_eq!(reply.headers["retry-after"], "1"),
+            other => panic!("unexpected {other}: {:?}", reply.body),
+        }
+    }
+    assert!(!created.is_empty());
+    assert!(created.iter().all(|id| *id == created[0]), "{created:?}");
+    assert_eq!(
+        payment_rows(&pool, &owner).await,
+        1,
+        "the race paid more than once"
+    );
+    for server in &servers {
+        let listed = list(&client, &server.base, &auth).await;
+        assert_eq!(listed["count"], 1);
+        assert_eq!(listed["payments"][0]["id"], created[0]);
+    }
 }
 
 mod redis {
@@ -504,6 +694,30 @@ mod postgres {
             return;
         };
         super::operator_commands_over(&url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_after_the_commit_loses_nothing() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_mid_handler_frees_the_key_after_the_lease() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::a_crash_mid_handler_frees_the_key_after_the_lease(&url, &url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_race_across_two_processes_runs_once() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::a_race_across_two_processes_runs_once(&url, &url).await;
     }
 }
 
@@ -529,18 +743,65 @@ mod redis_cluster {
     }
 }
 
+/// `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`, when both are set.
+fn both_urls() -> Option<(String, String)> {
+    Some((
+        idem_testkit::harness::redis_url()?,
+        idem_testkit::harness::database_url()?,
+    ))
+}
+
 mod tiered {
     //! The tiered store: `tiered:<IDEM_TEST_REDIS_URL>|<IDEM_TEST_DATABASE_URL>`.
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
+        let Some((redis, postgres)) = super::both_urls() else {
+            return;
+        };
+        super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
+    }
+
+    /// The relay of the tiered store, in this process, as it runs next to the services:
+    /// it copies committed completions into Redis, where a killed process left its lease.
+    async fn relay(redis: &str, postgres: &str) -> tokio::sync::oneshot::Sender<()> {
+        let pg = idemkit::postgres::PgStore::connect(postgres).await.unwrap();
+        let redis = idemkit::redis::RedisStore::connect(redis).await.unwrap();
+        let relay = idemkit::outbox::Relay::new(pg, redis);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            relay
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        stop
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_after_the_commit_loses_nothing() {
         let (Some(redis), Some(postgres)) = (
             idem_testkit::harness::redis_url(),
             idem_testkit::harness::database_url(),
         ) else {
             return;
         };
-        super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
+        let _relay = relay(&redis, &postgres).await;
+        let store = format!("tiered:{redis}|{postgres}");
+        super::a_crash_after_the_commit_loses_nothing(&store, &postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_race_across_two_processes_runs_once() {
+        let (Some(redis), Some(postgres)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        let store = format!("tiered:{redis}|{postgres}");
+        super::a_race_across_two_processes_runs_once(&store, &postgres).await;
     }
 }
 
@@ -578,5 +839,633 @@ mod tls {
             postgres.port()
         );
         super::operator_commands_over(&url).await;
+    }
+}
+
+/// `idem` with `args` and extra environment variables.
+fn run_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .env_remove("IDEM_STORE")
+        .env_remove("IDEM_PREFIX")
+        .env_remove("IDEM_SCHEMA")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The JSON document of `text`: stdout, or the last line of stderr (the error after the
+/// log lines, all JSON with `--json`).
+fn json(text: &str) -> serde_json::Value {
+    let text = text.trim().lines().last().unwrap_or_default();
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"))
+}
+
+/// Records written through the library, as an application would.
+mod records {
+    use std::time::Duration;
+
+    use idem_core::{
+        Begin, Config, Fingerprint, Idem, Key, Lease, RecordId, Response, Scope, Store,
+    };
+
+    pub fn id(scope: &str, key: &str) -> RecordId {
+        RecordId::new(Scope::new(scope).unwrap(), Key::new(key).unwrap())
+    }
+
+    /// A fresh lease on `id` through an engine with `config`.
+    async fn acquired(store: impl Store + 'static, config: Config, id: &RecordId) -> (Idem, Lease) {
+        let idem = Idem::new(store).with_config(config);
+        let Begin::Acquired(lease) = idem.begin(id, Fingerprint::of_bytes(b"r")).await.unwrap()
+        else {
+            panic!("fresh key")
+        };
+        (idem, lease)
+    }
+
+    /// A completed record (201).
+    pub async fn completed(store: impl Store + 'static, id: &RecordId) {
+        let (idem, lease) = acquired(store, Config::default(), id).await;
+        idem.complete(&lease, Response::new(201, "paid"))
+            .await
+            .unwrap();
+    }
+
+    /// An in-progress record whose 1 ms lease is left to expire: the worker "died".
+    pub async fn abandoned(store: impl Store + 'static, id: &RecordId) {
+        let config = Config::default()
+            .with_lease(Duration::from_millis(1))
+            .with_retention(Duration::from_secs(600));
+        // Nothing releases or completes it: the lease runs out, as when a worker dies.
+        let _ = acquired(store, config, id).await;
+    }
+
+    /// A completed record kept 1 ms: expired at once.
+    pub async fn expired(store: impl Store + 'static, id: &RecordId) {
+        let config = Config::default().with_retention(Duration::from_millis(1));
+        let (idem, lease) = acquired(store, config, id).await;
+        idem.complete(&lease, Response::new(201, "paid"))
+            .await
+            .unwrap();
+    }
+}
+
+mod redis_keyspace {
+    //! `idem stats` on a throwaway `redis-server` holding 2 million keys (made with `DEBUG
+    //! POPULATE`), never on the shared server.
+
+    use std::time::Instant;
+
+    use idem_redis::testing::{self, RedisServer};
+    use idem_redis::RedisStore;
+
+    use super::records;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stats_reads_two_million_keys_page_by_page_and_stops_at_its_timeout() {
+        if !idem_testkit::harness::present(
+            testing::binaries_available(),
+            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
+        ) {
+            return;
+        }
+        let server = RedisServer::start_with(&["--enable-debug-command", "yes"])
+            .expect("start redis-server");
+        // 1.8 million keys of another application, and 200,000 under idem's prefix whose
+        // names are not records' (DEBUG POPULATE names them `<prefix>:<n>`).
+        server
+            .cli(&["DEBUG", "POPULATE", "1800000", "other"])
+            .unwrap();
+        server
+            .cli(&["DEBUG", "POPULATE", "200000", "idem:{00000000}x"])
+            .unwrap();
+        let store = RedisStore::connect(server.url()).await.unwrap();
+        records::completed(store.clone(), &records::id("alice", "a")).await;
+        records::completed(store.clone(), &records::id("bob", "b")).await;
+        records::abandoned(store.clone(), &records::id("carol", "c")).await;
+        assert_eq!(server.cli(&["DBSIZE"]).unwrap().trim(), "2000003");
+        let url = server.url();
+
+        let started = Instant::now();
+        let (code, out, err) = super::run(&[
+            "stats",
+            "--store",
+            &url,
+            "--stuck-after",
+            "0",
+            "--timeout",
+            "600",
+            "--json",
+        ]);
+        let took = started.elapsed();
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(doc["complete"], true, "{doc}");
+        assert_eq!(doc["succeeded"], 2, "{doc}");
+        assert_eq!(doc["expired_leases"], 1, "{doc}");
+        assert_eq!(doc["stuck"], 1, "{doc}");
+        assert_eq!(doc["foreign"], 200_000, "{doc}");
+        assert_eq!(doc["corrupt"], 0, "{doc}");
+        assert_eq!(doc["keys_read"], 200_003, "{doc}");
+        // Standard error is not a terminal here: no progress lines.
+        assert!(!err.contains("keys read"), "{err}");
+        eprintln!("idem stats over 2,000,003 keys: {took:?}");
+
+        // A limit far below what the walk takes: the counts so far, marked, exit 4.
+        let (code, out, err) =
+            super::run(&["stats", "--store", &url, "--timeout", "0.2", "--json"]);
+        assert_eq!(code, 4, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(doc["complete"], false, "{doc}");
+        assert_eq!(doc["stopped"]["reason"], "timeout", "{doc}");
+        assert_eq!(doc["stopped"]["timeout_ms"], 200, "{doc}");
+        assert!(doc["keys_read"].as_u64().unwrap() < 200_003, "{doc}");
+        let (code, text, _) = super::run(&["stats", "--store", &url, "--timeout", "0.2"]);
+        assert_eq!(code, 4);
+        assert!(text.starts_with("PARTIAL"), "{text}");
+        assert!(text.contains("lower bound"), "{text}");
+
+        // On a terminal (util-linux `script` gives the command one), progress on stderr.
+        let script = std::process::Command::new("script")
+            .args(["-qec"])
+            .arg(format!(
+                "{} stats --store {url} --timeout 1.5 --json",
+                super::BIN
+            ))
+            .arg("/dev/null")
+            .env("RUST_LOG", "error")
+            .output();
+        match script {
+            Ok(out) if out.status.code() == Some(4) => {
+                let tty = String::from_utf8_lossy(&out.stdout);
+                assert!(tty.contains("\ridem stats: "), "{tty:?}");
+                assert!(tty.contains("keys read, primary 1 of 1 about "), "{tty:?}");
+            }
+            other => {
+                eprintln!("no `script` to give idem a terminal; progress not checked: {other:?}")
+            }
+        }
+    }
+}
+
+mod redis_broken {
+    //! Corrupt and foreign records under a unique prefix on `IDEM_TEST_REDIS_URL`:
+    //! `stats` counts them, `stuck` lists them, `inspect` says what is wrong.
+
+    use idem_redis::RedisStore;
+    use redis::AsyncCommands as _;
+
+    use super::records;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stats_stuck_and_inspect_name_broken_records() {
+        let Some(url) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        let prefix = format!("ops-{}:", uuid::Uuid::new_v4().simple());
+        let store = RedisStore::builder(url.as_str())
+            .with_prefix(prefix.clone())
+            .connect()
+            .await
+            .unwrap();
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+
+        records::completed(store.clone(), &records::id("s", "good")).await;
+        records::abandoned(store.clone(), &records::id("s", "gone")).await;
+        let good: Vec<u8> = raw
+            .get(store.record_key(&records::id("s", "good")))
+            .await
+            .unwrap();
+        // Five kinds of corrupt values, each under a real record's key.
+        let mut lz4 = good.clone();
+        lz4[0] = b'z';
+        let mut meta_past_end = good[..37].to_vec();
+        meta_past_end.extend_from_slice(&1000u32.to_be_bytes());
+        let corrupt: [(&str, Vec<u8>); 5] = [
+            ("tag", b"value:1".to_vec()),
+            ("empty", Vec::new()),
+            ("short", b"p0123456789".to_vec()),
+            ("meta", meta_past_end),
+            ("lz4", lz4),
+        ];
+        for (key, value) in &corrupt {
+            let _: () = raw
+                .set(store.record_key(&records::id("s", key)), value)
+                .await
+                .unwrap();
+        }
+        // Three foreign keys: a hash and a list at records' keys, a string whose name is
+        // not a record's.
+        let _: () = raw
+            .hset(store.record_key(&records::id("s", "hash")), "f", "v")
+            .await
+            .unwrap();
+        let _: () = raw
+            .rpush(store.record_key(&records::id("s", "list")), "v")
+            .await
+            .unwrap();
+        let _: () = raw
+            .set(format!("{prefix}{{00000000}}odd"), "v")
+            .await
+            .unwrap();
+        let cmd = |args: &[&str]| {
+            let mut all = args.to_vec();
+            all.extend(["--store", url.as_str(), "--prefix", prefix.as_str()]);
+            super::run(&all)
+        };
+
+        let (code, out, err) = cmd(&["stats", "--stuck-after", "0", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(doc["succeeded"], 1, "{doc}");
+        assert_eq!(doc["stuck"], 1, "{doc}");
+        assert_eq!(doc["corrupt"], 5, "{doc}");
+        assert_eq!(doc["foreign"], 3, "{doc}");
+        assert_eq!(doc["keys_read"], 10, "{doc}");
+        let (_, text, _) = cmd(&["stats"]);
+        assert!(text.contains("corrupt         5"), "{text}");
+        assert!(text.contains("ALARM"), "{text}");
+
+        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        let rows = doc["records"].as_array().unwrap();
+        let of = |problem: &str| -> Vec<&serde_json::Value> {
+            rows.iter().filter(|r| r["problem"] == problem).collect()
+        };
+        assert_eq!(of("stuck").len(), 1, "{doc}");
+        assert_eq!(of("stuck")[0]["key"], "gone");
+        assert_eq!(of("stuck")[0]["attempt"], 1);
+        let mut corrupt_keys: Vec<&str> = of("corrupt")
+            .iter()
+            .map(|r| r["key"].as_str().unwrap())
+            .collect();
+        corrupt_keys.sort_unstable();
+        assert_eq!(
+            corrupt_keys,
+            ["empty", "lz4", "meta", "short", "tag"],
+            "{doc}"
+        );
+        assert_eq!(of("foreign").len(), 3, "{doc}");
+        let (_, text, _) = cmd(&["stuck", "--stuck-after", "0"]);
+        assert!(
+            text.contains("stuck    key \"gone\" in scope \"s\""),
+            "{text}"
+        );
+        assert!(text.contains("idem evict"), "{text}");
+
+        // `inspect` names what is wrong, and how to clear it.
+        let (code, _, err) = cmd(&["inspect", "tag", "--scope", "s"]);
+        assert_eq!(code, 4, "{err}");
+        assert!(err.contains("unknown record tag 'v'"), "{err}");
+        assert!(err.contains("idem evict tag --scope s"), "{err}");
+        let (code, _, err) = cmd(&["inspect", "hash", "--scope", "s"]);
+        assert_eq!(code, 4, "{err}");
+        assert!(err.contains("another type"), "{err}");
+        let (code, _, err) = cmd(&["inspect", "meta", "--scope", "s", "--json"]);
+        assert_eq!(code, 4, "{err}");
+        let doc = super::json(&err);
+        assert_eq!(doc["error"]["kind"], "corrupt");
+        assert_eq!(doc["error"]["exit_code"], 4);
+
+        // Evicted, the key is no longer counted.
+        let (code, _, err) = cmd(&["evict", "tag", "--scope", "s"]);
+        assert_eq!(code, 0, "{err}");
+        let (_, out, _) = cmd(&["stats", "--json"]);
+        assert_eq!(super::json(&out)["corrupt"], 4);
+
+        // Another prefix sees none of it.
+        let (_, out, _) =
+            super::run(&["stats", "--json", "--store", &url, "--prefix", "ops-none:"]);
+        assert_eq!(super::json(&out)["keys_read"], 0);
+        let keys: Vec<String> = raw.keys(format!("{prefix}*")).await.unwrap();
+        for key in keys {
+            let _: () = raw.del(key).await.unwrap();
+        }
+    }
+}
+
+mod postgres_schema {
+    //! Operator commands on `IDEM_TEST_DATABASE_URL` in a schema of their own: only
+    //! `migrate` changes it.
+
+    use idemkit::postgres::PgStore;
+
+    use super::records;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_migrate_changes_the_schema_and_stuck_purge_work() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        let schema = idem_testkit::harness::unique_name("idem_ops_");
+        let cmd = |args: &[&str]| {
+            let mut all = args.to_vec();
+            all.extend(["--store", url.as_str(), "--schema", schema.as_str()]);
+            super::run(&all)
+        };
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let exists = || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
+            )
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        };
+
+        for args in [
+            &["stats"][..],
+            &["stuck"],
+            &["inspect", "k"],
+            &["evict", "k"],
+            &["purge"],
+        ] {
+            let (code, _, err) = cmd(args);
+            assert_eq!(code, 3, "{args:?}: {err}");
+            assert!(err.contains("has no idem tables in schema"), "{err}");
+            assert!(
+                err.contains(&format!(
+                    "run `idem migrate --store <url> --schema {schema}`"
+                )),
+                "{err}"
+            );
+        }
+        assert!(!exists().await, "a read-only command created the schema");
+
+        let (code, out, err) = cmd(&["migrate", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(super::json(&out)["applied"], serde_json::json!([1]));
+        assert!(exists().await);
+        let (code, out, _) = cmd(&["migrate"]);
+        assert_eq!(code, 0);
+        assert!(out.contains("up to date"), "{out}");
+        let (code, _, err) = cmd(&["inspect", "k"]);
+        assert_eq!(code, 1, "{err}");
+
+        let store = PgStore::connect(&url)
+            .await
+            .unwrap()
+            .with_schema(&schema)
+            .unwrap();
+        records::abandoned(store.clone(), &records::id("s", "gone")).await;
+        records::completed(store.clone(), &records::id("s", "done")).await;
+        records::expired(store.clone(), &records::id("s", "old")).await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+
+        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        let rows = doc["records"].as_array().unwrap();
+        assert_eq!(rows.len(), 1, "{doc}");
+        assert_eq!(rows[0]["key"], "gone");
+        assert_eq!(rows[0]["scope"], "s");
+        assert_eq!(rows[0]["problem"], "stuck");
+        // A completed record whose metadata names an unknown completion kind.
+        records::completed(store.clone(), &records::id("s", "bad")).await;
+        sqlx::query(&format!(
+            "UPDATE {}.records SET meta = set_byte(meta, 1, 9) WHERE key = 'bad'",
+            store.quoted_schema()
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let (code, out, _) = cmd(&["stats", "--stuck-after", "0", "--json"]);
+        assert_eq!(code, 0);
+        let doc = super::json(&out);
+        assert_eq!(
+            (doc["stuck"].as_u64(), doc["succeeded"].as_u64()),
+            (Some(1), Some(1)),
+            "{doc}"
+        );
+        assert_eq!(doc["corrupt"], 1, "{doc}");
+        assert_eq!(doc["foreign"], serde_json::Value::Null, "{doc}");
+        let (code, _, err) = cmd(&["inspect", "bad", "--scope", "s"]);
+        assert_eq!(code, 4, "{err}");
+        assert!(err.contains("unknown completion kind"), "{err}");
+        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        let problems: Vec<(&str, &str)> = doc["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["key"].as_str().unwrap(), r["problem"].as_str().unwrap()))
+            .collect();
+        assert_eq!(problems, [("gone", "stuck"), ("bad", "corrupt")], "{doc}");
+
+        let (code, out, err) = cmd(&["purge", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(super::json(&out)["purged"], 1);
+        let (_, out, _) = cmd(&["purge"]);
+        assert!(out.contains("purged 0 expired records"), "{out}");
+
+        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .execute(&pool)
+            .await;
+    }
+}
+
+mod errors {
+    //! Errors that name the cause and the fix; `--json` errors as JSON.
+
+    #[test]
+    fn wrong_ports_and_schemes_say_what_to_do() {
+        let Some((redis, postgres)) = super::both_urls() else {
+            return;
+        };
+        let port = |url: &str| {
+            let rest = url.split_once("://").unwrap().1;
+            let authority = rest.split('/').next().unwrap();
+            let hostport = authority.rsplit('@').next().unwrap();
+            hostport.rsplit_once(':').unwrap().1.parse::<u16>().unwrap()
+        };
+        let (redis_port, pg_port) = (port(&redis), port(&postgres));
+
+        let (code, _, err) =
+            super::run(&["stats", "--store", &format!("redis://127.0.0.1:{pg_port}")]);
+        assert_eq!(code, 3, "{err}");
+        assert!(
+            err.contains("speaks PostgreSQL and this URL expects Redis"),
+            "{err}"
+        );
+        assert!(err.contains("use postgres://"), "{err}");
+
+        let (code, _, err) = super::run(&[
+            "stats",
+            "--store",
+            &format!("postgres://postgres@127.0.0.1:{redis_port}/test"),
+        ]);
+        assert_eq!(code, 3, "{err}");
+        assert!(
+            err.contains("speaks Redis and this URL expects PostgreSQL"),
+            "{err}"
+        );
+
+        let closed = idem_testkit::harness::free_port();
+        for url in [
+            format!("postgres://postgres@127.0.0.1:{closed}/test"),
+            format!("redis://127.0.0.1:{closed}"),
+        ] {
+            let (code, _, err) = super::run(&["stats", "--store", &url, "--json"]);
+            assert_eq!(code, 3, "{err}");
+            let doc = super::json(&err);
+            assert_eq!(doc["error"]["kind"], "open");
+            assert_eq!(doc["error"]["exit_code"], 3);
+            let message = doc["error"]["message"].as_str().unwrap();
+            assert!(message.contains("connection refused"), "{message}");
+            assert!(message.contains("start the server"), "{message}");
+        }
+
+        // A port that accepts connections and never answers: a timeout, said as such.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent_port = silent.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in silent.incoming().flatten() {
+                held.push(stream);
+            }
+        });
+        for url in [
+            format!("redis://127.0.0.1:{silent_port}"),
+            format!("postgres://postgres@127.0.0.1:{silent_port}/test"),
+        ] {
+            let (code, _, err) = super::run(&["stats", "--store", &url]);
+            assert_eq!(code, 3, "{err}");
+            assert!(
+                err.contains("answered nothing in time (timed out)"),
+                "{url}: {err}"
+            );
+        }
+
+        // Usage errors are JSON too with --json, and exit 2.
+        let (code, out, err) = super::run(&["stats", "--timeout", "soon", "--json"]);
+        assert_eq!((code, out.as_str()), (2, ""), "{err}");
+        let doc = super::json(&err);
+        assert_eq!(doc["error"]["kind"], "usage");
+        assert!(doc["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--timeout"));
+        let (code, _, err) = super::run(&["inspect", "k", "--json"]);
+        assert_eq!(code, 2);
+        assert_eq!(super::json(&err)["error"]["kind"], "unsupported");
+    }
+
+    #[test]
+    fn the_store_and_its_names_come_from_the_shared_variables() {
+        let Some(redis) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        let prefix = format!("ops-env-{}:", uuid::Uuid::new_v4().simple());
+        let (code, out, err) = super::run_with(
+            &["stats", "--json"],
+            &[("IDEM_STORE", &redis), ("IDEM_PREFIX", &prefix)],
+        );
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(super::json(&out)["keys_read"], 0);
+        let (_, help, _) = super::run(&["stats", "--help"]);
+        for var in ["IDEM_STORE", "IDEM_PREFIX", "IDEM_SCHEMA"] {
+            assert!(help.contains(var), "{help}");
+        }
+    }
+}
+
+mod tiered_evict {
+    //! `evict` through a `tiered:` URL, in a schema and prefix of its own.
+
+    use idem_core::Store as _;
+    use idemkit::outbox::TieredStore;
+    use idemkit::postgres::PgStore;
+    use idemkit::redis::RedisStore;
+    use redis::AsyncCommands as _;
+
+    use super::records;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn evict_deletes_both_tiers_and_the_outbox_rows() {
+        let Some((redis_url, pg_url)) = super::both_urls() else {
+            return;
+        };
+        let schema = idem_testkit::harness::unique_name("idem_ops_");
+        let prefix = format!("ops-{}:", uuid::Uuid::new_v4().simple());
+        let url = format!("tiered:{redis_url}|{pg_url}");
+        let cmd = |args: &[&str]| {
+            let mut all = args.to_vec();
+            all.extend(["--store", &url, "--schema", &schema, "--prefix", &prefix]);
+            super::run(&all)
+        };
+        let (code, out, err) = cmd(&["migrate", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(super::json(&out)["applied"], serde_json::json!([1, 1001]));
+
+        let pg = PgStore::connect(&pg_url)
+            .await
+            .unwrap()
+            .with_schema(&schema)
+            .unwrap();
+        let redis = RedisStore::builder(redis_url.as_str())
+            .with_prefix(prefix.clone())
+            .connect()
+            .await
+            .unwrap();
+        let tiered = TieredStore::new(redis.clone(), pg.clone());
+        let id = records::id("s", "paid");
+        records::completed(tiered.clone(), &id).await;
+        let outbox_rows = || async {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM {}.outbox WHERE key = 'paid'",
+                pg.quoted_schema()
+            ))
+            .fetch_one(pg.pool())
+            .await
+            .unwrap()
+        };
+        // Completed in both tiers, its outbox row not yet relayed (no relay runs here).
+        assert!(redis.get(&id).await.unwrap().is_some());
+        assert!(pg.get(&id).await.unwrap().is_some());
+        assert_eq!(outbox_rows().await, 1);
+
+        // A corrupt value in the Redis tier: counted and listed, with PostgreSQL's states.
+        let client = redis::Client::open(redis_url.as_str()).unwrap();
+        let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+        let broken = records::id("s", "broken");
+        let _: () = raw.set(redis.record_key(&broken), "garbage").await.unwrap();
+        let (code, out, err) = cmd(&["stats", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(
+            (doc["succeeded"].as_u64(), doc["corrupt"].as_u64()),
+            (Some(1), Some(1)),
+            "{doc}"
+        );
+        let (code, out, err) = cmd(&["stuck", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let doc = super::json(&out);
+        assert_eq!(doc["records"][0]["key"], "broken", "{doc}");
+        assert_eq!(doc["records"][0]["problem"], "corrupt", "{doc}");
+        let _: () = raw.del(redis.record_key(&broken)).await.unwrap();
+
+        let (code, out, err) = cmd(&["evict", "paid", "--scope", "s"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(out, "evicted key \"paid\" in scope \"s\"\n");
+        assert!(redis.get(&id).await.unwrap().is_none(), "left in Redis");
+        assert!(pg.get(&id).await.unwrap().is_none(), "left in PostgreSQL");
+        assert_eq!(outbox_rows().await, 0, "outbox rows left for the relay");
+
+        let _ = sqlx::query(&format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            pg.quoted_schema()
+        ))
+        .execute(pg.pool())
+        .await;
+        let _: () = raw.del(redis.record_key(&id)).await.unwrap();
     }
 }

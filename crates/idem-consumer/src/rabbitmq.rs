@@ -489,18 +489,10 @@ impl Settle {
         };
         drop(slot);
         match decision {
-            Delivery::Ack(_) => match delivery.acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => Settled::Acked,
-                // `Ok(false)`: the channel is gone (lapin poisons its ackers).
-                Ok(false) => {
-                    tracing::warn!("channel closed before the ack; the broker will redeliver");
-                    Settled::Unsettled
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "ack failed; the broker will redeliver");
-                    Settled::Unsettled
-                }
-            },
+            Delivery::Ack(_) => {
+                let acked = delivery.acker.ack(BasicAckOptions::default()).await;
+                settled(acked, "ack", Settled::Acked)
+            }
             Delivery::Requeue { after, .. } => self.requeue(&delivery, after).await,
             Delivery::Nack { after, attempt, .. } => {
                 let mut headers = headers_of(&delivery);
@@ -609,17 +601,7 @@ impl Settle {
             requeue: true,
             ..BasicNackOptions::default()
         };
-        match delivery.acker.nack(nack).await {
-            Ok(true) => Settled::Requeued,
-            Ok(false) => {
-                tracing::warn!("channel closed before the nack; the broker will redeliver");
-                Settled::Unsettled
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "nack failed; the broker will redeliver");
-                Settled::Unsettled
-            }
-        }
+        settled(delivery.acker.nack(nack).await, "nack", Settled::Requeued)
     }
 }
 
@@ -679,6 +661,23 @@ pub fn with_idempotency_key(
     properties.with_headers(headers)
 }
 
+/// What an ack or nack (`what`) that answered `result` settled: `done` when the broker got
+/// it; otherwise nothing, and the broker will redeliver.
+fn settled(result: Result<bool, lapin::Error>, what: &str, done: Settled) -> Settled {
+    match result {
+        Ok(true) => done,
+        // `Ok(false)`: the channel is gone (lapin poisons its ackers).
+        Ok(false) => {
+            tracing::warn!("channel closed before the {what}; the broker will redeliver");
+            Settled::Unsettled
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "{what} failed; the broker will redeliver");
+            Settled::Unsettled
+        }
+    }
+}
+
 fn headers_of(delivery: &AmqpDelivery) -> FieldTable {
     delivery.properties.headers().clone().unwrap_or_default()
 }
@@ -692,43 +691,30 @@ fn copy_properties(
     headers: FieldTable,
     expiration: Option<ShortString>,
 ) -> BasicProperties {
-    let mut out = BasicProperties::default()
-        .with_headers(headers)
-        .with_delivery_mode(2);
-    if let Some(v) = expiration {
-        out = out.with_expiration(v);
+    /// `set` with the original's value, when it has one.
+    fn keep<T: Clone>(
+        out: BasicProperties,
+        value: &Option<T>,
+        set: fn(BasicProperties, T) -> BasicProperties,
+    ) -> BasicProperties {
+        match value {
+            Some(v) => set(out, v.clone()),
+            None => out,
+        }
     }
-    if let Some(v) = p.content_type() {
-        out = out.with_content_type(v.clone());
-    }
-    if let Some(v) = p.content_encoding() {
-        out = out.with_content_encoding(v.clone());
-    }
-    if let Some(v) = p.priority() {
-        out = out.with_priority(*v);
-    }
-    if let Some(v) = p.correlation_id() {
-        out = out.with_correlation_id(v.clone());
-    }
-    if let Some(v) = p.reply_to() {
-        out = out.with_reply_to(v.clone());
-    }
-    if let Some(v) = p.message_id() {
-        out = out.with_message_id(v.clone());
-    }
-    if let Some(v) = p.timestamp() {
-        out = out.with_timestamp(*v);
-    }
-    if let Some(v) = p.kind() {
-        out = out.with_type(v.clone());
-    }
-    if let Some(v) = p.app_id() {
-        out = out.with_app_id(v.clone());
-    }
-    if let Some(v) = p.cluster_id() {
-        out = out.with_cluster_id(v.clone());
-    }
-    out
+    type P = BasicProperties;
+    let out = P::default().with_headers(headers).with_delivery_mode(2);
+    let out = keep(out, &expiration, P::with_expiration);
+    let out = keep(out, p.content_type(), P::with_content_type);
+    let out = keep(out, p.content_encoding(), P::with_content_encoding);
+    let out = keep(out, p.priority(), P::with_priority);
+    let out = keep(out, p.correlation_id(), P::with_correlation_id);
+    let out = keep(out, p.reply_to(), P::with_reply_to);
+    let out = keep(out, p.message_id(), P::with_message_id);
+    let out = keep(out, p.timestamp(), P::with_timestamp);
+    let out = keep(out, p.kind(), P::with_type);
+    let out = keep(out, p.app_id(), P::with_app_id);
+    keep(out, p.cluster_id(), P::with_cluster_id)
 }
 
 /// A queue name or tag as an AMQP short string, refused (not panicking) past 255 bytes.
@@ -737,4 +723,44 @@ fn short(what: &'static str, name: &str) -> Result<ShortString, Error> {
         what,
         name: name.to_owned(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy keeps every property of the original but `user-id`, is persistent, and takes
+    /// the headers and expiration it is given.
+    #[test]
+    fn copies_keep_the_properties_but_user_id() {
+        // What a copy keeps as it is.
+        let kept = |p: BasicProperties| {
+            p.with_content_type("application/json".into())
+                .with_content_encoding("gzip".into())
+                .with_priority(7)
+                .with_correlation_id("corr".into())
+                .with_reply_to("replies".into())
+                .with_message_id("msg-1".into())
+                .with_timestamp(1_700_000_000)
+                .with_type("payment".into())
+                .with_app_id("shop".into())
+                .with_cluster_id("c1".into())
+        };
+        let original = kept(BasicProperties::default())
+            .with_delivery_mode(1)
+            .with_expiration("60000".into())
+            .with_user_id("someone".into());
+        let mut headers = FieldTable::default();
+        headers.insert("x-idem-attempt".into(), AMQPValue::LongLongInt(2));
+        let copy = copy_properties(&original, headers.clone(), Some("500".into()));
+        let expected = kept(BasicProperties::default())
+            .with_headers(headers.clone())
+            .with_delivery_mode(2)
+            .with_expiration("500".into());
+        assert_eq!(copy, expected);
+        // No expiration given: the original's is not kept.
+        let copy = copy_properties(&original, headers, None);
+        assert_eq!(copy.expiration(), &None);
+        assert_eq!(copy.user_id(), &None);
+    }
 }

@@ -27,6 +27,24 @@ fn consumer(store: MemoryStore, policy: Policy) -> Consumer {
     Consumer::new(Idem::new(store), scope()).with_policy(policy)
 }
 
+/// Asserts that the handler ran (as `attempt`) and the message is acked with its `value`.
+fn assert_executed(d: &Delivery<u32>, value: u32, attempt: u32) {
+    assert!(
+        matches!(d, Delivery::Ack(Outcome::Executed { value: v, attempt: a }) if (*v, *a) == (value, attempt)),
+        "expected the work run as attempt {attempt} with value {value}, got {d:?}"
+    );
+}
+
+/// A consumer on a store whose clock the test moves, with leases of 10 s.
+fn on_a_manual_clock(policy: Policy) -> (ManualClock, Idem, Consumer) {
+    let clock = ManualClock::new();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let config = Config::default().with_lease(Duration::from_secs(10));
+    let idem = Idem::from_arc(store).with_config(config);
+    let c = Consumer::new(idem.clone(), scope()).with_policy(policy);
+    (clock, idem, c)
+}
+
 /// A handler that counts its runs and returns `result`.
 async fn counted(
     runs: &AtomicU32,
@@ -42,13 +60,7 @@ async fn duplicates_are_acked_with_the_stored_value_and_do_not_run_again() {
     let runs = AtomicU32::new(0);
     let m = msg("order-1", r#"{"amount": 5}"#);
     let first = c.process(&m, |_| counted(&runs, Ok(7))).await;
-    assert!(matches!(
-        first,
-        Delivery::Ack(Outcome::Executed {
-            value: 7,
-            attempt: 1
-        })
-    ));
+    assert_executed(&first, 7, 1);
     for _ in 0..3 {
         let again = c.process(&m, |_| counted(&runs, Ok(8))).await;
         assert!(matches!(again, Delivery::Ack(Outcome::Replayed(7))));
@@ -156,13 +168,7 @@ async fn transient_failures_are_nacked_with_backoff_then_succeed_once() {
         m = m.with_header(ATTEMPT_HEADER, attempt);
     }
     let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
-    assert!(matches!(
-        d,
-        Delivery::Ack(Outcome::Executed {
-            value: 1,
-            attempt: 3
-        })
-    ));
+    assert_executed(&d, 1, 3);
     let dup = c.process(&m, |_| counted(&runs, Ok(2))).await;
     assert!(matches!(dup, Delivery::Ack(Outcome::Replayed(1))));
     assert_eq!(runs.load(Ordering::SeqCst), 3);
@@ -212,47 +218,58 @@ async fn a_handler_that_always_fails_is_dead_lettered_after_max_attempts_never_a
     }
 }
 
-#[tokio::test]
-async fn terminal_failures_follow_the_policy() {
-    let fail = |runs: &AtomicU32| {
+/// A message whose work fails for good, delivered twice under `on_terminal`: both
+/// decisions. Asserts that the duplicate ran the work again only where the key was
+/// released (`DeadLetter`).
+async fn terminal_failure_twice(on_terminal: OnTerminal) -> [Delivery<u8>; 2] {
+    let c = consumer(
+        MemoryStore::new(),
+        Policy::default().with_on_terminal(on_terminal),
+    );
+    let m = msg("k", "{}");
+    let runs = AtomicU32::new(0);
+    let fail = || {
         runs.fetch_add(1, Ordering::SeqCst);
         async { Err::<u8, _>(Failure::Terminal("card declined")) }
     };
+    let first = c.process(&m, |_| fail()).await;
+    let duplicate = c.process(&m, |_| fail()).await;
+    let expected_runs = if on_terminal == OnTerminal::DeadLetter {
+        2
+    } else {
+        1
+    };
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        expected_runs,
+        "{on_terminal:?}"
+    );
+    [first, duplicate]
+}
 
+#[tokio::test]
+async fn terminal_failures_follow_the_policy() {
     // DeadLetter: the key is released, so a duplicate runs (and fails) again.
-    let c = consumer(MemoryStore::new(), Policy::default());
-    let runs = AtomicU32::new(0);
-    let m = msg("k", "{}");
-    for _ in 0..2 {
-        let d = c.process(&m, |_| fail(&runs)).await;
+    for d in terminal_failure_twice(OnTerminal::DeadLetter).await {
         assert!(
             matches!(&d, Delivery::DeadLetter { reason: DeadLetterReason::Terminal { error, stored: false }, attempt: 1 } if error == "card declined"),
             "{d:?}"
         );
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // StoreAndAck: acked with the failure; a duplicate is acked without running.
-    let policy = Policy::default().with_on_terminal(OnTerminal::StoreAndAck);
-    let c = consumer(MemoryStore::new(), policy);
-    let runs = AtomicU32::new(0);
-    let d = c.process(&m, |_| fail(&runs)).await;
+    let [d, duplicate] = terminal_failure_twice(OnTerminal::StoreAndAck).await;
     assert!(
         matches!(&d, Delivery::Ack(Outcome::Failed { error, attempt: 1 }) if error == "card declined"),
         "{d:?}"
     );
-    let d = c.process(&m, |_| fail(&runs)).await;
     assert!(
-        matches!(&d, Delivery::Ack(Outcome::FailedBefore(e)) if e == "card declined"),
-        "{d:?}"
+        matches!(&duplicate, Delivery::Ack(Outcome::FailedBefore(e)) if e == "card declined"),
+        "{duplicate:?}"
     );
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     // StoreAndDeadLetter: dead-lettered once; a duplicate is acked without running.
-    let policy = Policy::default().with_on_terminal(OnTerminal::StoreAndDeadLetter);
-    let c = consumer(MemoryStore::new(), policy);
-    let runs = AtomicU32::new(0);
-    let d = c.process(&m, |_| fail(&runs)).await;
+    let [d, duplicate] = terminal_failure_twice(OnTerminal::StoreAndDeadLetter).await;
     assert!(
         matches!(
             &d,
@@ -263,12 +280,10 @@ async fn terminal_failures_follow_the_policy() {
         ),
         "{d:?}"
     );
-    let d = c.process(&m, |_| fail(&runs)).await;
     assert!(
-        matches!(&d, Delivery::Ack(Outcome::FailedBefore(_))),
-        "{d:?}"
+        matches!(&duplicate, Delivery::Ack(Outcome::FailedBefore(_))),
+        "{duplicate:?}"
     );
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
@@ -383,12 +398,7 @@ async fn a_store_that_is_down_means_requeue_and_the_handler_never_runs_unguarded
 
 #[tokio::test]
 async fn a_message_whose_consumers_keep_crashing_is_dead_lettered_without_running_again() {
-    let clock = ManualClock::new();
-    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
-    let config = Config::default().with_lease(Duration::from_secs(10));
-    let idem = Idem::from_arc(store).with_config(config);
-    let policy = Policy::default().with_max_attempts(3);
-    let c = Consumer::new(idem.clone(), scope()).with_policy(policy);
+    let (clock, idem, c) = on_a_manual_clock(Policy::default().with_max_attempts(3));
     let m = msg("poison", "{}");
     let (id, fp) = c.identify(&m).unwrap();
     // Three consumers took the key and died holding it.
@@ -414,11 +424,7 @@ async fn a_message_whose_consumers_keep_crashing_is_dead_lettered_without_runnin
 
 #[tokio::test]
 async fn a_takeover_counts_as_an_attempt_and_a_live_holder_means_requeue() {
-    let clock = ManualClock::new();
-    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
-    let config = Config::default().with_lease(Duration::from_secs(10));
-    let idem = Idem::from_arc(store).with_config(config);
-    let c = Consumer::new(idem.clone(), scope());
+    let (clock, idem, c) = on_a_manual_clock(Policy::default());
     let m = msg("crashed", "{}");
     let (id, fp) = c.identify(&m).unwrap();
     let Begin::Acquired(_) = idem.begin(&id, fp).await.unwrap() else {
@@ -440,16 +446,7 @@ async fn a_takeover_counts_as_an_attempt_and_a_live_holder_means_requeue() {
     // The holder died: after its lease, the key is taken over as attempt 2.
     clock.advance(Duration::from_secs(3));
     let d = c.process(&m, |_| counted(&runs, Ok(1))).await;
-    assert!(
-        matches!(
-            d,
-            Delivery::Ack(Outcome::Executed {
-                value: 1,
-                attempt: 2
-            })
-        ),
-        "{d:?}"
-    );
+    assert_executed(&d, 1, 2);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 

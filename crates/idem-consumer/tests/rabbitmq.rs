@@ -56,6 +56,18 @@ mod rabbitmq {
             .with_expires(Duration::from_secs(300))
     }
 
+    /// What a broker test starts from: the broker's URL, the test's own connection (keep it
+    /// open while the test runs), a channel of [`admin_channel`] on it, and fresh queues of
+    /// [`topology`] named after the test, declared. `None` when no broker is configured.
+    async fn broker(test: &str) -> Option<(String, Connection, Channel, Topology)> {
+        let url = amqp_url()?;
+        let conn = connect(&url).await;
+        let admin = admin_channel(&conn).await;
+        let topology = topology(test);
+        topology.declare(&admin).await.expect("declare");
+        Some((url, conn, admin, topology))
+    }
+
     /// A channel with publisher confirms, for the test's own publishing and inspection.
     async fn admin_channel(conn: &Connection) -> Channel {
         let channel = conn.create_channel().await.expect("channel");
@@ -171,12 +183,10 @@ mod rabbitmq {
     /// times.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn duplicates_and_redeliveries_have_their_effect_exactly_once() {
-        let Some(url) = amqp_url() else { return };
+        let Some((url, _conn, admin, topology)) = broker("exactly-once").await else {
+            return;
+        };
         const N: u32 = 40;
-        let admin_conn = connect(&url).await;
-        let admin = admin_channel(&admin_conn).await;
-        let topology = topology("exactly-once");
-        topology.declare(&admin).await.expect("declare");
         for copy in 0..3 {
             for i in 0..N {
                 // The third round publishes in reverse, so copies meet each other mid-flight.
@@ -317,11 +327,9 @@ mod rabbitmq {
     /// acked silently.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        let Some(url) = amqp_url() else { return };
-        let admin_conn = connect(&url).await;
-        let admin = admin_channel(&admin_conn).await;
-        let topology = topology("retries");
-        topology.declare(&admin).await.expect("declare");
+        let Some((url, _conn, admin, topology)) = broker("retries").await else {
+            return;
+        };
         let flaky: Vec<String> = (0..5).map(|i| format!("flaky-{i}")).collect();
         let broken: Vec<String> = (0..3).map(|i| format!("broken-{i}")).collect();
         for key in flaky.iter().chain(&broken) {
@@ -452,12 +460,10 @@ mod rabbitmq {
     /// deliveries, and hands the deliveries not started back to the queue.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_finishes_the_work_in_progress_and_returns_the_rest() {
-        let Some(url) = amqp_url() else { return };
+        let Some((url, _conn, admin, topology)) = broker("shutdown").await else {
+            return;
+        };
         const N: usize = 12;
-        let admin_conn = connect(&url).await;
-        let admin = admin_channel(&admin_conn).await;
-        let topology = topology("shutdown");
-        topology.declare(&admin).await.expect("declare");
         for i in 0..N {
             publish(&admin, &topology.queue, &format!("job-{i}"), "{}").await;
         }
@@ -745,13 +751,11 @@ mod rabbitmq {
     /// none is lost.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_killed_consumer_process_loses_nothing() {
-        let Some(url) = amqp_url() else { return };
+        let Some((url, _conn, admin, topology)) = broker("crash").await else {
+            return;
+        };
         const N: u32 = 20;
         const QUICK: u32 = 6;
-        let admin_conn = connect(&url).await;
-        let admin = admin_channel(&admin_conn).await;
-        let topology = topology("crash");
-        topology.declare(&admin).await.expect("declare");
         for _copy in 0..2 {
             for i in 0..N {
                 publish(

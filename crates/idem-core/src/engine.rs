@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordId;
+use crate::orphan::Orphans;
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
 use crate::store::{Begin, BeginRequest, Store};
 use crate::telemetry::{Instrumented, KeyHash};
@@ -24,6 +25,21 @@ pub enum FailurePolicy {
     Release,
     /// Store the failure, and replay it to every retry like a success.
     Store,
+}
+
+/// What [`Idem::run_with_heartbeat`] does with the work when it finds the lease lost (taken
+/// over after it expired, or evicted by an operator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnLost {
+    /// Drop the work at its next `.await` and return the error (the default): for work
+    /// whose later steps would race the new holder.
+    #[default]
+    Cancel,
+    /// Stop renewing and let the work run to its end: for work that must not stop halfway,
+    /// such as an HTTP handler whose client waits for an answer. Storing its outcome then
+    /// finds [`Error::LeaseLost`].
+    Finish,
 }
 
 /// Settings of an [`Idem`]. Every field has a documented default, and a `with_*` setter:
@@ -47,6 +63,11 @@ pub struct Config {
     pub failure: FailurePolicy,
     /// The longest any one store call may take before it counts as
     /// [`Error::Unavailable`]. Default: 5 s.
+    ///
+    /// A `begin` that fails this way may still reach the store (a paused server runs it
+    /// when it resumes) and hold its key under a token nobody has: the engine then releases
+    /// that claim by its token in the background, retrying with backoff until the store
+    /// answers, so retries of the key are not answered in flight for a whole lease.
     pub store_timeout: Duration,
 }
 
@@ -92,6 +113,8 @@ pub struct Idem {
     /// The same store, reporting every call (spans and metrics; see [`crate::telemetry`]).
     calls: Instrumented,
     config: Config,
+    /// Claims of begins that failed as unavailable, given back in the background.
+    orphans: Orphans,
 }
 
 /// What [`Idem::execute_once`] did.
@@ -160,6 +183,7 @@ impl Idem {
             calls: Instrumented::new(store.clone()).with_timeout(config.store_timeout),
             store,
             config,
+            orphans: Orphans::new(),
         }
     }
 
@@ -188,7 +212,8 @@ impl Idem {
     /// # Errors
     ///
     /// Store errors; [`Error::Unavailable`] when a store call takes longer than
-    /// [`Config::store_timeout`].
+    /// [`Config::store_timeout`] (the claim it may have made is released in the background;
+    /// see there).
     pub async fn begin(&self, id: &RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
         let token = FencingToken::random();
         let give_up = self.config.wait.map(|w| {
@@ -206,7 +231,13 @@ impl Idem {
                 lease: self.config.lease,
                 retention: self.config.retention,
             };
-            let answer = self.calls.begin(req).await?;
+            let answer = self.calls.begin(req).await.inspect_err(|e| {
+                if e.is_retryable() {
+                    let (lease, limit) = (self.config.lease, self.config.store_timeout);
+                    let store = self.store.clone();
+                    self.orphans.release_later(store, id, token, lease, limit);
+                }
+            })?;
             let (Begin::InFlight { retry_after }, Some(give_up)) = (&answer, give_up) else {
                 return Ok(answer);
             };
@@ -275,9 +306,10 @@ impl Idem {
     /// Runs `work` at most once per key and hands every later call its stored value: the
     /// helper for message consumers and plain functions. The value is stored as JSON.
     ///
-    /// While `work` runs, the lease is extended every third of [`Config::lease`]; if an
-    /// extension finds the lease lost, `work` is dropped at its next `.await` and
-    /// [`Error::LeaseLost`] is returned.
+    /// While `work` runs, the lease is extended every third of [`Config::lease`]
+    /// ([`Idem::run_with_heartbeat`] with [`OnLost::Cancel`]); if an extension finds the
+    /// lease lost, `work` is dropped at its next `.await` and [`Error::LeaseLost`] is
+    /// returned.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -325,7 +357,9 @@ impl Idem {
             Begin::Mismatch => return Ok(Once::Mismatch),
         };
         let attempt = lease.attempt();
-        let (lease, outcome) = self.run_with_heartbeat(lease.clone(), work(lease)).await?;
+        let (lease, outcome) = self
+            .run_with_heartbeat(lease.clone(), OnLost::Cancel, work(lease))
+            .await?;
         match outcome {
             Ok(value) => {
                 let body = match serde_json::to_vec(&value) {
@@ -355,15 +389,46 @@ impl Idem {
         }
     }
 
-    /// Drives `work` while renewing `lease`; returns the latest lease with the work's output.
+    /// Drives `work` while renewing `lease` every third of [`Config::lease`]: the one
+    /// heartbeat of idem, used by [`Idem::execute_once`], the HTTP layer and anyone holding
+    /// a lease over long work. Returns the latest lease (renewed) with the work's output.
     ///
-    /// A heartbeat that fails for a retryable reason (the store briefly unavailable, a call
-    /// over its time limit) is tried again at the next beat while the lease still has time
-    /// left by the local estimate: a hiccup must not cancel work halfway through. The work
-    /// is dropped only when the lease is lost, or when it ran out without a renewal.
-    async fn run_with_heartbeat<O>(
+    /// A renewal that fails for a retryable reason (the store briefly unavailable, a call
+    /// over its time limit) is tried again at the next beat: a hiccup must not stop work
+    /// halfway. When the lease is lost (taken over or evicted), or ran out without a
+    /// renewal, `on_lost` decides:
+    ///
+    /// - [`OnLost::Cancel`]: `work` is dropped at its next `.await` and the error returned;
+    /// - [`OnLost::Finish`]: renewing stops and `work` runs to its end; this never returns an
+    ///   error, and storing the outcome afterwards finds [`Error::LeaseLost`].
+    ///
+    /// The work finishing wins over a heartbeat due at the same moment.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_core::Error> {
+    /// use idem_core::{Begin, Fingerprint, Idem, Key, MemoryStore, OnLost, RecordId, Response, Scope};
+    ///
+    /// let idem = Idem::new(MemoryStore::new());
+    /// let id = RecordId::new(Scope::new("reports").unwrap(), Key::new("2025-q1").unwrap());
+    /// let Begin::Acquired(lease) = idem.begin(&id, Fingerprint::of_bytes(b"q1")).await? else {
+    ///     unreachable!("a fresh key")
+    /// };
+    /// let (lease, report) = idem
+    ///     .run_with_heartbeat(lease, OnLost::Cancel, async { "a long report" })
+    ///     .await?;
+    /// idem.complete(&lease, Response::new(200, report)).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Under [`OnLost::Cancel`]: [`Error::LeaseLost`] when the lease was lost; the last
+    /// renewal's error when the lease ran out without a renewal. Under [`OnLost::Finish`]:
+    /// none.
+    pub async fn run_with_heartbeat<O>(
         &self,
         mut lease: Lease,
+        on_lost: OnLost,
         work: impl Future<Output = O>,
     ) -> Result<(Lease, O), Error> {
         let every = (self.config.lease / 3).max(Duration::from_millis(1));
@@ -381,12 +446,24 @@ impl Idem {
                 out = &mut work => return Ok((lease, out)),
                 renewed = beat => match renewed {
                     Ok(renewed) => lease = renewed,
-                    Err(e) if e.is_retryable() && !lease.remaining().is_zero() => {
+                    // Finish keeps trying past the local deadline: a lease nobody took
+                    // over still renews.
+                    Err(e) if e.is_retryable()
+                        && (on_lost == OnLost::Finish || !lease.remaining().is_zero()) =>
+                    {
                         tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e, "lease renewal failed; trying again");
                     }
-                    // Lost, or expired without a renewal: the work future is dropped with
-                    // this frame.
-                    Err(e) => return Err(e),
+                    Err(e) => match on_lost {
+                        // Lost, or expired without a renewal: the work future is dropped
+                        // with this frame.
+                        OnLost::Cancel => return Err(e),
+                        OnLost::Finish => {
+                            tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e,
+                                "lease lost while the work ran; it runs to its end unrenewed");
+                            let out = work.await;
+                            return Ok((lease, out));
+                        }
+                    },
                 },
             }
         }

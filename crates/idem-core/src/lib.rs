@@ -79,6 +79,7 @@ mod error;
 mod fingerprint;
 mod key;
 mod memory;
+mod orphan;
 mod record;
 mod store;
 pub mod telemetry;
@@ -86,11 +87,11 @@ pub mod transition;
 pub mod url;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{Config, Failure, FailurePolicy, Idem, Once, OnceError};
+pub use engine::{Config, Failure, FailurePolicy, Idem, OnLost, Once, OnceError};
 pub use error::{BoxError, Error};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection};
 pub use key::{Key, KeyError, RecordId, Scope, MAX_KEY_LEN, MAX_SCOPE_LEN};
-pub use memory::MemoryStore;
+pub use memory::{CapacityError, MemoryCapacity, MemoryStore, RECORD_OVERHEAD};
 pub use record::{
     decode_meta, encode_meta, Completion, CompletionKind, DecodeError, FencingToken, Lease, Record,
     RecordState, Replay, Response,

@@ -1,33 +1,110 @@
 //! The embedded in-memory store: the default for a single process and the reference
 //! implementation of the [`Store`] contract.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::Error;
-use crate::fingerprint::Fingerprint;
 use crate::key::{RecordId, Scope};
-use crate::record::{Completion, CompletionKind, FencingToken, Lease, Record, RecordState, Replay};
+use crate::record::{Completion, CompletionKind, Lease, Record, RecordState, Replay};
 use crate::store::{Begin, BeginRequest, Stats, Store};
 use crate::transition::{decide_begin, BeginStep, Found};
+
+mod slot;
+
+use slot::Slot;
 
 const SHARDS: usize = 32;
 /// Expired records removed per write, at most: enough to outpace inserts (one per `begin`)
 /// while keeping every call's work bounded.
 const SWEEP_PER_WRITE: usize = 16;
+/// What a record costs beyond its own bytes, as [`MemoryCapacity::bytes`] counts it: its
+/// slot in the hash table and its entry in the expiry index (about 48 bytes measured with
+/// `idem-bench --phases memory`, the tables' spare room included).
+pub const RECORD_OVERHEAD: usize = 48;
 
-/// A [`Store`] in the process's memory, sharded to keep lock contention low.
+/// How much a [`MemoryStore`] may hold. Both bounds apply; the first one reached counts.
+///
+/// At the bound, expired records are dropped first; if that frees no room, a `begin` on a
+/// new key is refused with [`Error::Unavailable`] (a [`CapacityError`] inside: over HTTP,
+/// a 503 with `Retry-After`), while the keys already held keep working: a `begin` that finds
+/// its record (replay, in flight, mismatch, takeover), `complete`, `release` and `extend`.
+/// A completion is stored even when it takes the store past [`MemoryCapacity::bytes`]
+/// (refusing it would leave work done and unrecorded), so the bytes held can exceed the
+/// bound by the completions of the leases in flight when it was reached; new keys are
+/// refused until the store is back under it. Memory stays bounded: nothing grows without a
+/// new key, and new keys stop at the bound.
+///
+/// ```
+/// use idem_core::{MemoryCapacity, MemoryStore};
+/// let store = MemoryStore::new()
+///     .with_capacity(MemoryCapacity::default().with_records(10_000).with_bytes(64 << 20));
+/// assert_eq!(store.capacity().records, 10_000);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, derive_setters::Setters)]
+#[setters(prefix = "with_")]
+#[non_exhaustive]
+pub struct MemoryCapacity {
+    /// Records held at most, expired ones not yet swept included. Default: 1,000,000.
+    pub records: usize,
+    /// Bytes held at most: each record counts its scope, key, fingerprint, lease, and the
+    /// status, headers and body of its completion, plus [`RECORD_OVERHEAD`]. Default: 1 GiB.
+    /// The process's resident memory for the records is close to this count (measured with
+    /// `idem-bench --phases memory`).
+    pub bytes: usize,
+}
+
+impl Default for MemoryCapacity {
+    fn default() -> Self {
+        Self {
+            records: 1_000_000,
+            bytes: 1 << 30,
+        }
+    }
+}
+
+/// A [`MemoryStore`] at its [`MemoryCapacity`] refused a new key. It reaches callers as the
+/// source of an [`Error::Unavailable`]: retry later, once records expire, or raise the
+/// capacity.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "full: it holds {records} records in {bytes} bytes, and its capacity is {} records or {} \
+     bytes, so new keys are refused until records expire (keys already held still complete \
+     and replay); raise the capacity with MemoryStore::with_capacity(MemoryCapacity::default()\
+     .with_records(..).with_bytes(..))",
+    capacity.records,
+    capacity.bytes
+)]
+#[non_exhaustive]
+pub struct CapacityError {
+    /// Records held when the key was refused.
+    pub records: usize,
+    /// Bytes held when the key was refused, as [`MemoryCapacity::bytes`] counts them.
+    pub bytes: usize,
+    /// The store's capacity.
+    pub capacity: MemoryCapacity,
+}
+
+/// A [`Store`] in the process's memory, sharded to keep lock contention low, and bounded
+/// by a [`MemoryCapacity`].
 ///
 /// Records expire by the store's [`Clock`]; expired records are removed a few at a time on
 /// every write (and all at once by [`MemoryStore::purge_expired`]), so the store does not
 /// grow without bound when records expire. It holds nothing across a restart: use it for a
 /// single process, for tests, or as the embedded default.
+///
+/// Each record is one allocation (its identity, fingerprint, lease or completion), indexed
+/// by a hash table and an expiry index that hold no copy of it: 428 bytes of resident
+/// memory for a demo payment's record (a 155 B body and two headers), 273 beyond the body
+/// (`idem-bench --phases memory --keys 200000 --body-bytes 155`).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -45,32 +122,44 @@ struct Inner {
     shards: Vec<Mutex<Shard>>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    usage: Usage,
+}
+
+/// What the store holds and may hold, over all shards. Counts change under a shard's lock,
+/// but shards change them concurrently, so they are atomics.
+#[derive(Debug)]
+struct Usage {
+    records: AtomicUsize,
+    bytes: AtomicUsize,
+    max_records: AtomicUsize,
+    max_bytes: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
 struct Shard {
-    records: HashMap<RecordId, Entry>,
-    /// Records by expiry, so the oldest are found without a scan. The `u64` makes entries
-    /// with the same instant distinct.
-    expiry: BTreeMap<(Duration, u64), RecordId>,
-    seq: u64,
+    /// The records, by the hash of their id ([`Inner::hash`]).
+    records: HashTable<Slot>,
+    /// `(expires_at, hash)` of every record, exactly one entry each, so the oldest are
+    /// found without a scan and without a second copy of the id. Two records share an entry
+    /// only if both their 64-bit hash and their expiry nanosecond are equal; a sweep then
+    /// drops both (both expired), and a change of one's expiry leaves the other to be swept
+    /// when it is next looked up.
+    expiry: BTreeSet<(u64, u64)>,
 }
 
-#[derive(Debug)]
-struct Entry {
-    fingerprint: Fingerprint,
-    attempt: u32,
-    state: State,
-    expiry: (Duration, u64),
+/// A store-clock instant as the slots keep it: nanoseconds, saturated (584 years).
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-#[derive(Debug)]
-enum State {
-    InProgress {
-        token: FencingToken,
-        deadline: Duration,
-    },
-    Completed(Completion),
+/// The time from `now` to `at`, zero when `at` passed.
+fn until(at: u64, now: u64) -> Duration {
+    Duration::from_nanos(at.saturating_sub(now))
+}
+
+/// What a record counts against [`MemoryCapacity::bytes`].
+fn cost(slot: &Slot) -> usize {
+    slot.len() + RECORD_OVERHEAD
 }
 
 impl Default for MemoryStore {
@@ -80,35 +169,57 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store on the process's monotonic clock.
+    /// An empty store on the process's monotonic clock, with the default
+    /// [`MemoryCapacity`].
     pub fn new() -> Self {
         Self::with_clock(Arc::new(SystemClock::default()))
     }
 
-    /// An empty store on the given clock (a [`crate::ManualClock`] in tests).
+    /// An empty store on the given clock (a [`crate::ManualClock`] in tests), with the
+    /// default [`MemoryCapacity`].
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
+        let capacity = MemoryCapacity::default();
         Self {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 hasher: RandomState::new(),
                 clock,
+                usage: Usage {
+                    records: AtomicUsize::new(0),
+                    bytes: AtomicUsize::new(0),
+                    max_records: AtomicUsize::new(capacity.records),
+                    max_bytes: AtomicUsize::new(capacity.bytes),
+                },
             }),
         }
     }
 
+    /// Sets the store's capacity (for every clone of it). Records already held stay, even
+    /// above a lower bound: new keys are refused until enough of them expire.
+    pub fn with_capacity(self, capacity: MemoryCapacity) -> Self {
+        let usage = &self.inner.usage;
+        usage.max_records.store(capacity.records, Ordering::Relaxed);
+        usage.max_bytes.store(capacity.bytes, Ordering::Relaxed);
+        self
+    }
+
+    /// The store's capacity.
+    pub fn capacity(&self) -> MemoryCapacity {
+        self.inner.usage.capacity()
+    }
+
     /// Removes every expired record now; returns how many.
     pub fn purge_expired(&self) -> usize {
-        let now = self.inner.clock.now();
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
         (0..SHARDS)
-            .map(|i| lock(&self.inner.shards[i]).sweep(now, usize::MAX))
+            .map(|i| lock(&self.inner.shards[i]).sweep(now, usize::MAX, usage))
             .sum()
     }
 
     /// Records held, expired ones not yet swept included.
     pub fn len(&self) -> usize {
-        (0..SHARDS)
-            .map(|i| lock(&self.inner.shards[i]).records.len())
-            .sum()
+        self.inner.usage.records.load(Ordering::Relaxed)
     }
 
     /// Whether no record is held.
@@ -116,10 +227,114 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, id: &RecordId) -> MutexGuard<'_, Shard> {
-        let i = (self.inner.hasher.hash_one(id) as usize) % SHARDS;
-        lock(&self.inner.shards[i])
+    /// Bytes held, as [`MemoryCapacity::bytes`] counts them.
+    pub fn bytes(&self) -> usize {
+        self.inner.usage.bytes.load(Ordering::Relaxed)
     }
+
+    /// One `begin` under the record's shard lock. `Ok(Err(_))`: a new key at the bound,
+    /// after this shard's expired records were dropped.
+    fn begin_in_shard(
+        &self,
+        req: &BeginRequest<'_>,
+        hash: u64,
+        sent_at: Instant,
+    ) -> Result<Result<Begin, CapacityError>, Error> {
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let mut shard = self.inner.shard(hash);
+        shard.sweep(now, SWEEP_PER_WRITE, usage);
+        let lease = |attempt| Lease::new(req.id.clone(), req.token, attempt, req.lease, sent_at);
+        let fresh = |attempt| {
+            let deadline = nanos(now_plus(now, req.lease));
+            let expires_at = nanos(kept_until(from_nanos(now), req.lease, req.retention));
+            Slot::in_progress(
+                req.id,
+                req.fingerprint,
+                attempt,
+                req.token,
+                deadline,
+                expires_at,
+            )
+        };
+        // One look at the record: what the rule reads, and the completion a replay hands out.
+        let mut replay = None;
+        let found = match shard.live(hash, req.id, now, usage) {
+            Some(slot) => {
+                let lease = slot
+                    .token()
+                    .map(|token| (token, from_nanos(slot.deadline())));
+                if lease.is_none() && slot.fingerprint() == req.fingerprint {
+                    replay = slot
+                        .completion()
+                        .map(|c| (c, until(slot.expires_at(), now)));
+                }
+                Some(Found {
+                    fingerprint: slot.fingerprint(),
+                    attempt: slot.attempt(),
+                    lease,
+                })
+            }
+            None => None,
+        };
+        Ok(Ok(
+            match decide_begin(found.as_ref(), req.fingerprint, req.token, from_nanos(now)) {
+                BeginStep::Insert => {
+                    let slot = fresh(1);
+                    if let Err(full) = usage.reserve(cost(&slot)) {
+                        // Expired records go first: every one of this shard's, then try again.
+                        if shard.sweep(now, usize::MAX, usage) == 0
+                            || usage.reserve(cost(&slot)).is_err()
+                        {
+                            return Ok(Err(full));
+                        }
+                    }
+                    shard.insert(hash, slot, &self.inner.hasher);
+                    Begin::Acquired(lease(1))
+                }
+                BeginStep::Mismatch => Begin::Mismatch,
+                // The rule answers Replay only for a completed record of this fingerprint,
+                // which is when `replay` was filled.
+                BeginStep::Replay => match replay {
+                    Some((Ok(completion), expires_in)) => Begin::Replay(Replay {
+                        completion,
+                        expires_in,
+                    }),
+                    Some((Err(e), _)) => return Err(Error::corrupt(self.name(), e.to_string())),
+                    None => {
+                        return Err(Error::corrupt(
+                            self.name(),
+                            "replay of a record not completed",
+                        ))
+                    }
+                },
+                BeginStep::SameAttempt { remaining } => {
+                    // The same attempt asking again: hand its lease back.
+                    let attempt = found.map_or(1, |f| f.attempt);
+                    let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
+                    if attempt == 1 {
+                        Begin::Acquired(lease)
+                    } else {
+                        Begin::TookOver(lease)
+                    }
+                }
+                BeginStep::InFlight { retry_after } => Begin::InFlight { retry_after },
+                // A key already held: never refused at the bound.
+                BeginStep::TakeOver { attempt } => {
+                    shard.replace(hash, req.id, fresh(attempt), usage);
+                    Begin::TookOver(lease(attempt))
+                }
+            },
+        ))
+    }
+}
+
+fn from_nanos(at: u64) -> Duration {
+    Duration::from_nanos(at)
+}
+
+fn now_plus(now: u64, d: Duration) -> Duration {
+    from_nanos(now).saturating_add(d)
 }
 
 /// When a record begun at `now` is forgotten. Durations add up saturating: a caller may ask
@@ -134,68 +349,148 @@ fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+impl Inner {
+    /// The hash of a record's id, from its scope's and key's bytes (so a slot hashes alike
+    /// from what it stores).
+    fn hash(&self, scope: &[u8], key: &[u8]) -> u64 {
+        self.hasher.hash_one((scope, key))
+    }
+
+    fn hash_id(&self, id: &RecordId) -> u64 {
+        self.hash(id.scope().as_str().as_bytes(), id.key().as_str().as_bytes())
+    }
+
+    /// The shard of a hash: from its middle bits, since the tables use the low ones for the
+    /// bucket and the high ones for the tag; taking those would crowd each shard's table.
+    fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[((hash >> 32) as usize) % SHARDS])
+    }
+}
+
+impl Usage {
+    fn capacity(&self) -> MemoryCapacity {
+        MemoryCapacity {
+            records: self.max_records.load(Ordering::Relaxed),
+            bytes: self.max_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts a new record of `bytes`, or refuses it at the bound (counting nothing).
+    fn reserve(&self, bytes: usize) -> Result<(), CapacityError> {
+        let capacity = self.capacity();
+        let records = self.records.fetch_add(1, Ordering::Relaxed);
+        let held = self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if records < capacity.records && held.saturating_add(bytes) <= capacity.bytes {
+            return Ok(());
+        }
+        self.records.fetch_sub(1, Ordering::Relaxed);
+        self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+        Err(CapacityError {
+            records,
+            bytes: held,
+            capacity,
+        })
+    }
+
+    /// A record of `bytes` is gone.
+    fn forget(&self, bytes: usize) {
+        self.records.fetch_sub(1, Ordering::Relaxed);
+        self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// A record went from `old` to `new` bytes.
+    fn resize(&self, old: usize, new: usize) {
+        if new >= old {
+            self.bytes.fetch_add(new - old, Ordering::Relaxed);
+        } else {
+            self.bytes.fetch_sub(old - new, Ordering::Relaxed);
+        }
+    }
+}
+
 impl Shard {
     /// Removes up to `max` expired records, oldest first.
-    fn sweep(&mut self, now: Duration, max: usize) -> usize {
+    fn sweep(&mut self, now: u64, max: usize, usage: &Usage) -> usize {
         let mut removed = 0;
         while removed < max {
-            let Some(entry) = self.expiry.first_entry() else {
+            let Some(&(at, hash)) = self.expiry.first() else {
                 break;
             };
-            if entry.key().0 > now {
+            if at > now {
                 break;
             }
-            let id = entry.remove();
-            self.records.remove(&id);
-            removed += 1;
+            self.expiry.pop_first();
+            // The entry is exact: the record with this hash that expires at this instant.
+            while let Ok(entry) = self.records.find_entry(hash, |s| s.expires_at() == at) {
+                let (slot, _) = entry.remove();
+                usage.forget(cost(&slot));
+                removed += 1;
+            }
         }
         removed
     }
 
     /// The live record for `id`, dropping it first if it expired.
-    fn live(&mut self, id: &RecordId, now: Duration) -> Option<&mut Entry> {
-        let expired = self.records.get(id).is_some_and(|e| e.expiry.0 <= now);
+    fn live(&mut self, hash: u64, id: &RecordId, now: u64, usage: &Usage) -> Option<&mut Slot> {
+        let expired = self
+            .records
+            .find(hash, |s| s.is(id))
+            .is_some_and(|s| s.expires_at() <= now);
         if expired {
-            self.remove(id);
+            self.remove(hash, id, usage);
         }
-        self.records.get_mut(id)
+        self.records.find_mut(hash, |s| s.is(id))
     }
 
-    fn remove(&mut self, id: &RecordId) -> bool {
-        match self.records.remove(id) {
-            Some(entry) => {
-                self.expiry.remove(&entry.expiry);
+    fn remove(&mut self, hash: u64, id: &RecordId, usage: &Usage) -> bool {
+        match self.records.find_entry(hash, |s| s.is(id)) {
+            Ok(entry) => {
+                let (slot, _) = entry.remove();
+                self.expiry.remove(&(slot.expires_at(), hash));
+                usage.forget(cost(&slot));
                 true
             }
-            None => false,
+            Err(_) => false,
         }
     }
 
-    fn insert(&mut self, id: RecordId, mut entry: Entry, expires_at: Duration) {
-        self.seq += 1;
-        entry.expiry = (expires_at, self.seq);
-        self.expiry.insert(entry.expiry, id.clone());
-        if let Some(old) = self.records.insert(id, entry) {
-            self.expiry.remove(&old.expiry);
+    /// Adds a record whose key is absent, already counted by [`Usage::reserve`].
+    fn insert(&mut self, hash: u64, slot: Slot, hasher: &RandomState) {
+        self.expiry.insert((slot.expires_at(), hash));
+        self.records.insert_unique(hash, slot, |s| {
+            let (scope, key) = s.id_parts();
+            hasher.hash_one((scope, key))
+        });
+    }
+
+    /// Puts `slot` in place of the record of `id`, which is present.
+    fn replace(&mut self, hash: u64, id: &RecordId, slot: Slot, usage: &Usage) {
+        if let Some(old) = self.records.find_mut(hash, |s| s.is(id)) {
+            self.expiry.remove(&(old.expires_at(), hash));
+            self.expiry.insert((slot.expires_at(), hash));
+            usage.resize(cost(old), cost(&slot));
+            *old = slot;
         }
     }
 
-    fn set_expiry(&mut self, id: &RecordId, expires_at: Duration) {
-        self.seq += 1;
-        let handle = (expires_at, self.seq);
-        if let Some(entry) = self.records.get_mut(id) {
-            self.expiry.remove(&entry.expiry);
-            entry.expiry = handle;
-            self.expiry.insert(handle, id.clone());
+    fn set_expiry(&mut self, hash: u64, id: &RecordId, expires_at: u64) {
+        if let Some(slot) = self.records.find_mut(hash, |s| s.is(id)) {
+            self.expiry.remove(&(slot.expires_at(), hash));
+            slot.set_expires_at(expires_at);
+            self.expiry.insert((expires_at, hash));
         }
     }
 
-    /// The entry if it is in progress under `token`.
-    fn held(&mut self, lease: &Lease, now: Duration) -> Result<&mut Entry, Error> {
-        match self.live(lease.id(), now) {
-            Some(entry) if matches!(entry.state, State::InProgress { token, .. } if token == lease.token()) => {
-                Ok(entry)
-            }
+    /// The record if it is in progress under the lease's token.
+    fn held(
+        &mut self,
+        hash: u64,
+        lease: &Lease,
+        now: u64,
+        usage: &Usage,
+    ) -> Result<&mut Slot, Error> {
+        match self.live(hash, lease.id(), now, usage) {
+            Some(slot) if slot.token() == Some(lease.token()) => Ok(slot),
             _ => Err(Error::LeaseLost),
         }
     }
@@ -209,65 +504,20 @@ impl Store for MemoryStore {
 
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
         let sent_at = Instant::now();
-        let now = self.inner.clock.now();
-        let mut shard = self.shard(req.id);
-        shard.sweep(now, SWEEP_PER_WRITE);
-        let lease = |attempt| Lease::new(req.id.clone(), req.token, attempt, req.lease, sent_at);
-        let fresh = |attempt| Entry {
-            fingerprint: req.fingerprint,
-            attempt,
-            state: State::InProgress {
-                token: req.token,
-                deadline: now.saturating_add(req.lease),
-            },
-            expiry: (Duration::ZERO, 0),
+        let hash = self.inner.hash_id(req.id);
+        let full = match self.begin_in_shard(&req, hash, sent_at)? {
+            Ok(answer) => return Ok(answer),
+            Err(full) => full,
         };
-        // One look at the record: what the rule reads, and the completion a replay hands out.
-        let mut replay = None;
-        let found = shard.live(req.id, now).map(|entry| Found {
-            fingerprint: entry.fingerprint,
-            attempt: entry.attempt,
-            lease: match &entry.state {
-                State::InProgress { token, deadline } => Some((*token, *deadline)),
-                State::Completed(completion) => {
-                    if entry.fingerprint == req.fingerprint {
-                        replay = Some(Replay {
-                            completion: completion.clone(),
-                            expires_in: entry.expiry.0.saturating_sub(now),
-                        });
-                    }
-                    None
-                }
-            },
-        });
-        match decide_begin(found.as_ref(), req.fingerprint, req.token, now) {
-            BeginStep::Insert => {
-                let expires_at = kept_until(now, req.lease, req.retention);
-                shard.insert(req.id.clone(), fresh(1), expires_at);
-                Ok(Begin::Acquired(lease(1)))
-            }
-            BeginStep::Mismatch => Ok(Begin::Mismatch),
-            // The rule answers Replay only for a completed record of this fingerprint, which
-            // is when `replay` was filled.
-            BeginStep::Replay => replay
-                .map(Begin::Replay)
-                .ok_or_else(|| Error::corrupt(self.name(), "replay of a record not completed")),
-            BeginStep::SameAttempt { remaining } => {
-                // The same attempt asking again: hand its lease back.
-                let attempt = found.map_or(1, |f| f.attempt);
-                let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
-                Ok(if attempt == 1 {
-                    Begin::Acquired(lease)
-                } else {
-                    Begin::TookOver(lease)
-                })
-            }
-            BeginStep::InFlight { retry_after } => Ok(Begin::InFlight { retry_after }),
-            BeginStep::TakeOver { attempt } => {
-                let expires_at = kept_until(now, req.lease, req.retention);
-                shard.insert(req.id.clone(), fresh(attempt), expires_at);
-                Ok(Begin::TookOver(lease(attempt)))
-            }
+        // A new key at the bound, and nothing of its shard expired: every other shard's
+        // expired records go before the key is refused. The shard's lock was let go first
+        // (shards are locked one at a time), so the record is looked up again.
+        if self.purge_expired() == 0 {
+            return Err(Error::unavailable(self.name(), full));
+        }
+        match self.begin_in_shard(&req, hash, sent_at)? {
+            Ok(answer) => Ok(answer),
+            Err(full) => Err(Error::unavailable(self.name(), full)),
         }
     }
 
@@ -277,91 +527,100 @@ impl Store for MemoryStore {
         completion: &Completion,
         retention: Duration,
     ) -> Result<(), Error> {
-        let now = self.inner.clock.now();
-        let mut shard = self.shard(lease.id());
-        shard.sweep(now, SWEEP_PER_WRITE);
-        let entry = shard.held(lease, now)?;
-        entry.state = State::Completed(completion.clone());
-        shard.set_expiry(lease.id(), now.saturating_add(retention));
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let hash = self.inner.hash_id(lease.id());
+        let mut shard = self.inner.shard(hash);
+        shard.sweep(now, SWEEP_PER_WRITE, usage);
+        let done = shard
+            .held(hash, lease, now, usage)?
+            .completed(completion, nanos(now_plus(now, retention)));
+        shard.replace(hash, lease.id(), done, usage);
         Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        let now = self.inner.clock.now();
-        let mut shard = self.shard(lease.id());
-        shard.held(lease, now)?;
-        shard.remove(lease.id());
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let hash = self.inner.hash_id(lease.id());
+        let mut shard = self.inner.shard(hash);
+        shard.held(hash, lease, now, usage)?;
+        shard.remove(hash, lease.id(), usage);
         Ok(())
     }
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
         let sent_at = Instant::now();
-        let now = self.inner.clock.now();
-        let mut shard = self.shard(lease.id());
-        let entry = shard.held(lease, now)?;
-        let State::InProgress { deadline, .. } = &mut entry.state else {
-            return Err(Error::LeaseLost);
-        };
-        let new_deadline = now.saturating_add(by);
-        let moved = new_deadline.saturating_sub(*deadline);
-        *deadline = new_deadline;
-        let expires_at = entry.expiry.0.saturating_add(moved);
-        let attempt = entry.attempt;
-        shard.set_expiry(lease.id(), expires_at);
-        Ok(Lease::new(
-            lease.id().clone(),
-            lease.token(),
-            attempt,
-            by,
-            sent_at,
-        ))
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let hash = self.inner.hash_id(lease.id());
+        let mut shard = self.inner.shard(hash);
+        let slot = shard.held(hash, lease, now, usage)?;
+        let new_deadline = nanos(now_plus(now, by));
+        let moved = new_deadline.saturating_sub(slot.deadline());
+        slot.set_deadline(new_deadline);
+        let expires_at = slot.expires_at().saturating_add(moved);
+        let attempt = slot.attempt();
+        shard.set_expiry(hash, lease.id(), expires_at);
+        Ok(lease.renewed(attempt, by, sent_at))
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        let now = self.inner.clock.now();
-        let mut shard = self.shard(id);
-        Ok(shard.live(id, now).map(|entry| Record {
-            id: id.clone(),
-            fingerprint: entry.fingerprint,
-            attempt: entry.attempt,
-            state: match &entry.state {
-                State::InProgress { token, deadline } => RecordState::InProgress {
-                    token: *token,
-                    lease_remaining: deadline.saturating_sub(now),
-                },
-                State::Completed(c) => RecordState::Completed(c.clone()),
+        let now = nanos(self.inner.clock.now());
+        let hash = self.inner.hash_id(id);
+        let mut shard = self.inner.shard(hash);
+        let Some(slot) = shard.live(hash, id, now, &self.inner.usage) else {
+            return Ok(None);
+        };
+        let state = match (slot.token(), slot.completion()) {
+            (Some(token), _) => RecordState::InProgress {
+                token,
+                lease_remaining: until(slot.deadline(), now),
             },
-            expires_in: entry.expiry.0.saturating_sub(now),
+            (None, Some(Ok(completion))) => RecordState::Completed(completion),
+            (None, Some(Err(e))) => return Err(Error::corrupt(self.name(), e.to_string())),
+            (None, None) => return Err(Error::corrupt(self.name(), "record without a state")),
+        };
+        Ok(Some(Record {
+            id: id.clone(),
+            fingerprint: slot.fingerprint(),
+            attempt: slot.attempt(),
+            state,
+            expires_in: until(slot.expires_at(), now),
         }))
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        let now = self.inner.clock.now();
-        let mut shard = self.shard(id);
-        let existed = shard.live(id, now).is_some();
-        shard.remove(id);
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let hash = self.inner.hash_id(id);
+        let mut shard = self.inner.shard(hash);
+        let existed = shard.live(hash, id, now, usage).is_some();
+        shard.remove(hash, id, usage);
         Ok(existed)
     }
 
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
-        let now = self.inner.clock.now();
+        let now = nanos(self.inner.clock.now());
+        let stuck_after = nanos(stuck_after);
         let mut stats = Stats::default();
         for shard in &self.inner.shards {
             let shard = lock(shard);
-            let live = shard.records.iter().filter(|(id, entry)| {
-                entry.expiry.0 > now && scope.is_none_or(|s| id.scope() == s)
+            let live = shard.records.iter().filter(|slot| {
+                slot.expires_at() > now
+                    && scope.is_none_or(|s| slot.id_parts().0 == s.as_str().as_bytes())
             });
-            for (_, entry) in live {
-                match &entry.state {
-                    State::InProgress { deadline, .. } if *deadline > now => stats.in_flight += 1,
-                    State::InProgress { deadline, .. } => {
+            for slot in live {
+                match slot.kind() {
+                    None if slot.deadline() > now => stats.in_flight += 1,
+                    None => {
                         stats.expired_leases += 1;
-                        if now.saturating_sub(*deadline) > stuck_after {
+                        if now.saturating_sub(slot.deadline()) > stuck_after {
                             stats.stuck += 1;
                         }
                     }
-                    State::Completed(c) if c.kind == CompletionKind::Failed => stats.failed += 1,
-                    State::Completed(_) => stats.succeeded += 1,
+                    Some(CompletionKind::Failed) => stats.failed += 1,
+                    Some(CompletionKind::Succeeded) => stats.succeeded += 1,
                 }
             }
         }
@@ -373,27 +632,38 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
+    use crate::fingerprint::Fingerprint;
     use crate::key::{Key, Scope};
-    use crate::record::Response;
+    use crate::record::{FencingToken, Response};
 
     fn id(k: &str) -> RecordId {
         RecordId::new(Scope::global(), Key::new(k).unwrap())
+    }
+
+    /// A `begin` with a token of its own, for `lease`, keeping the record `retention`.
+    fn req(id: &RecordId, lease: Duration, retention: Duration) -> BeginRequest<'_> {
+        BeginRequest {
+            id,
+            fingerprint: Fingerprint::of_bytes(b""),
+            token: FencingToken::random(),
+            lease,
+            retention,
+        }
+    }
+
+    /// A fresh key's lease.
+    async fn acquire(store: &MemoryStore, req: BeginRequest<'_>) -> Lease {
+        let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
+            panic!("fresh key not acquired")
+        };
+        lease
     }
 
     #[tokio::test]
     async fn endless_durations_do_not_panic() {
         let store = MemoryStore::new();
         let id = id("forever");
-        let req = BeginRequest {
-            id: &id,
-            fingerprint: Fingerprint::of_bytes(b""),
-            token: FencingToken::random(),
-            lease: Duration::MAX,
-            retention: Duration::MAX,
-        };
-        let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
-            panic!("fresh key not acquired")
-        };
+        let lease = acquire(&store, req(&id, Duration::MAX, Duration::MAX)).await;
         let lease = store.extend(&lease, Duration::MAX).await.unwrap();
         store
             .complete(
@@ -412,16 +682,8 @@ mod tests {
         let store = MemoryStore::with_clock(Arc::new(clock.clone()));
         for i in 0..1000 {
             let id = id(&format!("k{i}"));
-            let req = BeginRequest {
-                id: &id,
-                fingerprint: Fingerprint::of_bytes(b""),
-                token: FencingToken::random(),
-                lease: Duration::from_secs(1),
-                retention: Duration::from_secs(1),
-            };
-            let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
-                panic!("fresh key not acquired")
-            };
+            let second = Duration::from_secs(1);
+            let lease = acquire(&store, req(&id, second, second)).await;
             store
                 .complete(
                     &lease,
@@ -436,14 +698,8 @@ mod tests {
         // Writes sweep as they go: steady traffic keeps the store at its live size.
         for i in 0..200 {
             let id = id(&format!("n{i}"));
-            let req = BeginRequest {
-                id: &id,
-                fingerprint: Fingerprint::of_bytes(b""),
-                token: FencingToken::random(),
-                lease: Duration::from_secs(1),
-                retention: Duration::from_secs(1),
-            };
-            store.begin(req).await.unwrap();
+            let second = Duration::from_secs(1);
+            store.begin(req(&id, second, second)).await.unwrap();
         }
         assert!(
             store.len() < 1000,
@@ -453,5 +709,151 @@ mod tests {
         let leftover = store.len() - 200;
         assert_eq!(store.purge_expired(), leftover);
         assert_eq!(store.len(), 200);
+    }
+
+    /// A begin of `key` on `store`, with a 1 s lease and 1 s retention.
+    async fn begin(store: &MemoryStore, key: &str) -> Result<Begin, Error> {
+        let id = id(key);
+        let req = BeginRequest {
+            id: &id,
+            fingerprint: Fingerprint::of_bytes(key.as_bytes()),
+            token: FencingToken::random(),
+            lease: Duration::from_secs(1),
+            retention: Duration::from_secs(1),
+        };
+        store.begin(req).await
+    }
+
+    async fn acquire_key(store: &MemoryStore, key: &str) -> Lease {
+        match begin(store, key).await {
+            Ok(Begin::Acquired(lease)) => lease,
+            other => panic!("{key}: a fresh key not acquired: {other:?}"),
+        }
+    }
+
+    /// The capacity error inside a refusal, with its message.
+    fn refusal(answer: Result<Begin, Error>) -> (CapacityError, String) {
+        match answer {
+            Err(e @ Error::Unavailable { .. }) => {
+                let text = e.to_string();
+                let Error::Unavailable { source, .. } = e else {
+                    unreachable!()
+                };
+                let full = source
+                    .downcast_ref::<CapacityError>()
+                    .unwrap_or_else(|| panic!("not a capacity error: {text}"))
+                    .clone();
+                (full, text)
+            }
+            other => panic!("a new key at the bound was not refused: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn new_keys_are_refused_at_the_record_bound_and_held_keys_keep_working() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::with_clock(Arc::new(clock.clone()))
+            .with_capacity(MemoryCapacity::default().with_records(3));
+        let leases = [
+            acquire_key(&store, "a").await,
+            acquire_key(&store, "b").await,
+            acquire_key(&store, "c").await,
+        ];
+        let (full, text) = refusal(begin(&store, "d").await);
+        assert_eq!((full.records, full.capacity.records), (3, 3));
+        assert!(
+            text.starts_with("memory store unavailable: full")
+                && text.contains("capacity is 3 records")
+                && text.contains("MemoryStore::with_capacity"),
+            "{text}"
+        );
+        assert!(
+            Error::unavailable("memory", full).is_retryable(),
+            "a 503, not a 500"
+        );
+        // At the bound, the keys held keep working: in flight, complete, replay, release.
+        assert!(matches!(
+            begin(&store, "a").await,
+            Ok(Begin::InFlight { .. })
+        ));
+        let done = Completion::succeeded(Response::new(201, vec![7u8; 4096]));
+        store
+            .complete(&leases[0], &done, Duration::from_secs(60))
+            .await
+            .unwrap();
+        store
+            .complete(&leases[1], &done, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let Ok(Begin::Replay(replay)) = begin(&store, "a").await else {
+            panic!("a completed key at the bound is not replayed")
+        };
+        assert_eq!(replay.completion, done);
+        refusal(begin(&store, "d").await);
+        store.release(&leases[2]).await.unwrap();
+        // Room again: the next new key fits, and the one after it does not.
+        acquire_key(&store, "d").await;
+        refusal(begin(&store, "e").await);
+        assert_eq!(store.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn new_keys_are_refused_at_the_byte_bound_and_completions_still_land() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+        let lease = acquire_key(&store, "k0").await;
+        let one = store.bytes();
+        assert!(one > RECORD_OVERHEAD, "{one}");
+        // Room for three records in progress.
+        let store = store.with_capacity(
+            MemoryCapacity::default()
+                .with_records(1000)
+                .with_bytes(3 * one + one / 2),
+        );
+        let second = acquire_key(&store, "k1").await;
+        acquire_key(&store, "k2").await;
+        let (full, text) = refusal(begin(&store, "k3").await);
+        assert_eq!(full.bytes, 3 * one);
+        assert!(
+            text.contains(&format!("{} bytes", 3 * one + one / 2)),
+            "{text}"
+        );
+        // A completion past the bound is stored all the same: the work was done.
+        let big = Completion::succeeded(Response::new(200, vec![1u8; 10 * one]));
+        store
+            .complete(&lease, &big, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(store.bytes() > store.capacity().bytes);
+        store.release(&second).await.unwrap();
+        // Still over the bound after a release: new keys wait for the completion to expire.
+        refusal(begin(&store, "k3").await);
+        clock.advance(Duration::from_secs(61));
+        acquire_key(&store, "k3").await;
+    }
+
+    #[tokio::test]
+    async fn expired_records_make_room_before_a_key_is_refused() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::with_clock(Arc::new(clock.clone()))
+            .with_capacity(MemoryCapacity::default().with_records(64));
+        // Spread over the shards, so room is found in other shards than the new key's.
+        for i in 0..64 {
+            acquire_key(&store, &format!("old{i}")).await;
+        }
+        refusal(begin(&store, "new").await);
+        // Lease and retention of 1 s each: gone after 2 s, not before.
+        clock.advance(Duration::from_millis(1999));
+        refusal(begin(&store, "new").await);
+        clock.advance(Duration::from_millis(1));
+        for i in 0..64 {
+            acquire_key(&store, &format!("new{i}")).await;
+        }
+        assert_eq!(store.len(), 64);
+        refusal(begin(&store, "one-more").await);
+        // Everything counted is given back.
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(store.purge_expired(), 64);
+        assert_eq!((store.len(), store.bytes()), (0, 0));
     }
 }

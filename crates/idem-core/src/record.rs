@@ -93,6 +93,12 @@ impl Lease {
         }
     }
 
+    /// This lease (same record, same token) as a store renewed it: `attempt` and
+    /// `remaining` as the store answered, measured from `sent_at` as in [`Lease::new`].
+    pub fn renewed(&self, attempt: u32, remaining: Duration, sent_at: Instant) -> Self {
+        Self::new(self.id.clone(), self.token, attempt, remaining, sent_at)
+    }
+
     /// The record this lease is for.
     pub fn id(&self) -> &RecordId {
         &self.id

@@ -198,6 +198,9 @@ impl Instrumented {
             }
         };
         match &result {
+            // A full memory store is not an outage: it refuses new keys while it answers
+            // every stored one, so its refusals would flap between the two lines below.
+            Err(Error::Unavailable { source, .. }) if source.is::<crate::CapacityError>() => {}
             Err(e @ Error::Unavailable { .. }) => {
                 if !self.down.swap(true, Ordering::Relaxed) {
                     tracing::warn!(store, error = %e, "idempotency store unavailable: guarded work is refused until it answers");

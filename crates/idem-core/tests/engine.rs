@@ -1,7 +1,7 @@
 //! The engine's own behaviour on top of a store: waiting, execute_once's mapping of every
 //! outcome, heartbeats, and time limits on store calls.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +22,13 @@ fn fp() -> Fingerprint {
 
 fn idem(config: Config) -> Idem {
     Idem::new(MemoryStore::new()).with_config(config)
+}
+
+/// The error of `execute_once` on `key` when its work fails with `failure`.
+async fn fails(idem: &Idem, key: &str, failure: Failure<String>) -> OnceError<String> {
+    idem.execute_once(&id(key), fp(), |_| async { Err::<u32, _>(failure) })
+        .await
+        .unwrap_err()
 }
 
 #[tokio::test]
@@ -107,12 +114,7 @@ async fn execute_once_maps_every_outcome() {
     );
 
     // A retryable failure releases the key: the next call runs the work again.
-    let err = idem
-        .execute_once(&id("flaky"), fp(), |_| async {
-            Err::<u32, _>(Failure::Retryable("timeout".to_owned()))
-        })
-        .await
-        .unwrap_err();
+    let err = fails(&idem, "flaky", Failure::Retryable("timeout".to_owned())).await;
     assert!(matches!(err, OnceError::Work { stored: false, .. }));
     assert_eq!(
         idem.execute_once(&id("flaky"), fp(), work(1))
@@ -125,12 +127,7 @@ async fn execute_once_maps_every_outcome() {
     );
 
     // A terminal failure under FailurePolicy::Store is replayed.
-    let err = idem
-        .execute_once(&id("bad"), fp(), |_| async {
-            Err::<u32, _>(Failure::Terminal("card declined".to_owned()))
-        })
-        .await
-        .unwrap_err();
+    let err = fails(&idem, "bad", Failure::Terminal("card declined".to_owned())).await;
     assert!(matches!(err, OnceError::Work { stored: true, .. }));
     assert_eq!(
         idem.execute_once(&id("bad"), fp(), work(1)).await.unwrap(),
@@ -150,12 +147,7 @@ async fn execute_once_maps_every_outcome() {
 #[tokio::test]
 async fn terminal_failure_under_release_policy_runs_again() {
     let idem = idem(Config::default());
-    let err = idem
-        .execute_once(&id("k"), fp(), |_| async {
-            Err::<u32, _>(Failure::Terminal("no".to_owned()))
-        })
-        .await
-        .unwrap_err();
+    let err = fails(&idem, "k", Failure::Terminal("no".to_owned())).await;
     assert!(matches!(err, OnceError::Work { stored: false, .. }));
     assert!(matches!(
         idem.begin(&id("k"), fp()).await.unwrap(),
@@ -242,20 +234,27 @@ async fn a_hung_store_is_unavailable_after_the_timeout() {
     assert!(matches!(err, Error::Unavailable { store: "hang", .. }));
 }
 
-/// A memory store whose first `extend` fails as unavailable.
-#[derive(Debug)]
-struct FlakyExtend {
+/// A memory store whose first `extend` fails as unavailable, and whose first `begin`,
+/// when `lose_first_answer` is set, lands but never answers (a server paused right after
+/// it read the command).
+#[derive(Debug, Default)]
+struct Flaky {
     inner: MemoryStore,
     failed: AtomicUsize,
+    lose_first_answer: AtomicBool,
 }
 
 #[async_trait]
-impl Store for FlakyExtend {
+impl Store for Flaky {
     fn name(&self) -> &'static str {
         "flaky"
     }
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        self.inner.begin(req).await
+        let answer = self.inner.begin(req).await;
+        if self.lose_first_answer.swap(false, Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        answer
     }
     async fn complete(&self, l: &Lease, c: &Completion, r: Duration) -> Result<(), Error> {
         self.inner.complete(l, c, r).await
@@ -279,11 +278,8 @@ impl Store for FlakyExtend {
 
 #[tokio::test]
 async fn a_failed_heartbeat_does_not_cancel_the_work() {
-    let idem = Idem::new(FlakyExtend {
-        inner: MemoryStore::new(),
-        failed: AtomicUsize::new(0),
-    })
-    .with_config(Config::default().with_lease(Duration::from_millis(300)));
+    let idem = Idem::new(Flaky::default())
+        .with_config(Config::default().with_lease(Duration::from_millis(300)));
     let outcome = idem
         .execute_once(&id("k"), fp(), |_| async {
             sleep(Duration::from_millis(450)).await;
@@ -298,4 +294,56 @@ async fn a_failed_heartbeat_does_not_cancel_the_work() {
             attempt: 1
         }
     );
+}
+
+#[tokio::test]
+async fn a_lost_lease_under_on_lost_finish_lets_the_work_end() {
+    use idem_core::OnLost;
+
+    let idem = idem(Config::default().with_lease(Duration::from_millis(90)));
+    let Begin::Acquired(lease) = idem.begin(&id("finish"), fp()).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    let evicter = idem.clone();
+    let (lease, out) = idem
+        .run_with_heartbeat(lease, OnLost::Finish, async move {
+            // An operator evicts the key: the next heartbeat finds the lease lost, and the
+            // work still runs to its end.
+            evicter.store().evict(&id("finish")).await.unwrap();
+            sleep(Duration::from_millis(300)).await;
+            "finished"
+        })
+        .await
+        .unwrap();
+    assert_eq!(out, "finished");
+    // Storing its outcome finds the lease lost: nothing is written over the new state.
+    let stored = idem.complete(&lease, Response::new(200, out)).await;
+    assert!(matches!(stored, Err(Error::LeaseLost)), "{stored:?}");
+    assert!(idem.store().get(&id("finish")).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_claim_whose_answer_was_lost_is_given_back() {
+    let store = Flaky {
+        lose_first_answer: AtomicBool::new(true),
+        ..Flaky::default()
+    };
+    let idem = Idem::new(store).with_config(
+        Config::default()
+            .with_lease(Duration::from_secs(30))
+            .with_store_timeout(Duration::from_millis(100)),
+    );
+    let err = idem.begin(&id("lost"), fp()).await.unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    // The claim landed: without its release, the key is in flight for the 30 s lease.
+    let started = Instant::now();
+    loop {
+        match idem.begin(&id("lost"), fp()).await.unwrap() {
+            Begin::Acquired(_) => break,
+            Begin::InFlight { .. } if started.elapsed() < Duration::from_secs(5) => {
+                sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("the key is still blocked: {other:?}"),
+        }
+    }
 }

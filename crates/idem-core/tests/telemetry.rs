@@ -13,6 +13,15 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::MetricKind;
 use tracing_subscriber::fmt::format::FmtSpan;
 
+/// Held by each test of this file: tracing caches which callsites are enabled process-wide,
+/// so a test without a subscriber that runs beside one with a scoped subscriber can leave
+/// that subscriber's events disabled.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn id() -> RecordId {
     RecordId::new(
         Scope::new("tenant-7").unwrap(),
@@ -46,6 +55,7 @@ async fn lifecycle(store: &Instrumented) {
 
 #[test]
 fn metrics_count_every_call_by_outcome() {
+    let _one = one_at_a_time();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let store = Instrumented::new(Arc::new(MemoryStore::new()));
@@ -105,6 +115,7 @@ impl Write for Captured {
 
 #[test]
 fn spans_name_the_key_by_its_hash_only() {
+    let _one = one_at_a_time();
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -179,6 +190,7 @@ impl Store for Silent {
 /// unavailable.
 #[test]
 fn idem_reports_its_calls_and_their_time_limit() {
+    let _one = one_at_a_time();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || {
@@ -226,4 +238,49 @@ fn idem_reports_its_calls_and_their_time_limit() {
             "idem_store_calls_total silent,begin,unavailable 1",
         ]
     );
+}
+
+/// A full memory store refusing new keys is not an outage: no "unavailable" warning, no
+/// "answers again" line, while it keeps answering the keys it holds.
+#[test]
+fn a_full_memory_store_is_not_logged_as_an_outage() {
+    let _one = one_at_a_time();
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let full =
+        MemoryStore::new().with_capacity(idem_core::MemoryCapacity::default().with_records(1));
+    let idem = idem_core::Idem::new(full);
+    tracing::subscriber::with_default(subscriber, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let fp = Fingerprint::of_bytes(b"request");
+                assert!(matches!(
+                    idem.begin(&id(), fp).await.unwrap(),
+                    Begin::Acquired(_)
+                ));
+                for i in 0..3 {
+                    let other = RecordId::new(Scope::global(), Key::new(format!("k{i}")).unwrap());
+                    let refused = idem.begin(&other, fp).await;
+                    assert!(
+                        matches!(refused, Err(Error::Unavailable { .. })),
+                        "{refused:?}"
+                    );
+                    assert!(matches!(
+                        idem.begin(&id(), fp).await.unwrap(),
+                        Begin::InFlight { .. }
+                    ));
+                }
+            });
+    });
+    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(!out.contains("unavailable"), "{out}");
+    assert!(!out.contains("answers again"), "{out}");
 }

@@ -34,8 +34,65 @@ pub enum Unstored {
     Release,
 }
 
+/// What to do with a guarded request whose scope extractor finds no principal (or when the
+/// layer has no scope extractor, see [`crate::IdempotencyLayer::with_scope`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Anonymous {
+    /// Refuse it with 401 `application/problem+json` (`principal-missing`) before the
+    /// handler runs (the default): anonymous callers sharing one key space could be handed
+    /// each other's stored responses.
+    #[default]
+    Refuse,
+    /// Key it in [`idem_core::Scope::global`], one key space shared by every anonymous
+    /// caller and apart from every named scope. For routes whose keys are unguessable and
+    /// whose responses hold nothing private, or services with a single caller.
+    Shared,
+}
+
 /// Decides from the status whether a response is stored and replayed or the key released.
 pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+/// The statuses that are never stored by default: the answers that say "not now" or "not
+/// you" rather than "done" or "never", so that a retry may well succeed.
+pub const TRANSIENT_4XX: [StatusCode; 7] = [
+    StatusCode::UNAUTHORIZED,
+    StatusCode::FORBIDDEN,
+    StatusCode::REQUEST_TIMEOUT,
+    StatusCode::CONFLICT,
+    StatusCode::LOCKED,
+    StatusCode::TOO_EARLY,
+    StatusCode::TOO_MANY_REQUESTS,
+];
+
+/// The default of [`Config::store_status`]: whether a response with `status` is stored and
+/// replayed.
+///
+/// | status | stored | why |
+/// |---|---|---|
+/// | 1xx | no | never ends a response |
+/// | 2xx | yes | the work is done |
+/// | 3xx | no | add it with [`Config::with_store_status`] if a create answers `303 See Other` |
+/// | 400, 404, 405, 410, 413, 415, 422 and every other 4xx not below | yes | final for this request: the same request fails again |
+/// | 401, 403 | no | credentials or rights may change (a token refreshed, a role granted) |
+/// | 408 | no | the request was too slow, not wrong |
+/// | 409 | no | a conflict with the resource's current state, which may pass |
+/// | 423, 425 | no | locked, too early: retry later |
+/// | 429 | no | rate limited: retry later |
+/// | 5xx | no | the server failed: the key is released so a retry runs the work again |
+///
+/// ```
+/// use http::StatusCode;
+/// use idem_http::default_store_status;
+///
+/// assert!(default_store_status(StatusCode::CREATED));
+/// assert!(default_store_status(StatusCode::UNPROCESSABLE_ENTITY));
+/// assert!(!default_store_status(StatusCode::TOO_MANY_REQUESTS));
+/// assert!(!default_store_status(StatusCode::SERVICE_UNAVAILABLE));
+/// ```
+pub fn default_store_status(status: StatusCode) -> bool {
+    status.is_success() || (status.is_client_error() && !TRANSIENT_4XX.contains(&status))
+}
 
 /// Settings of an [`crate::IdempotencyLayer`]. Every field has a documented default; build
 /// one with [`Config::default`] and the `with_*` methods.
@@ -67,9 +124,10 @@ pub struct Config {
     /// [`Unstored::KeepLease`].
     pub unstored: Unstored,
     /// Which statuses are stored and replayed; for the others the key is released so that a
-    /// retry runs the handler again. Default: 2xx and 4xx (a 4xx is the request's own fault
-    /// and would fail again; 1xx never ends a response, 3xx and 5xx release the key). A
-    /// service that answers a create with `303 See Other` should add 3xx here.
+    /// retry runs the handler again. Default: [`default_store_status`], 2xx and the 4xx
+    /// that are final for the request, never 401, 403, 408, 409, 423, 425 or 429 (its docs
+    /// hold the whole table). A service that answers a create with `303 See Other` should
+    /// add 3xx here.
     pub store_status: StatusFilter,
     /// Response headers stored and replayed (compared case-insensitively). Headers not
     /// listed are sent with the first response only. `Set-Cookie`, hop-by-hop headers
@@ -85,6 +143,13 @@ pub struct Config {
     pub fail_open: bool,
     /// The `Retry-After` of a 503 answered because the store is unavailable. Default: 1 s.
     pub store_retry_after: Duration,
+    /// The `Retry-After` of a 409 answered while another request holds the key: a short
+    /// hint, never past the holder's lease time left (in whole seconds, at least 1, as the
+    /// header allows). Most work ends long before its lease, so the lease time left would
+    /// make clients wait for nothing. Default: 1 s.
+    pub in_flight_retry_after: Duration,
+    /// A guarded request without a principal. Default: [`Anonymous::Refuse`] (401).
+    pub anonymous: Anonymous,
     /// How long the layer keeps trying to store a response when the store fails after the
     /// handler ran, before it gives up on sending it (see the crate docs, "When storing the
     /// response fails"). Default: 2 s.
@@ -105,9 +170,7 @@ impl Default for Config {
             max_request_body: 1 << 20,
             max_response_body: 1 << 20,
             unstored: Unstored::KeepLease,
-            store_status: Arc::new(|status: StatusCode| {
-                status.is_success() || status.is_client_error()
-            }),
+            store_status: Arc::new(default_store_status),
             replay_headers: [
                 http::header::CONTENT_TYPE,
                 http::header::CONTENT_ENCODING,
@@ -122,6 +185,8 @@ impl Default for Config {
             .into(),
             fail_open: false,
             store_retry_after: Duration::from_secs(1),
+            in_flight_retry_after: Duration::from_secs(1),
+            anonymous: Anonymous::Refuse,
             store_response_within: Duration::from_secs(2),
             heartbeat: true,
         }
@@ -143,6 +208,8 @@ impl fmt::Debug for Config {
             .field("replay_headers", &self.replay_headers)
             .field("fail_open", &self.fail_open)
             .field("store_retry_after", &self.store_retry_after)
+            .field("in_flight_retry_after", &self.in_flight_retry_after)
+            .field("anonymous", &self.anonymous)
             .field("store_response_within", &self.store_response_within)
             .field("heartbeat", &self.heartbeat)
             .finish()
@@ -234,6 +301,18 @@ impl Config {
         self
     }
 
+    /// Sets [`Config::in_flight_retry_after`].
+    pub fn with_in_flight_retry_after(mut self, retry_after: Duration) -> Self {
+        self.in_flight_retry_after = retry_after;
+        self
+    }
+
+    /// Sets [`Config::anonymous`].
+    pub fn with_anonymous(mut self, anonymous: Anonymous) -> Self {
+        self.anonymous = anonymous;
+        self
+    }
+
     /// Sets [`Config::store_response_within`].
     pub fn with_store_response_within(mut self, within: Duration) -> Self {
         self.store_response_within = within;
@@ -246,10 +325,47 @@ impl Config {
         self
     }
 
+    /// The record's response for an HTTP response: its status, the headers of
+    /// [`Config::replay_headers`] and its body.
+    pub(crate) fn to_stored(
+        &self,
+        status: StatusCode,
+        headers: &http::HeaderMap,
+        body: bytes::Bytes,
+    ) -> idem_core::Response {
+        let mut stored = idem_core::Response::new(status.as_u16(), body);
+        for (name, value) in headers {
+            if self.replays(name) {
+                stored = stored.with_header(name.as_str(), value.as_bytes());
+            }
+        }
+        stored
+    }
+
     /// Whether a response header is stored and replayed.
     pub(crate) fn replays(&self, name: &HeaderName) -> bool {
         name != http::header::CONTENT_LENGTH
             && name != http::header::TRANSFER_ENCODING
             && self.replay_headers.contains(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_status_table() {
+        let stored = |code: u16| default_store_status(StatusCode::from_u16(code).unwrap());
+        for code in [
+            200, 201, 202, 204, 206, 299, 400, 402, 404, 405, 410, 412, 413, 415, 422, 451, 499,
+        ] {
+            assert!(stored(code), "{code} must be stored");
+        }
+        for code in [
+            100, 101, 301, 303, 304, 401, 403, 408, 409, 423, 425, 429, 500, 502, 503, 504,
+        ] {
+            assert!(!stored(code), "{code} must not be stored");
+        }
     }
 }

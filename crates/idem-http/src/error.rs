@@ -23,6 +23,7 @@ pub(crate) struct Problem {
 
 pub(crate) const KIND_KEY_MISSING: &str = "idempotency-key-missing";
 pub(crate) const KIND_KEY_INVALID: &str = "idempotency-key-invalid";
+pub(crate) const KIND_NO_PRINCIPAL: &str = "principal-missing";
 pub(crate) const KIND_BODY_TOO_LARGE: &str = "request-body-too-large";
 pub(crate) const KIND_BODY_UNREADABLE: &str = "request-body-unreadable";
 pub(crate) const KIND_MISMATCH: &str = "idempotency-key-reused";

@@ -58,8 +58,9 @@ impl Shared {
 }
 
 impl IdempotencyLayer {
-    /// A layer over `idem` with the default [`Config`], every request in the global scope,
-    /// and no observer.
+    /// A layer over `idem` with the default [`Config`], no scope extractor (set one with
+    /// [`IdempotencyLayer::with_scope`]: until then every guarded request is anonymous,
+    /// see [`crate::Anonymous`]), and no observer.
     pub fn new(idem: Idem) -> Self {
         // Every outcome's series exists from the start (at 0), so a rate or an alert on it
         // sees the series before the first event.
@@ -84,13 +85,13 @@ impl IdempotencyLayer {
     }
 
     /// Sets how a request's scope is found, typically the authenticated principal, so that
-    /// one tenant's keys never meet another's. Default: every request in
-    /// [`Scope::global`].
+    /// one caller's keys never meet another's. Default: none.
     ///
-    /// When `scope` returns `None` (an anonymous request), the request is keyed in
-    /// [`Scope::global`]: anonymous requests share one key space, apart from every named
-    /// scope. Refuse anonymous requests in the service (or an earlier layer) when that is
-    /// not wanted.
+    /// When `scope` returns `None` (an anonymous request), or no extractor is set, the
+    /// request is refused with 401 `application/problem+json` (`principal-missing`) before
+    /// anything is claimed, unless the route opts into one key space shared by every
+    /// anonymous caller with [`Config::with_anonymous`]`(`[`crate::Anonymous::Shared`]`)`
+    /// (keyed in [`Scope::global`], apart from every named scope).
     pub fn with_scope(
         mut self,
         scope: impl Fn(&Parts) -> Option<Scope> + Send + Sync + 'static,

@@ -45,18 +45,29 @@
 //! |---|---|
 //! | no key | 400, or passed through unguarded with [`MissingKey::PassThrough`] |
 //! | malformed key (not 1 to 255 bytes of visible ASCII; an RFC 8941 quoted string is unwrapped first), or the header twice | 400 |
+//! | no principal: the scope extractor found none ([`IdempotencyLayer::with_scope`]) | 401, unless the route opts into a shared anonymous scope ([`Anonymous::Shared`]) |
 //! | body larger than [`Config::max_request_body`] | 413 (before the handler runs) |
-//! | first request for the key | the handler runs; its response is stored, then sent |
-//! | retry of a completed request | the stored status, body and allowed headers, plus `Idempotent-Replayed: true` and `Idempotency-Expires: <HTTP date>`, when the stored response is forgotten |
+//! | first request for the key | the handler runs; its response is stored, then sent, with `Idempotency-Expires: <HTTP date>`, when the stored response is forgotten |
+//! | retry of a completed request | the stored status, body and allowed headers, plus `Idempotent-Replayed: true` and `Idempotency-Expires` |
 //! | same key, different request | 422 |
-//! | same key while the first is running | 409 with `Retry-After` (the first request's lease time left), or, with [`idem_core::Config::wait`] set, the first request's response once it is stored |
+//! | same key while the first is running | 409 with a short `Retry-After` ([`Config::in_flight_retry_after`], 1 s by default, never past the first request's lease time left), or, with [`idem_core::Config::wait`] set, the first request's response once it is stored |
 //! | store unavailable | 503 with `Retry-After` ([`Config::store_retry_after`]); with [`Config::fail_open`], the handler runs unguarded |
 //!
 //! The layer's own answers are `application/problem+json` documents (RFC 9457) whose `type`
 //! is `urn:idem:problem:<kind>`: `idempotency-key-missing`, `idempotency-key-invalid`,
 //! `request-body-too-large`, `request-body-unreadable`, `idempotency-key-reused`,
-//! `request-in-flight`, `store-unavailable`, `store-error`, `outcome-not-recorded`,
-//! `stored-response-invalid`.
+//! `principal-missing`, `request-in-flight`, `store-unavailable`, `store-error`,
+//! `outcome-not-recorded`, `stored-response-invalid`.
+//!
+//! ## Work outlives the connection
+//!
+//! Once the key is claimed, the handler and the storing of its response run on a task of
+//! their own, which the response future awaits. A client that disconnects (a timeout, a
+//! closed tab) drops the response future, not the work: the handler runs to its end, its
+//! response is stored, and the client's retry gets it replayed (or a 409 with a short
+//! `Retry-After` while it still runs, or the response itself with
+//! [`idem_core::Config::wait`]). Before the key is claimed (reading the key and the body)
+//! nothing is held, and a disconnect there leaves nothing behind.
 //!
 //! ## Scope and fingerprint
 //!
@@ -70,8 +81,10 @@
 //!
 //! ## What is stored
 //!
-//! By default 2xx and 4xx responses are stored and replayed ([`Config::store_status`]).
-//! For a 3xx or 5xx response, an error of the inner service or a panic (caught, the key
+//! By default 2xx responses and the 4xx that are final for the request are stored and
+//! replayed; 401, 403, 408, 409, 423, 425 and 429 never are, as a retry may well succeed
+//! (the table: [`default_store_status`]; change it with [`Config::with_store_status`]).
+//! For a response not stored, an error of the inner service or a panic (caught, the key
 //! released, then the panic resumed) the key is released, so a retry runs the handler
 //! again. Only the headers of [`Config::replay_headers`] are stored: `Set-Cookie` and
 //! hop-by-hop headers are sent with the first response only, unless listed. Response
@@ -83,9 +96,77 @@
 //! ([`Unstored::Release`]).
 //!
 //! While the handler runs, its lease is renewed every third of [`idem_core::Config::lease`]
-//! ([`Config::heartbeat`]), so a slow handler is not taken over by a retry. The handler
-//! finds an [`IdempotencyInfo`] in its request extensions: `attempt` above 1 means an
-//! earlier run's lease expired without a stored response.
+//! by the engine's heartbeat ([`idem_core::Idem::run_with_heartbeat`];
+//! [`Config::heartbeat`]), so a slow handler is not taken over by a retry. The handler
+//! finds an [`IdempotencyInfo`] and a [`LeaseHandle`] in its request extensions:
+//! `attempt` above 1 means an earlier run's lease expired without a stored response.
+//!
+//! ## Completing in the handler's transaction
+//!
+//! When the handler writes to PostgreSQL and the keys live there too (`PgStore`, or the
+//! tiered store's `TieredStore`), the handler can commit the completed record **in the same
+//! transaction as its business write**: the [`LeaseHandle`] in its request extensions
+//! hands it the lease, `complete_in` writes the record on the handler's transaction, and
+//! [`LeaseHandle::committed`] tells the layer, which then sends the response without
+//! storing it again. A crash between the commit and the response loses nothing: the retry
+//! gets the committed response replayed, and the payment is never made twice. A handler
+//! that returns without completing leaves the storing to the layer; on stores without
+//! transactions (memory, Redis) the layer stores the response as usual.
+//!
+//! In axum, take the handle with `Extension<LeaseHandle>`, or, with this crate's `axum`
+//! feature, as `LeaseHandle` (or `Option<LeaseHandle>`) directly:
+//!
+//! ```no_run
+//! use axum::extract::{Extension, State};
+//! use axum::http::{HeaderMap, HeaderValue, StatusCode};
+//! use axum::response::{IntoResponse, Response};
+//! use axum::routing::post;
+//! use axum::Router;
+//! use idem_core::Idem;
+//! use idem_http::{IdempotencyLayer, LeaseHandle};
+//! use idem_postgres::PgStore;
+//!
+//! async fn pay(
+//!     State(store): State<PgStore>,
+//!     Extension(lease): Extension<LeaseHandle>,
+//!     request: String,
+//! ) -> Result<Response, StatusCode> {
+//!     let unavailable = |_| StatusCode::SERVICE_UNAVAILABLE;
+//!     let mut tx = store.pool().begin().await.map_err(unavailable)?;
+//!     // The business write.
+//!     let id: i64 = sqlx::query_scalar("INSERT INTO payments (request) VALUES ($1) RETURNING id")
+//!         .bind(&request)
+//!         .fetch_one(&mut *tx)
+//!         .await
+//!         .map_err(unavailable)?;
+//!     let mut headers = HeaderMap::new();
+//!     headers.insert("content-type", HeaderValue::from_static("application/json"));
+//!     let body = format!(r#"{{"payment":{id}}}"#);
+//!     // The completed record, in the same transaction: both commit or neither does.
+//!     // LeaseLost (another request took the key over) drops `tx`: nothing is committed.
+//!     let completion = lease.completion(StatusCode::CREATED, &headers, body.clone());
+//!     store
+//!         .complete_in(&mut tx, lease.lease(), &completion, lease.retention())
+//!         .await
+//!         .map_err(|_| StatusCode::CONFLICT)?;
+//!     tx.commit().await.map_err(unavailable)?;
+//!     lease.committed(&completion);
+//!     Ok((StatusCode::CREATED, headers, body).into_response())
+//! }
+//!
+//! # async fn start() -> Result<(), idem_core::Error> {
+//! let store = PgStore::connect("postgres://app@127.0.0.1/app").await?;
+//! store.migrate().await?;
+//! let layer = IdempotencyLayer::new(Idem::new(store.clone())).with_scope(idem_http::bearer_scope);
+//! let app: Router = Router::new()
+//!     .route("/payments", post(pay))
+//!     .layer(layer)
+//!     .with_state(store);
+//! # let _ = app; Ok(()) }
+//! ```
+//!
+//! The tiered store's `complete_in` is called the same way; call its `publish` after the
+//! commit to copy the completion into Redis at once (its relay does it otherwise).
 //!
 //! ## When storing the response fails
 //!
@@ -109,14 +190,18 @@ mod body;
 mod config;
 mod error;
 mod future;
+mod handle;
 mod layer;
 mod outcome;
 mod service;
 
 pub use body::{RequestBody, ResponseBody};
-pub use config::{Config, MissingKey, StatusFilter, Unstored};
+pub use config::{
+    default_store_status, Anonymous, Config, MissingKey, StatusFilter, Unstored, TRANSIENT_4XX,
+};
 pub use error::{problem_json, PROBLEM_JSON};
 pub use future::ResponseFuture;
+pub use handle::LeaseHandle;
 pub use layer::{bearer_scope, IdempotencyLayer, ObserverFn, ScopeFn};
 pub use outcome::{IdempotencyInfo, Outcome};
 pub use service::{IdempotencyService, EXPIRES, REPLAYED};

@@ -10,7 +10,8 @@ use idem_core::RecordId;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Outcome {
-    /// The handler ran under a lease and its response was stored for replay.
+    /// The handler ran under a lease and its response was stored for replay (by the layer,
+    /// or by the handler in its own transaction).
     Executed,
     /// The handler ran under a lease and its response was not stored: a status the
     /// [`crate::Config::store_status`] filter refuses, a handler error or panic (the key was
@@ -22,8 +23,8 @@ pub enum Outcome {
     InFlight,
     /// The key was used with a different request: answered 422.
     Mismatch,
-    /// Refused before the handler ran: missing or malformed key (400), unreadable body (400)
-    /// or a body over the limit (413).
+    /// Refused before the handler ran: missing or malformed key (400), no principal (401),
+    /// unreadable body (400) or a body over the limit (413).
     Rejected,
     /// The store failed: 503 (or 500 for a store error that retrying will not fix) before the
     /// handler ran, or 503 after it when its response could not be stored in time.

@@ -2,7 +2,8 @@
 
 use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -14,8 +15,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use idem_core::telemetry::KeyHash;
 use idem_core::{
-    Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, Record, RecordId,
-    RecordState, Replay, Scope,
+    Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, OnLost, Record,
+    RecordId, RecordState, Replay, Scope,
 };
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -24,16 +25,17 @@ use tracing::field::Empty;
 use tracing::Instrument;
 
 use crate::body::{Broken, Buffered, Prefixed, RequestBody, ResponseBody};
-use crate::config::{Config, MissingKey, Unstored};
+use crate::config::{Anonymous, Config, MissingKey, Unstored};
 use crate::error::{self, Problem};
 use crate::future::{CatchUnwind, Panic, ResponseFuture};
+use crate::handle::LeaseHandle;
 use crate::layer::Shared;
 use crate::outcome::{IdempotencyInfo, Outcome};
 
 /// The header set on every replayed response.
 pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-/// The header carrying, on a replayed response, the HTTP date after which the stored
-/// response is forgotten (and the key may be used again).
+/// The header carrying, on a stored response (the first one and every replay), the HTTP
+/// date after which it is forgotten (and the key may be used again).
 pub const EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
 
 /// The service made by [`crate::IdempotencyLayer`]: it guards the configured methods of
@@ -119,30 +121,87 @@ where
     }
 }
 
-/// One request, start to end.
+/// One request, start to end, in four named steps: **admit** (key, principal, body,
+/// fingerprint; on the response future), then on a task of its own **decide** (the
+/// store's `begin`), **run** (the handler, its lease renewed) and **store** (its outcome).
+///
+/// Everything from `begin` on runs on a spawned task that the response future awaits: a
+/// client that goes away drops the response future, not the work. Once a lease is taken,
+/// the handler and the storing of its outcome run to their end, so a retry gets the
+/// stored response rather than a lease held for nothing.
 async fn handle<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
-    mut inner: S,
+    inner: S,
     req: Request<ReqBody>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ReqBody: Body<Data = Bytes>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let config = &shared.config;
-    if !config.methods.contains(req.method()) {
+    if !shared.config.methods.contains(req.method()) {
         return pass(inner, req.map(Either::Right)).await;
     }
+    let admitted = match admit(&shared, req).await {
+        Admission::Guard(admitted) => admitted,
+        Admission::Pass(req) => return pass(inner, req).await,
+        Admission::Refuse(response) => return Ok(response),
+    };
+    let task =
+        tokio::spawn(guard(shared.clone(), inner, admitted).instrument(tracing::Span::current()));
+    match task.await {
+        Ok(out) => out,
+        // The handler's panic, after its key was released: resumed here as it would have
+        // been without the task.
+        Err(e) if e.is_panic() => resume_unwind(e.into_panic()),
+        // The runtime is shutting down under the task: whether the work ran is unknown.
+        Err(_) => Ok(refuse(
+            &shared,
+            Outcome::StoreError,
+            not_recorded(&shared.config),
+        )),
+    }
+}
+
+/// A guarded request that passed admission: its record, its fingerprint, and the request
+/// with its body read.
+struct Admitted<B> {
+    id: RecordId,
+    fingerprint: Fingerprint,
+    req: Request<RequestBody<B>>,
+}
+
+/// What admission decided.
+enum Admission<B> {
+    /// Guard the request.
+    Guard(Admitted<B>),
+    /// Hand it on unguarded (no key, and keys are optional).
+    Pass(Request<RequestBody<B>>),
+    /// Refuse it with this answer.
+    Refuse(Response<ResponseBody>),
+}
+
+/// Step 1, admit: reads the key, finds the principal, reads the body within its limit and
+/// computes the fingerprint. Nothing is claimed yet, so a client that goes away here
+/// leaves nothing behind.
+async fn admit<B>(shared: &Shared, req: Request<B>) -> Admission<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let config = &shared.config;
     let (parts, body) = req.into_parts();
+    let rejected = |problem| Admission::Refuse(refuse(shared, Outcome::Rejected, problem));
 
     let key = match read_key(&parts.headers, &config.header) {
         Ok(Some(key)) => key,
         Ok(None) if config.missing_key == MissingKey::PassThrough => {
             shared.observe(Outcome::Unguarded);
-            return pass(inner, Request::from_parts(parts, Either::Right(body))).await;
+            return Admission::Pass(Request::from_parts(parts, Either::Right(body)));
         }
         Ok(None) => {
             let detail = format!(
@@ -151,52 +210,102 @@ where
                 parts.uri.path(),
                 config.header
             );
-            return Ok(refuse(
-                &shared,
-                Outcome::Rejected,
-                Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    error::KIND_KEY_MISSING,
-                    "Idempotency key missing",
-                    detail,
-                ),
+            return rejected(Problem::new(
+                StatusCode::BAD_REQUEST,
+                error::KIND_KEY_MISSING,
+                "Idempotency key missing",
+                detail,
             ));
         }
         Err(detail) => {
-            return Ok(refuse(
-                &shared,
-                Outcome::Rejected,
-                Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    error::KIND_KEY_INVALID,
-                    "Idempotency key malformed",
-                    detail,
-                ),
+            return rejected(Problem::new(
+                StatusCode::BAD_REQUEST,
+                error::KIND_KEY_INVALID,
+                "Idempotency key malformed",
+                detail,
+            ));
+        }
+    };
+
+    let scope = match shared.scope.as_ref().and_then(|scope| scope(&parts)) {
+        Some(scope) => scope,
+        None if config.anonymous == Anonymous::Shared => Scope::global(),
+        None => {
+            return rejected(Problem::new(
+                StatusCode::UNAUTHORIZED,
+                error::KIND_NO_PRINCIPAL,
+                "Caller unknown",
+                "idempotency keys are kept per caller, and this request names none: \
+                 authenticate, then retry with the same key",
             ));
         }
     };
 
     let bytes = match read_body(body, &parts.headers, config.max_request_body).await {
         Ok(bytes) => bytes,
-        Err(problem) => return Ok(refuse(&shared, Outcome::Rejected, problem)),
+        Err(problem) => return rejected(problem),
     };
-
-    let scope = shared
-        .scope
-        .as_ref()
-        .and_then(|scope| scope(&parts))
-        .unwrap_or_else(Scope::global);
     let id = RecordId::new(scope, key);
     let span = tracing::Span::current();
     span.record("scope", tracing::field::display(id.scope()));
     span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
     let fingerprint = fingerprint(config, &parts, &bytes);
+    Admission::Guard(Admitted {
+        id,
+        fingerprint,
+        req: Request::from_parts(parts, Either::Left(Full::new(bytes))),
+    })
+}
 
-    let lease = match shared.idem.begin(&id, fingerprint).await {
-        Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => lease,
+/// Steps 2 to 4 on the spawned task: decide, run, store.
+async fn guard<S, ReqBody, ResBody>(
+    shared: Arc<Shared>,
+    mut inner: S,
+    admitted: Admitted<ReqBody>,
+) -> Result<Response<ResponseBody>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Admitted {
+        id,
+        fingerprint,
+        req,
+    } = admitted;
+    let lease = match decide(&shared, &id, fingerprint).await {
+        Decision::Run(lease) => lease,
+        Decision::Answer(response) => return Ok(response),
+        Decision::FailOpen => return pass(inner, req).await,
+    };
+    let handle = LeaseHandle::new(
+        lease.clone(),
+        shared.idem.config().retention,
+        shared.clone(),
+    );
+    let (lease, ran) = run(&shared, &mut inner, req, lease, &handle).await;
+    store(&shared, lease, &handle, ran).await
+}
+
+/// What the store's `begin` decided.
+enum Decision {
+    /// Run the handler under this lease.
+    Run(Lease),
+    /// Answer without running it: a replay or a refusal.
+    Answer(Response<ResponseBody>),
+    /// The store is unavailable and the layer fails open: run it unguarded.
+    FailOpen,
+}
+
+/// Step 2, decide: claims the key, or answers from the store.
+async fn decide(shared: &Shared, id: &RecordId, fingerprint: Fingerprint) -> Decision {
+    let config = &shared.config;
+    let answer = |outcome, problem| Decision::Answer(refuse(shared, outcome, problem));
+    match shared.idem.begin(id, fingerprint).await {
+        Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => Decision::Run(lease),
         Ok(Begin::Replay(replay)) => {
             shared.observe(Outcome::Replayed);
-            return Ok(replay_response(config, replay));
+            Decision::Answer(replay_response(config, replay))
         }
         Ok(Begin::InFlight { retry_after }) => {
             let problem = Problem::new(
@@ -206,8 +315,8 @@ where
                 "a request with this idempotency key is being processed; retry after the \
                  Retry-After delay to receive its response",
             )
-            .retry_after(retry_after);
-            return Ok(refuse(&shared, Outcome::InFlight, problem));
+            .retry_after(retry_after.min(config.in_flight_retry_after));
+            answer(Outcome::InFlight, problem)
         }
         Ok(Begin::Mismatch) => {
             let problem = Problem::new(
@@ -217,46 +326,14 @@ where
                 "this idempotency key was already used with a different request (method, \
                  path, body or fingerprinted headers); use a new key for a new request",
             );
-            return Ok(refuse(&shared, Outcome::Mismatch, problem));
+            answer(Outcome::Mismatch, problem)
         }
         Err(e) if e.is_retryable() && config.fail_open => {
             tracing::debug!(error = %e, "idempotency store unavailable; failing open");
             shared.observe(Outcome::Unguarded);
-            let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
-            return pass(inner, req).await;
+            Decision::FailOpen
         }
-        Err(e) => {
-            return Ok(refuse(
-                &shared,
-                Outcome::StoreError,
-                store_problem(config, &e),
-            ))
-        }
-    };
-
-    let mut req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
-    req.extensions_mut().insert(IdempotencyInfo {
-        id,
-        attempt: lease.attempt(),
-    });
-    span.record("attempt", lease.attempt());
-    let started = Instant::now();
-    let (lease, output) = run(&shared, &mut inner, req, lease).await;
-    metrics::histogram!("idem_http_handler_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
-
-    match output {
-        Ok(Ok(response)) => Ok(settle(&shared, lease, response).await),
-        Ok(Err(e)) => {
-            release(&shared.idem, &lease, "the service returned an error").await;
-            shared.observe(Outcome::NotStored);
-            Err(e)
-        }
-        Err(panic) => {
-            release(&shared.idem, &lease, "the service panicked").await;
-            shared.observe(Outcome::NotStored);
-            resume_unwind(panic)
-        }
+        Err(e) => answer(Outcome::StoreError, store_problem(config, &e)),
     }
 }
 
@@ -459,63 +536,93 @@ fn replay_response(config: &Config, replay: Replay) -> Response<ResponseBody> {
         }
     }
     headers.insert(REPLAYED, HeaderValue::from_static("true"));
-    let expires = SystemTime::now() + replay.expires_in;
-    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
-        headers.insert(EXPIRES, value);
-    }
+    insert_expires(headers, replay.expires_in);
     response
 }
 
-/// Runs the service under the lease, renewing the lease meanwhile. Returns the latest
-/// lease and the service's answer, or its panic.
+/// How the handler ended.
+enum Ran<R, E> {
+    /// With a response.
+    Answered(R),
+    /// With an error of the service.
+    Failed(E),
+    /// With a panic, caught.
+    Panicked(Panic),
+}
+
+/// Step 3, run: the service under the lease, renewed by the engine's heartbeat
+/// ([`Idem::run_with_heartbeat`] with [`OnLost::Finish`]: a handler whose lease is lost
+/// still runs to its end, and storing its outcome then finds the lease lost). Returns the
+/// latest lease and how the handler ended.
 async fn run<S, ReqBody>(
     shared: &Shared,
     inner: &mut S,
-    req: Request<RequestBody<ReqBody>>,
+    mut req: Request<RequestBody<ReqBody>>,
     lease: Lease,
-) -> (Lease, Result<Result<S::Response, S::Error>, Panic>)
+    handle: &LeaseHandle,
+) -> (Lease, Ran<S::Response, S::Error>)
 where
     S: Service<Request<RequestBody<ReqBody>>>,
 {
+    req.extensions_mut().insert(IdempotencyInfo {
+        id: lease.id().clone(),
+        attempt: lease.attempt(),
+    });
+    req.extensions_mut().insert(handle.clone());
+    tracing::Span::current().record("attempt", lease.attempt());
+    let started = Instant::now();
     // `call` itself may panic, before any future exists.
     let future = match catch_unwind(AssertUnwindSafe(|| inner.call(req))) {
         Ok(future) => future,
-        Err(panic) => return (lease, Err(panic)),
+        Err(panic) => return (lease, Ran::Panicked(panic)),
     };
     let mut work = CatchUnwind::new(future);
-    if !shared.config.heartbeat {
-        return (lease, work.await);
-    }
-    let current = Mutex::new(lease);
-    let output = tokio::select! {
-        // The work finishing wins over a due heartbeat.
-        biased;
-        out = &mut work => out,
-        // The heartbeat only ends when the lease is lost; the work then runs to its end
-        // unrenewed, and storing its response will find the lease lost.
-        () = heartbeat(&shared.idem, &current) => (&mut work).await,
+    let (lease, output) = if shared.config.heartbeat {
+        match shared
+            .idem
+            .run_with_heartbeat(lease.clone(), OnLost::Finish, &mut work)
+            .await
+        {
+            Ok(done) => done,
+            // `Finish` never gives the work up; were it to, the work still ends here.
+            Err(_) => (lease, work.await),
+        }
+    } else {
+        (lease, work.await)
     };
-    let lease = current.into_inner().unwrap_or_else(PoisonError::into_inner);
-    (lease, output)
+    metrics::histogram!("idem_http_handler_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
+    let ran = match output {
+        Ok(Ok(response)) => Ran::Answered(response),
+        Ok(Err(e)) => Ran::Failed(e),
+        Err(panic) => Ran::Panicked(panic),
+    };
+    (lease, ran)
 }
 
-/// Renews the lease every third of its length, until it is found lost.
-async fn heartbeat(idem: &Idem, current: &Mutex<Lease>) {
-    let every = (idem.config().lease / 3).max(Duration::from_millis(1));
-    loop {
-        tokio::time::sleep(every).await;
-        let lease = current
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        match idem.extend(&lease).await {
-            Ok(renewed) => *current.lock().unwrap_or_else(PoisonError::into_inner) = renewed,
-            Err(Error::LeaseLost) => {
-                tracing::warn!("lease lost while the handler ran");
-                return;
-            }
-            // The store may be back by the next beat; the lease still runs meanwhile.
-            Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
+/// Step 4, store: the handler's response stored (or found stored by the handler) and
+/// sent; after an error or a panic, the key released.
+async fn store<ResBody, E>(
+    shared: &Shared,
+    lease: Lease,
+    handle: &LeaseHandle,
+    ran: Ran<Response<ResBody>, E>,
+) -> Result<Response<ResponseBody>, E>
+where
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    match ran {
+        Ran::Answered(response) => Ok(settle(shared, lease, handle, response).await),
+        Ran::Failed(e) => {
+            release(&shared.idem, &lease, "the service returned an error").await;
+            shared.observe(Outcome::NotStored);
+            Err(e)
+        }
+        Ran::Panicked(panic) => {
+            release(&shared.idem, &lease, "the service panicked").await;
+            shared.observe(Outcome::NotStored);
+            resume_unwind(panic)
         }
     }
 }
@@ -533,6 +640,7 @@ async fn release(idem: &Idem, lease: &Lease, why: &str) {
 async fn settle<ResBody>(
     shared: &Shared,
     lease: Lease,
+    handle: &LeaseHandle,
     response: Response<ResBody>,
 ) -> Response<ResponseBody>
 where
@@ -540,106 +648,162 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let config = &shared.config;
-    let (parts, body) = response.into_parts();
-    let mut body = Box::pin(body);
-    let limit = config.max_response_body;
+    let (mut parts, body) = response.into_parts();
+    match buffer(body, config.max_response_body).await {
+        Buffer::Broken(read, e) => {
+            // The body broke off: nothing complete to store. The client sees the same
+            // break it would have seen without the layer.
+            release(&shared.idem, &lease, "the response body failed").await;
+            shared.observe(Outcome::NotStored);
+            Response::from_parts(parts, ResponseBody::new(Broken::new(read, e)))
+        }
+        Buffer::Oversize(read, rest) => {
+            let limit = config.max_response_body;
+            tracing::warn!(limit, "response too large to store; sent unstored");
+            if config.unstored == Unstored::Release {
+                release(&shared.idem, &lease, "a response too large to store").await;
+            }
+            shared.observe(Outcome::NotStored);
+            Response::from_parts(parts, ResponseBody::new(Prefixed::new(read, rest)))
+        }
+        Buffer::Whole(bytes, trailers) => {
+            match keep(shared, lease, handle, &parts, bytes.clone()).await {
+                // The first response advertises its expiry too, as replays do.
+                Kept::Stored => insert_expires(&mut parts.headers, shared.idem.config().retention),
+                Kept::Unstored => {}
+                Kept::Unrecorded => return not_recorded(config).into_response(),
+            }
+            Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
+        }
+    }
+}
 
+/// A response body, read up to the storing limit.
+enum Buffer<B> {
+    /// Read whole, with its trailers.
+    Whole(Bytes, Option<HeaderMap>),
+    /// Over the limit: what was read, and the rest, still to be streamed.
+    Oversize(Bytes, Pin<Box<B>>),
+    /// Broken off: what was read, and the error.
+    Broken(Bytes, BoxError),
+}
+
+/// Reads `body` until its end, or until it is over `limit` bytes.
+async fn buffer<B>(body: B, limit: usize) -> Buffer<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
     let mut trailers = None;
-    let oversize = body.size_hint().lower() > limit as u64
-        || loop {
-            let next = body
-                .frame()
-                .await
-                .map(|r| r.map_err(Into::<BoxError>::into));
-            match next {
-                None => break false,
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        buf.extend_from_slice(&data);
-                        if buf.len() > limit {
-                            break true;
-                        }
+    if body.size_hint().lower() > limit as u64 {
+        return Buffer::Oversize(buf.freeze(), body);
+    }
+    loop {
+        match body.frame().await {
+            None => return Buffer::Whole(buf.freeze(), trailers),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > limit {
+                        return Buffer::Oversize(buf.freeze(), body);
                     }
-                    Err(frame) => {
-                        if let Ok(t) = frame.into_trailers() {
-                            trailers = Some(t);
-                        }
-                    }
-                },
-                Some(Err(e)) => {
-                    // The body broke off: nothing complete to store. The client sees the same
-                    // break it would have seen without the layer.
-                    release(&shared.idem, &lease, "the response body failed").await;
-                    shared.observe(Outcome::NotStored);
-                    let body = Broken::new(buf.freeze(), e);
-                    return Response::from_parts(parts, ResponseBody::new(body));
                 }
-            }
-        };
-
-    if oversize {
-        tracing::warn!(limit, "response too large to store; sent unstored");
-        if config.unstored == Unstored::Release {
-            release(&shared.idem, &lease, "a response too large to store").await;
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers = Some(t);
+                    }
+                }
+            },
+            Some(Err(e)) => return Buffer::Broken(buf.freeze(), e.into()),
         }
-        shared.observe(Outcome::NotStored);
-        let body = Prefixed::new(buf.freeze(), body);
-        return Response::from_parts(parts, ResponseBody::new(body));
     }
+}
 
-    let bytes = buf.freeze();
-    let send = |parts, bytes| {
-        Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
-    };
+/// What became of a whole response.
+enum Kept {
+    /// Stored for replay (by the layer, or by the handler in its transaction).
+    Stored,
+    /// Not stored: its status is not stored (the key released), or the lease was lost.
+    Unstored,
+    /// It should have been stored and the store failed: it must not be sent as done.
+    Unrecorded,
+}
+
+/// Stores a whole response when it should be, unless the handler did already.
+async fn keep(
+    shared: &Shared,
+    lease: Lease,
+    handle: &LeaseHandle,
+    parts: &http::response::Parts,
+    bytes: Bytes,
+) -> Kept {
+    let config = &shared.config;
+    let stored = config.to_stored(parts.status, &parts.headers, bytes);
+    if let Some(committed) = handle.committed_response() {
+        // The handler completed the record in its own transaction: nothing to store.
+        if committed != stored {
+            tracing::warn!(
+                "the handler committed a response other than the one it returned; \
+                 retries are replayed the committed one"
+            );
+        }
+        shared.observe(Outcome::Executed);
+        return Kept::Stored;
+    }
     if !(config.store_status)(parts.status) {
-        release(
-            &shared.idem,
-            &lease,
-            "a response whose status is not stored",
-        )
-        .await;
+        let why = "a response whose status is not stored";
+        release(&shared.idem, &lease, why).await;
         shared.observe(Outcome::NotStored);
-        return send(parts, bytes);
+        return Kept::Unstored;
     }
-
-    let mut stored = idem_core::Response::new(parts.status.as_u16(), bytes.clone());
-    for (name, value) in &parts.headers {
-        if config.replays(name) {
-            stored = stored.with_header(name.as_str(), value.as_bytes());
-        }
-    }
-    match shared.idem.complete(&lease, stored.clone()).await {
-        Ok(()) => {
-            shared.observe(Outcome::Executed);
-            send(parts, bytes)
-        }
+    let kept = match shared.idem.complete(&lease, stored.clone()).await {
+        Ok(()) => Kept::Stored,
+        // The record already holds this very response: the handler completed it in its
+        // transaction without saying so.
+        Err(Error::LeaseLost) if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
         Err(Error::LeaseLost) => {
             // Another request took the key over after this lease expired (or an operator
             // evicted it): nothing of ours can be stored, and this response is the truth
             // for this request.
             tracing::warn!("lease lost before the response was stored");
-            shared.observe(Outcome::NotStored);
-            send(parts, bytes)
+            Kept::Unstored
         }
         Err(e) => {
             tracing::warn!(error = %e, "storing the response failed; retrying");
             if store_later(shared, lease, stored).await {
-                shared.observe(Outcome::Executed);
-                send(parts, bytes)
+                Kept::Stored
             } else {
-                shared.observe(Outcome::StoreError);
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    error::KIND_NOT_RECORDED,
-                    "Outcome not recorded",
-                    "the request was processed, but its response could not be recorded yet; \
-                     retry with the same idempotency key to receive it once it is recorded",
-                )
-                .retry_after(config.store_retry_after)
-                .into_response()
+                Kept::Unrecorded
             }
         }
+    };
+    shared.observe(match kept {
+        Kept::Stored => Outcome::Executed,
+        Kept::Unstored => Outcome::NotStored,
+        Kept::Unrecorded => Outcome::StoreError,
+    });
+    kept
+}
+
+/// The answer when the handler ran but its outcome is not recorded (yet).
+fn not_recorded(config: &Config) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        error::KIND_NOT_RECORDED,
+        "Outcome not recorded",
+        "the request was processed, but its response could not be recorded yet; retry \
+         with the same idempotency key to receive it once it is recorded",
+    )
+    .retry_after(config.store_retry_after)
+}
+
+/// Sets `Idempotency-Expires` to the HTTP date `retention` from now.
+fn insert_expires(headers: &mut HeaderMap, retention: Duration) {
+    let expires = SystemTime::now() + retention;
+    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
+        headers.insert(EXPIRES, value);
     }
 }
 

@@ -50,6 +50,7 @@ macro_rules! backend_cases {
             one_scope_never_sees_another_scopes_response,
             a_5xx_releases_the_key_and_a_4xx_is_stored,
             a_slow_handler_keeps_its_lease_alive,
+            a_client_that_disconnects_does_not_cancel_the_work,
         );
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -402,6 +403,67 @@ mod cases {
         assert_eq!(runs.get(), 1);
     }
 
+    pub async fn a_client_that_disconnects_does_not_cancel_the_work(store: Arc<dyn Store>) {
+        use tokio::io::AsyncWriteExt;
+
+        let (started, finished) = (Runs::default(), Runs::default());
+        let outcomes = Outcomes::default();
+        let (s, f) = (started.clone(), finished.clone());
+        let app = Router::new()
+            .route(
+                "/slow",
+                post(move || {
+                    let (s, f) = (s.clone(), f.clone());
+                    async move {
+                        let run = s.next();
+                        tokio::time::sleep(Duration::from_millis(800)).await;
+                        f.next();
+                        (StatusCode::CREATED, format!("paid, run {run}"))
+                    }
+                }),
+            )
+            .layer(layer_on(store, Config::default(), &outcomes));
+        let server = serve(app).await;
+
+        // A client that sends the request and hangs up while the handler runs.
+        let addr = server.base.strip_prefix("http://").unwrap();
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(
+            b"POST /slow HTTP/1.1\r\nhost: test\r\nidempotency-key: gone-1\r\n\
+              content-length: 2\r\n\r\n{}",
+        )
+        .await
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while started.get() == 0 {
+            assert!(Instant::now() < deadline, "the handler never started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(tcp);
+
+        // Its retry: 409 with a short hint while the work runs, then the stored response.
+        let key = [("idempotency-key", "gone-1")];
+        let reply = loop {
+            let reply = server.post("/slow", &key, "{}").await;
+            if reply.status != StatusCode::CONFLICT {
+                break reply;
+            }
+            assert_eq!(reply.header("retry-after"), Some("1"), "{reply:?}");
+            assert!(Instant::now() < deadline, "the work never ended: {reply:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(reply.replayed(), "{reply:?}");
+        assert_eq!(&reply.body[..], b"paid, run 1");
+        assert_eq!(
+            finished.get(),
+            1,
+            "the handler was cancelled with the connection"
+        );
+        assert_eq!(started.get(), 1, "the handler ran twice");
+        assert_eq!(outcomes.count(Outcome::Executed), 1);
+    }
+
     pub async fn an_unreachable_store_fails_closed_with_503(store: Arc<dyn Store>) {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
@@ -621,4 +683,229 @@ mod tiered {
     }
 
     backend_cases!(store, unreachable = unreachable);
+}
+
+mod transactional {
+    //! The handler completes the record in its own PostgreSQL transaction (`complete_in` of
+    //! `PgStore` and `TieredStore`, reached through the `LeaseHandle` in its extensions):
+    //! the layer does not store it again; a handler that does not complete leaves the
+    //! storing to the layer.
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use axum::extract::Extension;
+    use axum::http::{HeaderMap, HeaderValue, StatusCode};
+    use axum::response::IntoResponse;
+    use axum::routing::post;
+    use axum::Router;
+    use idem_core::{Begin, BeginRequest, Completion, Error, Idem, Lease, Record, RecordId, Store};
+    use idem_http::{Config, LeaseHandle, Outcome};
+    use idem_outbox::TieredStore;
+    use idem_postgres::PgStore;
+    use sqlx::PgConnection;
+
+    use crate::support::*;
+
+    /// The store whose `complete_in` the handler calls.
+    #[derive(Clone)]
+    enum Transactional {
+        Pg(PgStore),
+        Tiered(TieredStore),
+    }
+
+    impl Transactional {
+        fn pg(&self) -> &PgStore {
+            match self {
+                Self::Pg(pg) => pg,
+                Self::Tiered(tiered) => tiered.pg(),
+            }
+        }
+
+        async fn complete_in(
+            &self,
+            conn: &mut PgConnection,
+            lease: &Lease,
+            completion: &Completion,
+            retention: Duration,
+        ) -> Result<(), Error> {
+            match self {
+                Self::Pg(pg) => pg.complete_in(conn, lease, completion, retention).await,
+                Self::Tiered(t) => t.complete_in(conn, lease, completion, retention).await,
+            }
+        }
+
+        /// After the commit: the tiered store copies the completion into Redis at once
+        /// (its relay would, later); until then Redis answers retries in flight.
+        async fn publish(&self, lease: &Lease, completion: &Completion, retention: Duration) {
+            if let Self::Tiered(t) = self {
+                t.publish(lease, completion, retention).await.unwrap();
+            }
+        }
+    }
+
+    /// The store under test, counting the layer's own `complete` calls.
+    #[derive(Debug)]
+    struct Counting {
+        inner: Arc<dyn Store>,
+        completes: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for Counting {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+            self.inner.begin(req).await
+        }
+        async fn complete(
+            &self,
+            lease: &Lease,
+            c: &Completion,
+            retention: Duration,
+        ) -> Result<(), Error> {
+            self.completes.fetch_add(1, Ordering::SeqCst);
+            self.inner.complete(lease, c, retention).await
+        }
+        async fn release(&self, lease: &Lease) -> Result<(), Error> {
+            self.inner.release(lease).await
+        }
+        async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+            self.inner.extend(lease, by).await
+        }
+        async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+            self.inner.get(id).await
+        }
+        async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+            self.inner.evict(id).await
+        }
+    }
+
+    async fn completes_in_the_handlers_transaction(tx_store: Transactional, store: Arc<dyn Store>) {
+        let table = format!("{}.payments", tx_store.pg().quoted_schema());
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (id bigserial PRIMARY KEY, request text NOT NULL)"
+        ))
+        .execute(tx_store.pg().pool())
+        .await
+        .unwrap();
+        let counting = Arc::new(Counting {
+            inner: store,
+            completes: AtomicUsize::new(0),
+        });
+        let outcomes = Outcomes::default();
+        let layer = layer_with(
+            Idem::from_arc(counting.clone()),
+            Config::default(),
+            &outcomes,
+        );
+        let (state, insert) = (
+            tx_store.clone(),
+            format!("INSERT INTO {table} (request) VALUES ($1) RETURNING id"),
+        );
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(
+                    move |Extension(lease): Extension<LeaseHandle>,
+                          headers: HeaderMap,
+                          body: String| {
+                        let (store, insert) = (state.clone(), insert.clone());
+                        async move {
+                            let mut tx = store.pg().pool().begin().await.unwrap();
+                            let id: i64 = sqlx::query_scalar(&insert)
+                                .bind(&body)
+                                .fetch_one(&mut *tx)
+                                .await
+                                .unwrap();
+                            let mut out = HeaderMap::new();
+                            out.insert("content-type", HeaderValue::from_static("text/plain"));
+                            let body = format!("payment {id}");
+                            if headers.contains_key("x-complete-in-tx") {
+                                let completion =
+                                    lease.completion(StatusCode::CREATED, &out, body.clone());
+                                store
+                                    .complete_in(
+                                        &mut tx,
+                                        lease.lease(),
+                                        &completion,
+                                        lease.retention(),
+                                    )
+                                    .await
+                                    .unwrap();
+                                tx.commit().await.unwrap();
+                                lease.committed(&completion);
+                                store
+                                    .publish(lease.lease(), &completion, lease.retention())
+                                    .await;
+                            } else {
+                                tx.commit().await.unwrap();
+                            }
+                            (StatusCode::CREATED, out, body).into_response()
+                        }
+                    },
+                ),
+            )
+            .layer(layer);
+        let server = serve(app).await;
+        let rows = || async {
+            let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+                .fetch_one(tx_store.pg().pool())
+                .await
+                .unwrap();
+            n
+        };
+
+        // Completed in the handler's transaction: the layer stores nothing more.
+        let headers = [("idempotency-key", "tx-1"), ("x-complete-in-tx", "1")];
+        let first = server.post("/pay", &headers, "one").await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(first.header("idempotency-expires").is_some());
+        assert_eq!(counting.completes.load(Ordering::SeqCst), 0, "stored twice");
+        assert_eq!(outcomes.count(Outcome::Executed), 1);
+        let retry = server.post("/pay", &headers, "one").await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.header("content-type"), Some("text/plain"));
+        assert_eq!(rows().await, 1);
+
+        // A handler that does not complete: the layer stores its response.
+        let headers = [("idempotency-key", "tx-2")];
+        let first = server.post("/pay", &headers, "two").await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert_eq!(counting.completes.load(Ordering::SeqCst), 1);
+        let retry = server.post("/pay", &headers, "two").await;
+        assert!(retry.replayed());
+        assert_eq!(retry.body, first.body);
+        assert_eq!(rows().await, 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        let Some((pg, teardown)) = crate::postgres::fresh_store().await else {
+            return;
+        };
+        completes_in_the_handlers_transaction(Transactional::Pg(pg.clone()), Arc::new(pg)).await;
+        teardown.await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiered() {
+        let Some(redis) = crate::redis::fresh_store().await else {
+            return;
+        };
+        let Some((pg, teardown)) = crate::postgres::fresh_store().await else {
+            return;
+        };
+        let tiered = TieredStore::new(redis, pg);
+        completes_in_the_handlers_transaction(
+            Transactional::Tiered(tiered.clone()),
+            Arc::new(tiered),
+        )
+        .await;
+        teardown.await;
+    }
 }

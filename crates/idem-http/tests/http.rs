@@ -525,3 +525,193 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
         "nothing was stored under a lost lease"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// The status table, anonymous callers, hints
+// ---------------------------------------------------------------------------------------
+
+/// `POST /status`: answers with the status its body names, counting runs.
+fn status_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
+    let runs = runs.clone();
+    Router::new()
+        .route(
+            "/status",
+            post(move |body: String| {
+                let runs = runs.clone();
+                async move {
+                    let n = runs.next();
+                    let status = StatusCode::from_u16(body.trim().parse().unwrap()).unwrap();
+                    (status, format!("run {n}"))
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+#[tokio::test]
+async fn by_default_final_answers_are_stored_and_transient_refusals_are_not() {
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let server = serve(status_app(
+        &runs,
+        layer(MemoryStore::new(), Config::default(), &outcomes),
+    ))
+    .await;
+    let stored = [200, 201, 202, 204, 400, 404, 410, 422];
+    let not_stored = [401, 403, 408, 409, 423, 425, 429, 500, 502, 503, 303];
+    for code in stored.iter().chain(&not_stored) {
+        let key = format!("status-{code}");
+        let headers = [("idempotency-key", key.as_str())];
+        let first = server.post("/status", &headers, &code.to_string()).await;
+        assert_eq!(first.status.as_u16(), *code);
+        let before = runs.get();
+        let retry = server.post("/status", &headers, &code.to_string()).await;
+        assert_eq!(retry.status.as_u16(), *code);
+        if stored.contains(code) {
+            assert!(retry.replayed(), "{code} must be stored");
+            assert_eq!(runs.get(), before, "{code} ran again");
+            assert!(first.header("idempotency-expires").is_some(), "{code}");
+        } else {
+            assert!(!retry.replayed(), "{code} must not be stored");
+            assert_eq!(runs.get(), before + 1, "{code} was not run again");
+            assert!(first.header("idempotency-expires").is_none(), "{code}");
+        }
+    }
+
+    // Configurable: store every answer, a 429 too.
+    let runs = Runs::default();
+    let config = Config::default().with_store_status(|_| true);
+    let server = serve(status_app(
+        &runs,
+        layer(MemoryStore::new(), config, &outcomes),
+    ))
+    .await;
+    let headers = [("idempotency-key", "status-429-kept")];
+    server.post("/status", &headers, "429").await;
+    assert!(server.post("/status", &headers, "429").await.replayed());
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test]
+async fn a_request_without_a_principal_is_refused_with_401_unless_the_route_shares_one() {
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let refusing = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
+        .with_scope(idem_http::bearer_scope)
+        .with_observer({
+            let outcomes = outcomes.clone();
+            move |o| outcomes.0.lock().unwrap().push(o)
+        });
+    let server = serve(pay_app(&runs, refusing)).await;
+    let key = ("idempotency-key", "anon-1");
+
+    let anonymous = server.post("/pay", &[key, JSON], "{}").await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        anonymous.problem_type(),
+        "urn:idem:problem:principal-missing"
+    );
+    assert_eq!(runs.get(), 0, "the handler ran for an anonymous caller");
+    assert_eq!(outcomes.count(Outcome::Rejected), 1);
+    let named = server
+        .post(
+            "/pay",
+            &[key, JSON, ("authorization", "Bearer alice")],
+            "{}",
+        )
+        .await;
+    assert_eq!(named.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+
+    // No scope extractor at all: every request is anonymous, and refused.
+    let bare = serve(pay_app(
+        &runs,
+        IdempotencyLayer::new(Idem::new(MemoryStore::new())),
+    ))
+    .await;
+    let reply = bare
+        .post(
+            "/pay",
+            &[key, JSON, ("authorization", "Bearer alice")],
+            "{}",
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(runs.get(), 1);
+
+    // A route that opts into the shared anonymous scope: anonymous callers share one key
+    // space, apart from alice's.
+    let shared = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
+        .with_scope(idem_http::bearer_scope)
+        .with_config(Config::default().with_anonymous(idem_http::Anonymous::Shared));
+    let server = serve(pay_app(&runs, shared)).await;
+    let first = server.post("/pay", &[key, JSON], "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let second = server.post("/pay", &[key, JSON], "{}").await;
+    assert!(second.replayed());
+    let alice = server
+        .post(
+            "/pay",
+            &[key, JSON, ("authorization", "Bearer alice")],
+            "{}",
+        )
+        .await;
+    assert!(!alice.replayed());
+    assert_eq!(runs.get(), 3);
+}
+
+#[tokio::test]
+async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first_response() {
+    use std::time::SystemTime;
+
+    async fn conflict_hint(lease: Duration, hint: Option<Duration>) -> u64 {
+        let runs = Runs::default();
+        let outcomes = Outcomes::default();
+        let idem = Idem::new(MemoryStore::new())
+            .with_config(idem_core::Config::default().with_lease(lease));
+        let mut config = Config::default();
+        if let Some(hint) = hint {
+            config = config.with_in_flight_retry_after(hint);
+        }
+        let server = Arc::new(serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await);
+        let headers = [("idempotency-key", "hint-1"), ("x-delay-ms", "1500"), JSON];
+        let first = {
+            let server = server.clone();
+            tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
+        };
+        while runs.get() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let busy = server.post("/pay", &headers, "{}").await;
+        assert_eq!(busy.status, StatusCode::CONFLICT);
+        first.await.unwrap();
+        busy.header("retry-after").unwrap().parse().unwrap()
+    }
+    // A 30 s lease: the hint is 1 s, not the lease time left.
+    assert_eq!(conflict_hint(Duration::from_secs(30), None).await, 1);
+    // Configurable.
+    assert_eq!(
+        conflict_hint(Duration::from_secs(30), Some(Duration::from_secs(5))).await,
+        5
+    );
+    // Never past the lease time left (whole seconds, rounded up).
+    assert!(conflict_hint(Duration::from_millis(1200), Some(Duration::from_secs(20))).await <= 2);
+
+    // The first response says when the stored response is forgotten, as replays do.
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let server = serve(pay_app(
+        &runs,
+        layer(MemoryStore::new(), Config::default(), &outcomes),
+    ))
+    .await;
+    let headers = [("idempotency-key", "expires-1"), JSON];
+    let first = server.post("/pay", &headers, "{}").await;
+    let replay = server.post("/pay", &headers, "{}").await;
+    for reply in [&first, &replay] {
+        let expires =
+            httpdate::parse_http_date(reply.header("idempotency-expires").unwrap()).unwrap();
+        let left = expires.duration_since(SystemTime::now()).unwrap();
+        assert!(left > Duration::from_secs(23 * 3600) && left <= Duration::from_secs(24 * 3600));
+    }
+}

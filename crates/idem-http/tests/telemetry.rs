@@ -18,6 +18,11 @@ use tracing_subscriber::fmt::format::FmtSpan;
 
 const KEY: &str = "secret-order-key-7";
 
+/// Held by each test of this file: tracing caches which callsites are enabled process-wide,
+/// so a test without a subscriber that runs beside one with a scoped subscriber can leave
+/// that subscriber's spans disabled.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 /// A writer the subscriber formats into, for the test to read.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -51,6 +56,7 @@ async fn twice() {
 
 #[test]
 fn requests_are_counted_by_outcome_and_the_handler_timed() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || {
@@ -92,6 +98,7 @@ fn requests_are_counted_by_outcome_and_the_handler_timed() {
 
 #[test]
 fn request_spans_carry_the_outcome_and_the_key_hash_only() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()

@@ -43,20 +43,23 @@
 //! either as the `idem-relay` binary of this crate or in-process with [`Relay::run`].
 //!
 //! ```text
-//! idem-relay run --database-url postgres://app@db/app --redis-url redis://cache:6379 \
-//!     [--schema idem] [--redis-prefix idem:] [--batch 500] [--poll-ms 200] \
+//! idem-relay run --store 'tiered:redis://cache:6379|postgres://app@db/app' \
+//!     [--schema idem] [--prefix idem:] [--batch 500] [--poll-ms 200] \
 //!     [--max-tries 10] [--backoff-ms 1000] [--backoff-cap-ms 60000] \
 //!     [--metrics-listen 127.0.0.1:9187] [--log info]
-//! idem-relay dead list [--json] [--limit 100] --database-url ..
-//! idem-relay dead retry [--id N ...] --database-url ..
+//! idem-relay dead list [--json] [--limit 100] --store postgres://app@db/app
+//! idem-relay dead retry [--id N ...] --store postgres://app@db/app
 //! ```
 //!
-//! The URLs may come from `IDEM_DATABASE_URL` and `IDEM_REDIS_URL` instead, the log level
-//! from `IDEM_RELAY_LOG`. `--redis-prefix` must match the application's
-//! [`idem_redis::RedisConfig::prefix`]. `run` applies idem's migrations first (safe while
-//! other instances do the same). Exit codes: 0 on success and on a clean stop, 2 on bad
-//! input, 3 on a store or I/O error at start (once running, the worker logs errors and
-//! retries instead of exiting).
+//! The binary reads the variables the `idem` binary reads: `IDEM_STORE` for `--store`,
+//! `IDEM_PREFIX`, `IDEM_SCHEMA`, `IDEM_LOG_FORMAT`; the log level comes from
+//! `IDEM_RELAY_LOG`. The former `IDEM_DATABASE_URL` and `IDEM_REDIS_URL` (`--database-url`,
+//! `--redis-url`, `--redis-prefix`) still work, with a warning. `--prefix` must match the
+//! application's [`idem_redis::RedisConfig::prefix`]. Redis unreachable at start does not
+//! stop `run`: it logs so, keeps the rows pending and relays once Redis answers. `run`
+//! applies idem's migrations first (safe while other instances do the same). Exit codes: 0
+//! on success and on a clean stop, 2 on bad input, 3 on a store or I/O error at start (once
+//! running, the worker logs errors and retries instead of exiting).
 //!
 //! **What a batch does**, in one transaction: claim up to `batch` due rows (`NOT dead AND
 //! next_try_at <= now`, oldest first), delete unapplied those whose record has expired,

@@ -9,11 +9,8 @@ use sqlx::migrate::Migrator;
 
 /// The outbox's migrations. Their versions (from 1001) stay clear of idem-postgres's, whose
 /// ledger in the schema they share; each migrator ignores the other's versions.
-static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
-    let mut migrator = sqlx::migrate!("./migrations");
-    migrator.set_ignore_missing(true);
-    migrator
-});
+static MIGRATOR: LazyLock<Migrator> =
+    LazyLock::new(|| idem_postgres::sharing_the_ledger(sqlx::migrate!("./migrations")));
 
 /// The outbox's migrations, for tools that list them. Apply them with [`migrate`], which
 /// runs them in the store's schema.

@@ -18,7 +18,7 @@ mod relay {
     };
     use idem_outbox::{Relay, RelayConfig, TieredStore};
     use idem_postgres::PgStore;
-    use idem_redis::testing::RedisServer;
+    use idem_redis::testing::{self, RedisServer};
     use idem_redis::{RedisConfig, RedisStore};
     use idem_testkit::harness;
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -162,17 +162,16 @@ mod relay {
         }
 
         async fn wait_outbox_empty(&self) {
-            let started = Instant::now();
-            loop {
-                let left = self.outbox_rows().await;
-                if left == 0 {
-                    return;
-                }
-                assert!(
-                    started.elapsed() < PATIENCE,
-                    "{left} outbox rows still there after {PATIENCE:?}"
-                );
-                sleep(Duration::from_millis(50)).await;
+            eventually("the outbox empty", Duration::from_millis(50), || async {
+                (self.outbox_rows().await == 0).then_some(())
+            })
+            .await;
+        }
+
+        /// [`Env::assert_in_redis`] for every key of `keys`.
+        async fn assert_all_in_redis(&self, keys: std::ops::Range<usize>) {
+            for i in keys {
+                self.assert_in_redis(i).await;
             }
         }
 
@@ -250,29 +249,90 @@ mod relay {
         assert!(status.success(), "kill -TERM {pid}");
     }
 
+    /// Polls `check` every `every` until it gives a value, which it returns; fails the test
+    /// with `what` (what never happened) after [`PATIENCE`].
+    async fn eventually<T, F>(what: &str, every: Duration, mut check: impl FnMut() -> F) -> T
+    where
+        F: std::future::Future<Output = Option<T>>,
+    {
+        let started = Instant::now();
+        loop {
+            if let Some(value) = check().await {
+                return value;
+            }
+            assert!(started.elapsed() < PATIENCE, "{what} within {PATIENCE:?}");
+            sleep(every).await;
+        }
+    }
+
+    /// A relay running in a task of its own until [`Running::stop`].
+    struct Running {
+        stop: watch::Sender<bool>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    /// Runs `relay` (its `run` loop) in a task of its own.
+    fn start(relay: &Relay) -> Running {
+        let (stop, mut stopped) = watch::channel(false);
+        let relay = relay.clone();
+        let task = tokio::spawn(async move {
+            relay
+                .run(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await
+        });
+        Running { stop, task }
+    }
+
+    impl Running {
+        /// Sends the shutdown signal and waits for `run` to return; fails the test with
+        /// `what` (what should have happened) when it does not within [`PATIENCE`].
+        async fn stop(self, what: &str) {
+            self.stop.send(true).expect("relay still running");
+            timeout(PATIENCE, self.task)
+                .await
+                .unwrap_or_else(|_| panic!("{what}"))
+                .expect("relay task");
+        }
+    }
+
+    /// An environment whose Redis is a throwaway server of its own, for tests that stop or
+    /// pause it; `None` when a backend is missing and not required.
+    async fn env_with_own_redis() -> Option<(RedisServer, Env)> {
+        harness::database_url()?;
+        let server = testing::throwaway(&[])?;
+        let env = env(Some(server.url())).await?;
+        Some((server, env))
+    }
+
+    /// An environment (see [`env`]) whose outbox holds `rows` committed completions (keys
+    /// `0..rows`) that nothing published.
+    async fn with_backlog(rows: usize) -> Option<Arc<Env>> {
+        let env = Arc::new(env(None).await?);
+        env.commit_many(0..rows, 8).await;
+        Some(env)
+    }
+
     // --- tests ---------------------------------------------------------------------------------
 
     /// `kill -9` of a relay process while it drains a backlog in small batches, then a new
     /// process: every committed completion reaches Redis, and the outbox empties.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn relay_process_killed_mid_stream_loses_nothing() {
-        let Some(env) = env(None).await else { return };
-        let env = Arc::new(env);
         const ROWS: usize = 1200;
-        env.commit_many(0..ROWS, 8).await;
+        let Some(env) = with_backlog(ROWS).await else {
+            return;
+        };
         assert_eq!(env.outbox_rows().await, ROWS as i64);
 
         let mut first = env.spawn_relay_process(&["--batch", "10", "--poll-ms", "50"]);
         // Kill it once it has relayed a few batches, while most of the backlog is left.
-        let started = Instant::now();
-        let left = loop {
+        let left = eventually("the relay started", Duration::from_millis(2), || async {
             let left = env.outbox_rows().await;
-            if left <= (ROWS - 30) as i64 {
-                break left;
-            }
-            assert!(started.elapsed() < PATIENCE, "the relay never started");
-            sleep(Duration::from_millis(2)).await;
-        };
+            (left <= (ROWS - 30) as i64).then_some(left)
+        })
+        .await;
         first.start_kill().expect("kill -9 the relay");
         let status = wait_exit(&mut first).await;
         assert!(!status.success(), "killed, not exited: {status:?}");
@@ -289,9 +349,7 @@ mod relay {
         sigterm(&second);
         assert!(wait_exit(&mut second).await.success());
 
-        for i in 0..ROWS {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(0..ROWS).await;
         env.drop_schema().await;
     }
 
@@ -300,32 +358,11 @@ mod relay {
     /// into it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn redis_outage_grows_the_backlog_then_drains() {
-        if harness::database_url().is_none() {
-            return;
-        }
-        if !harness::present(
-            idem_redis::testing::binaries_available(),
-            "redis-server and redis-cli on PATH (this test starts its own)",
-        ) {
-            return;
-        }
-        let mut server = RedisServer::start().expect("start a throwaway redis-server");
-        let Some(env) = env(Some(server.url())).await else {
+        let Some((mut server, env)) = env_with_own_redis().await else {
             return;
         };
         let relay = env.relay(fast());
-        let (stop, stopped) = watch::channel(false);
-        let worker = {
-            let relay = relay.clone();
-            let mut stopped = stopped.clone();
-            tokio::spawn(async move {
-                relay
-                    .run(async move {
-                        let _ = stopped.wait_for(|s| *s).await;
-                    })
-                    .await
-            })
-        };
+        let running = start(&relay);
 
         // Redis up: published at once, and relayed (found completed) soon after.
         for i in 0..10 {
@@ -348,11 +385,12 @@ mod relay {
                 .expect("complete with Redis down");
         }
         // The relay keeps failing whole batches (outages), never single rows.
-        let started = Instant::now();
-        while relay.metrics().outages_total < 2 {
-            assert!(started.elapsed() < PATIENCE, "no outage seen by the relay");
-            sleep(Duration::from_millis(50)).await;
-        }
+        eventually(
+            "outages seen by the relay",
+            Duration::from_millis(50),
+            || async { (relay.metrics().outages_total >= 2).then_some(()) },
+        )
+        .await;
         let during = relay.observe().await.expect("observe");
         assert_eq!(during.backlog, DOWN.len() as u64, "{during:?}");
         assert!(during.lag_seconds > 0.0, "{during:?}");
@@ -362,9 +400,7 @@ mod relay {
         // Redis back, empty: the backlog drains into it.
         server.start_again().expect("restart redis-server");
         env.wait_outbox_empty().await;
-        for i in DOWN {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(DOWN).await;
         let after = relay.observe().await.expect("observe");
         assert_eq!((after.backlog, after.dead, after.failed_total), (0, 0, 0));
         assert!(after.relayed_total >= 10 + DOWN.len() as u64, "{after:?}");
@@ -382,11 +418,7 @@ mod relay {
             other => panic!("expected a replay from Redis, got {other:?}"),
         }
 
-        stop.send(true).expect("relay still running");
-        timeout(PATIENCE, worker)
-            .await
-            .expect("the relay stops")
-            .expect("relay task");
+        running.stop("the relay stops").await;
         env.drop_schema().await;
     }
 
@@ -396,43 +428,23 @@ mod relay {
     async fn four_relays_share_the_outbox() {
         let Some(env) = env(None).await else { return };
         let env = Arc::new(env);
-        let (stop, stopped) = watch::channel(false);
         let relays: Vec<Relay> = (0..4)
             .map(|_| env.relay(RelayConfig::default().with_batch(25)))
             .collect();
-        let workers: Vec<_> = relays
-            .iter()
-            .map(|relay| {
-                let relay = relay.clone();
-                let mut stopped = stopped.clone();
-                tokio::spawn(async move {
-                    relay
-                        .run(async move {
-                            let _ = stopped.wait_for(|s| *s).await;
-                        })
-                        .await
-                })
-            })
-            .collect();
+        let running: Vec<Running> = relays.iter().map(start).collect();
 
         const ROWS: usize = 600;
         env.commit_many(0..ROWS, 8).await;
         env.wait_outbox_empty().await;
-        stop.send(true).expect("relays still running");
-        for w in workers {
-            timeout(PATIENCE, w)
-                .await
-                .expect("a relay stops")
-                .expect("relay task");
+        for relay in running {
+            relay.stop("a relay stops").await;
         }
 
         // Each row was deleted by exactly one committed batch.
         let relayed: u64 = relays.iter().map(|r| r.metrics().relayed_total).sum();
         assert_eq!(relayed, ROWS as u64);
         assert!(relays.iter().all(|r| r.metrics().failed_total == 0));
-        for i in 0..ROWS {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(0..ROWS).await;
         env.drop_schema().await;
     }
 
@@ -547,32 +559,17 @@ mod relay {
     /// relayed is gone and every row left is untouched (no half-done batch).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn shutdown_finishes_the_batch_and_returns() {
-        let Some(env) = env(None).await else { return };
-        let env = Arc::new(env);
         const ROWS: usize = 800;
-        env.commit_many(0..ROWS, 8).await;
-        let relay = env.relay(RelayConfig::default().with_batch(10));
-        let (stop, mut stopped) = watch::channel(false);
-        let worker = {
-            let relay = relay.clone();
-            tokio::spawn(async move {
-                relay
-                    .run(async move {
-                        let _ = stopped.wait_for(|s| *s).await;
-                    })
-                    .await
-            })
+        let Some(env) = with_backlog(ROWS).await else {
+            return;
         };
-        let started = Instant::now();
-        while relay.metrics().relayed_total < 30 {
-            assert!(started.elapsed() < PATIENCE, "the relay never started");
-            sleep(Duration::from_millis(1)).await;
-        }
-        stop.send(true).expect("relay running");
-        timeout(PATIENCE, worker)
-            .await
-            .expect("run returns after the signal")
-            .expect("relay task");
+        let relay = env.relay(RelayConfig::default().with_batch(10));
+        let running = start(&relay);
+        eventually("the relay started", Duration::from_millis(1), || async {
+            (relay.metrics().relayed_total >= 30).then_some(())
+        })
+        .await;
+        running.stop("run returns after the signal").await;
 
         let relayed = relay.metrics().relayed_total;
         let left = env.outbox_rows().await;
@@ -600,17 +597,7 @@ mod relay {
     /// the batch, then returns.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn shutdown_mid_batch_commits_the_batch_in_hand() {
-        if harness::database_url().is_none() {
-            return;
-        }
-        if !harness::present(
-            idem_redis::testing::binaries_available(),
-            "redis-server and redis-cli on PATH (this test starts its own)",
-        ) {
-            return;
-        }
-        let server = RedisServer::start().expect("start a throwaway redis-server");
-        let Some(env) = env(Some(server.url())).await else {
+        let Some((server, env)) = env_with_own_redis().await else {
             return;
         };
         const ROWS: usize = 20;
@@ -625,50 +612,32 @@ mod relay {
         server
             .cli(&["client", "pause", "3000", "WRITE"])
             .expect("CLIENT PAUSE");
-        let (stop, mut stopped) = watch::channel(false);
-        let worker = {
-            let relay = relay.clone();
-            tokio::spawn(async move {
-                relay
-                    .run(async move {
-                        let _ = stopped.wait_for(|s| *s).await;
-                    })
-                    .await
-            })
-        };
+        let running = start(&relay);
         // Wait until the relay holds every row: a batch is in hand, stuck on Redis.
         let schema = env.pg.quoted_schema().to_owned();
-        let started = Instant::now();
-        loop {
-            let mut tx = env.pg.pool().begin().await.expect("transaction");
-            let free: i64 = sqlx::query_scalar(&format!(
-                "SELECT count(*) FROM (SELECT id FROM {schema}.outbox FOR UPDATE SKIP LOCKED) AS f"
-            ))
-            .fetch_one(&mut *tx)
-            .await
-            .expect("count unlocked rows");
-            tx.rollback().await.expect("rollback");
-            if free == 0 {
-                break;
-            }
-            assert!(
-                started.elapsed() < PATIENCE,
-                "the relay never claimed the rows"
-            );
-            sleep(Duration::from_millis(10)).await;
-        }
+        let unlocked = format!(
+            "SELECT count(*) FROM (SELECT id FROM {schema}.outbox FOR UPDATE SKIP LOCKED) AS f"
+        );
+        eventually(
+            "the relay claimed the rows",
+            Duration::from_millis(10),
+            || async {
+                let mut tx = env.pg.pool().begin().await.expect("transaction");
+                let free: i64 = sqlx::query_scalar(&unlocked)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("count unlocked rows");
+                tx.rollback().await.expect("rollback");
+                (free == 0).then_some(())
+            },
+        )
+        .await;
         assert_eq!(relay.metrics().relayed_total, 0, "Redis is paused");
-        stop.send(true).expect("relay running");
-        timeout(PATIENCE, worker)
-            .await
-            .expect("run returns once the batch is done")
-            .expect("relay task");
+        running.stop("run returns once the batch is done").await;
         // The batch in hand was finished, not dropped: applied, deleted, committed.
         assert_eq!(relay.metrics().relayed_total, ROWS as u64);
         assert_eq!(env.outbox_rows().await, 0);
-        for i in 0..ROWS {
-            env.assert_in_redis(i).await;
-        }
+        env.assert_all_in_redis(0..ROWS).await;
         env.drop_schema().await;
     }
 

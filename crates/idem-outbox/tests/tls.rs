@@ -18,21 +18,13 @@ mod tls {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn relay_runs_over_tls() {
-        if !idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) || !pg::available()
-        {
+        if !testing::available() || !pg::available() {
             return;
         }
         let pki = Pki::new();
-        let (cert, key, ca) = (
-            pki.path("server.pem"),
-            pki.path("server.key"),
-            pki.path("ca.pem"),
-        );
+        let ca = pki.path("ca.pem");
         let (_redis, tls_port) =
-            RedisServer::start_tls(&cert, &key, &ca).expect("start redis-server with TLS");
+            RedisServer::start_tls_with(&pki).expect("start redis-server with TLS");
         let postgres = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
         let database = |ca: &str| {
             format!(

@@ -213,9 +213,11 @@ mod migrate;
 mod purge;
 mod schema;
 mod store;
+mod stuck;
 
 pub use error::{is_transaction_conflict, map as map_error, TransactionConflict};
-pub use migrate::{migrate, migrator};
+pub use migrate::{migrate, migrator, sharing_the_ledger};
 pub use purge::{PurgeConfig, PurgeHandle};
 pub use schema::DEFAULT_SCHEMA;
 pub use store::{PgStore, DEFAULT_CONFLICT_RETRIES, MAX_DURATION};
+pub use stuck::StuckRecord;

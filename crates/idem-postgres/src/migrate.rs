@@ -12,11 +12,16 @@ use crate::schema::{Schema, DEFAULT_SCHEMA};
 /// idem-postgres's migrations. The schema's ledger is shared with the migrations of crates
 /// built on this store (idem-outbox's outbox table, at versions of their own): each
 /// migrator ignores the versions it does not know, and checks those it does.
-static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
-    let mut migrator = sqlx::migrate!("./migrations");
+static MIGRATOR: LazyLock<Migrator> =
+    LazyLock::new(|| sharing_the_ledger(sqlx::migrate!("./migrations")));
+
+/// `migrator`, made to share a schema's ledger: it ignores the versions it does not know
+/// (`Migrator::set_ignore_missing`), those of idem-postgres and of the other crates whose
+/// tables live in the schema. Build the migrator of [`crate::PgStore::migrate_with`] with it.
+pub fn sharing_the_ledger(mut migrator: Migrator) -> Migrator {
     migrator.set_ignore_missing(true);
     migrator
-});
+}
 
 /// idem's migrations (the top-level `migrations/postgres/` folder, embedded at build time).
 ///
@@ -122,4 +127,34 @@ fn map_migrate(err: MigrateError) -> Error {
         }
         other => Error::backend(NAME, other),
     }
+}
+
+/// The versions of `migrator`'s migrations not applied in `schema`, read from the schema's
+/// ledger without changing anything: all of them when the schema or its ledger is absent.
+pub(crate) async fn pending_in(
+    pool: &PgPool,
+    schema: &Schema,
+    migrator: &Migrator,
+) -> Result<Vec<i64>, Error> {
+    let ledger = format!("{}._sqlx_migrations", schema.quoted());
+    // to_regclass answers NULL, never an error, for a missing schema or table.
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&ledger)
+        .fetch_one(pool)
+        .await
+        .map_err(error::map)?;
+    let applied: Vec<i64> = if exists {
+        sqlx::query_scalar(&format!("SELECT version FROM {ledger} WHERE success"))
+            .fetch_all(pool)
+            .await
+            .map_err(error::map)?
+    } else {
+        Vec::new()
+    };
+    Ok(migrator
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .map(|m| m.version)
+        .filter(|v| !applied.contains(v))
+        .collect())
 }

@@ -176,13 +176,39 @@ impl PgStore {
     /// under sqlx's advisory lock, with the schema's ledger. For crates that keep tables of
     /// their own beside `records` (idem-outbox's outbox). Their versions must not collide
     /// with idem-postgres's (which start at 1), and their migrator must ignore the versions
-    /// it does not know (`Migrator::set_ignore_missing`), since the ledger is shared.
+    /// it does not know, since the ledger is shared: build it with
+    /// [`sharing_the_ledger`](crate::sharing_the_ledger).
     ///
     /// # Errors
     ///
     /// As [`crate::migrate`].
     pub async fn migrate_with(&self, migrator: &sqlx::migrate::Migrator) -> Result<(), Error> {
         migrate::migrate_schema_with(&self.pool, &self.schema, migrator).await
+    }
+
+    /// The versions of idem's migrations not yet applied in the store's schema (all of them
+    /// when the schema is absent), read without changing anything: for tools that open a
+    /// store to read it and must neither need DDL rights nor create schemas.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when the database cannot be reached; [`Error::Backend`] when
+    /// the ledger cannot be read.
+    pub async fn pending_migrations(&self) -> Result<Vec<i64>, Error> {
+        migrate::pending_in(&self.pool, &self.schema, migrate::migrator()).await
+    }
+
+    /// [`PgStore::pending_migrations`] for another crate's migrations kept in the store's
+    /// schema (see [`PgStore::migrate_with`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`PgStore::pending_migrations`].
+    pub async fn pending_migrations_with(
+        &self,
+        migrator: &sqlx::migrate::Migrator,
+    ) -> Result<Vec<i64>, Error> {
+        migrate::pending_in(&self.pool, &self.schema, migrator).await
     }
 
     /// [`Store::begin`] as part of the caller's transaction (pass `&mut *tx`).
@@ -311,6 +337,19 @@ impl PgStore {
         }
     }
 
+    /// The row that `sql` (a statement on one record, `$1` its scope and `$2` its key)
+    /// answers for `id`, if any, resent after a conflict as [`PgStore::retrying`] says.
+    async fn fetch_by_id(&self, sql: &str, id: &RecordId) -> Result<Option<PgRow>, Error> {
+        self.retrying(|| {
+            sqlx::query(sql)
+                .bind(id.scope().as_str().as_bytes())
+                .bind(id.key().as_str())
+                .fetch_optional(&self.pool)
+        })
+        .await
+        .map_err(error::map)
+    }
+
     fn begin_query<'q>(&'q self, req: &'q BeginRequest<'_>) -> Query<'q, Postgres, PgArguments> {
         sqlx::query(&self.sql.begin)
             .bind(req.id.scope().as_str().as_bytes())
@@ -403,25 +442,11 @@ impl Store for PgStore {
         };
         let attempt = attempt_of(&row)?;
         let granted = micros(row.try_get("lease_us").map_err(error::map)?);
-        Ok(Lease::new(
-            lease.id().clone(),
-            lease.token(),
-            attempt,
-            granted,
-            sent_at,
-        ))
+        Ok(lease.renewed(attempt, granted, sent_at))
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        let row = self
-            .retrying(|| {
-                sqlx::query(&self.sql.get)
-                    .bind(id.scope().as_str().as_bytes())
-                    .bind(id.key().as_str())
-                    .fetch_optional(&self.pool)
-            })
-            .await
-            .map_err(error::map)?;
+        let row = self.fetch_by_id(&self.sql.get, id).await?;
         let Some(row) = row else {
             return Ok(None);
         };
@@ -443,15 +468,7 @@ impl Store for PgStore {
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        let row = self
-            .retrying(|| {
-                sqlx::query(&self.sql.evict)
-                    .bind(id.scope().as_str().as_bytes())
-                    .bind(id.key().as_str())
-                    .fetch_optional(&self.pool)
-            })
-            .await
-            .map_err(error::map)?;
+        let row = self.fetch_by_id(&self.sql.evict, id).await?;
         match row {
             // An expired record was deleted too, but it already counted as absent.
             Some(row) => row.try_get::<bool, _>("live").map_err(error::map),

@@ -337,6 +337,7 @@ pub(crate) fn decode_record(
     pttl_ms: i64,
     now_ms: i64,
 ) -> Result<idem_core::Record, Error> {
+    check_tag(&record)?;
     let corrupt = || Error::corrupt(STORE, "not a record");
     let head = decode_head(&record, pttl_ms, now_ms).ok_or_else(corrupt)?;
     let (fingerprint, attempt, state) = match head {
@@ -377,6 +378,24 @@ pub(crate) fn fingerprint_of(bytes: &[u8]) -> Fingerprint {
     let mut fp = [0; 32];
     fp.copy_from_slice(&bytes[..32]);
     Fingerprint::from_bytes(fp)
+}
+
+/// Refuses a value whose first byte is no record tag, saying so (rather than failing later
+/// on a length that means nothing in a foreign value).
+fn check_tag(record: &[u8]) -> Result<(), Error> {
+    match record.first() {
+        Some(b'P' | b'p' | b'c' | b'z' | b'h') => Ok(()),
+        Some(&tag) => Err(Error::corrupt(
+            STORE,
+            format!(
+                "unknown record tag {:?} (byte 0x{tag:02x}; idem writes 'P', 'c', 'z' or 'h', \
+                 and reads 'p' of its previous layout): the value was not written by this \
+                 version of idem",
+                char::from(tag)
+            ),
+        )),
+        None => Err(Error::corrupt(STORE, "empty value (not a record)")),
+    }
 }
 
 /// A non-negative millisecond count from Redis as a duration (negative counts are zero).
@@ -518,6 +537,46 @@ mod tests {
     }
 
     #[test]
+    fn every_tag_of_both_layouts_passes_the_tag_check() {
+        let id = RecordId::new(
+            idem_core::Scope::global(),
+            idem_core::Key::new("k").unwrap(),
+        );
+        let fp = Fingerprint::of_bytes(b"x");
+        let p = held(&fp, 3);
+        let limit = |oversize| BodyLimit {
+            max_bytes: 100,
+            oversize,
+        };
+        let big = completion(vec![b'a'; 1000]);
+        let mut records = vec![p.to_vec()];
+        for oversize in [OversizeBody::Compress, OversizeBody::StatusAndHeaders] {
+            records.push(as_stored(
+                &p,
+                &encode_completion(&big, &limit(oversize)).unwrap(),
+            ));
+        }
+        records.push(as_stored(
+            &p,
+            &encode_completion(&completion(b"ok".to_vec()), &limit(OversizeBody::Refuse)).unwrap(),
+        ));
+        // The previous layout's in-progress record: fingerprint, attempt, token, deadline.
+        let mut old = b"p".to_vec();
+        old.extend_from_slice(fp.as_bytes());
+        old.extend_from_slice(&3u32.to_be_bytes());
+        old.extend_from_slice(FencingToken::random().as_bytes());
+        old.extend_from_slice(&10_000u64.to_be_bytes()[2..]);
+        records.push(old);
+        let mut tags: Vec<u8> = records.iter().map(|r| r[0]).collect();
+        tags.sort_unstable();
+        assert_eq!(tags, b"Pchpz");
+        for record in records {
+            let back = decode_record(&id, Bytes::from(record), 5_000, 9_000).unwrap();
+            assert_eq!((back.fingerprint, back.attempt), (fp, 3));
+        }
+    }
+
+    #[test]
     fn body_policies() {
         let fp = Fingerprint::of_bytes(b"x");
         let big = completion(b"abcd".repeat(1000));
@@ -607,6 +666,17 @@ mod tests {
             }
             let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());
             let _ = decode_record(&id, Bytes::from(record), pttl, 0);
+        }
+
+        #[test]
+        fn unknown_tags_are_named(record in proptest::collection::vec(any::<u8>(), 0..120), tag in any::<u8>().prop_filter("not a tag", |t| !b"Ppczh".contains(t))) {
+            let mut record = record;
+            record.insert(0, tag);
+            let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());
+            let Err(Error::Corrupt { detail, .. }) = decode_record(&id, Bytes::from(record), 1000, 0) else {
+                panic!("tag {tag} decoded");
+            };
+            prop_assert!(detail.contains("unknown record tag"), "{}", detail);
         }
     }
 }

@@ -133,7 +133,8 @@
 //! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
 //!
 //! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
-//! prefix (and scope) and reads each record's first 59 bytes, a pipelined page at a time.
+//! prefix (and scope) and reads each key's type and value, a pipelined page at a time
+//! ([`RedisStore::scan`]: counts by state, corrupt and foreign keys, and the stuck ones).
 //!
 //! Deadlines are expiries: set with `PX` / `PEXPIRE` and read back with `PTTL`, both by the
 //! server's clock; no application instance's clock is ever used. In a cluster each record
@@ -197,6 +198,7 @@ pub mod testing;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 pub use error::{EvictionPolicyError, ReplicationError};
+pub use stats::{Finding, Problem, Scan, ScanCounts};
 pub use store::{Applied, RedisStore, RedisStoreBuilder};
 
 /// The store's name in errors and metrics.

@@ -1,97 +1,476 @@
-//! [`idem_core::Store::stats`] on Redis: `SCAN` every primary for the store's keys, read
-//! each record's head, and count by state against the server's clock.
+//! Counting the store's records on Redis: [`RedisStore::scan`], a [`Scan`] walked a page at
+//! a time (`SCAN` on every primary), which [`idem_core::Store::stats`] runs to its end.
 //!
-//! An operator's tool, not a hot path: it costs one `SCAN` page plus one pipelined round
-//! trip per page of up to [`PAGE`] keys, on every primary. It is not a snapshot: records
-//! that change while it runs may be counted in their old or new state, or missed.
+//! An operator's tool, not a hot path. Each [`Scan::step`] costs one `SCAN` page of up to
+//! [`PAGE`] keys and two pipelined round trips on one primary (the keys' types, then each
+//! string's value and time to live), and is bounded by [`RedisConfig::call_timeout`] on
+//! its own: the whole walk has no time limit of its own, so a keyspace of millions of keys
+//! is counted page by page, and the caller decides when to stop (and then holds the counts
+//! so far). It is not a snapshot: records that change while it runs may be counted in
+//! their old or new state, or missed.
+//!
+//! Every key under the store's pattern is counted once, in exactly one category: a record
+//! in one of its states, `corrupt` (a string the codec does not decode: an unknown tag, a
+//! bad length, bad metadata), or `foreign` (a key of another type, such as a hash, or one
+//! whose name is not a record's). A wrong-typed key never fails the scan.
+//!
+//! [`RedisConfig::call_timeout`]: crate::RedisConfig::call_timeout
 
+use std::fmt;
 use std::time::Duration;
 
-use idem_core::{CompletionKind, Error, Scope, Stats};
+use bytes::Bytes;
+use idem_core::{Error, RecordId, RecordState, Scope, Stats};
 use redis::Value;
 
-use crate::codec::{self, Head, IN_PROGRESS_LEN};
-use crate::connection::Conn;
+use crate::codec::{self, Head};
+use crate::connection::Node;
 use crate::error::unexpected;
+use crate::store::RedisStore;
+use crate::STORE;
 
 /// Keys asked for per `SCAN` step.
 const PAGE: usize = 1000;
 
-/// Counts the records under `prefix` (in `scope`, or all of them).
-pub(crate) async fn stats(
-    conn: &mut Conn,
-    prefix: &str,
-    scope: Option<&Scope>,
-    stuck_after: Duration,
-) -> Result<Stats, Error> {
-    let pattern = pattern(prefix, scope);
-    let stuck_after = i64::try_from(stuck_after.as_millis()).unwrap_or(i64::MAX);
-    let mut stats = Stats::default();
-    for node in conn.primaries().await? {
-        let mut cursor = 0u64;
+/// Bytes of each value read by a page's pipeline. A record longer than this (a large body)
+/// is read again whole, on its own, to be decoded.
+const READ: usize = 64 * 1024;
+
+/// The counts of a [`Scan`] so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ScanCounts {
+    /// The records by state, as [`idem_core::Store::stats`] reports them.
+    pub stats: Stats,
+    /// Strings under the store's key pattern that do not decode as records (an unknown
+    /// record tag, a wrong length, bad metadata or a bad compressed body). Every request for
+    /// such a key fails until the key is evicted.
+    pub corrupt: u64,
+    /// Keys under the store's key pattern that are not idem's: another type (a hash, a
+    /// list, ...), or a name that is not a record's.
+    pub foreign: u64,
+    /// Keys the scan read (all categories, and keys that expired between the `SCAN` and
+    /// the read).
+    pub keys: u64,
+}
+
+/// What is wrong with one key, as a [`Scan`] keeping findings reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// In progress, its lease expired longer ago than the scan's `stuck_after`, and no retry
+    /// took it over.
+    Stuck {
+        /// How long ago the lease expired, by the server's clock.
+        expired_for: Duration,
+        /// The attempt that holds it.
+        attempt: u32,
+    },
+    /// A string that does not decode as a record; the codec's reason.
+    Corrupt(String),
+    /// Not a record: the key's type (`hash`, `list`, ...) or why its name is not a record's.
+    Foreign(String),
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Stuck {
+                expired_for,
+                attempt,
+            } => write!(
+                f,
+                "stuck: attempt {attempt}'s lease expired {:.0} s ago, no retry came",
+                expired_for.as_secs_f64()
+            ),
+            Self::Corrupt(why) => write!(f, "corrupt: {why}"),
+            Self::Foreign(what) => write!(f, "not an idem record: {what}"),
+        }
+    }
+}
+
+/// One key a [`Scan`] found wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Finding {
+    /// The Redis key (lossy UTF-8).
+    pub key: String,
+    /// The record it holds, when its name decodes as one.
+    pub id: Option<RecordId>,
+    /// What is wrong.
+    pub problem: Problem,
+}
+
+/// A walk over the store's keys, a page at a time. Made by [`RedisStore::scan`].
+///
+/// Each [`Scan::step`] reads one `SCAN` page (`COUNT 1000`) on one primary and the types and
+/// values of the keys it returns, in two pipelined round trips, bounded by
+/// [`crate::RedisConfig::call_timeout`]; the walk as a whole has no limit of its own. Every
+/// key under the store's pattern is counted once, in one category: a record in one of its
+/// states, corrupt (a string that does not decode), or foreign (another type, or a name
+/// that is not a record's). Not a snapshot: records that change meanwhile may be counted in
+/// either state, or missed.
+#[derive(Debug)]
+pub struct Scan {
+    store: RedisStore,
+    pattern: Vec<u8>,
+    stuck_after_ms: i64,
+    /// The primaries, read at the first step.
+    nodes: Option<Vec<Node>>,
+    node: usize,
+    cursor: u64,
+    /// `SCAN` calls made on the current primary, and its `DBSIZE` (read at its first page).
+    node_pages: u64,
+    node_size: u64,
+    done: bool,
+    counts: ScanCounts,
+    findings: Vec<Finding>,
+    max_findings: usize,
+}
+
+impl RedisStore {
+    /// A scan of the store's records (in `scope`, or all of them), not started: call
+    /// [`Scan::step`] until it answers `false`. In-progress records whose lease expired more
+    /// than `stuck_after` ago count as stuck.
+    ///
+    /// ```no_run
+    /// # async fn run(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
+    /// use std::time::Duration;
+    ///
+    /// let mut scan = store.scan(None, Duration::from_secs(300)).with_findings(100);
+    /// while scan.step().await? {
+    ///     eprintln!("{} keys so far", scan.counts().keys);
+    /// }
+    /// for finding in scan.findings() {
+    ///     println!("{}: {}", finding.key, finding.problem);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn scan(&self, scope: Option<&Scope>, stuck_after: Duration) -> Scan {
+        Scan {
+            store: self.clone(),
+            pattern: pattern(&self.config().prefix, scope),
+            stuck_after_ms: i64::try_from(stuck_after.as_millis()).unwrap_or(i64::MAX),
+            nodes: None,
+            node: 0,
+            cursor: 0,
+            node_pages: 0,
+            node_size: 0,
+            done: false,
+            counts: ScanCounts::default(),
+            findings: Vec::new(),
+            max_findings: 0,
+        }
+    }
+}
+
+impl Scan {
+    /// Keeps up to `limit` [`Finding`]s (stuck, corrupt and foreign keys), in the order
+    /// found. Default: none kept, only counted.
+    pub fn with_findings(mut self, limit: usize) -> Self {
+        self.max_findings = limit;
+        self
+    }
+
+    /// Reads one page of keys and counts them. Answers `true` while keys remain.
+    ///
+    /// A page that fails is not counted, and the next call reads it again: the counts stay
+    /// those of whole pages.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when Redis does not answer within
+    /// [`crate::RedisConfig::call_timeout`] (after one retry on a fresh connection when the
+    /// connection failed); [`Error::Backend`] when it answers with an error.
+    pub async fn step(&mut self) -> Result<bool, Error> {
+        if self.done {
+            return Ok(false);
+        }
+        let limit = self.store.config().call_timeout;
+        let mut retried = false;
         loop {
-            let mut scan = redis::cmd("SCAN");
-            scan.arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(PAGE);
-            let reply = conn.on_node(&node, scan).await?;
-            let (next, keys): (u64, Vec<Vec<u8>>) =
-                redis::from_redis_value(reply.clone()).map_err(|_| unexpected("SCAN", &reply))?;
-            if !keys.is_empty() {
-                // The clock, every head and its time to live in one round trip (a lease's
-                // deadline is the key's expiry minus the margin its head holds). A
-                // completed record's head holds its kind within these bytes.
-                let mut pipe = redis::pipe();
-                pipe.cmd("TIME");
-                for key in &keys {
-                    pipe.cmd("GETRANGE")
-                        .arg(key)
-                        .arg(0)
-                        .arg(IN_PROGRESS_LEN - 1);
-                    pipe.cmd("PTTL").arg(key);
+            let page = tokio::time::timeout(limit, self.page()).await;
+            match page {
+                Ok(Ok(())) => return Ok(!self.done),
+                Ok(Err(e)) if e.is_retryable() && !retried => retried = true,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(Error::unavailable(
+                        STORE,
+                        format!("no answer to a SCAN page within {limit:?}"),
+                    ))
                 }
-                let replies = conn
-                    .pipeline_on_node(&node, pipe, 2 * keys.len() + 1)
-                    .await?;
-                let now = server_millis(&replies[0])?;
-                for pair in replies[1..].chunks_exact(2) {
-                    if let [Value::BulkString(head), Value::Int(pttl)] = pair {
-                        count(&mut stats, head, *pttl, now, stuck_after);
+            }
+        }
+    }
+
+    /// Whether every key was read.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// The counts so far (of whole pages).
+    pub fn counts(&self) -> &ScanCounts {
+        &self.counts
+    }
+
+    /// The findings kept so far (see [`Scan::with_findings`]).
+    pub fn findings(&self) -> &[Finding] {
+        &self.findings
+    }
+
+    /// The primary being scanned (counting from 1) and how many there are: `(1, 1)` on one
+    /// server; `(0, 0)` before the first step.
+    pub fn primaries(&self) -> (usize, usize) {
+        match &self.nodes {
+            Some(nodes) => ((self.node + 1).min(nodes.len()), nodes.len()),
+            None => (0, 0),
+        }
+    }
+
+    /// An estimate of how far the scan of the current primary is, from 0 to 1: the `SCAN`
+    /// calls made times their `COUNT` (1000) against the primary's `DBSIZE` (a `SCAN` call
+    /// visits about `COUNT` keys of the whole keyspace, matching or not). Capped below 1
+    /// until done.
+    pub fn primary_progress(&self) -> f64 {
+        if self.done {
+            return 1.0;
+        }
+        if self.node_size == 0 {
+            return 0.0;
+        }
+        (self.node_pages as f64 * PAGE as f64 / self.node_size as f64).min(0.99)
+    }
+
+    /// One page: `SCAN`, the keys' types and the strings' values, counted. Nothing is
+    /// counted unless the whole page was read.
+    async fn page(&mut self) -> Result<(), Error> {
+        let mut conn = self.store.ready().await?;
+        if self.nodes.is_none() {
+            self.nodes = Some(conn.primaries().await?);
+        }
+        let nodes = self.nodes.as_deref().unwrap_or_default();
+        let Some(node) = nodes.get(self.node).cloned() else {
+            self.done = true;
+            return Ok(());
+        };
+        let size = if self.cursor == 0 {
+            // A primary's first page: its size, for the progress estimate.
+            let reply = conn.on_node(&node, redis::cmd("DBSIZE")).await?;
+            match reply {
+                Value::Int(n) => Some(u64::try_from(n).unwrap_or(0)),
+                other => return Err(unexpected("DBSIZE", &other)),
+            }
+        } else {
+            None
+        };
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(self.cursor)
+            .arg("MATCH")
+            .arg(&self.pattern)
+            .arg("COUNT")
+            .arg(PAGE);
+        let reply = conn.on_node(&node, scan).await?;
+        let (next, keys): (u64, Vec<Vec<u8>>) =
+            redis::from_redis_value_ref(&reply).map_err(|_| unexpected("SCAN", &reply))?;
+
+        let mut page = ScanCounts::default();
+        let mut found = Vec::new();
+        if !keys.is_empty() {
+            // The types first: reading a hash as a string would fail the whole pipeline.
+            let mut types = redis::pipe();
+            for key in &keys {
+                types.cmd("TYPE").arg(key);
+            }
+            let types = conn.pipeline_on_node(&node, types, keys.len()).await?;
+            let mut strings = Vec::new();
+            for (key, kind) in keys.iter().zip(&types) {
+                let kind = match kind {
+                    Value::SimpleString(kind) => kind.as_str(),
+                    Value::Okay => "ok",
+                    other => return Err(unexpected("TYPE", other)),
+                };
+                match kind {
+                    "string" => strings.push(key),
+                    // Gone since the SCAN: expired or deleted.
+                    "none" => page.keys += 1,
+                    other => {
+                        page.keys += 1;
+                        page.foreign += 1;
+                        found.push((key.clone(), Problem::Foreign(format!("a {other}"))));
                     }
                 }
             }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
-    }
-    Ok(stats)
-}
-
-/// Adds one record's head to the counts (`pttl_ms`: the key's time to live). Heads that
-/// are empty (the record expired since the scan) or not a record are skipped.
-fn count(stats: &mut Stats, head: &[u8], pttl_ms: i64, now_ms: i64, stuck_after_ms: i64) {
-    match codec::decode_head(head, pttl_ms, now_ms) {
-        Some(Head::InProgress { lease_left_ms, .. }) => {
-            if lease_left_ms > 0 {
-                stats.in_flight += 1;
-            } else {
-                stats.expired_leases += 1;
-                if -lease_left_ms > stuck_after_ms {
-                    stats.stuck += 1;
+            if !strings.is_empty() {
+                let mut read = redis::pipe();
+                read.ignore_errors().cmd("TIME");
+                for key in &strings {
+                    read.cmd("GETRANGE").arg(key).arg(0).arg(READ - 1);
+                    read.cmd("PTTL").arg(key);
+                }
+                let replies = conn
+                    .pipeline_on_node(&node, read, 1 + 2 * strings.len())
+                    .await?;
+                let now = server_millis(&replies[0])?;
+                for (key, pair) in strings.iter().zip(replies[1..].chunks(2)) {
+                    page.keys += 1;
+                    let (value, pttl) = match pair {
+                        [Value::BulkString(value), Value::Int(pttl)] => (value.clone(), *pttl),
+                        // Made another type between the two round trips.
+                        [Value::ServerError(e), _] if e.code() == "WRONGTYPE" => {
+                            page.foreign += 1;
+                            found.push(((*key).clone(), Problem::Foreign("not a string".into())));
+                            continue;
+                        }
+                        // Gone between the two round trips.
+                        _ => continue,
+                    };
+                    let value = if value.len() >= READ {
+                        // A long record: read it whole to decode it.
+                        let mut get = redis::cmd("GET");
+                        get.arg(*key);
+                        match conn.on_node(&node, get).await? {
+                            Value::BulkString(value) => value,
+                            _ => continue,
+                        }
+                    } else {
+                        value
+                    };
+                    if let Some(problem) = self.count(&mut page, key, Bytes::from(value), pttl, now)
+                    {
+                        found.push(((*key).clone(), problem));
+                    }
                 }
             }
         }
-        Some(Head::Completed { kind, .. }) => match kind {
-            Some(CompletionKind::Succeeded) => stats.succeeded += 1,
-            Some(CompletionKind::Failed) => stats.failed += 1,
-            None => {}
-        },
-        None => {}
+
+        // The page was read whole: count it, and move the cursor.
+        add(&mut self.counts, &page);
+        for (key, problem) in found {
+            if self.findings.len() >= self.max_findings {
+                break;
+            }
+            let id = record_id(&self.store.config().prefix, &key).ok();
+            self.findings.push(Finding {
+                key: String::from_utf8_lossy(&key).into_owned(),
+                id,
+                problem,
+            });
+        }
+        if let Some(size) = size {
+            self.node_size = size;
+            self.node_pages = 0;
+        }
+        self.node_pages += 1;
+        if next == 0 {
+            self.node += 1;
+            self.cursor = 0;
+            self.done = self.node >= nodes.len();
+        } else {
+            self.cursor = next;
+        }
+        Ok(())
     }
+
+    /// Counts one string; answers its problem when it is stuck, corrupt or foreign.
+    fn count(
+        &self,
+        page: &mut ScanCounts,
+        key: &[u8],
+        value: Bytes,
+        pttl: i64,
+        now: i64,
+    ) -> Option<Problem> {
+        let id = match record_id(&self.store.config().prefix, key) {
+            Ok(id) => id,
+            Err(why) => {
+                page.foreign += 1;
+                return Some(Problem::Foreign(why.to_owned()));
+            }
+        };
+        let record = match codec::decode_record(&id, value.clone(), pttl, now) {
+            Ok(record) => record,
+            Err(Error::Corrupt { detail, .. }) => {
+                page.corrupt += 1;
+                return Some(Problem::Corrupt(detail));
+            }
+            Err(other) => {
+                page.corrupt += 1;
+                return Some(Problem::Corrupt(other.to_string()));
+            }
+        };
+        let stats = &mut page.stats;
+        match &record.state {
+            RecordState::InProgress { .. } => {
+                // The signed lease time left, by the server's clock: the key's PTTL minus the
+                // margin its record holds (a record of the previous layout: its deadline
+                // minus `now`). `decode_record` just decoded this head, so it is one.
+                let Some(Head::InProgress { lease_left_ms, .. }) =
+                    codec::decode_head(&value, pttl, now)
+                else {
+                    return None;
+                };
+                if lease_left_ms > 0 {
+                    stats.in_flight += 1;
+                    return None;
+                }
+                stats.expired_leases += 1;
+                let expired_for = lease_left_ms.saturating_neg();
+                if expired_for > self.stuck_after_ms {
+                    stats.stuck += 1;
+                    return Some(Problem::Stuck {
+                        expired_for: codec::millis(expired_for),
+                        attempt: record.attempt,
+                    });
+                }
+            }
+            RecordState::Completed(completion) => match completion.kind {
+                idem_core::CompletionKind::Succeeded => stats.succeeded += 1,
+                _ => stats.failed += 1,
+            },
+        }
+        None
+    }
+}
+
+/// The record a key names: `<prefix>{<8 hex>}<encoded id>`.
+fn record_id(prefix: &str, key: &[u8]) -> Result<RecordId, &'static str> {
+    let rest = key
+        .strip_prefix(prefix.as_bytes())
+        .ok_or("the key lacks the store's prefix")?;
+    let rest = std::str::from_utf8(rest).map_err(|_| "the key's name is not UTF-8")?;
+    let encoded = rest
+        .get(10..)
+        .filter(|_| rest.starts_with('{') && rest.as_bytes()[9] == b'}')
+        .ok_or("the key has no hash tag")?;
+    let id = RecordId::decode(encoded).ok_or("the key's name is not an encoded record id")?;
+    if crate::key::record_key(prefix, &id).as_bytes() != key {
+        return Err("the key's hash tag is not its record's");
+    }
+    Ok(id)
+}
+
+fn add(total: &mut ScanCounts, page: &ScanCounts) {
+    let (t, p) = (&mut total.stats, &page.stats);
+    t.in_flight += p.in_flight;
+    t.expired_leases += p.expired_leases;
+    t.stuck += p.stuck;
+    t.succeeded += p.succeeded;
+    t.failed += p.failed;
+    total.corrupt += page.corrupt;
+    total.foreign += page.foreign;
+    total.keys += page.keys;
+}
+
+/// Runs a scan to its end: [`idem_core::Store::stats`] on Redis.
+pub(crate) async fn stats(
+    store: &RedisStore,
+    scope: Option<&Scope>,
+    stuck_after: Duration,
+) -> Result<Stats, Error> {
+    let mut scan = store.scan(scope, stuck_after);
+    while scan.step().await? {}
+    Ok(scan.counts.stats)
 }
 
 /// `TIME` as Unix milliseconds.
@@ -127,6 +506,7 @@ fn escape(text: &[u8], out: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use idem_core::Key;
 
     #[test]
     fn patterns_escape_globs() {
@@ -142,30 +522,15 @@ mod tests {
     }
 
     #[test]
-    fn counts_by_state() {
-        let fp = idem_core::Fingerprint::of_bytes(b"f");
-        let in_progress = codec::in_progress(&idem_core::FencingToken::random(), 1_000, &fp, 1);
-        let mut stats = Stats::default();
-        // A time to live of 1.5 s with a 1 s margin: 500 ms of lease left.
-        count(&mut stats, &in_progress, 1_500, 0, 0);
-        // 500 ms past the deadline, and 500 ms is not yet stuck at 10 s.
-        count(&mut stats, &in_progress, 500, 0, 0);
-        count(&mut stats, &in_progress, 500, 0, 10_000);
-        let mut completed = vec![b'c'; 50];
-        completed[37] = 0xc0;
-        count(&mut stats, &completed, 100, 0, 0);
-        completed[37] = 0x80;
-        count(&mut stats, &completed, 100, 0, 0);
-        count(&mut stats, b"", -2, 0, 0);
-        count(&mut stats, b"garbage", 100, 0, 0);
-        assert_eq!(
-            stats,
-            Stats::default()
-                .with_in_flight(1)
-                .with_expired_leases(2)
-                .with_stuck(1)
-                .with_succeeded(1)
-                .with_failed(1)
-        );
+    fn keys_name_their_records() {
+        let id = RecordId::new(Scope::new("alice").unwrap(), Key::new("k{1}").unwrap());
+        let key = crate::key::record_key("idem:", &id);
+        assert_eq!(record_id("idem:", key.as_bytes()), Ok(id));
+        assert!(record_id("other:", key.as_bytes()).is_err());
+        // Same shape, wrong tag: not one of the store's keys.
+        let forged = format!("idem:{{00000000}}{}", &key["idem:{00000000}".len()..]);
+        assert!(record_id("idem:", forged.as_bytes()).is_err());
+        assert!(record_id("idem:", b"idem:{0000abcd}x:0").is_err());
+        assert!(record_id("idem:", b"idem:").is_err());
     }
 }

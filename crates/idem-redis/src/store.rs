@@ -318,7 +318,7 @@ impl RedisStore {
     pub const CLUSTER_SCHEME: &'static str = CLUSTER_SCHEME;
 
     /// A connection, after the eviction-policy check has passed once.
-    async fn ready(&self) -> Result<Conn, Error> {
+    pub(crate) async fn ready(&self) -> Result<Conn, Error> {
         let mut conn = self.inner.connection.get().await?;
         if self.inner.config.eviction != EvictionCheck::Skip {
             self.inner
@@ -776,15 +776,10 @@ impl Store for RedisStore {
     }
 
     /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
-    /// reads each record's head, a page of keys per round trip. Not a snapshot: records
-    /// changing meanwhile may be counted in either state. Bounded by
-    /// [`RedisConfig::call_timeout`] like every call, so on a large keyspace pass a longer
-    /// one to the store used for it.
+    /// reads each record, a page of keys at a time ([`RedisStore::scan`] to its end). Not a
+    /// snapshot: records changing meanwhile may be counted in either state. Each page is
+    /// bounded by [`RedisConfig::call_timeout`]; the whole count is not.
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
-        let prefix = &self.inner.config.prefix;
-        call!(self, |conn, _resent| {
-            let mut conn = conn;
-            crate::stats::stats(&mut conn, prefix, scope, stuck_after).await
-        })
+        crate::stats::stats(self, scope, stuck_after).await
     }
 }

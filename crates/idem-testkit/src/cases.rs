@@ -83,6 +83,25 @@ fn ok_response(body: &str) -> Completion {
     Completion::succeeded(Response::new(200, body.to_owned()))
 }
 
+/// Completes `lease` with a success carrying `body`, kept [`KEEP`].
+async fn complete_ok(store: &dyn Store, lease: &Lease, body: &str) {
+    store
+        .complete(lease, &ok_response(body), KEEP)
+        .await
+        .expect("complete");
+}
+
+/// Completes `lease` on `id` with `body`, and asserts that a retry gets it replayed.
+async fn assert_completes(store: &dyn Store, lease: &Lease, id: &RecordId, body: &str) {
+    complete_ok(store, lease, body).await;
+    assert_eq!(replayed_body(store, id).await, body);
+}
+
+/// The body that a retry of `id` (the request `fp("f")`) gets replayed.
+async fn replayed_body(store: &dyn Store, id: &RecordId) -> Bytes {
+    replayed(store, id, fp("f")).await.response.body
+}
+
 async fn replayed(store: &dyn Store, id: &RecordId, fingerprint: Fingerprint) -> Completion {
     match begin(store, id, fingerprint, LONG).await {
         Begin::Replay(replay) => replay.completion,
@@ -216,10 +235,7 @@ pub async fn mismatch(store: Arc<dyn Store>) {
         begin(&*store, &id, fp("two"), LONG).await,
         Begin::Mismatch
     ));
-    store
-        .complete(&lease, &ok_response("r1"), KEEP)
-        .await
-        .expect("complete");
+    complete_ok(&*store, &lease, "r1").await;
     assert!(matches!(
         begin(&*store, &id, fp("two"), LONG).await,
         Begin::Mismatch
@@ -257,15 +273,12 @@ pub async fn lease_expiry_and_takeover(store: Arc<dyn Store>) {
         begin(&*store, &id, fp("f"), LONG).await,
         Begin::InFlight { .. }
     ));
-    store
-        .complete(&second, &ok_response("fresh"), KEEP)
-        .await
-        .expect("complete");
+    complete_ok(&*store, &second, "fresh").await;
     lease_lost(
         store.complete(&first, &ok_response("stale"), KEEP).await,
         "late complete",
     );
-    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "fresh");
+    assert_eq!(replayed_body(&*store, &id).await, "fresh");
 }
 
 /// Tokens stay unique across incarnations: a worker whose lease was taken over, after which
@@ -290,11 +303,7 @@ pub async fn stale_lease_after_release_and_reacquire(store: Arc<dyn Store>) {
         lease_lost(store.extend(stale, LONG).await, name);
         lease_lost(store.release(stale).await, name);
     }
-    store
-        .complete(&c, &ok_response("c"), KEEP)
-        .await
-        .expect("complete");
-    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "c");
+    assert_completes(&*store, &c, &id, "c").await;
     // A released lease is finished for good too.
     lease_lost(store.release(&c).await, "release after complete");
 }
@@ -309,10 +318,7 @@ pub async fn same_attempt_gets_its_lease_back(store: Arc<dyn Store>) {
     let again = acquired(begin_with(&*store, &id, fp("f"), token, LONG, KEEP).await);
     assert_eq!(again.token(), first.token());
     assert_eq!(again.attempt(), 1);
-    store
-        .complete(&again, &ok_response("x"), KEEP)
-        .await
-        .expect("complete");
+    complete_ok(&*store, &again, "x").await;
 }
 
 /// `extend` keeps a lease alive past its original deadline; other callers keep seeing in
@@ -334,11 +340,7 @@ pub async fn extend_keeps_lease_alive(store: Arc<dyn Store>) {
             "an extended lease was taken over"
         );
     }
-    store
-        .complete(&lease, &ok_response("done"), KEEP)
-        .await
-        .expect("complete");
-    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "done");
+    assert_completes(&*store, &lease, &id, "done").await;
 }
 
 /// A lease past its deadline that nobody took over still belongs to its holder.
@@ -347,11 +349,7 @@ pub async fn expired_lease_not_taken_over_can_complete(store: Arc<dyn Store>) {
     let id = id(&scope, "k");
     let lease = acquired(begin(&*store, &id, fp("f"), SHORT).await);
     sleep(PAST_SHORT).await;
-    store
-        .complete(&lease, &ok_response("late"), KEEP)
-        .await
-        .expect("complete");
-    assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "late");
+    assert_completes(&*store, &lease, &id, "late").await;
 }
 
 /// Releasing forgets the key: the next `begin` runs the work again as attempt 1.
@@ -419,38 +417,23 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
     ];
     let a = acquired(begin(&*store, &id(&tenant_a, "same"), fp("f"), LONG).await);
     let b = acquired(begin(&*store, &id(&tenant_b, "same"), fp("f"), LONG).await);
-    store
-        .complete(&a, &ok_response("for a"), KEEP)
-        .await
-        .expect("complete");
+    complete_ok(&*store, &a, "for a").await;
     assert!(matches!(
         begin(&*store, &id(&tenant_b, "same"), fp("f"), LONG).await,
         Begin::InFlight { .. }
     ));
-    store
-        .complete(&b, &ok_response("for b"), KEEP)
-        .await
-        .expect("complete");
+    complete_ok(&*store, &b, "for b").await;
     assert_eq!(
-        replayed(&*store, &id(&tenant_a, "same"), fp("f"))
-            .await
-            .response
-            .body,
+        replayed_body(&*store, &id(&tenant_a, "same")).await,
         "for a"
     );
     assert_eq!(
-        replayed(&*store, &id(&tenant_b, "same"), fp("f"))
-            .await
-            .response
-            .body,
+        replayed_body(&*store, &id(&tenant_b, "same")).await,
         "for b"
     );
     for (i, (scope, key)) in tricky.iter().enumerate() {
         let lease = acquired(begin(&*store, &id(scope, key), fp("f"), LONG).await);
-        store
-            .complete(&lease, &ok_response(&format!("tricky-{i}")), KEEP)
-            .await
-            .expect("complete");
+        complete_ok(&*store, &lease, &format!("tricky-{i}")).await;
     }
     for (i, (scope, key)) in tricky.iter().enumerate() {
         let back = replayed(&*store, &id(scope, key), fp("f")).await;
@@ -477,10 +460,7 @@ pub async fn get_and_evict(store: Arc<dyn Store>) {
         }
         other => panic!("expected InProgress, got {other:?}"),
     }
-    store
-        .complete(&lease, &ok_response("r"), KEEP)
-        .await
-        .expect("complete");
+    complete_ok(&*store, &lease, "r").await;
     let record = store.get(&id).await.expect("get").expect("record");
     assert_eq!(record.state, RecordState::Completed(ok_response("r")));
     assert!(record.expires_in <= KEEP);
@@ -503,7 +483,7 @@ pub async fn racing_writers_on_one_lease(store: Arc<dyn Store>) {
         let released = release.await.expect("task").is_ok();
         match (completed, released) {
             (true, false) => {
-                assert_eq!(replayed(&*store, &id, fp("f")).await.response.body, "c")
+                assert_eq!(replayed_body(&*store, &id).await, "c")
             }
             (false, true) => assert!(store.get(&id).await.expect("get").is_none()),
             other => panic!("complete/release both {other:?}: exactly one must win"),

@@ -17,23 +17,33 @@
 //!         Arc::new(my_crate::MyStore::lazy("127.0.0.1:1"))
 //!     }
 //!     idem_testkit::conformance_suite!(store, unreachable = unreachable);
+//!     // A store that implements `Store::stats`: `(store, unreachable = unreachable, stats)`.
 //! }
 //! ```
 //!
 //! The factory returns `None` when its server is missing (after printing why; see
 //! [`harness`]), and must panic instead when [`harness::backends_required`].
+//!
+//! Throwaway servers, for tests that need one of their own and for `scripts/test` (through
+//! the `idem-testenv` binary), are started one way, here: [`redis`], [`postgres`] and
+//! [`rabbitmq`], from the server binaries, on free loopback ports.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cases;
 pub mod harness;
 pub mod model;
 pub mod postgres;
+mod process;
+pub mod rabbitmq;
+pub mod redis;
 pub mod tls;
 
 /// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
 /// `$store` (an `async fn() -> Option<Arc<dyn Store>>`) for a fresh store. With
 /// `unreachable = $f` (an `async fn() -> Arc<dyn Store>` pointed at a closed port) it adds
-/// the unavailability case. It also adds `follows_the_model`, the [`model`] check on the
+/// the unavailability case; with `stats` last, the case of
+/// [`Store::stats`](idem_core::Store::stats) (for stores that count; the trait's default
+/// answers `Unsupported`). It also adds `follows_the_model`, the [`model`] check on the
 /// store's own clock (16 random cases).
 #[macro_export]
 macro_rules! conformance_suite {
@@ -62,6 +72,10 @@ macro_rules! conformance_suite {
             $crate::model::check_real_clock(16, $store);
         }
     };
+    ($store:path, stats) => {
+        $crate::conformance_suite!($store);
+        $crate::conformance_suite!(@cases $store; stats_count_by_state);
+    };
     ($store:path, unreachable = $unreachable:path) => {
         $crate::conformance_suite!($store);
 
@@ -69,6 +83,10 @@ macro_rules! conformance_suite {
         async fn unreachable_is_unavailable() {
             $crate::cases::unreachable_is_unavailable($unreachable().await).await;
         }
+    };
+    ($store:path, unreachable = $unreachable:path, stats) => {
+        $crate::conformance_suite!($store, unreachable = $unreachable);
+        $crate::conformance_suite!(@cases $store; stats_count_by_state);
     };
     (@cases $store:path; $($case:ident),* $(,)?) => {
         $(

@@ -1,14 +1,17 @@
 //! Throwaway PostgreSQL servers for tests that need a server of their own (TLS, a special
-//! setting): `initdb` and `pg_ctl` from `PATH`, or from `/usr/lib/postgresql/*/bin` where
-//! Debian and Ubuntu keep them, on a free loopback port, in a temporary directory removed on
-//! drop. PostgreSQL refuses to run as root: as root, the server runs as the `postgres` user
-//! (or `nobody`), as `scripts/test` does.
+//! setting), and (feature `postgres`) stores in schemas of their own on the test server.
+//!
+//! Throwaway servers: `initdb` and `pg_ctl` from `PATH`, or from `/usr/lib/postgresql/*/bin`
+//! where Debian and Ubuntu keep them, on a free loopback port, in a temporary directory
+//! removed on drop (`idem-testenv` starts the server of `scripts/test` this way too).
+//! PostgreSQL refuses to run as root: as root, the server runs as the `postgres` user (or
+//! `nobody`).
 
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::harness;
+use crate::{harness, process};
 
 /// A running throwaway server; stopped (`pg_ctl stop -m immediate`) and removed on drop.
 #[derive(Debug)]
@@ -49,13 +52,6 @@ pub fn available() -> bool {
     )
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|out| out.stdout.trim_ascii() == b"0")
-}
-
 impl PgServer {
     /// Starts a server with `settings` (`-c name=value` each), after writing `files` (name,
     /// contents) into its data directory, readable by the server only (a TLS key must be).
@@ -68,18 +64,7 @@ impl PgServer {
         let dir = std::env::temp_dir().join(harness::unique_name("idem-pg-"));
         let data = dir.join("data");
         std::fs::create_dir_all(&data)?;
-        let user = if is_root() {
-            ["postgres", "nobody"].into_iter().find(|user| {
-                Command::new("id")
-                    .arg(user)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success())
-            })
-        } else {
-            None
-        };
+        let user = process::server_user(&["postgres", "nobody"]);
         let server = Self {
             bin,
             data,
@@ -87,8 +72,8 @@ impl PgServer {
             user,
             port: harness::free_port(),
         };
-        if let Some(user) = user {
-            server.run(Command::new("chown").args(["-R", user]).arg(&server.dir))?;
+        if user.is_some() {
+            process::chown(user, &server.dir)?;
             server.run(Command::new("chmod").arg("755").arg(&server.dir))?;
         }
         server.run(
@@ -102,9 +87,7 @@ impl PgServer {
             let path = server.data.join(name);
             std::fs::write(&path, contents)?;
             server.run(Command::new("chmod").arg("600").arg(&path))?;
-            if let Some(user) = user {
-                server.run(Command::new("chown").arg(user).arg(&path))?;
-            }
+            process::chown(user, &path)?;
         }
         let mut options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
@@ -158,29 +141,13 @@ impl PgServer {
 
     /// A command running `tool` from the server binaries as the server's user.
     fn as_server(&self, tool: &str) -> Command {
-        let program = self.bin.join(tool);
-        match self.user {
-            Some(user) => {
-                let mut command = Command::new("runuser");
-                command.args(["-u", user, "--"]).arg(program);
-                command
-            }
-            None => Command::new(program),
-        }
+        process::as_user(self.user, self.bin.join(tool))
     }
 
     fn run(&self, command: &mut Command) -> io::Result<()> {
-        let out = command.stdin(Stdio::null()).output()?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            let log = std::fs::read_to_string(self.data.join("server.log")).unwrap_or_default();
-            Err(io::Error::other(format!(
-                "{command:?} failed: {}{}\n{log}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )))
-        }
+        process::run(command, || {
+            std::fs::read_to_string(self.data.join("server.log")).unwrap_or_default()
+        })
     }
 }
 
@@ -195,5 +162,117 @@ impl Drop for PgServer {
             .stderr(Stdio::null())
             .status();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use stores::*;
+
+/// Stores on the test server (`IDEM_TEST_DATABASE_URL`), each in a schema of its own, so
+/// tests share the server without meeting.
+#[cfg(feature = "postgres")]
+mod stores {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use idem_postgres::PgStore;
+    use sqlx::postgres::PgPoolOptions;
+    use sqlx::PgPool;
+
+    use crate::harness;
+
+    /// The prefix of test schemas: `idem_t_<unix seconds>_<random>`, dropped by
+    /// [`drop_stale_schemas`] an hour after they were made.
+    pub const SCHEMA_PREFIX: &str = "idem_t_";
+
+    /// The store's pool settings with `max` connections and a patient acquire timeout, so a
+    /// loaded CI machine does not turn queueing for a connection into a failure.
+    pub fn pool_options(max: u32) -> PgPoolOptions {
+        PgStore::pool_options()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(15))
+    }
+
+    /// A pool of [`pool_options`] on `url`.
+    ///
+    /// # Panics
+    ///
+    /// When the server does not answer.
+    pub async fn connect(url: &str, max: u32) -> PgPool {
+        pool_options(max)
+            .connect(url)
+            .await
+            .expect("connect to IDEM_TEST_DATABASE_URL")
+    }
+
+    /// Drops the schemas of test runs that ended over an hour ago, once per process, so a
+    /// long-lived test server does not collect them.
+    ///
+    /// # Panics
+    ///
+    /// When the schemas cannot be listed.
+    pub async fn drop_stale_schemas(pool: &PgPool) {
+        static SWEPT: AtomicBool = AtomicBool::new(false);
+        if SWEPT.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
+        )
+        .bind(SCHEMA_PREFIX)
+        .fetch_all(pool)
+        .await
+        .expect("list test schemas");
+        for name in names {
+            if harness::is_stale(&name, SCHEMA_PREFIX) {
+                // Another process may drop it at the same time: its error is not ours.
+                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .execute(pool)
+                    .await;
+            }
+        }
+    }
+
+    /// A store in a fresh schema, not migrated yet, on a pool of `max` connections to
+    /// `IDEM_TEST_DATABASE_URL`; `None` when it is not set (see [`harness::url_from_env`]).
+    /// Stale schemas are dropped first.
+    ///
+    /// # Panics
+    ///
+    /// When the server does not answer.
+    pub async fn fresh_store(max: u32) -> Option<PgStore> {
+        let url = harness::database_url()?;
+        let pool = connect(&url, max).await;
+        drop_stale_schemas(&pool).await;
+        let store = PgStore::new(pool)
+            .with_schema(&harness::unique_name(SCHEMA_PREFIX))
+            .expect("a valid schema name");
+        Some(store)
+    }
+
+    /// Drops the store's schema and everything in it.
+    ///
+    /// # Panics
+    ///
+    /// When the server refuses.
+    pub async fn drop_schema(store: &PgStore) {
+        let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", store.quoted_schema());
+        sqlx::query(&drop)
+            .execute(store.pool())
+            .await
+            .expect("drop the test schema");
+    }
+
+    /// A store whose pool points at a loopback port nothing listens on, opened lazily.
+    pub fn closed_port_store() -> PgStore {
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{}/test",
+            harness::free_port()
+        );
+        let pool = PgStore::pool_options()
+            .connect_lazy(&url)
+            .expect("a well-formed URL");
+        PgStore::new(pool)
     }
 }

@@ -9,11 +9,11 @@ use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
     RecordState, Response, Scope, Store,
 };
-use idem_redis::testing::RedisServer;
+use idem_redis::testing::{throwaway, RedisServer};
 use idem_redis::{EvictionCheck, EvictionPolicyError, OversizeBody, RedisStore, ReplicationError};
 use tokio::time::Instant;
 
-use super::super::{builder, throwaway};
+use super::super::builder;
 
 const LONG: Duration = Duration::from_secs(30);
 const KEEP: Duration = Duration::from_secs(600);
@@ -35,15 +35,65 @@ fn request(id: &RecordId, token: FencingToken, lease: Duration) -> BeginRequest<
     }
 }
 
-async fn acquire(store: &dyn Store, id: &RecordId) -> Lease {
-    match store
+/// A new `begin` of `id`, with a token of its own.
+async fn begin(store: &dyn Store, id: &RecordId) -> Begin {
+    store
         .begin(request(id, FencingToken::random(), LONG))
         .await
         .expect("begin")
-    {
+}
+
+async fn acquire(store: &dyn Store, id: &RecordId) -> Lease {
+    match begin(store, id).await {
         Begin::Acquired(lease) => lease,
         other => panic!("expected Acquired, got {other:?}"),
     }
+}
+
+/// A completion that succeeded with `status` and `body`.
+fn succeeded(status: u16, body: impl Into<Bytes>) -> Completion {
+    Completion::succeeded(Response::new(status, body))
+}
+
+/// The replay that a new `begin` of `id` answers.
+async fn replay(store: &dyn Store, id: &RecordId) -> idem_core::Replay {
+    match begin(store, id).await {
+        Begin::Replay(replay) => replay,
+        other => panic!("expected Replay, got {other:?}"),
+    }
+}
+
+/// `MEMORY USAGE key`.
+async fn memory_usage(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("MEMORY USAGE")
+}
+
+/// `CONFIG SET name value`.
+async fn config_set(
+    conn: &mut redis::aio::MultiplexedConnection,
+    name: &str,
+    value: impl redis::ToRedisArgs,
+) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async(conn)
+        .await
+        .expect("CONFIG SET");
+}
+
+/// A store with a prefix of its own on the shared server (`IDEM_TEST_REDIS_URL`), and a
+/// raw connection to it; `None` when it is not set.
+async fn on_the_shared_server() -> Option<(RedisStore, redis::aio::MultiplexedConnection)> {
+    let url = idem_testkit::harness::redis_url()?;
+    let store = builder(&url).connect().await.unwrap();
+    Some((store, raw(&url).await))
 }
 
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
@@ -88,12 +138,7 @@ async fn completed_record_memory() {
         );
         let lease = acquire(&store, &id).await;
         if len == 0 {
-            let in_progress: i64 = redis::cmd("MEMORY")
-                .arg("USAGE")
-                .arg(store.record_key(&id))
-                .query_async(&mut conn)
-                .await
-                .unwrap();
+            let in_progress = memory_usage(&mut conn, &store.record_key(&id)).await;
             println!("in progress: {in_progress} bytes");
             assert!(
                 in_progress <= 160,
@@ -102,20 +147,11 @@ async fn completed_record_memory() {
         }
         let body = Bytes::from(vec![b'x'; len]);
         store
-            .complete(
-                &lease,
-                &Completion::succeeded(Response::new(200, body.clone())),
-                KEEP,
-            )
+            .complete(&lease, &succeeded(200, body.clone()), KEEP)
             .await
             .unwrap();
         let key = store.record_key(&id);
-        let usage: i64 = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let usage = memory_usage(&mut conn, &key).await;
         // A plain string under a key of the same length.
         let bare_key = format!("bare:{}", &key["idem:".len()..]);
         let _: () = redis::cmd("SET")
@@ -124,12 +160,7 @@ async fn completed_record_memory() {
             .query_async(&mut conn)
             .await
             .unwrap();
-        let bare: i64 = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&bare_key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let bare = memory_usage(&mut conn, &bare_key).await;
         let _: () = redis::cmd("DEL")
             .arg(&[&key, &bare_key])
             .query_async(&mut conn)
@@ -243,13 +274,7 @@ async fn server_restart() {
                         Begin::Acquired(lease) => lease,
                         other => panic!("expected Acquired, got {other:?}"),
                     };
-                    store
-                        .complete(
-                            &lease,
-                            &Completion::succeeded(Response::new(200, "x")),
-                            KEEP,
-                        )
-                        .await
+                    store.complete(&lease, &succeeded(200, "x"), KEEP).await
                 }
                 .await;
                 match result {
@@ -317,21 +342,19 @@ async fn wait_for_a_real_replica() {
     };
     let replica =
         tokio::task::block_in_place(|| RedisServer::replica_of(&primary)).expect("replica");
+    // Stores sharing a prefix on the primary, waiting for `replicas` acknowledgements.
     let prefix = super::super::prefix();
-    let durable = RedisStore::builder(primary.url())
-        .with_prefix(&prefix)
-        .with_durability(1, Duration::from_millis(500))
-        .connect()
-        .await
-        .unwrap();
+    let waiting_for = |replicas: u32, timeout: Duration| {
+        RedisStore::builder(primary.url())
+            .with_prefix(&prefix)
+            .with_durability(replicas, timeout)
+            .connect()
+    };
+    let durable = waiting_for(1, Duration::from_millis(500)).await.unwrap();
     let id = new_id("k");
     let lease = acquire(&durable, &id).await;
     durable
-        .complete(
-            &lease,
-            &Completion::succeeded(Response::new(201, "done")),
-            KEEP,
-        )
+        .complete(&lease, &succeeded(201, "done"), KEEP)
         .await
         .expect("one replica acknowledges");
     // WAIT returned, so the replica has the completed record.
@@ -344,12 +367,7 @@ async fn wait_for_a_real_replica() {
     assert_eq!(stored.as_deref().map(|r| r[0]), Some(b'c'));
 
     // Two replicas required, one exists: begin fails and gives its lease back.
-    let greedy = RedisStore::builder(primary.url())
-        .with_prefix(&prefix)
-        .with_durability(2, Duration::from_millis(100))
-        .connect()
-        .await
-        .unwrap();
+    let greedy = waiting_for(2, Duration::from_millis(100)).await.unwrap();
     let other = new_id("other");
     let error: ReplicationError = unavailable_source(
         greedy
@@ -364,15 +382,8 @@ async fn wait_for_a_real_replica() {
 
     // A completion that too few replicas acknowledged stays on the primary, and says so.
     let lease = acquire(&durable, &other).await;
-    let error: ReplicationError = unavailable_source(
-        greedy
-            .complete(
-                &lease,
-                &Completion::succeeded(Response::new(200, "x")),
-                KEEP,
-            )
-            .await,
-    );
+    let error: ReplicationError =
+        unavailable_source(greedy.complete(&lease, &succeeded(200, "x"), KEEP).await);
     assert_eq!(
         (error.acked, error.wanted, error.step, error.kept),
         (1, 2, "complete", true)
@@ -428,13 +439,7 @@ async fn evicting_policy_is_refused_or_warned() {
     acquire(&warned, &new_id("k")).await;
     // `noeviction` passes the strict check.
     let mut conn = raw(&server.url()).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory-policy", "noeviction").await;
     let strict = builder(&server.url())
         .with_eviction_check(EvictionCheck::Refuse)
         .connect()
@@ -455,13 +460,7 @@ async fn out_of_memory_is_unavailable() {
     let lease = acquire(&store, &held).await;
     let mut conn = raw(&server.url()).await;
     // A limit below what is used: the server is out of memory for every write from now.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(1)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    config_set(&mut conn, "maxmemory", 1).await;
     let answer = store
         .begin(request(&new_id("new"), FencingToken::random(), LONG))
         .await;
@@ -494,11 +493,9 @@ fn corrupt<T>(r: &Result<T, Error>) -> bool {
 /// A value that is not a record is reported as corrupt by every call, and left as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_records_are_reported_and_left_alone() {
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, mut conn)) = on_the_shared_server().await else {
         return;
     };
-    let store = builder(&url).connect().await.unwrap();
-    let mut conn = raw(&url).await;
     let id = new_id("k");
     let lease = acquire(&store, &id).await;
     let key = store.record_key(&id);
@@ -570,20 +567,9 @@ async fn body_limit_policies() {
             continue;
         }
         result.expect("complete");
-        let Begin::Replay(replay) = store
-            .begin(request(&id, FencingToken::random(), LONG))
-            .await
-            .unwrap()
-        else {
-            panic!("expected Replay")
-        };
+        let replay = replay(&store, &id).await;
         assert_eq!(replay.completion.response.headers, response.headers);
-        let usage: i64 = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(store.record_key(&id))
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let usage = memory_usage(&mut conn, &store.record_key(&id)).await;
         assert!(usage < 4096, "{policy:?}: {usage} bytes stored");
         match policy {
             OversizeBody::Compress => assert_eq!(replay.completion.response.body, body),
@@ -597,11 +583,9 @@ async fn body_limit_policies() {
 /// gone, succeed; the same calls not marked as re-sent are lease-lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resent_calls_count_once() {
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, mut conn)) = on_the_shared_server().await else {
         return;
     };
-    let store = builder(&url).connect().await.unwrap();
-    let mut conn = raw(&url).await;
     let complete = idem_redis::testing::script("complete").expect("the complete script");
     let release = idem_redis::testing::script("release").expect("the release script");
     let id = new_id("k");
@@ -633,13 +617,7 @@ async fn resent_calls_count_once() {
     let resent: i64 = send("body", "1").invoke_async(&mut conn).await.unwrap();
     let resent_other: i64 = send("other", "1").invoke_async(&mut conn).await.unwrap();
     assert_eq!((first, again, resent, resent_other), (1, 0, 1, 0));
-    let Begin::Replay(replay) = store
-        .begin(request(&id, FencingToken::random(), LONG))
-        .await
-        .unwrap()
-    else {
-        panic!("expected Replay")
-    };
+    let replay = replay(&store, &id).await;
     assert_eq!(replay.completion.response.body, "body");
 
     let id = new_id("r");

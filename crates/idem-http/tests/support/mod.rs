@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idem_core::{Idem, Scope};
-use idem_http::{Config, IdempotencyLayer, Outcome};
+use idem_http::{Anonymous, Config, IdempotencyLayer, Outcome};
 
 pub type ClientBody = BoxBody<Bytes, Infallible>;
 
@@ -117,10 +117,13 @@ impl Outcomes {
     }
 }
 
+/// A layer scoped by `Authorization: Bearer <name>` (the name itself), where requests
+/// without one share the anonymous scope (the refusal of anonymous requests, the default,
+/// is tested on its own).
 pub fn layer_with(idem: Idem, config: Config, outcomes: &Outcomes) -> IdempotencyLayer {
     let outcomes = outcomes.clone();
     IdempotencyLayer::new(idem)
-        .with_config(config)
+        .with_config(config.with_anonymous(Anonymous::Shared))
         .with_scope(|parts| {
             let auth = parts.headers.get("authorization")?.to_str().ok()?;
             Scope::new(auth.strip_prefix("Bearer ")?).ok()

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use idem_core::telemetry::LATENCY_BUCKETS;
+use idem_core::url::StoreUrl;
 use idem_core::Error;
 use idem_outbox::{Outbox, Relay, RelayConfig};
 use idem_postgres::PgStore;
@@ -39,28 +40,114 @@ enum Command {
     Dead(DeadCommand),
 }
 
+/// Where the stores are. `idem-relay` and `idem` read the same variables: `IDEM_STORE`,
+/// `IDEM_PREFIX`, `IDEM_SCHEMA`, `IDEM_LOG_FORMAT`. The former `IDEM_DATABASE_URL` and
+/// `IDEM_REDIS_URL` (and `--database-url`, `--redis-url`, `--redis-prefix`) still work,
+/// with a warning.
 #[derive(Debug, Args)]
-struct PgArgs {
-    /// The PostgreSQL database holding idem's schema.
-    #[arg(long, env = "IDEM_DATABASE_URL", value_name = "URL")]
-    database_url: String,
+struct StoreArgs {
+    /// The tiered store, `tiered:REDIS_URL|POSTGRES_URL`, as `idem serve --store` takes it
+    /// (the dead-letter commands need only a `postgres://` URL). Redis with the same key
+    /// prefix as the application's.
+    // The URL may hold a password: `--help` must not print the variable's value.
+    #[arg(long, env = "IDEM_STORE", hide_env_values = true, value_name = "URL")]
+    store: Option<String>,
+    /// Deprecated: the PostgreSQL half of --store.
+    #[arg(long, value_name = "URL", hide = true)]
+    database_url: Option<String>,
+    /// Deprecated: the Redis half of --store.
+    #[arg(long, value_name = "URL", hide = true)]
+    redis_url: Option<String>,
     /// idem's schema in that database.
-    #[arg(long, default_value = idem_postgres::DEFAULT_SCHEMA)]
+    #[arg(long, env = "IDEM_SCHEMA", default_value = idem_postgres::DEFAULT_SCHEMA)]
     schema: String,
+    /// The Redis key prefix of the application's RedisStore, when it is not the default
+    /// (`idem:`).
+    #[arg(
+        long,
+        env = "IDEM_PREFIX",
+        alias = "redis-prefix",
+        value_name = "PREFIX"
+    )]
+    prefix: Option<String>,
+}
+
+/// The store URLs, from `--store` / `IDEM_STORE` or the deprecated names.
+#[derive(Debug)]
+struct Urls {
+    redis: Option<String>,
+    postgres: String,
+}
+
+/// The deprecated variables, read only when neither `--store` nor `IDEM_STORE` is set.
+const OLD_DATABASE_VAR: &str = "IDEM_DATABASE_URL";
+const OLD_REDIS_VAR: &str = "IDEM_REDIS_URL";
+
+/// A deprecated setting and the name it came by: the flag, else the variable.
+fn former(
+    flag: &Option<String>,
+    flag_name: &'static str,
+    var: &'static str,
+) -> Option<(String, &'static str)> {
+    flag.clone()
+        .map(|url| (url, flag_name))
+        .or_else(|| std::env::var(var).ok().map(|url| (url, var)))
+}
+
+impl StoreArgs {
+    /// Resolves the URLs; `warn` receives one line per deprecated name in use.
+    fn urls(&self, mut warn: impl FnMut(String)) -> Result<Urls, Failure> {
+        let old_database = former(&self.database_url, "--database-url", OLD_DATABASE_VAR);
+        let old_redis = former(&self.redis_url, "--redis-url", OLD_REDIS_VAR);
+        if let Some(store) = &self.store {
+            for (_, name) in old_database.iter().chain(&old_redis) {
+                warn(format!("{name} is ignored: --store (IDEM_STORE) is set"));
+            }
+            return match StoreUrl::parse(store).map_err(Failure::from)? {
+                StoreUrl::Tiered { redis, postgres } => Ok(Urls {
+                    redis: Some(redis),
+                    postgres,
+                }),
+                StoreUrl::Postgres(postgres) => Ok(Urls {
+                    redis: None,
+                    postgres,
+                }),
+                other => Err(Failure::Input(format!(
+                    "--store {other}: the relay works on a tiered store, \
+                     tiered:REDIS_URL|POSTGRES_URL (or a postgres:// URL for `dead`)"
+                ))),
+            };
+        }
+        let Some((postgres, name)) = old_database else {
+            return Err(Failure::Input(
+                "no store: pass --store tiered:REDIS_URL|POSTGRES_URL or set IDEM_STORE".into(),
+            ));
+        };
+        warn(format!(
+            "{name} is deprecated: use --store tiered:REDIS_URL|POSTGRES_URL (or IDEM_STORE)"
+        ));
+        if let Some((_, name)) = &old_redis {
+            warn(format!(
+                "{name} is deprecated: use --store tiered:REDIS_URL|POSTGRES_URL (or IDEM_STORE)"
+            ));
+        }
+        if !postgres.starts_with("postgres://") && !postgres.starts_with("postgresql://") {
+            return Err(Failure::Input(format!(
+                "{name} must be a postgres:// URL, not {:?}",
+                idem_core::url::redact(&postgres)
+            )));
+        }
+        Ok(Urls {
+            redis: old_redis.map(|(url, _)| url),
+            postgres,
+        })
+    }
 }
 
 #[derive(Debug, Args)]
 struct RunArgs {
     #[command(flatten)]
-    pg: PgArgs,
-    /// The Redis server (`redis://HOST:PORT`) or cluster (`redis+cluster://HOST:PORT,...`)
-    /// of the tiered store, with the same key prefix as the application's.
-    #[arg(long, env = "IDEM_REDIS_URL", value_name = "URL")]
-    redis_url: String,
-    /// The Redis key prefix of the application's RedisStore, when it is not the default
-    /// (`idem:`).
-    #[arg(long, value_name = "PREFIX")]
-    redis_prefix: Option<String>,
+    stores: StoreArgs,
     /// Outbox rows per transaction.
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
@@ -99,7 +186,7 @@ enum DeadCommand {
     /// List the dead rows, oldest first.
     List {
         #[command(flatten)]
-        pg: PgArgs,
+        stores: StoreArgs,
         /// At most this many rows.
         #[arg(long, default_value_t = 100)]
         limit: u32,
@@ -110,7 +197,7 @@ enum DeadCommand {
     /// Make dead rows pending again (tries reset, due now).
     Retry {
         #[command(flatten)]
-        pg: PgArgs,
+        stores: StoreArgs,
         /// Only these rows (repeat the flag for several); all dead rows when absent.
         #[arg(long = "id", value_name = "ID")]
         ids: Vec<i64>,
@@ -175,17 +262,95 @@ fn exporter() -> Result<PrometheusHandle, Failure> {
         .map_err(|e| Failure::Store(format!("metrics recorder: {e}")))
 }
 
-async fn pg_store(args: &PgArgs) -> Result<PgStore, Failure> {
-    if !args.database_url.starts_with("postgres://")
-        && !args.database_url.starts_with("postgresql://")
-    {
-        return Err(Failure::Input(format!(
-            "--database-url must be a postgres:// URL, not {:?}",
-            args.database_url
-        )));
+/// Opens PostgreSQL in the schema asked for.
+async fn pg_store(url: &str, schema: &str) -> Result<PgStore, Failure> {
+    let store = PgStore::connect(url).await?;
+    Ok(store.with_schema(schema)?)
+}
+
+/// Prints a deprecation warning on stderr (before any log subscriber exists).
+fn deprecated(line: String) {
+    eprintln!("idem-relay: warning: {line}");
+}
+
+/// Connects to Redis; when it is unreachable, starts without it: the relay keeps the rows
+/// pending (its batches fail without counting tries) and relays them once Redis answers.
+/// A task logs when it does.
+async fn redis_store(url: &str, prefix: Option<&String>) -> Result<RedisStore, Failure> {
+    let mut builder = RedisStore::builder(url);
+    if let Some(prefix) = prefix {
+        builder = builder.with_prefix(prefix.clone());
     }
-    let store = PgStore::connect(&args.database_url).await?;
-    Ok(store.with_schema(&args.schema)?)
+    match builder.clone().connect().await {
+        Ok(redis) => Ok(redis),
+        Err(error) if unreachable(&error) => {
+            tracing::warn!(
+                redis = %idem_core::url::redact(url),
+                %error,
+                "Redis unreachable at start: relaying waits for it (completions stay in \
+                 PostgreSQL's outbox, nothing is lost)"
+            );
+            let redis = builder.connect_lazy()?;
+            tokio::spawn(announce_redis(redis.clone(), idem_core::url::redact(url)));
+            Ok(redis)
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Whether `error` says Redis is out of reach (nothing listening, no answer, the connection
+/// dropped), as opposed to reached and refusing us (a certificate from another authority, a
+/// wrong password): only the first is worth starting without it.
+fn unreachable(error: &Error) -> bool {
+    use std::io::ErrorKind;
+    if !error.is_retryable() {
+        return false;
+    }
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(cause) = source {
+        // redis-rs keeps an I/O error in an `Arc`, whose own `source` skips it.
+        let io = cause.downcast_ref::<std::io::Error>().or_else(|| {
+            cause
+                .downcast_ref::<Shared>()
+                .and_then(|shared| shared.downcast_ref::<std::io::Error>())
+        });
+        if let Some(io) = io {
+            return matches!(
+                io.kind(),
+                ErrorKind::ConnectionRefused
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::NotConnected
+                    | ErrorKind::BrokenPipe
+                    | ErrorKind::TimedOut
+                    | ErrorKind::HostUnreachable
+                    | ErrorKind::NetworkUnreachable
+                    | ErrorKind::AddrNotAvailable
+                    | ErrorKind::NotFound
+            );
+        }
+        source = cause.source();
+    }
+    // No I/O error underneath: the call's own time limit ran out, or the server answered
+    // that it cannot serve yet (LOADING, ...).
+    true
+}
+
+/// Logs once Redis answers (started without it), trying every second.
+async fn announce_redis(redis: RedisStore, url: String) {
+    use idem_core::Store as _;
+    let probe = idem_core::RecordId::new(
+        idem_core::Scope::global(),
+        idem_core::Key::new("idem-relay-probe").expect("a valid key"),
+    );
+    loop {
+        if redis.get(&probe).await.is_ok() {
+            tracing::info!(redis = %url, "Redis reachable: relaying into it");
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 async fn run(args: RunArgs) -> Result<(), Failure> {
@@ -219,13 +384,15 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
             })?),
             None => None,
         };
+    let urls = args.stores.urls(deprecated)?;
+    let Some(redis_url) = urls.redis.as_deref() else {
+        return Err(Failure::Input(
+            "idem-relay run needs the Redis half too: --store tiered:REDIS_URL|POSTGRES_URL".into(),
+        ));
+    };
     // Redis first: a bad URL is found before anything is written to the database.
-    let mut redis = RedisStore::builder(&args.redis_url);
-    if let Some(prefix) = &args.redis_prefix {
-        redis = redis.with_prefix(prefix.clone());
-    }
-    let redis = redis.connect().await?;
-    let pg = pg_store(&args.pg).await?;
+    let redis = redis_store(redis_url, args.stores.prefix.as_ref()).await?;
+    let pg = pg_store(&urls.postgres, &args.stores.schema).await?;
     // Safe while other instances migrate too.
     idem_outbox::migrate(&pg).await?;
     let config = RelayConfig::default()
@@ -236,9 +403,9 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
         .with_backoff_cap(Duration::from_millis(args.backoff_cap_ms));
     let relay = Relay::new(pg, redis).with_config(config);
     tracing::info!(
-        database = %idem_core::url::redact(&args.pg.database_url),
-        redis = %idem_core::url::redact(&args.redis_url),
-        schema = %args.pg.schema,
+        database = %idem_core::url::redact(&urls.postgres),
+        redis = %idem_core::url::redact(redis_url),
+        schema = %args.stores.schema,
         batch = args.batch,
         poll_ms = args.poll_ms,
         max_tries = args.max_tries,
@@ -260,8 +427,13 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
 
 async fn dead(cmd: DeadCommand) -> Result<(), Failure> {
     match cmd {
-        DeadCommand::List { pg, limit, json } => {
-            let outbox = Outbox::new(pg_store(&pg).await?);
+        DeadCommand::List {
+            stores,
+            limit,
+            json,
+        } => {
+            let urls = stores.urls(deprecated)?;
+            let outbox = Outbox::new(pg_store(&urls.postgres, &stores.schema).await?);
             let entries = outbox.dead_entries(limit).await?;
             if json {
                 for e in &entries {
@@ -296,8 +468,9 @@ async fn dead(cmd: DeadCommand) -> Result<(), Failure> {
             }
             Ok(())
         }
-        DeadCommand::Retry { pg, ids } => {
-            let outbox = Outbox::new(pg_store(&pg).await?);
+        DeadCommand::Retry { stores, ids } => {
+            let urls = stores.urls(deprecated)?;
+            let outbox = Outbox::new(pg_store(&urls.postgres, &stores.schema).await?);
             let ids = (!ids.is_empty()).then_some(ids);
             let n = outbox.retry_dead(ids.as_deref()).await?;
             println!("{n} dead outbox rows made pending again");

@@ -1,0 +1,61 @@
+//! Stores opened by URL (`idemkit::connect_with`) purge their expired records in the
+//! background, so a long-running service on PostgreSQL does not grow forever.
+
+mod postgres {
+    use std::time::Duration;
+
+    use idem_core::{Begin, BeginRequest, FencingToken, Fingerprint, Key, RecordId, Scope};
+    use idem_testkit::harness;
+    use idemkit::ConnectOptions;
+    use tokio::time::Instant;
+
+    const RECORDS: usize = 5;
+
+    #[tokio::test]
+    async fn a_store_opened_by_url_purges_expired_records() {
+        let Some(url) = harness::database_url() else {
+            return;
+        };
+        let options =
+            ConnectOptions::default().with_purge_interval(Some(Duration::from_millis(200)));
+        let store = idemkit::connect_with(&url, &options).await.unwrap();
+        let scope = Scope::new(harness::unique_name("purge")).unwrap();
+        for i in 0..RECORDS {
+            let id = RecordId::new(scope.clone(), Key::new(format!("k{i}")).unwrap());
+            let req = BeginRequest {
+                id: &id,
+                fingerprint: Fingerprint::of_bytes(b"req"),
+                token: FencingToken::random(),
+                lease: Duration::from_millis(50),
+                retention: Duration::from_millis(50),
+            };
+            assert!(matches!(store.begin(req).await, Ok(Begin::Acquired(_))));
+        }
+        // The rows themselves, not what the store answers: expired records already behave
+        // as absent, and only the purge deletes them.
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let count = || async {
+            let sql = format!(
+                "SELECT count(*) FROM {}.records WHERE scope = $1",
+                idem_postgres::DEFAULT_SCHEMA
+            );
+            sqlx::query_scalar::<_, i64>(&sql)
+                .bind(scope.as_str().as_bytes())
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        };
+        assert_eq!(count().await, RECORDS as i64);
+        let started = Instant::now();
+        while count().await > 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{} expired records still there after {:?}",
+                count().await,
+                started.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        drop(store);
+    }
+}
