@@ -338,8 +338,19 @@ pub(crate) fn decode_record(
     now_ms: i64,
 ) -> Result<idem_core::Record, Error> {
     check_tag(&record)?;
-    let corrupt = || Error::corrupt(STORE, "not a record");
-    let head = decode_head(&record, pttl_ms, now_ms).ok_or_else(corrupt)?;
+    let corrupt = || Error::corrupt(STORE, "bad fencing token");
+    let head = decode_head(&record, pttl_ms, now_ms).ok_or_else(|| {
+        Error::corrupt(
+            STORE,
+            match record[0] {
+                b'P' | b'p' if record.len() != IN_PROGRESS_LEN => {
+                    "in-progress record of wrong length"
+                }
+                b'P' | b'p' => "in-progress record without an expiry",
+                _ => "completed record too short",
+            },
+        )
+    })?;
     let (fingerprint, attempt, state) = match head {
         Head::InProgress {
             fingerprint,
@@ -573,6 +584,19 @@ mod tests {
         for record in records {
             let back = decode_record(&id, Bytes::from(record), 5_000, 9_000).unwrap();
             assert_eq!((back.fingerprint, back.attempt), (fp, 3));
+        }
+        // A known tag on a value of the wrong shape is corrupt, and says why.
+        for (value, why) in [
+            (&b"P0123"[..], "in-progress record of wrong length"),
+            (&p[..], "in-progress record without an expiry"),
+            (&b"c0123"[..], "completed record too short"),
+        ] {
+            let Err(Error::Corrupt { detail, .. }) =
+                decode_record(&id, Bytes::copy_from_slice(value), -1, 0)
+            else {
+                panic!("{value:?} decoded");
+            };
+            assert_eq!(detail, why);
         }
     }
 

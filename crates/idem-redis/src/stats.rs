@@ -315,6 +315,9 @@ impl Scan {
                 for (key, pair) in strings.iter().zip(replies[1..].chunks(2)) {
                     page.keys += 1;
                     let (value, pttl) = match pair {
+                        // Gone between the two round trips (GETRANGE of a missing key is
+                        // empty, its PTTL -2).
+                        [_, Value::Int(-2)] => continue,
                         [Value::BulkString(value), Value::Int(pttl)] => (value.clone(), *pttl),
                         // Made another type between the two round trips.
                         [Value::ServerError(e), _] if e.code() == "WRONGTYPE" => {
