@@ -9,7 +9,7 @@ ARGV[1]  the fencing token of the lease that completed, 16 bytes
 ARGV[2]  the completed record's tag: 'c' (raw body), 'z' (LZ4 body) or 'h' (body dropped)
 ARGV[3]  the request's fingerprint, 32 bytes, or '' when the caller does not have it at hand
 ARGV[4]  the attempt that completed, 4 bytes, big-endian, or '' with ARGV[3]
-ARGV[5]  the completion's metadata: its length (4 bytes, big-endian), then the metadata
+ARGV[5]  the completion's metadata, as complete.lua's ARGV[3]
 ARGV[6]  the body as stored
 ARGV[7]  how long the completed record is kept, in milliseconds (>= 1)
 
@@ -45,7 +45,7 @@ elseif state == 'settled' then
 elseif state == 'other' then
   return 3
 else
-  identity = string.sub(head, 2, 37)
+  identity = string.sub(head, 24, 59)
 end
 redis.call('SET', key, ARGV[2] .. identity .. ARGV[5] .. ARGV[6], 'PX', tonumber(ARGV[7]))
 return 1

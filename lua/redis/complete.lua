@@ -5,7 +5,8 @@ complete: store a lease's outcome and end the lease, if the lease still holds th
 KEYS[1]  the record's key
 ARGV[1]  the lease's fencing token, 16 bytes
 ARGV[2]  the completed record's tag: 'c' (raw body), 'z' (LZ4 body) or 'h' (body dropped)
-ARGV[3]  the completion's metadata: its length (4 bytes, big-endian), then the metadata
+ARGV[3]  the completion's metadata: compact (first byte 0x80 and up) or length-prefixed
+         (its length, 4 bytes, big-endian, then idem_core::encode_meta); codec.rs has both
 ARGV[4]  the body as stored
 ARGV[5]  how long the completed record is kept, in milliseconds (>= 1)
 ARGV[6]  '1' when this is the same call sent again after its connection dropped, else '0'
@@ -16,8 +17,10 @@ A call sent again ('1') also gets 1 when the record already holds exactly this c
 the first send did it and only its reply was lost.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
-The fingerprint and attempt are carried over from the in-progress record. Only its first
-59 bytes are read. All checks come before the only write.
+The record written is the tag, the fingerprint and attempt carried over from the
+in-progress record (36 bytes), ARGV[3] and ARGV[4]: the script never looks into the
+metadata or the body. Only the in-progress record's 59 bytes are read. All checks come
+before the only write.
 
 The shebang has no flags: Redis counts the script as a writer and refuses it with OOM,
 before it runs, when the server is out of memory.
@@ -36,6 +39,6 @@ end
 if state ~= 'held' then
   return 0
 end
-redis.call('SET', key, ARGV[2] .. string.sub(head, 2, 37) .. ARGV[3] .. ARGV[4],
+redis.call('SET', key, ARGV[2] .. string.sub(head, 24, 59) .. ARGV[3] .. ARGV[4],
   'PX', tonumber(ARGV[5]))
 return 1

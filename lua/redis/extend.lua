@@ -11,12 +11,14 @@ Returns {1, attempt, by_ms} when the deadline moved, {0} when the lease no longe
 record (absent, completed, or held by another token): then nothing was changed.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
-The record's expiry moves forward by as much as the deadline moved forward, so the margin
-kept after the deadline stays what begin set; it never moves back. The deadline is read
-from the server's clock (TIME). All checks come before the first write.
+The deadline is the key's expiry (PTTL, the server's clock) minus the record's margin.
+A deadline moved forward moves the expiry by as much (PEXPIRE to by + margin), so the
+margin kept after the deadline stays what begin set; a deadline moved back keeps the expiry
+and widens the margin instead (6 bytes rewritten in place). All checks come before the
+first write.
 
-`allow-oom`: an extend rewrites 6 bytes in place and moves an expiry, growing nothing,
-so heartbeats keep leases alive even when the server is out of memory.
+`allow-oom`: an extend grows nothing, so heartbeats keep leases alive even when the server
+is out of memory.
 ]]
 local key = KEYS[1]
 local by = tonumber(ARGV[2])
@@ -27,16 +29,14 @@ end
 if state ~= 'held' then
   return {0}
 end
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local attempt = struct.unpack('>I4', head, 34)
-local deadline = struct.unpack('>I6', head, 54)
 local ttl = redis.call('PTTL', key)
-local new_deadline = now + by
-local moved = math.max(0, new_deadline - deadline)
-
-redis.call('SETRANGE', key, 53, struct.pack('>I6', new_deadline))
-if ttl >= 0 and moved > 0 then
-  redis.call('PEXPIRE', key, ttl + moved)
+if ttl < 0 then
+  return redis.error_reply('IDEM_CORRUPT in-progress record without an expiry')
 end
-return {1, attempt, by}
+local margin = struct.unpack('>I6', head, 18)
+if by >= ttl - margin then
+  redis.call('PEXPIRE', key, by + margin)
+else
+  redis.call('SETRANGE', key, 17, struct.pack('>I6', ttl - by))
+end
+return {1, struct.unpack('>I4', head, 56), by}

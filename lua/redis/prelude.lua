@@ -7,10 +7,14 @@ lease_head(key, token) reads the first 59 bytes of the record at `key` (a KEYS e
 calling script) and says what they hold for the lease whose fencing token is `token`:
   nil,  'absent'   no record
   head, 'settled'  a completed record ('c', 'z' or 'h'): no lease holds it
-  head, 'held'     in progress under `token`: the lease still holds the record
-  head, 'other'    in progress under another token (a takeover, or a new incarnation)
+  head, 'held'     in progress ('P') under `token`: the lease still holds the record
+  head, 'other'    in progress under another token (a takeover, a new incarnation, or a
+                   lease of the previous layout 'p', which no lease of this one can hold)
   head, 'corrupt'  not a record: the caller answers IDEM_CORRUPT and writes nothing
-The layout is in crates/idem-redis/src/codec.rs.
+The layout is in crates/idem-redis/src/codec.rs: an in-progress record is the tag, the
+token [2..17], the margin [18..23], the fingerprint [24..55] and the attempt [56..59]
+(1-based, as string.sub counts); a completed one starts with the tag, the fingerprint and
+the attempt, so `string.sub(head, 24, 59)` is what a completion carries over.
 ]]
 local function lease_head(key, token)
   local head = redis.call('GETRANGE', key, 0, 58)
@@ -18,13 +22,13 @@ local function lease_head(key, token)
     return nil, 'absent'
   end
   local tag = string.sub(head, 1, 1)
-  if tag == 'c' or tag == 'z' or tag == 'h' then
+  if string.find('czh', tag, 1, true) then
     return head, 'settled'
   end
-  if tag ~= 'p' or string.len(head) ~= 59 then
+  if (tag ~= 'P' and tag ~= 'p') or string.len(head) ~= 59 then
     return head, 'corrupt'
   end
-  if string.sub(head, 38, 53) == token then
+  if tag == 'P' and string.sub(head, 2, 17) == token then
     return head, 'held'
   end
   return head, 'other'

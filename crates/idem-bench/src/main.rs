@@ -19,7 +19,9 @@
 //!   155 B body: `idem-bench --phases memory --keys 200000 --body-bytes 155`; whatever
 //!   `--store` says);
 //! - `middleware`: requests/s of a trivial axum handler, bare and behind the idem-http layer
-//!   on the in-memory store, over loopback HTTP (whatever `--store` says).
+//!   on the in-memory store, over loopback HTTP (whatever `--store` says);
+//! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
+//!   `klauthed-data` crates' Redis stores, in interleaved rounds (see `compare.rs`).
 //!
 //! Each phase reports throughput, latency p50 / p99 / p99.9 and the count of each outcome.
 //! For Redis and PostgreSQL the run adds the server's floor and the ratios to it (see
@@ -38,6 +40,7 @@ use idemkit::postgres::PgStore;
 use idemkit::redis::RedisStore;
 use idemkit::{Completion, Response, Scope, Store};
 
+mod compare;
 mod footprint;
 mod middleware;
 mod pg_floor;
@@ -108,12 +111,23 @@ struct Args {
     /// Seconds of completions at `--relay-rate` in the relay phase.
     #[arg(long, default_value_t = 5)]
     relay_seconds: u64,
+    /// Interleaved rounds of the `compare` phase.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// A Redis Cluster (`redis+cluster://...`) on which the `compare` phase also runs idem's
+    /// concurrent lifecycle and replay, for the cluster / standalone ratio.
+    #[arg(long)]
+    compare_cluster: Option<String>,
+    /// Bytes of the JSON response body of the `compare` phase.
+    #[arg(long, default_value_t = 35)]
+    compare_body_bytes: usize,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
 }
 
-const PHASES: [&str; 7] = [
+const PHASES: [&str; 8] = [
+    "compare",
     "memory",
     "lifecycle",
     "replay",
@@ -168,6 +182,9 @@ async fn run(args: &Args) -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .subsec_nanos();
     let run_id = format!("{}_{nanos}", std::process::id());
+    if args.phases.iter().any(|p| p == "compare") {
+        return compare(args, run_id).await;
+    }
     let (store, server) = open(args, &run_id).await?;
     let result = measure(args, &run_id, store, &server).await;
     if let Server::Postgres(pg) | Server::Tiered(pg, _) = &server {
@@ -196,6 +213,34 @@ async fn run(args: &Args) -> Result<(), String> {
         report::print_figures(&figures);
     }
     Ok(())
+}
+
+/// The `compare` phase, which runs alone: idem against its peers on one Redis server.
+async fn compare(args: &Args, run_id: String) -> Result<(), String> {
+    if args.phases.len() > 1 || args.rounds == 0 {
+        return Err("the compare phase runs alone (--phases compare), with --rounds >= 1".into());
+    }
+    let url = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+        StoreUrl::Redis(url) if !url.starts_with(RedisStore::CLUSTER_SCHEME) => url,
+        other => {
+            return Err(format!(
+                "the compare phase needs a standalone redis:// store (the peers have no cluster \
+                 support; --compare-cluster adds idem's cluster figures), not {other}"
+            ))
+        }
+    };
+    let settings = compare::Settings {
+        url,
+        cluster: args.compare_cluster.clone(),
+        keys: args.keys,
+        c1_keys: args.c1_keys,
+        concurrency: args.concurrency,
+        rounds: args.rounds,
+        body_bytes: args.compare_body_bytes,
+        retention: Duration::from_secs(args.retention_secs.max(1)),
+        run_id,
+    };
+    compare::run(&settings, args.json).await
 }
 
 /// Opens the store under this run's own prefix or schema, and the server side for the floor.
@@ -567,8 +612,10 @@ async fn sample_usage(side: &RedisSide, keys: Vec<String>) -> Result<f64, String
     Ok(total as f64 / count as f64)
 }
 
-/// Server CPU per operation of a phase, from the `INFO commandstats` delta around it;
-/// the basis names each command's calls per operation and microseconds per call.
+/// Server CPU per operation of a phase, from the `INFO commandstats` delta around it; the
+/// basis names each command's calls per operation and microseconds per call. Scripts count
+/// with the commands they call, and the store's own plain commands on their own
+/// ([`compare::server_usec`]).
 fn cpu_figure(
     figures: &mut Vec<Figure>,
     what: &str,
@@ -576,41 +623,14 @@ fn cpu_figure(
     before: &CommandStats,
     after: &CommandStats,
 ) {
-    let delta = stats_delta(before, after);
     let ops = phase.ops().max(1) as f64;
-    // A script's time includes the commands it calls, which commandstats also counts on
-    // their own: when the phase ran scripts (the store's phases run nothing else), only the
-    // scripts add up, and the commands they called are listed for the breakdown.
-    let scripted = |name: &str| {
-        matches!(
-            name,
-            "evalsha" | "evalsha_ro" | "eval" | "eval_ro" | "fcall"
-        )
-    };
-    let scripts = delta.keys().any(|n| scripted(n));
-    let mut total = 0u64;
-    let mut parts = Vec::new();
-    for (name, (calls, usec)) in &delta {
-        // The snapshots' own INFO calls are not the phase's work.
-        if name == "info" {
-            continue;
-        }
-        let counted = !scripts || scripted(name);
-        if counted {
-            total += usec;
-        }
-        parts.push(format!(
-            "{}{name} {:.2}/op x {:.2} µs",
-            if counted { "" } else { "(in script) " },
-            *calls as f64 / ops,
-            *usec as f64 / *calls as f64
-        ));
-    }
+    let (total, parts) =
+        compare::server_usec(&stats_delta(before, after), compare::IDEM_TOP_LEVEL, ops);
     figures.push(Figure::new(
         format!("redis CPU per op: {what}"),
-        total as f64 / ops,
+        total / ops,
         "µs",
-        parts.join(", "),
+        parts,
     ));
 }
 

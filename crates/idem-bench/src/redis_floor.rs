@@ -189,6 +189,22 @@ impl RedisSide {
         Ok(total)
     }
 
+    /// `used_cpu_sys + used_cpu_user` of `INFO cpu` (the server process's CPU seconds),
+    /// summed over the primaries.
+    pub async fn used_cpu(&self) -> Result<f64, String> {
+        let mut total = 0.0;
+        for (addr, text) in self.info("cpu").await? {
+            for field in ["used_cpu_sys", "used_cpu_user"] {
+                total += text
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix(field)?.strip_prefix(':'))
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .ok_or_else(|| format!("redis {addr}: INFO cpu has no {field}"))?;
+            }
+        }
+        Ok(total)
+    }
+
     /// `MEMORY USAGE key SAMPLES 0` (the whole value counted); the cluster client routes it
     /// to the key's node.
     pub async fn memory_usage(&self, key: &str) -> Result<Option<u64>, String> {

@@ -10,6 +10,8 @@
 //! With a fixed prefix and a fixed-width tag, the encoded id is what follows the tag, so two
 //! different records never share a key.
 
+use std::fmt::Write as _;
+
 use idem_core::{Error, RecordId};
 use sha2::{Digest, Sha256};
 
@@ -26,20 +28,33 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// The Redis key of a record.
+/// The Redis key of a record, built in one allocation: the encoded id is written in place
+/// after a placeholder tag, then hashed where it lies.
 pub(crate) fn record_key(prefix: &str, id: &RecordId) -> String {
-    let encoded = id.encoded();
-    let digest = Sha256::digest(encoded.as_bytes());
-    let mut key = String::with_capacity(prefix.len() + TAG_HEX + 2 + encoded.len());
-    key.push_str(prefix);
-    key.push('{');
-    for byte in &digest[..TAG_HEX / 2] {
-        key.push(char::from(HEX[usize::from(byte >> 4)]));
-        key.push(char::from(HEX[usize::from(byte & 0xf)]));
+    let (scope, key) = (id.scope().as_str(), id.key().as_str());
+    let mut out = String::with_capacity(prefix.len() + TAG_HEX + 2 + 21 + scope.len() + key.len());
+    out.push_str(prefix);
+    out.push('{');
+    for _ in 0..TAG_HEX {
+        out.push('0');
     }
-    key.push('}');
-    key.push_str(&encoded);
-    key
+    out.push('}');
+    let start = out.len();
+    // `RecordId::encoded`'s form: the scope's length, `:`, the scope, the key.
+    let _ = write!(out, "{}:{scope}{key}", scope.len());
+    debug_assert_eq!(&out[start..], id.encoded());
+    let digest = Sha256::digest(&out.as_bytes()[start..]);
+    let mut tag = [0u8; TAG_HEX];
+    for (i, byte) in digest[..TAG_HEX / 2].iter().enumerate() {
+        tag[2 * i] = HEX[usize::from(byte >> 4)];
+        tag[2 * i + 1] = HEX[usize::from(byte & 0xf)];
+    }
+    let at = prefix.len() + 1;
+    out.replace_range(
+        at..at + TAG_HEX,
+        std::str::from_utf8(&tag).unwrap_or("00000000"),
+    );
+    out
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";

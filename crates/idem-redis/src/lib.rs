@@ -1,9 +1,11 @@
 //! # idem-redis
 //!
 //! The Redis backend of idem: [`RedisStore`] implements [`idem_core::Store`] on Redis 7,
-//! one server or Redis Cluster. Each transition is one Lua script, run atomically by the
-//! server in one round trip; lease deadlines come from the server's clock; every write that
-//! ends or extends a lease checks its fencing token.
+//! one server or Redis Cluster. Each transition is one round trip and one atomic step: the
+//! common ones (acquiring a new key, replaying a completed one) one plain `SET .. NX GET`,
+//! the ones that need a compare (completing, releasing and extending a lease, taking over
+//! an expired one) one Lua script. Lease deadlines come from the server's clock; every write
+//! that ends or extends a lease checks its fencing token.
 //!
 //! ## Quick start
 //!
@@ -63,12 +65,15 @@
 //! A property test checks that two different (scope, key) pairs never share a key, whatever
 //! characters they hold, and that the slot is the tag's.
 //!
-//! The value is binary (layout in the `codec` module's source): a state tag, the 32-byte
-//! fingerprint, the attempt, then the 16-byte fencing token and a 48-bit deadline while in
-//! progress (59 bytes), or the metadata of [`idem_core::encode_meta`] and the body once
-//! completed (41 bytes + metadata + body). It is a string rather than a hash because a hash
-//! whose body field exceeds `hash-max-listpack-value` (64 bytes by default) becomes a hash
-//! table costing several hundred bytes more per record.
+//! The value is binary (layout in the `codec` module's source). In progress (59 bytes): a
+//! state tag, the 16-byte fencing token, the margin (how long the record is kept past its
+//! lease deadline), the 32-byte fingerprint and the attempt; it holds no clock reading, so
+//! the client writes it with a plain `SET`, and its lease deadline is the key's expiry (the
+//! server's clock) minus the margin. Completed (40 bytes + headers + body): the tag, the
+//! fingerprint, the attempt, the status with the completion's kind, the headers and the
+//! body. It is a string rather than a hash because a hash whose body field exceeds
+//! `hash-max-listpack-value` (64 bytes by default) becomes a hash table costing several
+//! hundred bytes more per record.
 //!
 //! ### Memory per record
 //!
@@ -78,17 +83,18 @@
 //! | record | `MEMORY USAGE` | beyond the body | the same body as a plain string under the same key |
 //! |---|---|---|---|
 //! | in progress | 152 | | |
-//! | completed, empty body | 152 | 152 | 104 |
-//! | completed, 16-byte body | 168 | 152 | 120 |
+//! | completed, empty body | 136 | 136 | 104 |
+//! | completed, 16-byte body | 152 | 136 | 120 |
 //! | completed, 100-byte body | 248 | 148 | 200 |
 //! | completed, 200-byte body | 344 | 144 | 312 |
 //! | completed, 1000-byte body | 1368 | 368 | 1112 |
 //!
 //! Redis itself charges about 104 bytes for any key of this length holding an empty string
-//! (key, dictionary entry, object header); a record adds its 47 bytes of head and metadata
-//! (+6 per header and its bytes) to that, so a completed record costs about 145–150 bytes
-//! beyond its body. Past 1 KiB, jemalloc's size classes round every allocation up by up to
-//! a quarter, for records and plain strings alike. Reproduce with
+//! (key, dictionary entry, object header); a record adds its 40 bytes of head and metadata
+//! (+3 per header and its bytes) to that, rounded up to jemalloc's size classes (16 bytes
+//! apart up to 128, 32 up to 256), so a completed record costs about 136–150 bytes beyond
+//! its body. Past 1 KiB, those classes round every allocation up by up to a quarter, for
+//! records and plain strings alike. Reproduce with
 //! `cargo test -p idem-tests --test redis completed_record_memory -- --nocapture`.
 //!
 //! ### Large bodies
@@ -98,22 +104,31 @@
 //! limit), keep status and headers only, or refuse the completion with
 //! [`idem_core::Error::Invalid`].
 //!
-//! ## The scripts
+//! ## The commands and scripts
 //!
-//! One file per script in the workspace's `lua/` folder, each opening with its contract
-//! (`KEYS` / `ARGV` / Returns; all shown in [`lua`]), embedded with `include_str!`, loaded
-//! once per process as a [`redis::Script`] and called with
-//! `script.key(..).arg(..).invoke_async(..)`: `EVALSHA`, and on `NOSCRIPT` (a restart, a
-//! failover, `SCRIPT FLUSH`) a reload and a second try (repeated a few times should the
-//! cache be emptied again in between). Every script touches only
-//! `KEYS[1]`, and reads and checks everything before its first write.
+//! `begin` is one plain command in the common cases: `SET <key> <in-progress record> NX GET
+//! PX <lease + retention>`, with a `PTTL <key>` in the same round trip. An absent key is
+//! acquired by the `SET` itself. Otherwise the `SET` writes nothing and hands back the
+//! record, which decides: completed, a replay (the `PTTL` is its time to live); another
+//! fingerprint, a mismatch; the caller's own token, its lease back (the same attempt sent
+//! twice); a live lease, in flight for the `PTTL` minus the record's margin. Only a lease
+//! whose deadline has passed needs the server's clock and a compare in one step: then
+//! `begin.lua` decides again and takes it over.
+//!
+//! The scripts: one file per script in the workspace's `lua/` folder, each opening with its
+//! contract (`KEYS` / `ARGV` / Returns; all shown in [`lua`]), embedded with `include_str!`,
+//! loaded once per process as a [`redis::Script`] and sent as `EVALSHA` (a command built
+//! once, so the body is not copied twice), and on `NOSCRIPT` (a restart, a failover,
+//! `SCRIPT FLUSH`) loaded and sent again (repeated a few times should the cache be emptied
+//! again in between). Every script touches only `KEYS[1]`, and reads and checks everything
+//! before its first write.
 //!
 //! | script | does | shebang |
 //! |---|---|---|
-//! | `begin.lua` | acquire an absent key, take over an expired lease, hand back the caller's own lease (same token), or answer replay / in flight / mismatch | `#!lua`: a writer, refused under OOM before it runs |
+//! | `begin.lua` | the whole begin rule, sent when the fast path finds a lease whose deadline passed: take it over, or answer what the record shows by then | `#!lua`: a writer, refused under OOM before it runs |
 //! | `complete.lua` | replace the in-progress record held by the token with the completion | `#!lua` |
 //! | `release.lua` | delete the in-progress record held by the token | `#!lua flags=allow-oom`: only frees memory |
-//! | `extend.lua` | move the deadline of the record held by the token, and its expiry by as much | `#!lua flags=allow-oom`: rewrites 6 bytes in place |
+//! | `extend.lua` | move the deadline of the record held by the token: its expiry by as much, or its margin when the deadline moves back | `#!lua flags=allow-oom`: grows nothing |
 //! | `apply.lua` | write a completion committed by the tiered store's arbiter, unless the key is completed or held by another lease | `#!lua` |
 //! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
 //!
@@ -121,10 +136,10 @@
 //! prefix (and scope) and reads each key's type and value, a pipelined page at a time
 //! ([`RedisStore::scan`]: counts by state, corrupt and foreign keys, and the stuck ones).
 //!
-//! Deadlines are computed in the scripts from `TIME` (the server's clock, milliseconds),
-//! expiries set with `PX` / `PEXPIRE`: no application instance's clock is ever used. In a
-//! cluster each record lives on one primary, whose clock decides; a failover to a replica
-//! with a skewed clock shifts live deadlines by the skew.
+//! Deadlines are expiries: set with `PX` / `PEXPIRE` and read back with `PTTL`, both by the
+//! server's clock; no application instance's clock is ever used. In a cluster each record
+//! lives on one primary, whose clock decides; a failover to a replica with a skewed clock
+//! shifts live deadlines by the skew.
 //!
 //! ## Errors
 //!

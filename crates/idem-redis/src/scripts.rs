@@ -1,36 +1,44 @@
 //! The Lua scripts of `lua/redis/`, loaded once per process.
 //!
-//! Each is called through [`redis::Script`]'s invocation (`EVALSHA`, and on `NOSCRIPT` a
-//! `SCRIPT LOAD` and a second try), so a server that lost its script cache (a restart, a
-//! failover, `SCRIPT FLUSH`) is reloaded on the fly.
+//! Each is sent as `EVALSHA`, and on `NOSCRIPT` loaded (`SCRIPT LOAD`) and sent again, so a
+//! server that lost its script cache (a restart, a failover, `SCRIPT FLUSH`) is reloaded on
+//! the fly. The command is built once, straight into a [`Cmd`] ([`evalsha`]), rather than
+//! through redis-rs's `ScriptInvocation`, which copies every argument (the body included)
+//! into a vector of its own and then again into the command it sends; the reload is the
+//! same as its `invoke_async`.
 
 use std::sync::LazyLock;
 
 use idem_core::Error;
-use redis::{ErrorKind, Script, ScriptInvocation, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, Script, ServerErrorKind, Value};
 
 use crate::connection::Conn;
 use crate::error::classify;
 
-/// How many times a script is sent again when the server's script cache is flushed between
-/// redis-rs's reload and its second `EVALSHA`.
+/// How many times a script is loaded and sent again when the server's script cache is
+/// flushed between the load and the next `EVALSHA`.
 const RELOADS: usize = 3;
 
-/// Runs a script: `EVALSHA`, and on `NOSCRIPT` a `SCRIPT LOAD` and `EVALSHA` again
-/// (redis-rs's invocation); if the cache was emptied once more in between (a `SCRIPT FLUSH`
-/// or a failover racing the reload), the whole invocation is repeated a few times.
-pub(crate) async fn invoke(
-    invocation: &ScriptInvocation<'_>,
-    conn: &mut Conn,
-) -> Result<Value, Error> {
+/// `EVALSHA <script's hash> 1 <key>`: the caller adds `args` arguments of about `bytes`
+/// bytes in all (the command is sized for them, so it never grows).
+pub(crate) fn evalsha(script: &Script, key: &str, args: usize, bytes: usize) -> Cmd {
+    let mut cmd = Cmd::with_capacity(4 + args, 7 + 40 + 1 + key.len() + bytes);
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(key);
+    cmd
+}
+
+/// Sends `cmd` (made by [`evalsha`] for `script`); on `NOSCRIPT`, loads the script and sends
+/// it again, up to [`RELOADS`] times (a `SCRIPT FLUSH` or a failover may race the load).
+pub(crate) async fn run(script: &Script, cmd: &Cmd, conn: &mut Conn) -> Result<Value, Error> {
     let mut reloads = 0;
     loop {
-        match invocation.invoke_async(conn).await {
+        match cmd.query_async::<Value>(conn).await {
             Err(e)
                 if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
                     && reloads < RELOADS =>
             {
                 reloads += 1;
+                script.load_async(conn).await.map_err(classify)?;
             }
             result => return result.map_err(classify),
         }

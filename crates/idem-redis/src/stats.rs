@@ -19,10 +19,11 @@
 use std::fmt;
 use std::time::Duration;
 
+use bytes::Bytes;
 use idem_core::{Error, RecordId, RecordState, Scope, Stats};
 use redis::Value;
 
-use crate::codec;
+use crate::codec::{self, Head};
 use crate::connection::Node;
 use crate::error::unexpected;
 use crate::store::RedisStore;
@@ -314,6 +315,9 @@ impl Scan {
                 for (key, pair) in strings.iter().zip(replies[1..].chunks(2)) {
                     page.keys += 1;
                     let (value, pttl) = match pair {
+                        // Gone between the two round trips (GETRANGE of a missing key is
+                        // empty, its PTTL -2).
+                        [_, Value::Int(-2)] => continue,
                         [Value::BulkString(value), Value::Int(pttl)] => (value.clone(), *pttl),
                         // Made another type between the two round trips.
                         [Value::ServerError(e), _] if e.code() == "WRONGTYPE" => {
@@ -335,7 +339,8 @@ impl Scan {
                     } else {
                         value
                     };
-                    if let Some(problem) = self.count(&mut page, key, &value, pttl, now) {
+                    if let Some(problem) = self.count(&mut page, key, Bytes::from(value), pttl, now)
+                    {
                         found.push(((*key).clone(), problem));
                     }
                 }
@@ -375,7 +380,7 @@ impl Scan {
         &self,
         page: &mut ScanCounts,
         key: &[u8],
-        value: &[u8],
+        value: Bytes,
         pttl: i64,
         now: i64,
     ) -> Option<Problem> {
@@ -386,7 +391,7 @@ impl Scan {
                 return Some(Problem::Foreign(why.to_owned()));
             }
         };
-        let record = match codec::decode_record(&id, value, pttl, now) {
+        let record = match codec::decode_record(&id, value.clone(), pttl, now) {
             Ok(record) => record,
             Err(Error::Corrupt { detail, .. }) => {
                 page.corrupt += 1;
@@ -399,12 +404,21 @@ impl Scan {
         };
         let stats = &mut page.stats;
         match &record.state {
-            RecordState::InProgress {
-                lease_remaining, ..
-            } if !lease_remaining.is_zero() => stats.in_flight += 1,
             RecordState::InProgress { .. } => {
+                // The signed lease time left, by the server's clock: the key's PTTL minus the
+                // margin its record holds (a record of the previous layout: its deadline
+                // minus `now`). `decode_record` just decoded this head, so it is one.
+                let Some(Head::InProgress { lease_left_ms, .. }) =
+                    codec::decode_head(&value, pttl, now)
+                else {
+                    return None;
+                };
+                if lease_left_ms > 0 {
+                    stats.in_flight += 1;
+                    return None;
+                }
                 stats.expired_leases += 1;
-                let expired_for = now.saturating_sub(lease_deadline(value)?);
+                let expired_for = lease_left_ms.saturating_neg();
                 if expired_for > self.stuck_after_ms {
                     stats.stuck += 1;
                     return Some(Problem::Stuck {
@@ -420,15 +434,6 @@ impl Scan {
         }
         None
     }
-}
-
-/// The lease deadline (Unix milliseconds, the server's clock) of an in-progress record: the
-/// u48 at bytes 53..59 of the layout in `codec`.
-fn lease_deadline(value: &[u8]) -> Option<i64> {
-    let field = value.get(53..59)?;
-    let mut deadline = [0; 8];
-    deadline[2..].copy_from_slice(field);
-    i64::try_from(u64::from_be_bytes(deadline)).ok()
 }
 
 /// The record a key names: `<prefix>{<8 hex>}<encoded id>`.

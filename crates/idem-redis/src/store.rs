@@ -6,15 +6,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
     Replay, Scope, Stats, Store,
 };
+use redis::aio::ConnectionLike;
 use redis::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::codec;
+use crate::codec::{self, Head};
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
 use crate::connection::{Conn, Connection, CLUSTER_SCHEME};
 use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
@@ -284,24 +286,24 @@ impl RedisStore {
         };
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
         let key = self.record_key(id);
+        let mut cmd = scripts::evalsha(
+            &scripts::APPLY,
+            &key,
+            7,
+            70 + encoded.meta.len() + encoded.body.len(),
+        );
+        cmd.arg(token.as_bytes().as_slice())
+            .arg(encoded.tag)
+            .arg(fingerprint)
+            .arg(attempt.as_slice())
+            .arg(encoded.meta.as_slice())
+            .arg(encoded.body.as_ref())
+            .arg(millis(ttl).max(1));
         call!(self, |conn, _resent| {
             let mut conn = conn;
             // Idempotent by construction: a re-send after a dropped connection needs no
             // marker.
-            let reply = scripts::invoke(
-                scripts::APPLY
-                    .key(&key)
-                    .arg(token.as_bytes().as_slice())
-                    .arg(encoded.tag)
-                    .arg(fingerprint)
-                    .arg(attempt.as_slice())
-                    .arg(encoded.meta.as_slice())
-                    .arg(encoded.body.as_ref())
-                    .arg(millis(ttl).max(1)),
-                &mut conn,
-            )
-            .await;
-            match reply {
+            match scripts::run(&scripts::APPLY, &cmd, &mut conn).await {
                 Ok(Value::Int(1)) => Ok(Applied::Written),
                 Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
                 Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
@@ -348,6 +350,19 @@ impl RedisStore {
         Ok((acked < d.replicas).then_some((acked, d.replicas)))
     }
 
+    /// `begin`'s fast path: one plain `SET key <in-progress record> NX GET PX <lease +
+    /// retention>` and a `PTTL key`, in one round trip. An absent key is acquired by the
+    /// `SET` itself; otherwise the record it hands back, with the key's time to live, decides
+    /// every case but a takeover without a script: a completed record is replayed (its
+    /// `PTTL` is its time to live), a record of another fingerprint is a mismatch, a live
+    /// lease is in flight (its time left is the `PTTL` minus the record's margin, by the
+    /// server's clock) and the caller's own token gets its lease back. A lease whose deadline
+    /// passed is taken over by `begin.lua`, which decides again in one atomic step.
+    ///
+    /// The `PTTL` runs right after the `SET` on the same connection, and Redis runs the
+    /// commands of one read back to back; should anything come between them anyway, only
+    /// the figures of an answer can be off, never the answer: acquiring is the `SET`'s own
+    /// doing, and a takeover is always the script's.
     async fn begin_once(
         &self,
         mut conn: Conn,
@@ -355,60 +370,154 @@ impl RedisStore {
         req: &BeginRequest<'_>,
     ) -> Result<Begin, Error> {
         let sent_at = Instant::now();
-        let reply = scripts::invoke(
-            scripts::BEGIN
-                .key(key)
-                .arg(req.fingerprint.as_bytes().as_slice())
-                .arg(req.token.as_bytes().as_slice())
-                .arg(millis(req.lease).max(1))
-                .arg(millis(req.retention)),
-            &mut conn,
-        )
-        .await?;
+        let lease_ms = millis(req.lease).max(1);
+        let margin_ms = millis(req.retention);
+        let record = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
+        // Both commands sized up front, so that building them never reallocates.
+        let mut set = redis::Cmd::with_capacity(7, 3 + key.len() + record.len() + 2 + 3 + 2 + 20);
+        set.arg("SET")
+            .arg(key)
+            .arg(record.as_slice())
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(lease_ms + margin_ms);
+        let mut pttl = redis::Cmd::with_capacity(2, 4 + key.len());
+        pttl.arg("PTTL").arg(key);
+        let mut pipe = redis::Pipeline::with_capacity(2);
+        pipe.add_command(set).add_command(pttl);
+        let mut replies = conn
+            .req_packed_commands(&pipe, 0, 2)
+            .await
+            .map_err(classify)?
+            .into_iter()
+            .map(|v| v.extract_error().map_err(classify));
+        let (old, pttl) = match (replies.next(), replies.next()) {
+            (Some(old), Some(pttl)) => (old?, pttl?),
+            _ => return Err(Error::backend(STORE, "begin: a reply is missing")),
+        };
+        let pttl = match pttl {
+            Value::Int(pttl) => pttl,
+            other => return Err(unexpected("PTTL", &other)),
+        };
+        let old = match old {
+            Value::Nil => {
+                let lease = Lease::new(
+                    req.id.clone(),
+                    req.token,
+                    1,
+                    Duration::from_millis(lease_ms),
+                    sent_at,
+                );
+                return self.hold(conn, key, lease).await;
+            }
+            Value::BulkString(old) => Bytes::from(old),
+            other => return Err(unexpected("SET NX GET", &other)),
+        };
+        let fingerprint = req.fingerprint.as_bytes().as_slice();
+        match codec::decode_head(&old, pttl, 0) {
+            Some(Head::Completed { fingerprint: f, .. }) if f != fingerprint => Ok(Begin::Mismatch),
+            Some(Head::Completed { .. }) => Ok(Begin::Replay(Replay {
+                completion: codec::decode_completion_in(&old, &old)?,
+                expires_in: codec::millis(pttl),
+            })),
+            Some(Head::InProgress { fingerprint: f, .. }) if f != fingerprint => {
+                Ok(Begin::Mismatch)
+            }
+            // A record of the current layout: its head decides, by the server's clock.
+            Some(Head::InProgress {
+                token,
+                attempt,
+                lease_left_ms,
+                ..
+            }) if old[0] == b'P' => {
+                if token == req.token.as_bytes().as_slice() {
+                    // The same attempt asking again (its reply was lost): its own lease.
+                    let remaining = codec::millis(lease_left_ms);
+                    let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
+                    self.hold(conn, key, lease).await
+                } else if lease_left_ms > 0 {
+                    Ok(Begin::InFlight {
+                        retry_after: codec::millis(lease_left_ms),
+                    })
+                } else {
+                    self.begin_script(conn, key, req).await
+                }
+            }
+            // An expired lease, a lease of the previous layout, or a record gone between
+            // the two commands: the script decides.
+            Some(Head::InProgress { .. }) => self.begin_script(conn, key, req).await,
+            None if old.first() == Some(&b'P') && pttl < 0 => {
+                self.begin_script(conn, key, req).await
+            }
+            None => Err(Error::corrupt(STORE, "not a record")),
+        }
+    }
+
+    /// `begin.lua`: the whole begin rule in one atomic step, for what the fast path cannot
+    /// decide alone (a takeover).
+    async fn begin_script(
+        &self,
+        mut conn: Conn,
+        key: &str,
+        req: &BeginRequest<'_>,
+    ) -> Result<Begin, Error> {
+        let sent_at = Instant::now();
+        let mut cmd = scripts::evalsha(&scripts::BEGIN, key, 4, 80);
+        cmd.arg(req.fingerprint.as_bytes().as_slice())
+            .arg(req.token.as_bytes().as_slice())
+            .arg(millis(req.lease).max(1))
+            .arg(millis(req.retention));
+        let reply = scripts::run(&scripts::BEGIN, &cmd, &mut conn).await?;
         let bad = || unexpected("begin", &reply);
         let items = as_array(&reply).ok_or_else(bad)?;
-        let begin = match (int_at(items, 0), items.len()) {
+        match (int_at(items, 0), items.len()) {
             (Some(1), 3) => {
                 let attempt = int_at(items, 1)
                     .and_then(|a| u32::try_from(a).ok())
                     .ok_or_else(bad)?;
                 let remaining = codec::millis(int_at(items, 2).ok_or_else(bad)?);
                 let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
-                if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
-                    // The lease may not survive a failover: give it back rather than let the
-                    // work run on it. A failed release leaves it to expire.
-                    let _ = self.release_once(conn, key, &lease, false).await;
-                    return Err(Error::unavailable(
-                        STORE,
-                        ReplicationError {
-                            acked,
-                            wanted,
-                            step: "begin",
-                            kept: false,
-                        },
-                    ));
-                }
-                if attempt == 1 {
-                    Begin::Acquired(lease)
-                } else {
-                    Begin::TookOver(lease)
-                }
+                self.hold(conn, key, lease).await
             }
             (Some(2), 3) => {
                 let expires_in = codec::millis(int_at(items, 1).ok_or_else(bad)?);
-                let record = bytes_at(items, 2).ok_or_else(bad)?;
-                Begin::Replay(Replay {
-                    completion: codec::decode_completion(record)?,
+                let record = Bytes::copy_from_slice(bytes_at(items, 2).ok_or_else(bad)?);
+                Ok(Begin::Replay(Replay {
+                    completion: codec::decode_completion_in(&record, &record)?,
                     expires_in,
-                })
+                }))
             }
-            (Some(3), 2) => Begin::InFlight {
+            (Some(3), 2) => Ok(Begin::InFlight {
                 retry_after: codec::millis(int_at(items, 1).ok_or_else(bad)?),
-            },
-            (Some(4), 1) => Begin::Mismatch,
-            _ => return Err(bad()),
-        };
-        Ok(begin)
+            }),
+            (Some(4), 1) => Ok(Begin::Mismatch),
+            _ => Err(bad()),
+        }
+    }
+
+    /// Hands a lease to the caller: `Acquired` for attempt 1, `TookOver` after, once enough
+    /// replicas hold it when durability is on (otherwise it is given back).
+    async fn hold(&self, mut conn: Conn, key: &str, lease: Lease) -> Result<Begin, Error> {
+        if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
+            // The lease may not survive a failover: give it back rather than let the work
+            // run on it. A failed release leaves it to expire.
+            let _ = self.release_once(conn, key, &lease, false).await;
+            return Err(Error::unavailable(
+                STORE,
+                ReplicationError {
+                    acked,
+                    wanted,
+                    step: "begin",
+                    kept: false,
+                },
+            ));
+        }
+        Ok(if lease.attempt() == 1 {
+            Begin::Acquired(lease)
+        } else {
+            Begin::TookOver(lease)
+        })
     }
 
     async fn complete_once(
@@ -420,18 +529,19 @@ impl RedisStore {
         retention: Duration,
         resent: bool,
     ) -> Result<(), Error> {
-        let reply = scripts::invoke(
-            scripts::COMPLETE
-                .key(key)
-                .arg(lease.token().as_bytes().as_slice())
-                .arg(encoded.tag)
-                .arg(encoded.meta.as_slice())
-                .arg(encoded.body.as_ref())
-                .arg(millis(retention).max(1))
-                .arg(if resent { "1" } else { "0" }),
-            &mut conn,
-        )
-        .await?;
+        let mut cmd = scripts::evalsha(
+            &scripts::COMPLETE,
+            key,
+            6,
+            40 + encoded.meta.len() + encoded.body.len(),
+        );
+        cmd.arg(lease.token().as_bytes().as_slice())
+            .arg(encoded.tag)
+            .arg(encoded.meta.as_slice())
+            .arg(encoded.body.as_ref())
+            .arg(millis(retention).max(1))
+            .arg(if resent { "1" } else { "0" });
+        let reply = scripts::run(&scripts::COMPLETE, &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => {}
             Value::Int(0) => return Err(Error::LeaseLost),
@@ -458,14 +568,10 @@ impl RedisStore {
         lease: &Lease,
         resent: bool,
     ) -> Result<(), Error> {
-        let reply = scripts::invoke(
-            scripts::RELEASE
-                .key(key)
-                .arg(lease.token().as_bytes().as_slice())
-                .arg(if resent { "1" } else { "0" }),
-            &mut conn,
-        )
-        .await?;
+        let mut cmd = scripts::evalsha(&scripts::RELEASE, key, 2, 20);
+        cmd.arg(lease.token().as_bytes().as_slice())
+            .arg(if resent { "1" } else { "0" });
+        let reply = scripts::run(&scripts::RELEASE, &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(Error::LeaseLost),
@@ -482,14 +588,9 @@ impl RedisStore {
     ) -> Result<Lease, Error> {
         let sent_at = Instant::now();
         let by_ms = millis(by);
-        let reply = scripts::invoke(
-            scripts::EXTEND
-                .key(key)
-                .arg(lease.token().as_bytes().as_slice())
-                .arg(by_ms),
-            &mut conn,
-        )
-        .await?;
+        let mut cmd = scripts::evalsha(&scripts::EXTEND, key, 2, 40);
+        cmd.arg(lease.token().as_bytes().as_slice()).arg(by_ms);
+        let reply = scripts::run(&scripts::EXTEND, &cmd, &mut conn).await?;
         let bad = || unexpected("extend", &reply);
         let items = as_array(&reply).ok_or_else(bad)?;
         match (int_at(items, 0), items.len()) {
@@ -516,13 +617,14 @@ impl RedisStore {
         key: &str,
         id: &RecordId,
     ) -> Result<Option<Record>, Error> {
-        let reply = scripts::invoke(&scripts::GET.key(key), &mut conn).await?;
+        let cmd = scripts::evalsha(&scripts::GET, key, 0, 0);
+        let reply = scripts::run(&scripts::GET, &cmd, &mut conn).await?;
         let bad = || unexpected("get", &reply);
         let items = as_array(&reply).ok_or_else(bad)?;
         if items.is_empty() {
             return Ok(None);
         }
-        let record = bytes_at(items, 0).ok_or_else(bad)?;
+        let record = Bytes::copy_from_slice(bytes_at(items, 0).ok_or_else(bad)?);
         let pttl = int_at(items, 1).ok_or_else(bad)?;
         let now = int_at(items, 2).ok_or_else(bad)?;
         codec::decode_record(id, record, pttl, now).map(Some)

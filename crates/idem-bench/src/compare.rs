@@ -1,0 +1,660 @@
+//! `--phases compare`: idem's Redis store side by side with the published Rust crates whose
+//! Redis idempotency stores come closest: `idempotent` 0.3 (`ValkeyStore`, feature `valkey`)
+//! and `klauthed-data` 1.0 (`RedisIdempotencyStore`, feature `redis`), both pinned in this
+//! crate's manifest (never published).
+//!
+//! What is the same for every side:
+//! - one process, one Redis server, one redis-rs: all three link the workspace's redis 1.8
+//!   (the peers ask for `redis = "1"`), each on its own `ConnectionManager` (one multiplexed
+//!   connection, RESP2, a response timeout: the peers get redis-rs's defaults, 1 s to
+//!   connect and 500 ms per response; idem its own defaults, 1 s and 2 s);
+//! - the same idempotency keys, under key prefixes of equal length (idem's key adds its
+//!   `{hash tag}` and scope on top, as it does in production);
+//! - the same JSON response body, status 201, no headers;
+//! - the same concurrency, on the same closed-loop driver ([`drive`]), each operation
+//!   computing its own fingerprint of the same request bytes (idem: SHA-256; `idempotent`:
+//!   its xxh3; `klauthed-data` has none);
+//! - interleaved rounds: round r runs each phase for every side before the next phase, with
+//!   the sides' order rotated every round, so a slow moment of the machine hits all sides.
+//!
+//! A phase is `lifecycle` (claim a new key, store the response) or `replay` (claim a key
+//! that was completed: the stored response comes back), at concurrency 1 and
+//! `--concurrency`. Replays read the keys the same side completed in the same round.
+//! The report keeps each (side, phase)'s median over the rounds, the ratio of idem to the
+//! best peer, the Redis server time per operation (`INFO commandstats`, see
+//! [`server_usec`]) and the process CPU per operation (`INFO cpu`), and the memory per
+//! completed record (`INFO memory` `used_memory` delta over the lifecycle phase, and
+//! `MEMORY USAGE` of sampled records).
+//!
+//! With `--compare-cluster <redis+cluster URL>`, every round also runs idem's lifecycle and
+//! replay at `--concurrency` on that cluster, for the cluster / standalone ratio.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemkit::redis::RedisStore;
+use idemkit::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, Response, Scope,
+    Store,
+};
+use idempotent::entry::{CachedResponse, ExistingEntry, IdempotencyEntry, Metadata};
+use idempotent::fingerprint::{DefaultFingerprintStrategy, FingerprintStrategy};
+use idempotent::store::valkey::ValkeyStore;
+use idempotent::store::{IdempotencyStore as _, InsertResult};
+use idempotent::IdempotencyKey;
+use klauthed_data::idempotency::redis::RedisIdempotencyStore;
+use klauthed_data::idempotency::{IdempotencyStore as _, Outcome};
+use redis::aio::ConnectionManager;
+
+use crate::phases::drive;
+use crate::redis_floor::{stats_delta, CommandStats, RedisSide};
+use crate::report::PhaseReport;
+
+/// The request every operation fingerprints (method and path, then the body).
+const OPERATION: &str = "POST /payments";
+
+/// The settings of a comparison run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The standalone server (`redis://`).
+    pub url: String,
+    /// A Redis Cluster for idem's cluster figures, if any.
+    pub cluster: Option<String>,
+    /// Operations of each phase at `concurrency`.
+    pub keys: usize,
+    /// Operations of each phase at concurrency 1.
+    pub c1_keys: usize,
+    /// Callers of the concurrent phases.
+    pub concurrency: usize,
+    /// Interleaved rounds.
+    pub rounds: usize,
+    /// Bytes of the JSON response body.
+    pub body_bytes: usize,
+    /// How long records are kept.
+    pub retention: Duration,
+    /// This run's id (key prefixes).
+    pub run_id: String,
+}
+
+/// One store under comparison.
+#[derive(Clone)]
+enum Side {
+    Idem { store: RedisStore, cluster: bool },
+    Idempotent(Arc<ValkeyStore>),
+    Klauthed(RedisIdempotencyStore),
+}
+
+impl Side {
+    fn name(&self) -> &'static str {
+        match self {
+            Side::Idem { cluster: false, .. } => "idem",
+            Side::Idem { cluster: true, .. } => "idem (cluster)",
+            Side::Idempotent(_) => "idempotent 0.3",
+            Side::Klauthed(_) => "klauthed-data 1.0",
+        }
+    }
+
+    /// The commands the side sends itself (outside scripts) that its scripts may also
+    /// call, with how many it sends per operation of each phase; see [`server_usec`].
+    fn top_level(&self) -> &'static [(&'static str, f64)] {
+        match self {
+            Side::Idem { .. } => IDEM_TOP_LEVEL,
+            Side::Idempotent(_) | Side::Klauthed(_) => &[],
+        }
+    }
+}
+
+/// The commands idem's store sends outside scripts on the two phases' paths, per operation
+/// (`begin` is `SET .. NX GET PX` and a `PTTL` in one round trip; `complete` a script whose
+/// `SET` is counted inside it). Keep in step with `idem-redis`'s `store.rs`.
+pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pttl", 1.0)];
+
+/// What every side stores and how.
+struct Workload {
+    prefix: BTreeMap<&'static str, String>,
+    body: Bytes,
+    json: Arc<serde_json::Value>,
+    completion: Arc<Completion>,
+    cached: CachedResponse,
+    retention: Duration,
+}
+
+/// The figures of one (side, phase) in one round.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    ops_per_sec: f64,
+    p50_us: f64,
+    server_us: f64,
+    cpu_us: f64,
+    bytes_per_record: f64,
+}
+
+/// Runs the comparison and prints (or returns as JSON) its report.
+pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
+    let s = settings;
+    let side = Arc::new(RedisSide::connect(&s.url, &format!("cmp:{}:", s.run_id)).await?);
+    // Prefixes of equal length: idem's `<p>i:`, idempotent's `<p>v` (it adds `-`),
+    // klauthed-data's `<p>k:` (it has no prefix: the bench puts it in the key).
+    let p = format!("cmp:{}:", s.run_id);
+    let prefix: BTreeMap<&'static str, String> = [
+        ("idem", format!("{p}i:")),
+        ("idempotent", format!("{p}v")),
+        ("klauthed", format!("{p}k:")),
+    ]
+    .into();
+    let body = json_body(s.body_bytes);
+    let workload = Arc::new(Workload {
+        json: Arc::new(serde_json::from_slice(&body).map_err(|e| e.to_string())?),
+        completion: Arc::new(Completion::succeeded(Response::new(201, body.clone()))),
+        cached: CachedResponse {
+            status_code: 201,
+            metadata: Metadata::default(),
+            body: body.clone(),
+        },
+        body,
+        prefix,
+        retention: s.retention,
+    });
+
+    let idem = RedisStore::builder(&s.url)
+        .with_prefix(&workload.prefix["idem"])
+        .connect()
+        .await
+        .map_err(|e| format!("idem: {e}"))?;
+    let client = redis::Client::open(s.url.as_str()).map_err(|e| e.to_string())?;
+    let valkey = ValkeyStore::with_prefix(client.clone(), Some(&workload.prefix["idempotent"]))
+        .await
+        .map_err(|e| format!("idempotent: {e}"))?;
+    let manager = ConnectionManager::new(client)
+        .await
+        .map_err(|e| format!("klauthed-data: {e}"))?;
+    let retention_ms = u64::try_from(s.retention.as_millis()).unwrap_or(u64::MAX);
+    let klauthed = RedisIdempotencyStore::with_ttl_ms(manager, retention_ms);
+    let sides = vec![
+        Side::Idem {
+            store: idem,
+            cluster: false,
+        },
+        Side::Idempotent(Arc::new(valkey)),
+        Side::Klauthed(klauthed),
+    ];
+    let cluster = match &s.cluster {
+        Some(url) => {
+            let store = RedisStore::builder(url)
+                .with_prefix(&workload.prefix["idem"])
+                .connect()
+                .await
+                .map_err(|e| format!("idem on {url}: {e}"))?;
+            Some(Side::Idem {
+                store,
+                cluster: true,
+            })
+        }
+        None => None,
+    };
+
+    // Untimed: connections made, scripts loaded.
+    for side_ in sides.iter().chain(&cluster) {
+        run_phase(
+            side_,
+            &workload,
+            "lifecycle",
+            "warm",
+            500.min(s.keys),
+            s.concurrency,
+        )
+        .await?;
+    }
+
+    let phases = [
+        ("lifecycle", s.concurrency),
+        ("replay", s.concurrency),
+        ("lifecycle", 1),
+        ("replay", 1),
+    ];
+    let mut samples: BTreeMap<(String, String), Vec<Sample>> = BTreeMap::new();
+    let mut breakdown: BTreeMap<(String, String), String> = BTreeMap::new();
+    let mut usage: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for round in 0..s.rounds {
+        let mut order = sides.clone();
+        order.rotate_left(round % sides.len());
+        for &(phase, c) in &phases {
+            let n = if c == 1 {
+                s.c1_keys.min(s.keys)
+            } else {
+                s.keys
+            };
+            // Replays read the keys of this round's concurrent lifecycle.
+            let keys = match phase {
+                "lifecycle" if c == 1 => format!("r{round}-l1"),
+                _ => format!("r{round}-l"),
+            };
+            for side_ in &order {
+                let (sample, parts) = measure(&side, side_, &workload, phase, &keys, n, c).await?;
+                let label = format!("{phase} c={c}");
+                samples
+                    .entry((side_.name().to_owned(), label.clone()))
+                    .or_default()
+                    .push(sample);
+                breakdown.insert((side_.name().to_owned(), label), parts);
+                if phase == "lifecycle" && c > 1 {
+                    let bytes = sample_usage(&side, side_, &workload, &keys, n).await?;
+                    usage
+                        .entry(side_.name().to_owned())
+                        .or_default()
+                        .push(bytes);
+                }
+            }
+            if let (Some(cl), true) = (&cluster, c > 1) {
+                let (sample, _) = measure_plain(cl, &workload, phase, &keys, n, c).await?;
+                samples
+                    .entry((cl.name().to_owned(), format!("{phase} c={c}")))
+                    .or_default()
+                    .push(sample);
+            }
+        }
+    }
+    report(s, &sides, &cluster, &samples, &breakdown, &usage, json);
+    Ok(())
+}
+
+/// A JSON document of about `bytes` bytes: `{"id":"pay_xxxx..","status":"paid"}`.
+fn json_body(bytes: usize) -> Bytes {
+    let fixed = r#"{"id":"pay_","status":"paid"}"#.len();
+    let pad = bytes.saturating_sub(fixed).max(1);
+    Bytes::from(format!(
+        r#"{{"id":"pay_{}","status":"paid"}}"#,
+        "7".repeat(pad)
+    ))
+}
+
+/// Runs one phase of one side with the server's counters around it.
+async fn measure(
+    server: &RedisSide,
+    side: &Side,
+    w: &Arc<Workload>,
+    phase: &'static str,
+    keys: &str,
+    n: usize,
+    c: usize,
+) -> Result<(Sample, String), String> {
+    let stats = server.command_stats().await?;
+    let cpu = server.used_cpu().await?;
+    let mem = server.used_memory().await?;
+    let (mut sample, report) = measure_plain(side, w, phase, keys, n, c).await?;
+    let delta = stats_delta(&stats, &server.command_stats().await?);
+    let ops = report.ops().max(1) as f64;
+    let (usec, parts) = server_usec(&delta, side.top_level(), ops);
+    sample.server_us = usec / ops;
+    sample.cpu_us = (server.used_cpu().await? - cpu) * 1e6 / ops;
+    if phase == "lifecycle" {
+        sample.bytes_per_record = (server.used_memory().await? as f64 - mem as f64) / ops;
+    }
+    Ok((sample, parts))
+}
+
+/// Runs one phase of one side; throughput and latency only.
+async fn measure_plain(
+    side: &Side,
+    w: &Arc<Workload>,
+    phase: &'static str,
+    keys: &str,
+    n: usize,
+    c: usize,
+) -> Result<(Sample, PhaseReport), String> {
+    let report = run_phase(side, w, phase, keys, n, c).await?;
+    let sample = Sample {
+        ops_per_sec: report.throughput(),
+        p50_us: report.p50().as_secs_f64() * 1e6,
+        ..Sample::default()
+    };
+    Ok((sample, report))
+}
+
+/// Redis server time of a phase from its `INFO commandstats` delta, and the breakdown.
+///
+/// A script's time includes the commands it calls, which Redis also counts under their
+/// own names. So: every script call counts; a plain command counts in full when the side
+/// ran no script, and otherwise only for the calls the side sends itself (`top_level`:
+/// calls per operation, taken at the command's mean time per call); the rest of its calls
+/// were made inside the scripts and are listed as such.
+pub(crate) fn server_usec(
+    delta: &CommandStats,
+    top_level: &[(&str, f64)],
+    ops: f64,
+) -> (f64, String) {
+    let scripted = |name: &str| {
+        matches!(
+            name,
+            "evalsha" | "evalsha_ro" | "eval" | "eval_ro" | "fcall" | "fcall_ro"
+        )
+    };
+    let scripts = delta.keys().any(|n| scripted(n));
+    let mut total = 0.0;
+    let mut parts = Vec::new();
+    for (name, &(calls, usec)) in delta {
+        // The snapshots' own INFO calls are not the phase's work.
+        if name == "info" {
+            continue;
+        }
+        let per_call = usec as f64 / calls as f64;
+        let own = if !scripts || scripted(name) {
+            calls as f64
+        } else {
+            top_level
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(0.0, |(_, per_op)| (per_op * ops).min(calls as f64))
+        };
+        total += own * per_call;
+        let inner = calls as f64 - own;
+        if own > 0.0 {
+            parts.push(format!("{name} {:.2}/op x {per_call:.2} µs", own / ops));
+        }
+        if inner > 0.5 {
+            parts.push(format!(
+                "(in script) {name} {:.2}/op x {per_call:.2} µs",
+                inner / ops
+            ));
+        }
+    }
+    (total, parts.join(", "))
+}
+
+/// Runs `n` operations of `phase` on one side, on keys named after `keys`: `lifecycle`
+/// claims and completes new keys, `replay` claims the keys a lifecycle completed.
+async fn run_phase(
+    side: &Side,
+    w: &Arc<Workload>,
+    phase: &'static str,
+    keys: &str,
+    n: usize,
+    c: usize,
+) -> Result<PhaseReport, String> {
+    let (side, w, keys) = (side.clone(), w.clone(), Arc::<str>::from(keys));
+    drive(phase, n, c, move |i| {
+        let (side, w, key) = (side.clone(), w.clone(), format!("{keys}-{i}"));
+        async move {
+            match phase {
+                "lifecycle" => lifecycle(&side, &w, key).await,
+                _ => replay(&side, &w, key).await,
+            }
+        }
+    })
+    .await
+}
+
+/// Claims a new key and stores the response.
+async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static str, String> {
+    match side {
+        Side::Idem { store, .. } => {
+            let id = idem_id(&key)?;
+            match idem_begin(store, w, &id).await? {
+                Begin::Acquired(lease) => store
+                    .complete(&lease, &w.completion, w.retention)
+                    .await
+                    .map(|()| "executed")
+                    .map_err(|e| e.to_string()),
+                other => Err(format!("idem: a new key was not acquired: {other:?}")),
+            }
+        }
+        Side::Idempotent(store) => {
+            let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+            let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
+            let entry = IdempotencyEntry::new(fp, w.retention);
+            match store.try_insert(&key, entry.clone()).await {
+                Ok(InsertResult::Claimed { fencing_token }) => store
+                    .complete(&key, entry.complete(w.cached.clone()), fencing_token)
+                    .await
+                    .map(|()| "executed")
+                    .map_err(|e| format!("idempotent: {e:?}")),
+                other => Err(format!("idempotent: a new key was not claimed: {other:?}")),
+            }
+        }
+        Side::Klauthed(store) => {
+            let key = format!("{}{key}", w.prefix["klauthed"]);
+            match store.begin(&key).await {
+                Ok(Outcome::New) => store
+                    .complete(&key, (*w.json).clone())
+                    .await
+                    .map(|()| "executed")
+                    .map_err(|e| format!("klauthed-data: {e}")),
+                other => Err(format!(
+                    "klauthed-data: a new key was not claimed: {other:?}"
+                )),
+            }
+        }
+    }
+}
+
+/// Claims a key that [`lifecycle`] completed: it replays.
+async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, String> {
+    let replayed = match side {
+        Side::Idem { store, .. } => {
+            let id = idem_id(&key)?;
+            match idem_begin(store, w, &id).await? {
+                Begin::Replay(r) => r.completion.response.body == w.body,
+                other => return Err(format!("idem: no replay: {other:?}")),
+            }
+        }
+        Side::Idempotent(store) => {
+            let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+            let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
+            match store
+                .try_insert(&key, IdempotencyEntry::new(fp, w.retention))
+                .await
+            {
+                Ok(InsertResult::Exists(ExistingEntry::Completed(entry))) => {
+                    entry.fingerprint_matches(fp) && entry.response().body == w.body
+                }
+                other => return Err(format!("idempotent: no replay: {other:?}")),
+            }
+        }
+        Side::Klauthed(store) => {
+            let key = format!("{}{key}", w.prefix["klauthed"]);
+            match store.begin(&key).await {
+                Ok(Outcome::Completed(value)) => value == *w.json,
+                other => return Err(format!("klauthed-data: no replay: {other:?}")),
+            }
+        }
+    };
+    if replayed {
+        Ok("replayed")
+    } else {
+        Err(format!("{}: the replayed response differs", side.name()))
+    }
+}
+
+fn idem_id(key: &str) -> Result<RecordId, String> {
+    Ok(RecordId::new(
+        Scope::global(),
+        Key::new(key).map_err(|e| e.to_string())?,
+    ))
+}
+
+async fn idem_begin(store: &RedisStore, w: &Workload, id: &RecordId) -> Result<Begin, String> {
+    let mut request = Vec::with_capacity(OPERATION.len() + 1 + w.body.len());
+    request.extend_from_slice(OPERATION.as_bytes());
+    request.push(b'\n');
+    request.extend_from_slice(&w.body);
+    store
+        .begin(BeginRequest {
+            id,
+            fingerprint: Fingerprint::of_bytes(&request),
+            token: FencingToken::random(),
+            lease: Duration::from_secs(30),
+            retention: w.retention,
+        })
+        .await
+        .map_err(|e| format!("idem: {e}"))
+}
+
+/// Mean `MEMORY USAGE` of up to 200 of the records a side's lifecycle wrote under `keys`.
+async fn sample_usage(
+    server: &RedisSide,
+    side: &Side,
+    w: &Workload,
+    keys: &str,
+    n: usize,
+) -> Result<f64, String> {
+    let step = (n / 200).max(1);
+    let (mut total, mut count) = (0u64, 0u64);
+    for i in (0..n).step_by(step).take(200) {
+        let key = format!("{keys}-{i}");
+        let redis_key = match side {
+            Side::Idem { store, .. } => store.record_key(&idem_id(&key)?),
+            Side::Idempotent(_) => format!("{}-{key}", w.prefix["idempotent"]),
+            Side::Klauthed(_) => format!("{}{key}", w.prefix["klauthed"]),
+        };
+        if let Some(bytes) = server.memory_usage(&redis_key).await? {
+            total += bytes;
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return Err(format!("{}: MEMORY USAGE found no record", side.name()));
+    }
+    Ok(total as f64 / count as f64)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    s: &Settings,
+    sides: &[Side],
+    cluster: &Option<Side>,
+    samples: &BTreeMap<(String, String), Vec<Sample>>,
+    breakdown: &BTreeMap<(String, String), String>,
+    usage: &BTreeMap<String, Vec<f64>>,
+    json: bool,
+) {
+    let labels = [
+        format!("lifecycle c={}", s.concurrency),
+        format!("replay c={}", s.concurrency),
+        "lifecycle c=1".to_owned(),
+        "replay c=1".to_owned(),
+    ];
+    let med = |side: &str, label: &str, f: fn(&Sample) -> f64| {
+        samples
+            .get(&(side.to_owned(), label.to_owned()))
+            .map(|v| median(&v.iter().map(f).collect::<Vec<_>>()))
+            .unwrap_or(f64::NAN)
+    };
+    let names: Vec<&str> = sides.iter().map(Side::name).collect();
+    let mut doc = serde_json::json!({
+        "url": s.url, "keys": s.keys, "c1_keys": s.c1_keys, "concurrency": s.concurrency,
+        "rounds": s.rounds, "body_bytes": json_body(s.body_bytes).len(), "phases": [],
+    });
+    let mut rows = Vec::new();
+    for label in &labels {
+        let idem = med("idem", label, |x| x.ops_per_sec);
+        let (best_name, best) = names[1..]
+            .iter()
+            .map(|n| (*n, med(n, label, |x| x.ops_per_sec)))
+            .fold(("", 0.0), |a, b| if b.1 > a.1 { b } else { a });
+        let mut phase = serde_json::json!({"phase": label, "ratio_idem_to_best_peer": idem / best, "best_peer": best_name});
+        for name in &names {
+            phase[*name] = serde_json::json!({
+                "ops_per_sec": med(name, label, |x| x.ops_per_sec),
+                "p50_us": med(name, label, |x| x.p50_us),
+                "server_us_per_op": med(name, label, |x| x.server_us),
+                "cpu_us_per_op": med(name, label, |x| x.cpu_us),
+                "rounds_ops_per_sec": samples.get(&(name.to_string(), label.clone())).map(|v| v.iter().map(|x| x.ops_per_sec).collect::<Vec<_>>()),
+                "commandstats": breakdown.get(&(name.to_string(), label.clone())),
+            });
+        }
+        rows.push((label.clone(), idem, best_name, best));
+        doc["phases"].as_array_mut().expect("array").push(phase);
+    }
+    let memory: Vec<(String, f64, f64)> = names
+        .iter()
+        .map(|n| {
+            (
+                n.to_string(),
+                med(n, &labels[0], |x| x.bytes_per_record),
+                usage.get(*n).map_or(f64::NAN, |v| median(v)),
+            )
+        })
+        .collect();
+    doc["memory"] = memory
+        .iter()
+        .map(|(n, used, usage)| serde_json::json!({"side": n, "used_memory_per_record": used, "memory_usage": usage}))
+        .collect();
+    if let Some(cl) = cluster {
+        doc["cluster"] = labels[..2]
+            .iter()
+            .map(|l| {
+                let c = med(cl.name(), l, |x| x.ops_per_sec);
+                serde_json::json!({"phase": l, "ops_per_sec": c, "ratio_to_standalone": c / med("idem", l, |x| x.ops_per_sec)})
+            })
+            .collect();
+    }
+    if json {
+        println!("{doc:#}");
+        return;
+    }
+    println!(
+        "comparison on {}: {} rounds, {} keys (c=1: {}), concurrency {}, body {} B; medians",
+        s.url,
+        s.rounds,
+        s.keys,
+        s.c1_keys.min(s.keys),
+        s.concurrency,
+        json_body(s.body_bytes).len()
+    );
+    print!("{:<16}", "phase");
+    for n in &names {
+        print!(" {n:>18}");
+    }
+    println!(" {:>8}  best peer", "idem/best");
+    for (label, idem, best_name, best) in &rows {
+        print!("{label:<16}");
+        for n in &names {
+            print!(" {:>16.0}/s", med(n, label, |x| x.ops_per_sec));
+        }
+        println!(" {:>8.2}  {best_name}", idem / best);
+    }
+    println!("\nRedis server time per operation (INFO commandstats; INFO cpu of the whole process in brackets), µs");
+    for label in &labels {
+        print!("{label:<16}");
+        for n in &names {
+            print!(
+                " {:>8.2} [{:>6.2}]",
+                med(n, label, |x| x.server_us),
+                med(n, label, |x| x.cpu_us)
+            );
+        }
+        println!();
+    }
+    for ((side, label), parts) in breakdown {
+        println!("  {side}, {label}: {parts}");
+    }
+    println!("\nmemory per completed record, B: used_memory delta / MEMORY USAGE (sampled)");
+    for (n, used, usage) in &memory {
+        println!("  {n:<20} {used:>7.1} / {usage:>7.1}");
+    }
+    if let Some(cl) = cluster {
+        println!(
+            "\n{} (3 primaries) against the standalone figures of the same run:",
+            cl.name()
+        );
+        for l in &labels[..2] {
+            let c = med(cl.name(), l, |x| x.ops_per_sec);
+            println!(
+                "  {l:<16} {c:>10.0}/s  {:.2} of standalone",
+                c / med("idem", l, |x| x.ops_per_sec)
+            );
+        }
+    }
+}
