@@ -22,4 +22,9 @@ mod memory {
     async fn stats_count_by_state() {
         idem_testkit::cases::stats_count_by_state(Arc::new(MemoryStore::new())).await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        idem_testkit::cases::waiter_is_notified(Arc::new(MemoryStore::new())).await;
+    }
 }

@@ -84,6 +84,7 @@ mod store;
 pub mod telemetry;
 pub mod transition;
 pub mod url;
+pub mod watch;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{Config, Failure, FailurePolicy, Idem, Once, OnceError};
@@ -96,3 +97,4 @@ pub use record::{
     RecordState, Replay, Response,
 };
 pub use store::{Begin, BeginRequest, Stats, Store};
+pub use watch::{Watch, Watchers};

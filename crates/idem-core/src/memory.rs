@@ -16,6 +16,7 @@ use crate::key::{RecordId, Scope};
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Record, RecordState, Replay};
 use crate::store::{Begin, BeginRequest, Stats, Store};
 use crate::transition::{decide_begin, BeginStep, Found};
+use crate::watch::{Watch, Watchers};
 
 const SHARDS: usize = 32;
 /// Expired records removed per write, at most: enough to outpace inserts (one per `begin`)
@@ -45,6 +46,9 @@ struct Inner {
     shards: Vec<Mutex<Shard>>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    /// Waiters for records to settle, woken in process by `complete`, `release` and `evict`
+    /// (one atomic load each while nobody waits).
+    watchers: Watchers<RecordId>,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +96,7 @@ impl MemoryStore {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 hasher: RandomState::new(),
                 clock,
+                watchers: Watchers::new(),
             }),
         }
     }
@@ -283,6 +288,8 @@ impl Store for MemoryStore {
         let entry = shard.held(lease, now)?;
         entry.state = State::Completed(completion.clone());
         shard.set_expiry(lease.id(), now.saturating_add(retention));
+        drop(shard);
+        self.inner.watchers.notify(lease.id());
         Ok(())
     }
 
@@ -291,6 +298,8 @@ impl Store for MemoryStore {
         let mut shard = self.shard(lease.id());
         shard.held(lease, now)?;
         shard.remove(lease.id());
+        drop(shard);
+        self.inner.watchers.notify(lease.id());
         Ok(())
     }
 
@@ -340,7 +349,14 @@ impl Store for MemoryStore {
         let mut shard = self.shard(id);
         let existed = shard.live(id, now).is_some();
         shard.remove(id);
+        drop(shard);
+        self.inner.watchers.notify(id);
         Ok(existed)
+    }
+
+    /// Notified in process: the store's own `complete`, `release` and `evict` fire it.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        Some(self.inner.watchers.watch(id.clone()))
     }
 
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
