@@ -16,6 +16,9 @@ A call sent again ('1') also gets 1 when the record already holds exactly this c
 the first send did it and only its reply was lost.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
+Publishes an empty message on the channel named like KEYS[1] after a write, when that
+channel has subscribers (waiters for the record): nothing is published otherwise.
+
 The fingerprint and attempt are carried over from the in-progress record. Only its first
 59 bytes are read. All checks come before the only write.
 
@@ -38,4 +41,8 @@ if state ~= 'held' then
 end
 redis.call('SET', key, ARGV[2] .. string.sub(head, 2, 37) .. ARGV[3] .. ARGV[4],
   'PX', tonumber(ARGV[5]))
+-- Wake the record's waiters (crates/idem-redis/src/notify.rs), only if one subscribed.
+if redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
+  redis.call('PUBLISH', key, '')
+end
 return 1
