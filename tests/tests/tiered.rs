@@ -87,6 +87,13 @@ mod tiered {
         idem_testkit::cases::stats_count_by_state(store).await;
     }
 
+    /// Both tiers' notifications: a waiter answers within milliseconds of the completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::waiter_is_notified(store).await;
+    }
+
     // --- helpers ---------------------------------------------------------------------------
 
     fn id(key: &str) -> RecordId {
