@@ -23,7 +23,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use idem_core::{Watch, Watchers};
 use redis::aio::{PubSubSink, PubSubStream};
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, watch, Mutex};
 
 /// The subscribing side of a [`crate::RedisStore`] on one server: made on the first wait.
 pub(crate) struct Notifier {
@@ -37,6 +37,8 @@ pub(crate) struct Notifier {
     generation: AtomicU64,
     /// Bounds connecting and each subscribe.
     timeout: Duration,
+    /// Dropped with the notifier, which ends its reader (and closes the connection).
+    alive: watch::Sender<()>,
 }
 
 impl fmt::Debug for Notifier {
@@ -61,6 +63,7 @@ impl Notifier {
             sink: Mutex::new(None),
             generation: AtomicU64::new(0),
             timeout,
+            alive: watch::channel(()).0,
         });
         let weak = Arc::downgrade(&notifier);
         tokio::spawn(async move {
@@ -85,7 +88,12 @@ impl Notifier {
         let mut sink = self.sink.lock().await;
         if sink.is_none() {
             let (generation, connection, stream) = self.connect().await?;
-            tokio::spawn(read(Arc::downgrade(self), generation, stream));
+            tokio::spawn(read(
+                Arc::downgrade(self),
+                self.alive.subscribe(),
+                generation,
+                stream,
+            ));
             *sink = Some((generation, connection));
         }
         let (_, connection) = sink.as_mut()?;
@@ -145,9 +153,21 @@ impl Notifier {
 /// reads that (backing off up to a second between tries; meanwhile waiters poll). Ends
 /// when nobody waits any more (the next waiter connects), when a newer connection has its
 /// own reader, or with the store.
-async fn read(notifier: Weak<Notifier>, mut generation: u64, mut stream: PubSubStream) {
+async fn read(
+    notifier: Weak<Notifier>,
+    mut alive: watch::Receiver<()>,
+    mut generation: u64,
+    mut stream: PubSubStream,
+) {
     loop {
-        while let Some(message) = stream.next().await {
+        loop {
+            let message = tokio::select! {
+                message = stream.next() => message,
+                // Nothing is ever sent: this fires when the notifier (the store) is dropped.
+                _ = alive.changed() => return,
+            };
+            // `None`: the connection is lost.
+            let Some(message) = message else { break };
             let Some(notifier) = notifier.upgrade() else {
                 return;
             };
