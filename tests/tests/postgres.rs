@@ -118,12 +118,13 @@ mod postgres {
         idem_testkit::cases::stats_count_by_state(store).await;
     }
 
-    /// LISTEN/NOTIFY: a waiter answers within milliseconds of the completion.
+    /// LISTEN/NOTIFY (turned on): a waiter answers within milliseconds of the completion.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn waiter_is_notified() {
         let Some(store) = fresh_store(4).await else {
             return;
         };
+        let store = store.with_notify(true);
         idem_testkit::cases::waiter_is_notified(Arc::new(store.clone())).await;
         drop_schema(&store).await;
     }

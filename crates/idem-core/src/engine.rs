@@ -192,10 +192,10 @@ impl Idem {
     /// out (answering [`Begin::InFlight`]).
     ///
     /// While waiting, a store that notifies ([`Store::watch`]: the memory store, Redis
-    /// standalone, PostgreSQL, the tiered store) wakes the waiter when the holder completes
-    /// or releases, and the key is looked at again only then, at the holder's deadline, or
-    /// every [`Config::safety_poll`]; other stores are polled, from 2 ms doubling up to
-    /// [`Config::max_poll`].
+    /// standalone, the tiered store, PostgreSQL with `PgStore::with_notify`) wakes the
+    /// waiter when the holder completes or releases, and the key is looked at again only
+    /// then, at the holder's deadline, or every [`Config::safety_poll`]; other stores are
+    /// polled, from 2 ms doubling up to [`Config::max_poll`].
     ///
     /// # Errors
     ///

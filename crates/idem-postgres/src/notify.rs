@@ -1,4 +1,5 @@
-//! Waiters notified with PostgreSQL's `LISTEN` / `NOTIFY`.
+//! Waiters notified with PostgreSQL's `LISTEN` / `NOTIFY`, when turned on with
+//! [`crate::PgStore::with_notify`] (off by default: what it costs is said there).
 //!
 //! `complete.sql` and `release.sql` call `pg_notify('idem_settled', <record>)` for the row
 //! they change, in the same statement, so the notification is sent when (and only if) the

@@ -97,19 +97,24 @@ impl PgStore {
             sql: Arc::new(Statements::new(&schema)),
             schema: Arc::new(schema),
             conflict_retries: DEFAULT_CONFLICT_RETRIES,
-            notify: true,
+            notify: false,
             notifier: Arc::new(Notifier::new()),
         }
     }
 
     /// Whether `complete` and `release` (and their `*_in` forms) notify waiters with
-    /// `pg_notify`, sent on commit (see [`crate::notify`]). Default: on.
+    /// `pg_notify`, sent on commit (see [`crate::notify`]), so that a caller waiting for
+    /// another worker's result ([`idem_core::Config::wait`]) answers at once instead of at
+    /// its next poll. Default: off.
     ///
-    /// What it costs: PostgreSQL serialises the commits of notifying transactions (a
+    /// Why off: PostgreSQL serialises the commits of notifying transactions (a
     /// database-wide lock held from the notification's queueing until the commit is
-    /// flushed), which caps completions per second at about one WAL flush each under
-    /// concurrency; BENCHMARKS.md has the measured figure. Turn it off when completions
-    /// are many and waiters rare: waiters then poll ([`idem_core::Config::max_poll`]).
+    /// flushed), so every completion would pay for it whether anyone waits or not. Measured
+    /// on the 2-core benchmark machine, lifecycles at 16 callers: 421 and 549/s with it,
+    /// 880 and 977/s without (BENCHMARKS.md). Turn it on when callers wait
+    /// ([`idem_core::Config::wait`]) and completions are not the bottleneck; without it
+    /// waiters poll (2 ms doubling to [`idem_core::Config::max_poll`]). The tiered store's
+    /// waiters are woken through Redis either way.
     pub fn with_notify(mut self, notify: bool) -> Self {
         self.notify = notify;
         self
