@@ -16,7 +16,9 @@
 //!   protected work ran (must equal R);
 //! - `inflight`: `begin` by many callers on keys another worker holds;
 //! - `middleware`: requests/s of a trivial axum handler, bare and behind the idem-http layer
-//!   on the in-memory store, over loopback HTTP (whatever `--store` says).
+//!   on the in-memory store, over loopback HTTP (whatever `--store` says);
+//! - `wait`: how soon a waiter (`Config::wait`) answers after the holder's completion, with
+//!   the store's notifications and polled (`--wait-keys` operations each; see `wait.rs`).
 //!
 //! Each phase reports throughput, latency p50 / p99 / p99.9 and the count of each outcome.
 //! For Redis and PostgreSQL the run adds the server's floor and the ratios to it (see
@@ -41,6 +43,7 @@ mod phases;
 mod redis_floor;
 mod relay;
 mod report;
+mod wait;
 
 use pg_floor::PgSide;
 use phases::Bench;
@@ -78,7 +81,7 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     race_callers: usize,
     /// Phases to run, comma-separated: lifecycle, replay, race, inflight, middleware, relay
-    /// (the tiered store's outbox relay: `--store tiered:...` only).
+    /// (the tiered store's outbox relay: `--store tiered:...` only), wait.
     #[arg(
         long,
         value_delimiter = ',',
@@ -91,6 +94,10 @@ struct Args {
     /// PostgreSQL pool size. Default: `--concurrency`, so no caller waits for a connection.
     #[arg(long)]
     pg_pool: Option<u32>,
+    /// PostgreSQL: notify waiters on completions (`PgStore::with_notify(true)`; off by
+    /// default), to measure the wait phase with it and what it costs the others.
+    #[arg(long)]
+    pg_notify: bool,
     /// Keep the run's PostgreSQL schema instead of dropping it.
     #[arg(long)]
     keep: bool,
@@ -103,18 +110,22 @@ struct Args {
     /// Seconds of completions at `--relay-rate` in the relay phase.
     #[arg(long, default_value_t = 5)]
     relay_seconds: u64,
+    /// Operations of each run of the wait phase.
+    #[arg(long, default_value_t = 500)]
+    wait_keys: usize,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
 }
 
-const PHASES: [&str; 6] = [
+const PHASES: [&str; 7] = [
     "lifecycle",
     "replay",
     "race",
     "inflight",
     "middleware",
     "relay",
+    "wait",
 ];
 
 #[tokio::main]
@@ -244,7 +255,8 @@ async fn pg_store(args: &Args, url: &str, run_id: &str) -> Result<PgStore, Strin
         .map_err(|err| format!("{url}: {err}"))?;
     let store = PgStore::new(pool)
         .with_schema(&format!("idem_bench_{run_id}"))
-        .map_err(e)?;
+        .map_err(e)?
+        .with_notify(args.pg_notify);
     // The records table and the outbox's (the tiered store needs both).
     idemkit::outbox::migrate(&store).await.map_err(e)?;
     Ok(store)
@@ -504,6 +516,9 @@ async fn measure(
         );
         reports.push(drain);
         reports.push(lag);
+    }
+    if wants("wait") {
+        reports.extend(wait::run(&bench, args.wait_keys.max(1), c).await?);
     }
     if wants("middleware") {
         let http = middleware::run(n, c).await?;
