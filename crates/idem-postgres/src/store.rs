@@ -110,8 +110,9 @@ impl PgStore {
     /// Why off: PostgreSQL serialises the commits of notifying transactions (a
     /// database-wide lock held from the notification's queueing until the commit is
     /// flushed), so every completion would pay for it whether anyone waits or not. Measured
-    /// on the 2-core benchmark machine, lifecycles at 16 callers: 421 and 549/s with it,
-    /// 880 and 977/s without (BENCHMARKS.md). Turn it on when callers wait
+    /// on the (loaded) 2-core benchmark machine, lifecycles at 16 callers in interleaved
+    /// runs: 421 to 549/s with it, 880 to 1,265/s without (BENCHMARKS.md, "Waiting for
+    /// the holder's result"). Turn it on when callers wait
     /// ([`idem_core::Config::wait`]) and completions are not the bottleneck; without it
     /// waiters poll (2 ms doubling to [`idem_core::Config::max_poll`]). The tiered store's
     /// waiters are woken through Redis either way.
