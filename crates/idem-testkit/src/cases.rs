@@ -592,7 +592,7 @@ pub const NOTIFIED_WITHIN: Duration = Duration::from_millis(25);
 /// answer the waiter within [`NOTIFIED_WITHIN`].
 pub const NOTIFY_SAFETY_POLL: Duration = Duration::from_secs(2);
 /// Rounds of [`waiter_is_notified`]; one in time is enough.
-const NOTIFY_ROUNDS: usize = 3;
+pub const NOTIFY_ROUNDS: usize = 3;
 
 /// For stores that notify ([`Store::watch`]): a caller waiting for the holder's result
 /// ([`idem_core::Config::wait`]) answers within [`NOTIFIED_WITHIN`] of the holder's
