@@ -199,14 +199,54 @@ impl FingerprintBuilder {
     }
 }
 
-/// Writes `value` in its RFC 8785 canonical form, with `serde_json_canonicalizer`
-/// (maintained, RFC 8785's test data in its own suite; this module's tests pin the RFC's
-/// vectors too). It sorts keys by UTF-16 code units itself, whatever the order of
-/// serde_json's `Map`.
+/// Writes `value` in its RFC 8785 canonical form. Numbers are the hard part and come from
+/// `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's `Number.prototype.toString`,
+/// which RFC 8785 prescribes); strings are escaped by `serde_json`, whose escapes are JCS's
+/// (`\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t`, other control characters as lower-case
+/// `\u00xx`, everything else as UTF-8). Written here rather than with
+/// `serde_json_canonicalizer` (correct, but it buffers and re-parses every key: twice as
+/// slow on the request path, BENCHMARKS.md); the RFC's vectors below hold it to the RFC.
 fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    // It fails only on NaN or an infinity, which a `serde_json::Value` cannot hold (a parse
-    // refuses `1e400`, and `Number::from_f64` refuses non-finite values).
-    let _ = serde_json_canonicalizer::to_writer(value, out);
+    match value {
+        Value::Object(map) => {
+            // By UTF-16 code units, as RFC 8785 says (UTF-8 order differs above U+FFFF).
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_json(k.as_str(), out);
+                out.push(b':');
+                write_canonical(v, out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(b']');
+        }
+        // Every number is the IEEE 754 double it denotes (integers beyond 2^53 round as in
+        // JavaScript); a `Value` never holds NaN or an infinity.
+        Value::Number(n) => {
+            let double = n.as_f64().unwrap_or_default();
+            out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+        }
+        scalar => write_json(scalar, out),
+    }
+}
+
+/// Writes a string, `true`, `false` or `null` straight into `out`.
+fn write_json<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
+    // Serialising a string or a `Value` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 /// Removes the value at an RFC 6901 pointer, if there is one.
