@@ -23,6 +23,9 @@ Returns
      later incarnation of the key, which must not be overwritten by an older completion.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
+Publishes an empty message on the channel named like KEYS[1] after a write, when that
+channel has subscribers (waiters for the record): nothing is published otherwise.
+
 Over the completing lease's own in-progress record, the fingerprint and attempt are carried
 over from it (as complete.lua does), so the common case after a commit needs no lookup.
 Applying twice is applying once (the second run answers 2), so the relay may deliver at
@@ -48,4 +51,8 @@ else
   identity = string.sub(head, 24, 59)
 end
 redis.call('SET', key, ARGV[2] .. identity .. ARGV[5] .. ARGV[6], 'PX', tonumber(ARGV[7]))
+-- Wake the record's waiters (crates/idem-redis/src/notify.rs), only if one subscribed.
+if redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
+  redis.call('PUBLISH', key, '')
+end
 return 1

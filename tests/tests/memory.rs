@@ -17,4 +17,9 @@ mod memory {
     fn follows_the_model_on_a_manual_clock() {
         idem_testkit::model::check_manual_clock(512);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        idem_testkit::cases::waiter_is_notified(Arc::new(MemoryStore::new())).await;
+    }
 }

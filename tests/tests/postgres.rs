@@ -49,6 +49,17 @@ mod postgres {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
+    /// LISTEN/NOTIFY (turned on): a waiter answers within milliseconds of the completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = fresh(4).await else {
+            return;
+        };
+        let store = store.with_notify(true);
+        idem_testkit::cases::waiter_is_notified(Arc::new(store.clone())).await;
+        drop_schema(&store).await;
+    }
+
     // --- helpers ---------------------------------------------------------------------------
 
     fn fp(text: &str) -> Fingerprint {

@@ -60,6 +60,13 @@ mod redis {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
+    /// Pub/sub: a waiter answers within milliseconds of the completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::waiter_is_notified(store).await;
+    }
+
     pub(crate) mod specific;
 }
 

@@ -62,6 +62,13 @@ mod tiered {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
+    /// Both tiers' notifications: a waiter answers within milliseconds of the completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::waiter_is_notified(store).await;
+    }
+
     // --- helpers ---------------------------------------------------------------------------
 
     fn fp() -> Fingerprint {

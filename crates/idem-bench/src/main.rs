@@ -22,6 +22,8 @@
 //!   on the in-memory store, over loopback HTTP (whatever `--store` says);
 //! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
 //!   `klauthed-data` crates' Redis stores, in interleaved rounds (see `compare.rs`).
+//! - `wait`: how soon a waiter (`Config::wait`) answers after the holder's completion, with
+//!   the store's notifications and polled (`--wait-keys` operations each; see `wait.rs`).
 //!
 //! Each phase reports throughput, latency p50 / p99 / p99.9 and the count of each outcome.
 //! For Redis and PostgreSQL the run adds the server's floor and the ratios to it (see
@@ -48,6 +50,7 @@ mod phases;
 mod redis_floor;
 mod relay;
 mod report;
+mod wait;
 
 use pg_floor::PgSide;
 use phases::Bench;
@@ -86,7 +89,7 @@ struct Args {
     race_callers: usize,
     /// Phases to run, comma-separated: lifecycle, replay, race, inflight, memory (the
     /// in-memory store's footprint), middleware, relay (the tiered store's outbox relay:
-    /// `--store tiered:...` only).
+    /// `--store tiered:...` only), wait, compare (alone, on a `redis://` store).
     #[arg(
         long,
         value_delimiter = ',',
@@ -99,6 +102,10 @@ struct Args {
     /// PostgreSQL pool size. Default: `--concurrency`, so no caller waits for a connection.
     #[arg(long)]
     pg_pool: Option<u32>,
+    /// PostgreSQL: notify waiters on completions (`PgStore::with_notify(true)`; off by
+    /// default), to measure the wait phase with it and what it costs the others.
+    #[arg(long)]
+    pg_notify: bool,
     /// Keep the run's PostgreSQL schema instead of dropping it.
     #[arg(long)]
     keep: bool,
@@ -121,12 +128,15 @@ struct Args {
     /// Bytes of the JSON response body of the `compare` phase.
     #[arg(long, default_value_t = 35)]
     compare_body_bytes: usize,
+    /// Operations of each run of the wait phase.
+    #[arg(long, default_value_t = 500)]
+    wait_keys: usize,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
 }
 
-const PHASES: [&str; 8] = [
+const PHASES: [&str; 9] = [
     "compare",
     "memory",
     "lifecycle",
@@ -135,6 +145,7 @@ const PHASES: [&str; 8] = [
     "inflight",
     "middleware",
     "relay",
+    "wait",
 ];
 
 #[tokio::main]
@@ -295,7 +306,8 @@ async fn pg_store(args: &Args, url: &str, run_id: &str) -> Result<PgStore, Strin
         .map_err(|err| format!("{url}: {err}"))?;
     let store = PgStore::new(pool)
         .with_schema(&format!("idem_bench_{run_id}"))
-        .map_err(e)?;
+        .map_err(e)?
+        .with_notify(args.pg_notify);
     // The records table and the outbox's (the tiered store needs both).
     idemkit::outbox::migrate(&store).await.map_err(e)?;
     Ok(store)
@@ -562,6 +574,9 @@ async fn measure(
         );
         reports.push(drain);
         reports.push(lag);
+    }
+    if wants("wait") {
+        reports.extend(wait::run(&bench, args.wait_keys.max(1), c).await?);
     }
     if wants("middleware") {
         let http = middleware::run(n, c).await?;

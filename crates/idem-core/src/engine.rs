@@ -15,6 +15,7 @@ use crate::orphan::Orphans;
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
 use crate::store::{Begin, BeginRequest, Store};
 use crate::telemetry::{Instrumented, KeyHash};
+use crate::watch::Watch;
 
 /// What to do when the work fails for good.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -57,8 +58,12 @@ pub struct Config {
     /// holder to finish, instead of answering in flight at once. Default: `None`.
     #[setters(strip_option)]
     pub wait: Option<Duration>,
-    /// The longest pause between two looks at a held key while waiting. Default: 50 ms.
+    /// The longest pause between two looks at a held key while waiting on a store that
+    /// cannot notify (see [`Store::watch`]). Default: 50 ms.
     pub max_poll: Duration,
+    /// The pause between two looks at a held key while waiting on a store that notifies: a
+    /// safety net for a notification lost with a connection, so coarse. Default: 1 s.
+    pub safety_poll: Duration,
     /// What [`Idem::fail`] does. Default: [`FailurePolicy::Release`].
     pub failure: FailurePolicy,
     /// The longest any one store call may take before it counts as
@@ -78,6 +83,7 @@ impl Default for Config {
             retention: Duration::from_secs(24 * 3600),
             wait: None,
             max_poll: Duration::from_millis(50),
+            safety_poll: Duration::from_secs(1),
             failure: FailurePolicy::Release,
             store_timeout: Duration::from_secs(5),
         }
@@ -209,6 +215,12 @@ impl Idem {
     /// [`Begin::Replay`]), its lease expires (answering [`Begin::TookOver`]) or the wait runs
     /// out (answering [`Begin::InFlight`]).
     ///
+    /// While waiting, a store that notifies ([`Store::watch`]: the memory store, Redis
+    /// standalone, the tiered store, PostgreSQL with `PgStore::with_notify`) wakes the
+    /// waiter when the holder completes or releases, and the key is looked at again only
+    /// then, at the holder's deadline, or every [`Config::safety_poll`]; other stores are
+    /// polled, from 2 ms doubling up to [`Config::max_poll`].
+    ///
     /// # Errors
     ///
     /// Store errors; [`Error::Unavailable`] when a store call takes longer than
@@ -223,6 +235,9 @@ impl Idem {
                 .unwrap_or(now + Duration::from_secs(30 * 365 * 24 * 3600))
         });
         let mut pause = Duration::from_millis(2);
+        // Made at the first in-flight answer, and kept (registered) for the whole wait.
+        let mut watch: Option<Watch> = None;
+        let mut watched = false;
         loop {
             let req = BeginRequest {
                 id,
@@ -245,12 +260,34 @@ impl Idem {
             if now >= give_up {
                 return Ok(answer);
             }
-            // Poll with a growing pause, never past the holder's deadline or our own.
-            let sleep = pause
-                .min(retry_after.saturating_add(Duration::from_millis(1)))
+            if !watched {
+                watched = true;
+                watch = self.calls.watch(id).await;
+                if watch.is_some() {
+                    // Registered: look once more, so that a completion between the answer
+                    // above and the registration is not waited for in vain.
+                    continue;
+                }
+            }
+            // Never past the holder's deadline (a takeover is due then) or our own.
+            let cap = retry_after
+                .saturating_add(Duration::from_millis(1))
                 .min(give_up - now);
-            tokio::time::sleep(sleep).await;
-            pause = (pause * 2).min(self.config.max_poll);
+            match &mut watch {
+                Some(watch) => {
+                    tokio::select! {
+                        // Notified: the record may have settled; look.
+                        () = watch.changed() => {}
+                        // A lost notification costs at most this pause.
+                        () = tokio::time::sleep(self.config.safety_poll.min(cap)) => {}
+                    }
+                }
+                None => {
+                    // Poll with a growing pause.
+                    tokio::time::sleep(pause.min(cap)).await;
+                    pause = (pause * 2).min(self.config.max_poll);
+                }
+            }
         }
     }
 

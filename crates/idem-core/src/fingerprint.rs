@@ -1,9 +1,26 @@
-//! Request and message fingerprints: SHA-256 over chosen parts, with canonical JSON.
+//! Request and message fingerprints: SHA-256 over chosen parts, with JSON in its RFC 8785
+//! canonical form.
+//!
+//! ## Versions
+//!
+//! Every digest starts with a version tag, so that two ways of hashing never agree by
+//! accident. A change of the tag changes every fingerprint: a retry of a request recorded
+//! under the previous version answers [`crate::Begin::Mismatch`] until that record expires
+//! (its retention), so roll a version change out when a mismatch on in-flight retries is
+//! acceptable, or wait out the retention with the old version running.
+//!
+//! | tag | canonical JSON |
+//! |---|---|
+//! | `idem-fp-v1` | keys sorted by UTF-8 bytes, numbers as `serde_json` writes them (`1250` and `1250.0` differ) |
+//! | `idem-fp-v2` (current) | RFC 8785 (JCS): numbers as IEEE 754 doubles in their shortest round-trip form (ECMAScript `Number.prototype.toString`, so `1250`, `1250.0` and `1.25e3` agree), keys sorted by UTF-16 code units, strings escaped per JCS |
 
 use std::fmt;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+
+/// The version tag every digest starts with (see the [module](self)).
+const VERSION: &[u8] = b"idem-fp-v2";
 
 /// The SHA-256 digest of a request or message, stored with its record. A retry with the
 /// same key but a different fingerprint is answered with a mismatch.
@@ -101,7 +118,7 @@ impl FingerprintBuilder {
     /// An empty builder.
     pub fn new() -> Self {
         let mut hasher = Sha256::new();
-        hasher.update(b"idem-fp-v1");
+        hasher.update(VERSION);
         Self { hasher }
     }
 
@@ -116,12 +133,18 @@ impl FingerprintBuilder {
         self.bytes(name, value.as_bytes())
     }
 
-    /// Adds a JSON document in canonical form: object keys sorted, insignificant whitespace
-    /// dropped, and only the selected fields.
+    /// Adds a JSON document in its RFC 8785 canonical form, restricted to the selected
+    /// fields: object keys sorted by UTF-16 code units, no insignificant whitespace, every
+    /// number written as the IEEE 754 double it denotes in its shortest round-trip form (so
+    /// `1250`, `1250.0` and `1.25e3` agree, and integers beyond 2^53 round as JavaScript
+    /// rounds them), strings with only the escapes JCS prescribes.
     ///
     /// # Errors
     ///
-    /// [`JsonError`] when `body` is not JSON.
+    /// [`JsonError`] when `body` is not JSON (including a number too large for a double,
+    /// such as `1e400`, and invalid UTF-8). Nothing falls back to the raw bytes: a caller
+    /// that wants that (as the HTTP layer does for a body it only believed to be JSON)
+    /// uses [`FingerprintBuilder::bytes`] on the error.
     pub fn json(
         self,
         name: &str,
@@ -176,14 +199,19 @@ impl FingerprintBuilder {
     }
 }
 
-/// Writes `value` with sorted object keys and no whitespace. serde_json's `Map` is a
-/// `BTreeMap` unless its `preserve_order` feature is on, so keys are sorted here explicitly
-/// rather than relying on that.
+/// Writes `value` in its RFC 8785 canonical form. Numbers are the hard part and come from
+/// `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's `Number.prototype.toString`,
+/// which RFC 8785 prescribes); strings are escaped by `serde_json`, whose escapes are JCS's
+/// (`\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t`, other control characters as lower-case
+/// `\u00xx`, everything else as UTF-8). Written here rather than with
+/// `serde_json_canonicalizer` (correct, but it buffers and re-parses every key: twice as
+/// slow on the request path, BENCHMARKS.md); the RFC's vectors below hold it to the RFC.
 fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     match value {
         Value::Object(map) => {
+            // By UTF-16 code units, as RFC 8785 says (UTF-8 order differs above U+FFFF).
             let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.cmp(b.0));
+            entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
             out.push(b'{');
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
@@ -205,11 +233,17 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             }
             out.push(b']');
         }
+        // Every number is the IEEE 754 double it denotes (integers beyond 2^53 round as in
+        // JavaScript); a `Value` never holds NaN or an infinity.
+        Value::Number(n) => {
+            let double = n.as_f64().unwrap_or_default();
+            out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+        }
         scalar => write_json(scalar, out),
     }
 }
 
-/// Writes any serialisable JSON piece straight into `out`, with no intermediate `String`.
+/// Writes a string, `true`, `false` or `null` straight into `out`.
 fn write_json<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
     // Serialising a string or a `Value` into a `Vec` cannot fail.
     let _ = serde_json::to_writer(&mut *out, value);
@@ -245,7 +279,7 @@ fn remove_pointer(value: &mut Value, pointer: &str) {
 mod tests {
     use super::*;
 
-    const PINNED: &str = "7d460182877fd9e8317d06613bb5da3ce1f1aadbba70bdf4563a161613af4ccf";
+    const PINNED: &str = "bde6d71252ef0c81ad6e3df9894e139b9b808f5217ed8226f26e51b890c29d3f";
 
     fn fp(body: &str, sel: &JsonSelection) -> Fingerprint {
         Fingerprint::builder()
@@ -285,7 +319,10 @@ mod tests {
     }
 
     /// One exact digest, so that no optimisation of the canonical form can change the
-    /// fingerprints of records already stored.
+    /// fingerprints of records already stored. Version 2's value was checked by hand:
+    /// SHA-256 of `idem-fp-v2`, then each part framed (name length, name, value length,
+    /// value; lengths as big-endian u64), the body being
+    /// `{"a":"x\"y","m":{"k":[]},"z":[1,2.5,-300,true,null,{"a":{},"b":"é\n"}]}`.
     #[test]
     fn digest_is_pinned() {
         let body =
@@ -298,6 +335,135 @@ mod tests {
         assert_eq!(f.to_hex(), PINNED);
     }
 
+    fn canonical(json: &str) -> String {
+        let value: Value = serde_json::from_str(json).unwrap();
+        let mut out = Vec::new();
+        write_canonical(&value, &mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    /// RFC 8785, appendix B: IEEE 754 doubles and their canonical text (NaN and the
+    /// infinities, the table's error rows, cannot be held by a `serde_json::Value`).
+    #[test]
+    fn rfc8785_numbers() {
+        let table: [(u64, &str); 25] = [
+            (0x0000000000000000, "0"),
+            (0x8000000000000000, "0"),
+            (0x0000000000000001, "5e-324"),
+            (0x8000000000000001, "-5e-324"),
+            (0x7fefffffffffffff, "1.7976931348623157e+308"),
+            (0xffefffffffffffff, "-1.7976931348623157e+308"),
+            (0x4340000000000000, "9007199254740992"),
+            (0xc340000000000000, "-9007199254740992"),
+            (0x4430000000000000, "295147905179352830000"),
+            (0x44b52d02c7e14af5, "9.999999999999997e+22"),
+            (0x44b52d02c7e14af6, "1e+23"),
+            (0x44b52d02c7e14af7, "1.0000000000000001e+23"),
+            (0x444b1ae4d6e2ef4e, "999999999999999700000"),
+            (0x444b1ae4d6e2ef4f, "999999999999999900000"),
+            (0x444b1ae4d6e2ef50, "1e+21"),
+            (0x3eb0c6f7a0b5ed8c, "9.999999999999997e-7"),
+            (0x3eb0c6f7a0b5ed8d, "0.000001"),
+            (0x41b3de4355555553, "333333333.3333332"),
+            (0x41b3de4355555554, "333333333.33333325"),
+            (0x41b3de4355555555, "333333333.3333333"),
+            (0x41b3de4355555556, "333333333.3333334"),
+            (0x41b3de4355555557, "333333333.33333343"),
+            (0xbecbf647612f3696, "-0.0000033333333333333333"),
+            (0x43143ff3c1cb0959, "1424953923781206.2"),
+            (0x3ff0000000000000, "1"),
+        ];
+        for (bits, expected) in table {
+            let value = Value::from(f64::from_bits(bits));
+            let mut out = Vec::new();
+            write_canonical(&value, &mut out);
+            assert_eq!(String::from_utf8(out).unwrap(), expected, "{bits:#018x}");
+            // The canonical text parses back to the same double, and is its own canonical form.
+            assert_eq!(canonical(expected), expected, "{bits:#018x}");
+        }
+        // Integers are doubles too: beyond 2^53 they round as JavaScript rounds them.
+        assert_eq!(canonical("9007199254740993"), "9007199254740992");
+        assert_eq!(canonical("-0"), "0");
+        assert_eq!(
+            canonical("[1250, 1250.0, 1.25e3, 12500e-1]"),
+            "[1250,1250,1250,1250]"
+        );
+    }
+
+    /// RFC 8785, section 3.2.2: the whole-document example (numbers, escapes, literals).
+    #[test]
+    fn rfc8785_example() {
+        let input = r#"{
+            "numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],
+            "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+            "literals": [null, true, false]
+        }"#;
+        let expected = r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#;
+        assert_eq!(canonical(input), expected);
+    }
+
+    /// RFC 8785, section 3.2.3: keys sorted by UTF-16 code units, so the emoji (a surrogate
+    /// pair, 0xD83D...) comes before U+FB33, which it follows in UTF-8 and code points.
+    #[test]
+    fn rfc8785_key_sorting() {
+        let input = r#"{
+            "\u20ac": "Euro Sign",
+            "\r": "Carriage Return",
+            "\ufb33": "Hebrew Letter Dalet With Dagesh",
+            "1": "One",
+            "\ud83d\ude00": "Emoji: Grinning Face",
+            "\u0080": "Control",
+            "\u00f6": "Latin Small Letter O With Diaeresis"
+        }"#;
+        let value: Value = serde_json::from_str(&canonical(input)).unwrap();
+        let out = canonical(input);
+        let keys: Vec<&str> = [
+            "\r",
+            "1",
+            "\u{80}",
+            "\u{f6}",
+            "\u{20ac}",
+            "\u{1f600}",
+            "\u{fb33}",
+        ]
+        .into_iter()
+        .collect();
+        let positions: Vec<usize> = keys
+            .iter()
+            .map(|k| {
+                out.find(&format!("{}:", serde_json::to_string(k).unwrap()))
+                    .unwrap()
+            })
+            .collect();
+        assert!(positions.windows(2).all(|w| w[0] < w[1]), "{out}");
+        assert_eq!(value.as_object().unwrap().len(), 7);
+        // Only the control characters are escaped (lower-case hex), the rest is literal UTF-8.
+        assert_eq!(
+            canonical(r#""\u001f\u007f\u00e9\t""#),
+            "\"\\u001f\u{7f}é\\t\""
+        );
+    }
+
+    #[test]
+    fn equal_numbers_fingerprint_alike() {
+        let all = JsonSelection::All;
+        let a = fp(r#"{"amount": 1250, "currency": "EUR"}"#, &all);
+        assert_eq!(a, fp(r#"{"currency":"EUR","amount":1250.0}"#, &all));
+        assert_eq!(a, fp(r#"{"amount":1.25e3,"currency":"EUR"}"#, &all));
+        assert_ne!(a, fp(r#"{"amount":1250.5,"currency":"EUR"}"#, &all));
+        // Selections canonicalise the values they keep in the same way.
+        let only = JsonSelection::Only(vec!["/amount".into()]);
+        assert_eq!(
+            fp(r#"{"amount":1250,"x":1}"#, &only),
+            fp(r#"{"amount":125e1,"x":2}"#, &only)
+        );
+        let except = JsonSelection::Except(vec!["/at".into()]);
+        assert_eq!(
+            fp(r#"{"amount":[1250],"at":1}"#, &except),
+            fp(r#"{"amount":[1250.00],"at":2}"#, &except)
+        );
+    }
+
     #[test]
     fn parts_are_framed() {
         let a = Fingerprint::builder().text("a", "bc").finish();
@@ -305,6 +471,10 @@ mod tests {
         assert_ne!(a, b);
         assert!(Fingerprint::builder()
             .json("b", b"{nope", &JsonSelection::All)
+            .is_err());
+        // Out of a double's range: refused, not rounded to infinity.
+        assert!(Fingerprint::builder()
+            .json("b", b"[1e400]", &JsonSelection::All)
             .is_err());
     }
 }

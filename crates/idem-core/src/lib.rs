@@ -85,6 +85,7 @@ mod store;
 pub mod telemetry;
 pub mod transition;
 pub mod url;
+pub mod watch;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{Config, Failure, FailurePolicy, Idem, OnLost, Once, OnceError};
@@ -97,3 +98,4 @@ pub use record::{
     RecordState, Replay, Response,
 };
 pub use store::{Begin, BeginRequest, Stats, Store};
+pub use watch::{Watch, Watchers};

@@ -17,6 +17,7 @@ use crate::key::{RecordId, Scope};
 use crate::record::{Completion, CompletionKind, Lease, Record, RecordState, Replay};
 use crate::store::{Begin, BeginRequest, Stats, Store};
 use crate::transition::{decide_begin, BeginStep, Found};
+use crate::watch::{Watch, Watchers};
 
 mod slot;
 
@@ -123,6 +124,9 @@ struct Inner {
     hasher: RandomState,
     clock: Arc<dyn Clock>,
     usage: Usage,
+    /// Waiters for records to settle, woken in process by `complete`, `release` and `evict`
+    /// (one atomic load each while nobody waits).
+    watchers: Watchers<RecordId>,
 }
 
 /// What the store holds and may hold, over all shards. Counts change under a shard's lock,
@@ -190,6 +194,7 @@ impl MemoryStore {
                     max_records: AtomicUsize::new(capacity.records),
                     max_bytes: AtomicUsize::new(capacity.bytes),
                 },
+                watchers: Watchers::new(),
             }),
         }
     }
@@ -536,6 +541,8 @@ impl Store for MemoryStore {
             .held(hash, lease, now, usage)?
             .completed(completion, nanos(now_plus(now, retention)));
         shard.replace(hash, lease.id(), done, usage);
+        drop(shard);
+        self.inner.watchers.notify(lease.id());
         Ok(())
     }
 
@@ -546,6 +553,8 @@ impl Store for MemoryStore {
         let mut shard = self.inner.shard(hash);
         shard.held(hash, lease, now, usage)?;
         shard.remove(hash, lease.id(), usage);
+        drop(shard);
+        self.inner.watchers.notify(lease.id());
         Ok(())
     }
 
@@ -597,7 +606,14 @@ impl Store for MemoryStore {
         let mut shard = self.inner.shard(hash);
         let existed = shard.live(hash, id, now, usage).is_some();
         shard.remove(hash, id, usage);
+        drop(shard);
+        self.inner.watchers.notify(id);
         Ok(existed)
+    }
+
+    /// Notified in process: the store's own `complete`, `release` and `evict` fire it.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        Some(self.inner.watchers.watch(id.clone()))
     }
 
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {

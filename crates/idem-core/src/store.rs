@@ -9,6 +9,7 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, FencingToken, Lease, Record, Replay};
+use crate::watch::Watch;
 
 /// What `begin` asks of a store.
 #[derive(Debug, Clone)]
@@ -97,6 +98,14 @@ pub struct Stats {
 /// - **Expiry.** Records past their expiry behave as absent and must not accumulate.
 /// - **Errors.** Unreachable, timed-out or overloaded stores give [`Error::Unavailable`]
 ///   within a bounded time; undecodable records give [`Error::Corrupt`] and are left alone.
+/// - **`watch`** (optional; the default answers `None` and waiters poll). A store that can
+///   tell waiters that a record settled returns a [`Watch`] that is registered when `watch`
+///   returns: a `complete` or `release` of that record by any caller of the store (in any
+///   process) that takes effect after that should fire it within milliseconds. It may fire
+///   without a change, and may miss one when a notification is lost: the engine looks at
+///   the record again after each firing and polls at [`crate::Config::safety_poll`] anyway.
+///   `watch` writes nothing to the record and must not slow down the other methods while
+///   nobody watches.
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug {
     /// A short name for errors and metrics: `"memory"`, `"redis"`, `"postgres"`.
@@ -149,6 +158,14 @@ pub trait Store: Send + Sync + fmt::Debug {
     ///
     /// Store errors.
     async fn evict(&self, id: &RecordId) -> Result<bool, Error>;
+
+    /// Registers interest in `id` settling (see the trait's contract): `None` when the store
+    /// cannot notify (the default), or cannot now (its listener is down), and the caller
+    /// polls. Called by [`crate::Idem::begin`] when it waits for another worker's result.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        let _ = id;
+        None
+    }
 
     /// Counts live records by state, in one scope or in all (an operator's tool; it may scan
     /// and is not meant for the hot path). Leases that expired more than `stuck_after` ago

@@ -43,6 +43,7 @@ use crate::error::Error;
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, Lease, Record};
 use crate::store::{Begin, BeginRequest, Stats, Store};
+use crate::watch::Watch;
 
 /// The first 8 bytes of SHA-256 over a record's injective encoding, in hex: the same record
 /// gives the same hash in every process and every log line, and the hash does not give the
@@ -293,6 +294,18 @@ impl Store for Instrumented {
         let call = self.inner.stats(scope, stuck_after);
         self.observe("stats", scope, None, call, |_| ("ok", None))
             .await
+    }
+
+    /// Passed through, unobserved (a registration, not a store call), and bounded by the
+    /// time limit: a registration that takes longer leaves the caller polling.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        match self.timeout {
+            Some(limit) => tokio::time::timeout(limit, self.inner.watch(id))
+                .await
+                .ok()
+                .flatten(),
+            None => self.inner.watch(id).await,
+        }
     }
 }
 

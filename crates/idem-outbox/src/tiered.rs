@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, RecordState, Replay, Scope,
-    Stats, Store,
+    Stats, Store, Watch,
 };
 use idem_postgres::{map_error, PgStore};
 
@@ -42,6 +42,7 @@ pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
 ///   completion is written into Redis at once ([`TieredStore::publish`]), and in any case by
 ///   the relay ([`crate::Relay`]), at least once.
 /// - `release` and `extend` act on PostgreSQL (whose answer counts) and then on Redis.
+/// - `watch` (a waiter for another worker's result) listens to both tiers.
 ///
 /// See the [crate docs](crate) for the exact guarantee and its cost.
 #[derive(Debug, Clone)]
@@ -337,5 +338,15 @@ impl Store for TieredStore {
 
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
         self.pg.stats(scope, stuck_after).await
+    }
+
+    /// Both tiers' notifications, whichever comes first: Redis's fires when the completion
+    /// reaches Redis (`apply.lua`, right after the commit or from the relay), which is what
+    /// the waiter's next `begin` reads; PostgreSQL's fires at the commit, for a waiter
+    /// answered by PostgreSQL alone while Redis is down. `None` when neither tier notifies
+    /// (Redis Cluster, and notifications off in PostgreSQL): the waiter polls.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        let (redis, pg) = tokio::join!(self.redis.watch(id), self.pg.watch(id));
+        Watch::any(redis.into_iter().chain(pg))
     }
 }

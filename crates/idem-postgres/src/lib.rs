@@ -210,6 +210,7 @@
 
 mod error;
 mod migrate;
+pub mod notify;
 mod purge;
 mod schema;
 mod store;

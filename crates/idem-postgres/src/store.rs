@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     decode_meta, encode_meta, Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint,
-    Lease, Record, RecordId, RecordState, Replay, Scope, Stats, Store,
+    Lease, Record, RecordId, RecordState, Replay, Scope, Stats, Store, Watch,
 };
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgArguments, PgPoolOptions, PgRow};
@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use crate::error::{self, NAME};
 use crate::migrate;
+use crate::notify::{self, Notifier};
 use crate::schema::{Schema, Statements, DEFAULT_SCHEMA};
 
 /// Durations sent to the database are capped here (about 1000 years): far beyond any lease
@@ -65,6 +66,10 @@ pub struct PgStore {
     schema: Arc<Schema>,
     sql: Arc<Statements>,
     conflict_retries: u32,
+    /// Whether `complete` and `release` send a notification (see [`PgStore::with_notify`]).
+    notify: bool,
+    /// Waiters' `LISTEN` connection, shared by clones.
+    notifier: Arc<Notifier>,
 }
 
 impl fmt::Debug for PgStore {
@@ -72,6 +77,7 @@ impl fmt::Debug for PgStore {
         f.debug_struct("PgStore")
             .field("schema", &self.schema.name())
             .field("conflict_retries", &self.conflict_retries)
+            .field("notify", &self.notify)
             .field("pool", &self.pool)
             .finish()
     }
@@ -91,7 +97,28 @@ impl PgStore {
             sql: Arc::new(Statements::new(&schema)),
             schema: Arc::new(schema),
             conflict_retries: DEFAULT_CONFLICT_RETRIES,
+            notify: false,
+            notifier: Arc::new(Notifier::new()),
         }
+    }
+
+    /// Whether `complete` and `release` (and their `*_in` forms) notify waiters with
+    /// `pg_notify`, sent on commit (see [`crate::notify`]), so that a caller waiting for
+    /// another worker's result ([`idem_core::Config::wait`]) answers at once instead of at
+    /// its next poll. Default: off.
+    ///
+    /// Why off: PostgreSQL serialises the commits of notifying transactions (a
+    /// database-wide lock held from the notification's queueing until the commit is
+    /// flushed), so every completion would pay for it whether anyone waits or not. Measured
+    /// on the (loaded) 2-core benchmark machine, lifecycles at 16 callers in interleaved
+    /// runs: 421 to 549/s with it, 880 to 1,265/s without (BENCHMARKS.md, "Waiting for
+    /// the holder's result"). Turn it on when callers wait
+    /// ([`idem_core::Config::wait`]) and completions are not the bottleneck; without it
+    /// waiters poll (2 ms doubling to [`idem_core::Config::max_poll`]). The tiered store's
+    /// waiters are woken through Redis either way.
+    pub fn with_notify(mut self, notify: bool) -> Self {
+        self.notify = notify;
+        self
     }
 
     /// Keeps idem's table in `schema` instead of `idem` (one schema per application sharing
@@ -374,6 +401,12 @@ impl PgStore {
             .bind(meta)
             .bind(&completion.response.body[..])
             .bind(interval(retention))
+            .bind(self.notification(lease.id()))
+    }
+
+    /// The payload `complete.sql` and `release.sql` notify with, or NULL to send none.
+    fn notification(&self, id: &RecordId) -> Option<String> {
+        self.notify.then(|| notify::payload(self.schema.name(), id))
     }
 
     fn release_query<'q>(&'q self, lease: &'q Lease) -> Query<'q, Postgres, PgArguments> {
@@ -381,6 +414,7 @@ impl PgStore {
             .bind(lease.id().scope().as_str().as_bytes())
             .bind(lease.id().key().as_str())
             .bind(*lease.token().as_uuid())
+            .bind(self.notification(lease.id()))
     }
 }
 
@@ -474,6 +508,18 @@ impl Store for PgStore {
             Some(row) => row.try_get::<bool, _>("live").map_err(error::map),
             None => Ok(false),
         }
+    }
+
+    /// `LISTEN` on the store's own connection (see [`crate::notify`]), made on the first
+    /// wait; `None` when notifications are off or it does not listen within 3 s.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        if !self.notify {
+            return None;
+        }
+        let payload = notify::payload(self.schema.name(), id);
+        self.notifier
+            .watch(&self.pool, payload, Duration::from_secs(3))
+            .await
     }
 
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {

@@ -131,6 +131,21 @@ impl Connection {
     }
 }
 
+/// A client of its own for a one-server `url` (the waiters' subscribing connection, see
+/// `notify.rs`), trusting the same certificates; `None` for a cluster URL.
+pub(crate) fn pubsub_client(url: &str) -> Result<Option<redis::Client>, Error> {
+    let (url, ca_file) = split_ca_file(url)?;
+    if url.starts_with(CLUSTER_SCHEME) || url.starts_with(CLUSTER_TLS_SCHEME) {
+        return Ok(None);
+    }
+    let client = match ca_file {
+        Some(path) => client_with_certs(&url, read_ca(&path)?)?,
+        None => redis::Client::open(url.as_str())
+            .map_err(|e| Error::Invalid(format!("redis url: {e}")))?,
+    };
+    Ok(Some(client))
+}
+
 /// One handle on the store's connection, for the length of a call.
 pub(crate) enum Conn {
     Standalone(ConnectionManager),

@@ -177,6 +177,17 @@
 //! multiplexed on it queue behind it until the replicas answer. Users who need a guarantee
 //! make the database the arbiter (the outbox pattern).
 //!
+//! ## Waiters
+//!
+//! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken by
+//! pub/sub on one server: the channel of a record is its key, the store subscribes to it
+//! on a subscribing connection of its own (one per store, shared by its waiters, made again
+//! when lost), and `complete.lua`, `release.lua` and `apply.lua` publish on it after their
+//! write, only when `PUBSUB NUMSUB` counts a subscriber. A completion nobody waits for
+//! costs one dictionary lookup inside the script: nothing is published, replicated or
+//! written to the AOF. On Redis Cluster waiters poll (a `PUBLISH` there is broadcast to
+//! every node, and sharded pub/sub needs redis-rs's RESP3 push path, not used yet).
+//!
 //! ## Testing
 //!
 //! With the `testing` feature, the `testing` module starts throwaway `redis-server` processes (one
@@ -190,6 +201,7 @@ mod config;
 mod connection;
 mod error;
 mod key;
+mod notify;
 mod reach;
 mod scripts;
 mod stats;

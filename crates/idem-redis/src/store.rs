@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
-    Replay, Scope, Stats, Store,
+    Replay, Scope, Stats, Store, Watch,
 };
 use redis::aio::ConnectionLike;
 use redis::Value;
@@ -18,9 +18,10 @@ use tokio::time::Instant;
 
 use crate::codec::{self, Head};
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
-use crate::connection::{Conn, Connection, CLUSTER_SCHEME};
+use crate::connection::{pubsub_client, Conn, Connection, CLUSTER_SCHEME};
 use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
 use crate::key;
+use crate::notify::Notifier;
 use crate::scripts;
 use crate::STORE;
 
@@ -96,6 +97,8 @@ struct Inner {
     config: RedisConfig,
     /// Set once the eviction policy was checked and found acceptable (or warned about).
     checked: OnceCell<()>,
+    /// Waiters' pub/sub on one server; `None` on a cluster, whose waiters poll.
+    notifier: Option<Arc<Notifier>>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -212,11 +215,14 @@ impl RedisStoreBuilder {
             return Err(Error::Invalid("redis timeouts must not be zero".into()));
         }
         let connection = Connection::open(&self.url, &config)?;
+        let notifier = pubsub_client(&self.url)?
+            .map(|client| Notifier::start(client, config.response_timeout));
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
                 config,
                 checked: OnceCell::new(),
+                notifier,
             }),
         })
     }
@@ -773,6 +779,13 @@ impl Store for RedisStore {
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
         let key = self.record_key(id);
         call!(self, |conn, _resent| evict_once(conn, &key).await)
+    }
+
+    /// Pub/sub on one server (see the [crate docs](crate#waiters)): the waiter subscribes to
+    /// the record's channel on the store's subscribing connection. `None` on a cluster.
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        let notifier = self.inner.notifier.as_ref()?;
+        notifier.watch(self.record_key(id)).await
     }
 
     /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and

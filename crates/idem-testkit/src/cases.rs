@@ -564,3 +564,107 @@ pub async fn stats_count_by_state(store: Arc<dyn Store>) {
         "stats over every scope missed some: {all:?}"
     );
 }
+
+/// How soon after a completion a notified waiter must answer. A poll would take the
+/// safety-net interval ([`NOTIFY_SAFETY_POLL`]), far longer.
+pub const NOTIFIED_WITHIN: Duration = Duration::from_millis(25);
+/// The safety-net poll of [`waiter_is_notified`]: long, so that only a notification can
+/// answer the waiter within [`NOTIFIED_WITHIN`].
+pub const NOTIFY_SAFETY_POLL: Duration = Duration::from_secs(2);
+/// Rounds of [`waiter_is_notified`]; one in time is enough.
+pub const NOTIFY_ROUNDS: usize = 3;
+
+/// For stores that notify ([`Store::watch`]): a caller waiting for the holder's result
+/// ([`idem_core::Config::wait`]) answers within [`NOTIFIED_WITHIN`] of the holder's
+/// completion (a replay: a read), and within [`NOTIFIED_WITHIN`] plus what an acquisition
+/// took on this store just before of the holder's release (the answer is an acquisition:
+/// a write, which on PostgreSQL waits for a WAL flush), while its safety-net poll is
+/// [`NOTIFY_SAFETY_POLL`].
+///
+/// Each is tried in up to [`NOTIFY_ROUNDS`] rounds and passes when one round is in time: a
+/// loaded machine can stall any one store call by tens of milliseconds, while a store
+/// whose notifications do not arrive answers every round a poll later, over a second late.
+pub async fn waiter_is_notified(store: Arc<dyn Store>) {
+    use idem_core::{Config, Idem};
+
+    let idem = Idem::from_arc(store.clone()).with_config(
+        Config::default()
+            .with_wait(Duration::from_secs(20))
+            .with_safety_poll(NOTIFY_SAFETY_POLL)
+            .with_max_poll(NOTIFY_SAFETY_POLL),
+    );
+    let scope = scope();
+    // Open a few of the store's connections first (a pool opens them on demand), so that
+    // the timing below is the notification's, not a connect's.
+    let warm = id(&scope, "warm-up");
+    let gets: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, warm) = (store.clone(), warm.clone());
+            tokio::spawn(async move { store.get(&warm).await })
+        })
+        .collect();
+    for get in gets {
+        get.await.expect("warm-up task").expect("warm-up get");
+    }
+    for settle in ["complete", "release"] {
+        let mut rounds = Vec::new();
+        for round in 0..NOTIFY_ROUNDS {
+            let (late, allowed) = notified_round(&store, &idem, &scope, settle, round).await;
+            if late < allowed {
+                break;
+            }
+            rounds.push((late, allowed));
+        }
+        assert!(
+            rounds.len() < NOTIFY_ROUNDS,
+            "{settle}: in every round the waiter answered too long after it (answered after, \
+             allowed): {rounds:?}: not notified"
+        );
+    }
+}
+
+/// One round of [`waiter_is_notified`]: how long after the holder's settle the waiter
+/// answered, and how long it may take.
+async fn notified_round(
+    store: &Arc<dyn Store>,
+    idem: &idem_core::Idem,
+    scope: &Scope,
+    settle: &str,
+    round: usize,
+) -> (Duration, Duration) {
+    let id = id(scope, &format!("notified-{settle}-{round}"));
+    let started = Instant::now();
+    let lease = acquired(begin(&**store, &id, fp("n"), LONG).await);
+    let acquisition = started.elapsed();
+    let waiter = {
+        let (idem, id) = (idem.clone(), id.clone());
+        tokio::spawn(async move {
+            let answer = idem.begin(&id, fp("n")).await.expect("waiting begin");
+            (answer, Instant::now())
+        })
+    };
+    // Let the waiter find the key in flight and register its watch.
+    sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "{settle}: the waiter did not wait");
+    match settle {
+        "complete" => store
+            .complete(&lease, &ok_response("done"), KEEP)
+            .await
+            .expect("complete"),
+        _ => store.release(&lease).await.expect("release"),
+    }
+    let settled = Instant::now();
+    let (answer, answered) = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter answers")
+        .expect("the waiter task");
+    let allowed = match (&answer, settle) {
+        (Begin::Replay(replay), "complete") => {
+            assert_eq!(replay.completion.response.body, Bytes::from_static(b"done"));
+            NOTIFIED_WITHIN
+        }
+        (Begin::Acquired(_), "release") => NOTIFIED_WITHIN + acquisition,
+        other => panic!("{settle}: unexpected answer {other:?}"),
+    };
+    (answered.saturating_duration_since(settled), allowed)
+}

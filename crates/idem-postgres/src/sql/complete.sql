@@ -1,7 +1,8 @@
 -- complete: store the outcome and end the lease, if the lease still holds the record.
 --
 -- $1 scope (bytea), $2 key (text), $3 token (uuid), $4 meta (bytea, idem_core::encode_meta),
--- $5 body (bytea), $6 retention (interval).
+-- $5 body (bytea), $6 retention (interval),
+-- $7 notification payload (text, or NULL to notify nobody).
 --
 -- Affects one row when the record was in progress under $3 and not expired; none otherwise
 -- (the lease was lost, and nothing changed). The guard on the token is evaluated on the
@@ -16,3 +17,5 @@ SET token = NULL,
     expires_at = clock.now + $6::interval
 FROM (SELECT clock_timestamp() AS now) AS clock
 WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.expires_at > clock.now
+-- Waiters (crates/idem-postgres/src/notify.rs): for the changed row only, sent on commit.
+RETURNING (SELECT pg_notify('idem_settled', $7) WHERE $7 IS NOT NULL) IS NULL AS silent
