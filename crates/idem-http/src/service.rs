@@ -27,7 +27,7 @@ use tracing::Instrument;
 use crate::body::{Broken, Buffered, Prefixed, RequestBody, ResponseBody};
 use crate::config::{Anonymous, Config, MissingKey, Unstored};
 use crate::error::{self, Problem};
-use crate::future::{CatchUnwind, Panic, ResponseFuture};
+use crate::future::{CatchUnwind, Detach, Panic, ResponseFuture};
 use crate::handle::LeaseHandle;
 use crate::layer::Shared;
 use crate::outcome::{IdempotencyInfo, Outcome};
@@ -122,13 +122,14 @@ where
 }
 
 /// One request, start to end, in four named steps: **admit** (key, principal, body,
-/// fingerprint; on the response future), then on a task of its own **decide** (the
-/// store's `begin`), **run** (the handler, its lease renewed) and **store** (its outcome).
+/// fingerprint), then **decide** (the store's `begin`), **run** (the handler, its lease
+/// renewed) and **store** (its outcome).
 ///
-/// Everything from `begin` on runs on a spawned task that the response future awaits: a
-/// client that goes away drops the response future, not the work. Once a lease is taken,
-/// the handler and the storing of its outcome run to their end, so a retry gets the
-/// stored response rather than a lease held for nothing.
+/// Everything from `begin` on outlives the response future: it is polled in place while
+/// the response is awaited, and moved to a task of its own if the response future is
+/// dropped first ([`Detach`]). A client that goes away drops the response future, not the
+/// work. Once a lease is taken, the handler and the storing of its outcome run to their
+/// end, so a retry gets the stored response rather than a lease held for nothing.
 async fn handle<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     inner: S,
@@ -151,20 +152,8 @@ where
         Admission::Pass(req) => return pass(inner, req).await,
         Admission::Refuse(response) => return Ok(response),
     };
-    let task =
-        tokio::spawn(guard(shared.clone(), inner, admitted).instrument(tracing::Span::current()));
-    match task.await {
-        Ok(out) => out,
-        // The handler's panic, after its key was released: resumed here as it would have
-        // been without the task.
-        Err(e) if e.is_panic() => resume_unwind(e.into_panic()),
-        // The runtime is shutting down under the task: whether the work ran is unknown.
-        Err(_) => Ok(refuse(
-            &shared,
-            Outcome::StoreError,
-            not_recorded(&shared.config),
-        )),
-    }
+    // From here the work runs to its end even if this future is dropped (see `Detach`).
+    Detach::new(guard(shared, inner, admitted)).await
 }
 
 /// A guarded request that passed admission: its record, its fingerprint, and the request
@@ -247,8 +236,11 @@ where
     };
     let id = RecordId::new(scope, key);
     let span = tracing::Span::current();
-    span.record("scope", tracing::field::display(id.scope()));
-    span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
+    // Hashing the key costs a SHA-256: only for a span that is recorded.
+    if !span.is_disabled() {
+        span.record("scope", tracing::field::display(id.scope()));
+        span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
+    }
     let fingerprint = fingerprint(config, &parts, &bytes);
     Admission::Guard(Admitted {
         id,
@@ -257,7 +249,7 @@ where
     })
 }
 
-/// Steps 2 to 4 on the spawned task: decide, run, store.
+/// Steps 2 to 4 as work that outlives the response future: decide, run, store.
 async fn guard<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     mut inner: S,
@@ -740,7 +732,7 @@ async fn keep(
     bytes: Bytes,
 ) -> Kept {
     let config = &shared.config;
-    let stored = config.to_stored(parts.status, &parts.headers, bytes);
+    let stored = config.to_stored(parts.status, &parts.headers, bytes.clone());
     if let Some(committed) = handle.committed_response() {
         // The handler completed the record in its own transaction: nothing to store.
         if committed != stored {
@@ -758,24 +750,30 @@ async fn keep(
         shared.observe(Outcome::NotStored);
         return Kept::Unstored;
     }
-    let kept = match shared.idem.complete(&lease, stored.clone()).await {
+    let kept = match shared.idem.complete(&lease, stored).await {
         Ok(()) => Kept::Stored,
-        // The record already holds this very response: the handler completed it in its
-        // transaction without saying so.
-        Err(Error::LeaseLost) if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
-        Err(Error::LeaseLost) => {
-            // Another request took the key over after this lease expired (or an operator
-            // evicted it): nothing of ours can be stored, and this response is the truth
-            // for this request.
-            tracing::warn!("lease lost before the response was stored");
-            Kept::Unstored
-        }
         Err(e) => {
-            tracing::warn!(error = %e, "storing the response failed; retrying");
-            if store_later(shared, lease, stored).await {
-                Kept::Stored
-            } else {
-                Kept::Unrecorded
+            // Built again rather than cloned up front: only a failed write needs it twice.
+            let stored = config.to_stored(parts.status, &parts.headers, bytes);
+            match e {
+                // The record already holds this very response: the handler completed it
+                // in its transaction without saying so.
+                Error::LeaseLost if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
+                Error::LeaseLost => {
+                    // Another request took the key over after this lease expired (or an
+                    // operator evicted it): nothing of ours can be stored, and this
+                    // response is the truth for this request.
+                    tracing::warn!("lease lost before the response was stored");
+                    Kept::Unstored
+                }
+                e => {
+                    tracing::warn!(error = %e, "storing the response failed; retrying");
+                    if store_later(shared, lease, stored).await {
+                        Kept::Stored
+                    } else {
+                        Kept::Unrecorded
+                    }
+                }
             }
         }
     };
