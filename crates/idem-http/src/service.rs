@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Either, Full};
 use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, OnLost, Record,
@@ -24,7 +24,7 @@ use tower_service::Service;
 use tracing::field::Empty;
 use tracing::Instrument;
 
-use crate::body::{Broken, Buffered, Prefixed, RequestBody, ResponseBody};
+use crate::body::{Broken, Chunks, Prefixed, RequestBody, ResponseBody};
 use crate::config::{Anonymous, Config, MissingKey, Unstored};
 use crate::error::{self, Problem};
 use crate::future::{CatchUnwind, Detach, Panic, ResponseFuture};
@@ -435,16 +435,31 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
-        Err(e) => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            error::KIND_BODY_UNREADABLE,
-            "Request body unreadable",
-            format!("the request body could not be read: {e}"),
-        )),
+    let mut body = std::pin::pin!(body);
+    let mut read = Chunks::default();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                // Trailers of a request are not part of what it asks for.
+                if let Ok(data) = frame.into_data() {
+                    if read.len().saturating_add(data.len()) > limit {
+                        return Err(too_large());
+                    }
+                    read.push(data);
+                }
+            }
+            Err(e) => {
+                let e: BoxError = e.into();
+                return Err(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    error::KIND_BODY_UNREADABLE,
+                    "Request body unreadable",
+                    format!("the request body could not be read: {e}"),
+                ));
+            }
+        }
     }
+    Ok(read.into_bytes())
 }
 
 /// The fingerprint: method, path with query, the configured headers, and the body (in
@@ -665,7 +680,7 @@ where
                 Kept::Unstored => {}
                 Kept::Unrecorded => return not_recorded(config).into_response(),
             }
-            Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
+            Response::from_parts(parts, ResponseBody::buffered(bytes, trailers))
         }
     }
 }
@@ -687,19 +702,19 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = Box::pin(body);
-    let mut buf = BytesMut::new();
+    let mut read = Chunks::default();
     let mut trailers = None;
     if body.size_hint().lower() > limit as u64 {
-        return Buffer::Oversize(buf.freeze(), body);
+        return Buffer::Oversize(read.into_bytes(), body);
     }
     loop {
         match body.frame().await {
-            None => return Buffer::Whole(buf.freeze(), trailers),
+            None => return Buffer::Whole(read.into_bytes(), trailers),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
-                    buf.extend_from_slice(&data);
-                    if buf.len() > limit {
-                        return Buffer::Oversize(buf.freeze(), body);
+                    read.push(data);
+                    if read.len() > limit {
+                        return Buffer::Oversize(read.into_bytes(), body);
                     }
                 }
                 Err(frame) => {
@@ -708,7 +723,7 @@ where
                     }
                 }
             },
-            Some(Err(e)) => return Buffer::Broken(buf.freeze(), e.into()),
+            Some(Err(e)) => return Buffer::Broken(read.into_bytes(), e.into()),
         }
     }
 }
