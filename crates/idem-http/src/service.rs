@@ -1,11 +1,12 @@
 //! [`IdempotencyService`]: the request path of the layer.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
@@ -812,10 +813,37 @@ fn not_recorded(config: &Config) -> Problem {
     .retry_after(config.store_retry_after)
 }
 
-/// Sets `Idempotency-Expires` to the HTTP date `retention` from now.
+/// Sets `Idempotency-Expires` to the HTTP date `retention` from now; none when that date
+/// cannot be written (past the year 9999).
 fn insert_expires(headers: &mut HeaderMap, retention: Duration) {
-    let expires = SystemTime::now() + retention;
-    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
+    thread_local! {
+        /// The last date this thread wrote, by its second since the epoch: the responses of
+        /// one second share it, and formatting a date costs more than the rest of a replay's
+        /// headers.
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    /// 10000-01-01T00:00:00Z: HTTP dates have four-digit years.
+    const YEAR_10000: u64 = 253_402_300_800;
+    let Some(expires) = SystemTime::now().checked_add(retention) else {
+        return;
+    };
+    let Ok(since_epoch) = expires.duration_since(UNIX_EPOCH) else {
+        return;
+    };
+    let second = since_epoch.as_secs();
+    if second >= YEAR_10000 {
+        return;
+    }
+    let value = LAST.with_borrow_mut(|last| match last {
+        Some((at, value)) if *at == second => Some(value.clone()),
+        _ => {
+            let date = UNIX_EPOCH + Duration::from_secs(second);
+            let value = HeaderValue::from_str(&httpdate::fmt_http_date(date)).ok()?;
+            *last = Some((second, value.clone()));
+            Some(value)
+        }
+    });
+    if let Some(value) = value {
         headers.insert(EXPIRES, value);
     }
 }
@@ -942,6 +970,28 @@ mod tests {
         // Malformed JSON under a JSON content type still fingerprints, by its bytes.
         let p = parts("POST", "/p", &json);
         assert_ne!(fp(&p, "{nope"), fp(&p, "{nope "));
+    }
+
+    #[test]
+    fn the_expiry_header_is_the_date_retention_from_now_and_never_a_panic() {
+        let expires = |retention| {
+            let mut headers = HeaderMap::new();
+            insert_expires(&mut headers, retention);
+            headers.get(EXPIRES).map(|v| v.to_str().unwrap().to_owned())
+        };
+        for retention in [Duration::from_secs(3600), Duration::from_secs(86_400 * 400)] {
+            let before = SystemTime::now();
+            // Twice: the second comes from the thread's cache (or a new second's date).
+            for _ in 0..2 {
+                let date = httpdate::parse_http_date(&expires(retention).unwrap()).unwrap();
+                let after = SystemTime::now();
+                // HTTP dates are whole seconds: rounded down.
+                assert!(date + Duration::from_secs(1) > before + retention);
+                assert!(date <= after + retention);
+            }
+        }
+        assert_eq!(expires(Duration::MAX), None);
+        assert_eq!(expires(Duration::from_secs(300 * 365 * 86_400 * 100)), None);
     }
 
     #[test]
