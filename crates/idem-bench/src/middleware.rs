@@ -1,7 +1,12 @@
 //! The middleware over loopback HTTP: a trivial axum handler served bare and behind
 //! `IdempotencyLayer` on the in-memory store, driven by a hyper client in this process.
+//!
+//! Besides requests/s, each phase's CPU time per request (the whole process: client,
+//! server and runtime) is printed to stderr: on a machine shared with other work,
+//! requests/s moves with the other load, CPU time per request much less.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::routing::post;
@@ -124,33 +129,55 @@ pub async fn run(n: usize, concurrency: usize) -> Result<Vec<PhaseReport>, Strin
     )
     .await?;
     let mut rounds: [Vec<PhaseReport>; 3] = Default::default();
+    let mut cpu: [Vec<Duration>; 3] = Default::default();
     for round in 0..ROUNDS {
         let keys = format!("k{round}");
-        rounds[0].push(hammer("http bare", &client, &bare, "bare", n, concurrency).await?);
-        rounds[1].push(
-            hammer(
-                "http layer new keys",
-                &client,
-                &guarded,
-                &keys,
-                n,
-                concurrency,
-            )
-            .await?,
-        );
-        rounds[2].push(
-            hammer(
-                "http layer replays",
-                &client,
-                &guarded,
-                &keys,
-                n,
-                concurrency,
-            )
-            .await?,
+        let phases = [
+            ("http bare", &bare, "bare"),
+            ("http layer new keys", &guarded, &*keys),
+            ("http layer replays", &guarded, &*keys),
+        ];
+        for (i, (name, url, keys)) in phases.into_iter().enumerate() {
+            let before = process_cpu();
+            rounds[i].push(hammer(name, &client, url, keys, n, concurrency).await?);
+            if let (Some(before), Some(after)) = (before, process_cpu()) {
+                cpu[i].push((after.saturating_sub(before)) / n.max(1) as u32);
+            }
+        }
+    }
+    if cpu.iter().all(|c| c.len() == ROUNDS) {
+        let [bare, new, replays] = cpu.map(|mut c| {
+            c.sort_unstable();
+            c[c.len() / 2]
+        });
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let ratio = |d: Duration| bare.as_secs_f64() / d.as_secs_f64().max(f64::EPSILON);
+        eprintln!(
+            "idem-bench: http CPU per request (client and server, median round): bare {:.1} µs, \
+             layer new keys {:.1} µs ({:.3} of bare's requests per CPU second), \
+             replays {:.1} µs ({:.3})",
+            us(bare),
+            us(new),
+            ratio(new),
+            us(replays),
+            ratio(replays),
         );
     }
     Ok(rounds.into_iter().map(median).collect())
+}
+
+/// The CPU time this process has used (user and system, every thread), from
+/// `/proc/self/stat`; `None` where that is not available.
+fn process_cpu() -> Option<Duration> {
+    // Linux's USER_HZ: 100 on every architecture it exports to user space.
+    const TICK: Duration = Duration::from_millis(10);
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces: count fields after its closing `)`.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u32 = fields.next()?.parse().ok()?;
+    let stime: u32 = fields.next()?.parse().ok()?;
+    Some(TICK * utime.checked_add(stime)?)
 }
 
 /// The report of median throughput.

@@ -1,18 +1,19 @@
 //! [`IdempotencyService`]: the request path of the layer.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Either, Full};
 use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BoxError, Error, Fingerprint, FingerprintBuilder, Idem, Key, Lease, OnLost, Record,
@@ -24,10 +25,10 @@ use tower_service::Service;
 use tracing::field::Empty;
 use tracing::Instrument;
 
-use crate::body::{Broken, Buffered, Prefixed, RequestBody, ResponseBody};
+use crate::body::{Broken, Chunks, Prefixed, RequestBody, ResponseBody};
 use crate::config::{Anonymous, Config, MissingKey, Unstored};
 use crate::error::{self, Problem};
-use crate::future::{CatchUnwind, Panic, ResponseFuture};
+use crate::future::{CatchUnwind, Detach, Panic, ResponseFuture};
 use crate::handle::LeaseHandle;
 use crate::layer::Shared;
 use crate::outcome::{IdempotencyInfo, Outcome};
@@ -122,13 +123,14 @@ where
 }
 
 /// One request, start to end, in four named steps: **admit** (key, principal, body,
-/// fingerprint; on the response future), then on a task of its own **decide** (the
-/// store's `begin`), **run** (the handler, its lease renewed) and **store** (its outcome).
+/// fingerprint), then **decide** (the store's `begin`), **run** (the handler, its lease
+/// renewed) and **store** (its outcome).
 ///
-/// Everything from `begin` on runs on a spawned task that the response future awaits: a
-/// client that goes away drops the response future, not the work. Once a lease is taken,
-/// the handler and the storing of its outcome run to their end, so a retry gets the
-/// stored response rather than a lease held for nothing.
+/// Everything from `begin` on outlives the response future: it is polled in place while
+/// the response is awaited, and moved to a task of its own if the response future is
+/// dropped first ([`Detach`]). A client that goes away drops the response future, not the
+/// work. Once a lease is taken, the handler and the storing of its outcome run to their
+/// end, so a retry gets the stored response rather than a lease held for nothing.
 async fn handle<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     inner: S,
@@ -151,20 +153,8 @@ where
         Admission::Pass(req) => return pass(inner, req).await,
         Admission::Refuse(response) => return Ok(response),
     };
-    let task =
-        tokio::spawn(guard(shared.clone(), inner, admitted).instrument(tracing::Span::current()));
-    match task.await {
-        Ok(out) => out,
-        // The handler's panic, after its key was released: resumed here as it would have
-        // been without the task.
-        Err(e) if e.is_panic() => resume_unwind(e.into_panic()),
-        // The runtime is shutting down under the task: whether the work ran is unknown.
-        Err(_) => Ok(refuse(
-            &shared,
-            Outcome::StoreError,
-            not_recorded(&shared.config),
-        )),
-    }
+    // From here the work runs to its end even if this future is dropped (see `Detach`).
+    Detach::new(guard(shared, inner, admitted)).await
 }
 
 /// A guarded request that passed admission: its record, its fingerprint, and the request
@@ -247,8 +237,11 @@ where
     };
     let id = RecordId::new(scope, key);
     let span = tracing::Span::current();
-    span.record("scope", tracing::field::display(id.scope()));
-    span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
+    // Hashing the key costs a SHA-256: only for a span that is recorded.
+    if !span.is_disabled() {
+        span.record("scope", tracing::field::display(id.scope()));
+        span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
+    }
     let fingerprint = fingerprint(config, &parts, &bytes);
     Admission::Guard(Admitted {
         id,
@@ -257,7 +250,7 @@ where
     })
 }
 
-/// Steps 2 to 4 on the spawned task: decide, run, store.
+/// Steps 2 to 4 as work that outlives the response future: decide, run, store.
 async fn guard<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     mut inner: S,
@@ -443,16 +436,31 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
-        Err(e) => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            error::KIND_BODY_UNREADABLE,
-            "Request body unreadable",
-            format!("the request body could not be read: {e}"),
-        )),
+    let mut body = std::pin::pin!(body);
+    let mut read = Chunks::default();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                // Trailers of a request are not part of what it asks for.
+                if let Ok(data) = frame.into_data() {
+                    if read.len().saturating_add(data.len()) > limit {
+                        return Err(too_large());
+                    }
+                    read.push(data);
+                }
+            }
+            Err(e) => {
+                let e: BoxError = e.into();
+                return Err(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    error::KIND_BODY_UNREADABLE,
+                    "Request body unreadable",
+                    format!("the request body could not be read: {e}"),
+                ));
+            }
+        }
     }
+    Ok(read.into_bytes())
 }
 
 /// The fingerprint: method, path with query, the configured headers, and the body (in
@@ -673,7 +681,7 @@ where
                 Kept::Unstored => {}
                 Kept::Unrecorded => return not_recorded(config).into_response(),
             }
-            Response::from_parts(parts, ResponseBody::new(Buffered::new(bytes, trailers)))
+            Response::from_parts(parts, ResponseBody::buffered(bytes, trailers))
         }
     }
 }
@@ -695,19 +703,19 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = Box::pin(body);
-    let mut buf = BytesMut::new();
+    let mut read = Chunks::default();
     let mut trailers = None;
     if body.size_hint().lower() > limit as u64 {
-        return Buffer::Oversize(buf.freeze(), body);
+        return Buffer::Oversize(read.into_bytes(), body);
     }
     loop {
         match body.frame().await {
-            None => return Buffer::Whole(buf.freeze(), trailers),
+            None => return Buffer::Whole(read.into_bytes(), trailers),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
-                    buf.extend_from_slice(&data);
-                    if buf.len() > limit {
-                        return Buffer::Oversize(buf.freeze(), body);
+                    read.push(data);
+                    if read.len() > limit {
+                        return Buffer::Oversize(read.into_bytes(), body);
                     }
                 }
                 Err(frame) => {
@@ -716,7 +724,7 @@ where
                     }
                 }
             },
-            Some(Err(e)) => return Buffer::Broken(buf.freeze(), e.into()),
+            Some(Err(e)) => return Buffer::Broken(read.into_bytes(), e.into()),
         }
     }
 }
@@ -740,7 +748,7 @@ async fn keep(
     bytes: Bytes,
 ) -> Kept {
     let config = &shared.config;
-    let stored = config.to_stored(parts.status, &parts.headers, bytes);
+    let stored = config.to_stored(parts.status, &parts.headers, bytes.clone());
     if let Some(committed) = handle.committed_response() {
         // The handler completed the record in its own transaction: nothing to store.
         if committed != stored {
@@ -758,24 +766,30 @@ async fn keep(
         shared.observe(Outcome::NotStored);
         return Kept::Unstored;
     }
-    let kept = match shared.idem.complete(&lease, stored.clone()).await {
+    let kept = match shared.idem.complete(&lease, stored).await {
         Ok(()) => Kept::Stored,
-        // The record already holds this very response: the handler completed it in its
-        // transaction without saying so.
-        Err(Error::LeaseLost) if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
-        Err(Error::LeaseLost) => {
-            // Another request took the key over after this lease expired (or an operator
-            // evicted it): nothing of ours can be stored, and this response is the truth
-            // for this request.
-            tracing::warn!("lease lost before the response was stored");
-            Kept::Unstored
-        }
         Err(e) => {
-            tracing::warn!(error = %e, "storing the response failed; retrying");
-            if store_later(shared, lease, stored).await {
-                Kept::Stored
-            } else {
-                Kept::Unrecorded
+            // Built again rather than cloned up front: only a failed write needs it twice.
+            let stored = config.to_stored(parts.status, &parts.headers, bytes);
+            match e {
+                // The record already holds this very response: the handler completed it
+                // in its transaction without saying so.
+                Error::LeaseLost if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
+                Error::LeaseLost => {
+                    // Another request took the key over after this lease expired (or an
+                    // operator evicted it): nothing of ours can be stored, and this
+                    // response is the truth for this request.
+                    tracing::warn!("lease lost before the response was stored");
+                    Kept::Unstored
+                }
+                e => {
+                    tracing::warn!(error = %e, "storing the response failed; retrying");
+                    if store_later(shared, lease, stored).await {
+                        Kept::Stored
+                    } else {
+                        Kept::Unrecorded
+                    }
+                }
             }
         }
     };
@@ -799,10 +813,37 @@ fn not_recorded(config: &Config) -> Problem {
     .retry_after(config.store_retry_after)
 }
 
-/// Sets `Idempotency-Expires` to the HTTP date `retention` from now.
+/// Sets `Idempotency-Expires` to the HTTP date `retention` from now; none when that date
+/// cannot be written (past the year 9999).
 fn insert_expires(headers: &mut HeaderMap, retention: Duration) {
-    let expires = SystemTime::now() + retention;
-    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
+    thread_local! {
+        /// The last date this thread wrote, by its second since the epoch: the responses of
+        /// one second share it, and formatting a date costs more than the rest of a replay's
+        /// headers.
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    /// 10000-01-01T00:00:00Z: HTTP dates have four-digit years.
+    const YEAR_10000: u64 = 253_402_300_800;
+    let Some(expires) = SystemTime::now().checked_add(retention) else {
+        return;
+    };
+    let Ok(since_epoch) = expires.duration_since(UNIX_EPOCH) else {
+        return;
+    };
+    let second = since_epoch.as_secs();
+    if second >= YEAR_10000 {
+        return;
+    }
+    let value = LAST.with_borrow_mut(|last| match last {
+        Some((at, value)) if *at == second => Some(value.clone()),
+        _ => {
+            let date = UNIX_EPOCH + Duration::from_secs(second);
+            let value = HeaderValue::from_str(&httpdate::fmt_http_date(date)).ok()?;
+            *last = Some((second, value.clone()));
+            Some(value)
+        }
+    });
+    if let Some(value) = value {
         headers.insert(EXPIRES, value);
     }
 }
@@ -929,6 +970,28 @@ mod tests {
         // Malformed JSON under a JSON content type still fingerprints, by its bytes.
         let p = parts("POST", "/p", &json);
         assert_ne!(fp(&p, "{nope"), fp(&p, "{nope "));
+    }
+
+    #[test]
+    fn the_expiry_header_is_the_date_retention_from_now_and_never_a_panic() {
+        let expires = |retention| {
+            let mut headers = HeaderMap::new();
+            insert_expires(&mut headers, retention);
+            headers.get(EXPIRES).map(|v| v.to_str().unwrap().to_owned())
+        };
+        for retention in [Duration::from_secs(3600), Duration::from_secs(86_400 * 400)] {
+            let before = SystemTime::now();
+            // Twice: the second comes from the thread's cache (or a new second's date).
+            for _ in 0..2 {
+                let date = httpdate::parse_http_date(&expires(retention).unwrap()).unwrap();
+                let after = SystemTime::now();
+                // HTTP dates are whole seconds: rounded down.
+                assert!(date + Duration::from_secs(1) > before + retention);
+                assert!(date <= after + retention);
+            }
+        }
+        assert_eq!(expires(Duration::MAX), None);
+        assert_eq!(expires(Duration::from_secs(300 * 365 * 86_400 * 100)), None);
     }
 
     #[test]
