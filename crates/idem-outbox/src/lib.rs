@@ -56,8 +56,10 @@
 //! `IDEM_RELAY_LOG`. The former `IDEM_DATABASE_URL` and `IDEM_REDIS_URL` (`--database-url`,
 //! `--redis-url`, `--redis-prefix`) still work, with a warning. `--prefix` must match the
 //! application's [`idem_redis::RedisConfig::prefix`]. Redis unreachable at start does not
-//! stop `run`: it logs so, keeps the rows pending and relays once Redis answers. `run`
-//! applies idem's migrations first (safe while other instances do the same). Exit codes: 0
+//! stop `run`: it logs so, keeps the rows pending and relays once Redis answers. `run
+//! --migrate` applies idem's and the outbox's migrations first (safe while other instances
+//! do the same); without it, a schema that lacks them stops `run` with a message naming
+//! `idem migrate`. Exit codes: 0
 //! on success and on a clean stop, 2 on bad input, 3 on a store or I/O error at start (once
 //! running, the worker logs errors and retries instead of exiting).
 //!

@@ -201,7 +201,7 @@ mod relay {
         /// `idem-relay run` on this environment, standard output piped.
         fn spawn_relay_process(&self, extra: &[&str]) -> Child {
             Command::new(env!("CARGO_BIN_EXE_idem-relay"))
-                .arg("run")
+                .args(["run", "--migrate"])
                 .args(["--database-url", &self.db_url])
                 .args(["--schema", self.pg.schema()])
                 .args(["--redis-url", &self.redis_url])

@@ -226,3 +226,40 @@ async fn dead_letter_commands_read_the_shared_variables_and_warn_on_the_old() {
     assert!(err.contains("IDEM_STORE"), "{err}");
     drop_schema(&pg).await;
 }
+
+/// Without `--migrate`, `idem-relay run` on a database lacking idem's tables stops, says to
+/// run `idem migrate`, and creates nothing: only `idem migrate` and explicit flags change a
+/// schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_without_migrate_changes_no_schema() {
+    let Some(db_url) = harness::database_url() else {
+        return;
+    };
+    let schema = harness::unique_name("idem_relay_nomig_");
+    let out = std::process::Command::new(RELAY)
+        .args(["run", "--schema", &schema, "--log", "warn"])
+        // No Redis listens on port 1: the relay would start without it, so only the schema
+        // check can stop it.
+        .env("IDEM_STORE", format!("tiered:redis://127.0.0.1:1|{db_url}"))
+        .env_remove("IDEM_DATABASE_URL")
+        .env_remove("IDEM_REDIS_URL")
+        .env_remove("IDEM_SCHEMA")
+        .env_remove("IDEM_PREFIX")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("run `idem migrate"), "{err}");
+    let pool = sqlx::PgPool::connect(&db_url).await.unwrap();
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(&schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        !exists,
+        "idem-relay run created schema {schema} without --migrate"
+    );
+}

@@ -35,7 +35,8 @@ mod tls {
         let redis = |ca: &str| format!("rediss://localhost:{tls_port}/?tls_ca_file={ca}");
         let relay = |database: String, redis: String| {
             Command::new(env!("CARGO_BIN_EXE_idem-relay"))
-                .args(["run", "--database-url", &database, "--redis-url", &redis])
+                .args(["run", "--migrate", "--database-url", &database])
+                .args(["--redis-url", &redis])
                 .args(["--metrics-listen", "127.0.0.1:0", "--log", "warn"])
                 .env_remove("RUST_LOG")
                 .stdin(Stdio::null())

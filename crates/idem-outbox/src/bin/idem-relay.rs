@@ -148,6 +148,11 @@ impl StoreArgs {
 struct RunArgs {
     #[command(flatten)]
     stores: StoreArgs,
+    /// Apply idem's and the outbox's migrations at start (safe while other instances do
+    /// too); without it, a database without them is an error that says to run
+    /// `idem migrate`.
+    #[arg(long)]
+    migrate: bool,
     /// Outbox rows per transaction.
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
@@ -335,8 +340,22 @@ async fn run(args: RunArgs) -> Result<(), Failure> {
     // Redis first: a bad URL is found before anything is written to the database.
     let redis = redis_store(redis_url, args.stores.prefix.as_ref()).await?;
     let pg = pg_store(&urls.postgres, &args.stores.schema).await?;
-    // Safe while other instances migrate too.
-    idem_outbox::migrate(&pg).await?;
+    if args.migrate {
+        // Safe while other instances migrate too.
+        idem_outbox::migrate(&pg).await?;
+    } else {
+        let mut pending = pg.pending_migrations().await?;
+        pending.extend(pg.pending_migrations_with(idem_outbox::migrator()).await?);
+        if !pending.is_empty() {
+            return Err(Failure::Store(format!(
+                "schema {:?} lacks migrations {pending:?}: run `idem migrate --store \
+                 tiered:REDIS_URL|POSTGRES_URL --schema {}` first, or start the relay with \
+                 --migrate",
+                pg.schema(),
+                pg.schema()
+            )));
+        }
+    }
     let config = RelayConfig::default()
         .with_batch(args.batch)
         .with_poll_interval(Duration::from_millis(args.poll_ms))
