@@ -236,7 +236,7 @@ async fn run_without_migrate_changes_no_schema() {
         return;
     };
     let schema = harness::unique_name("idem_relay_nomig_");
-    let out = std::process::Command::new(RELAY)
+    let relay = tokio::process::Command::new(RELAY)
         .args(["run", "--schema", &schema, "--log", "warn"])
         // No Redis listens on port 1: the relay would start without it, so only the schema
         // check can stop it.
@@ -246,8 +246,16 @@ async fn run_without_migrate_changes_no_schema() {
         .env_remove("IDEM_SCHEMA")
         .env_remove("IDEM_PREFIX")
         .stdin(Stdio::null())
-        .output()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
         .unwrap();
+    // A relay that got past the check runs until stopped: bound the wait.
+    let out = tokio::time::timeout(Duration::from_secs(30), relay.wait_with_output())
+        .await
+        .expect("idem-relay run started without --migrate on a schema lacking idem's tables");
+    let out = out.unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("run `idem migrate"), "{err}");
