@@ -557,88 +557,28 @@ mod redis {
 }
 
 mod postgres {
-    //! PostgreSQL: `IDEM_TEST_DATABASE_URL`, a schema per test (`idem_http_<unix
-    //! seconds>_<random>`), dropped when the test passes; schemas of runs over an hour old
-    //! are dropped too.
+    //! PostgreSQL: `IDEM_TEST_DATABASE_URL`, a schema per test (`idem_testkit::postgres`'s
+    //! `idem_t_<unix seconds>_<random>`), dropped when the test passes; schemas of runs over
+    //! an hour old are dropped too.
 
-    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    use std::time::Duration;
 
     use idem_postgres::PgStore;
-    use idem_testkit::harness;
-    use sqlx::PgPool;
+    use idem_testkit::postgres;
 
     use crate::{Fixture, Teardown};
 
-    const SCHEMA_PREFIX: &str = "idem_http_";
-    fn schema_name() -> String {
-        harness::unique_name(SCHEMA_PREFIX)
-    }
-
-    async fn drop_schema(pool: &PgPool, name: &str) {
-        sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-            .execute(pool)
-            .await
-            .expect("drop the test schema");
-    }
-
-    /// Drops the schemas of test runs that ended over an hour ago, once per process.
-    async fn drop_stale_schemas(pool: &PgPool) {
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        if SWEPT.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
-        )
-        .bind(SCHEMA_PREFIX)
-        .fetch_all(pool)
-        .await
-        .expect("list test schemas");
-        for name in names {
-            if harness::is_stale(&name, SCHEMA_PREFIX) {
-                // Another process may drop it at the same time: its error is not ours.
-                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(pool)
-                    .await;
-            }
-        }
-    }
-
     /// A migrated store in a schema of its own, and the teardown that drops the schema.
     pub(crate) async fn fresh_store() -> Option<(PgStore, Teardown)> {
-        let url = harness::database_url()?;
-        // The store's pool settings with a patient acquire timeout: a loaded machine must
-        // not turn queueing for a connection into a failure.
-        let pool = PgStore::pool_options()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(15))
-            .connect(&url)
-            .await
-            .expect("connect to IDEM_TEST_DATABASE_URL");
-        drop_stale_schemas(&pool).await;
-        let store = PgStore::new(pool)
-            .with_schema(&schema_name())
-            .expect("a valid schema name");
+        let store = postgres::fresh_store(8).await?;
         // The records table and the outbox's: the tiered backend uses this store too.
         idem_outbox::migrate(&store).await.expect("migrate");
-        let (pool, schema) = (store.pool().clone(), store.schema().to_owned());
-        let teardown: Teardown = Box::pin(async move { drop_schema(&pool, &schema).await });
+        let dropped = store.clone();
+        let teardown: Teardown = Box::pin(async move { postgres::drop_schema(&dropped).await });
         Some((store, teardown))
     }
 
-    /// A store whose pool points at a port nothing listens on, opened lazily.
-    pub(crate) fn closed_port_store() -> PgStore {
-        let url = format!(
-            "postgres://postgres@127.0.0.1:{}/test",
-            harness::free_port()
-        );
-        let pool = PgStore::pool_options()
-            .connect_lazy(&url)
-            .expect("a well-formed URL");
-        PgStore::new(pool)
-    }
+    pub(crate) use postgres::closed_port_store;
 
     async fn store() -> Option<Fixture> {
         let (store, teardown) = fresh_store().await?;
