@@ -631,20 +631,19 @@ mod transactional {
     //! the layer does not store it again; a handler that does not complete leaves the
     //! storing to the layer.
 
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
-    use async_trait::async_trait;
     use axum::extract::Extension;
     use axum::http::{HeaderMap, HeaderValue, StatusCode};
     use axum::response::IntoResponse;
     use axum::routing::post;
     use axum::Router;
-    use idem_core::{Begin, BeginRequest, Completion, Error, Idem, Lease, Record, RecordId, Store};
+    use idem_core::{Completion, Error, Idem, Lease, Store};
     use idem_http::{Config, LeaseHandle, Outcome};
     use idem_outbox::TieredStore;
     use idem_postgres::PgStore;
+    use idem_testkit::faults::FaultyStore;
     use sqlx::PgConnection;
 
     use crate::support::*;
@@ -686,44 +685,6 @@ mod transactional {
         }
     }
 
-    /// The store under test, counting the layer's own `complete` calls.
-    #[derive(Debug)]
-    struct Counting {
-        inner: Arc<dyn Store>,
-        completes: AtomicUsize,
-    }
-
-    #[async_trait]
-    impl Store for Counting {
-        fn name(&self) -> &'static str {
-            self.inner.name()
-        }
-        async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-            self.inner.begin(req).await
-        }
-        async fn complete(
-            &self,
-            lease: &Lease,
-            c: &Completion,
-            retention: Duration,
-        ) -> Result<(), Error> {
-            self.completes.fetch_add(1, Ordering::SeqCst);
-            self.inner.complete(lease, c, retention).await
-        }
-        async fn release(&self, lease: &Lease) -> Result<(), Error> {
-            self.inner.release(lease).await
-        }
-        async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
-            self.inner.extend(lease, by).await
-        }
-        async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-            self.inner.get(id).await
-        }
-        async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-            self.inner.evict(id).await
-        }
-    }
-
     async fn completes_in_the_handlers_transaction(tx_store: Transactional, store: Arc<dyn Store>) {
         let table = format!("{}.payments", tx_store.pg().quoted_schema());
         sqlx::query(&format!(
@@ -732,10 +693,8 @@ mod transactional {
         .execute(tx_store.pg().pool())
         .await
         .unwrap();
-        let counting = Arc::new(Counting {
-            inner: store,
-            completes: AtomicUsize::new(0),
-        });
+        // The store under test, counting the layer's own `complete` calls.
+        let counting = Arc::new(FaultyStore::from_arc(store));
         let outcomes = Outcomes::default();
         let layer = layer_with(
             Idem::from_arc(counting.clone()),
@@ -804,7 +763,7 @@ mod transactional {
         let first = server.post("/pay", &headers, "one").await;
         assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
         assert!(first.header("idempotency-expires").is_some());
-        assert_eq!(counting.completes.load(Ordering::SeqCst), 0, "stored twice");
+        assert_eq!(counting.completes(), 0, "stored twice");
         assert_eq!(outcomes.count(Outcome::Executed), 1);
         let retry = server.post("/pay", &headers, "one").await;
         assert!(retry.replayed(), "{retry:?}");
@@ -816,7 +775,7 @@ mod transactional {
         let headers = [("idempotency-key", "tx-2")];
         let first = server.post("/pay", &headers, "two").await;
         assert_eq!(first.status, StatusCode::CREATED);
-        assert_eq!(counting.completes.load(Ordering::SeqCst), 1);
+        assert_eq!(counting.completes(), 1);
         let retry = server.post("/pay", &headers, "two").await;
         assert!(retry.replayed());
         assert_eq!(retry.body, first.body);

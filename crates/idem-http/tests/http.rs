@@ -7,23 +7,19 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
-use idem_core::{
-    Begin, BeginRequest, Completion, Error, Idem, Lease, MemoryStore, Record, RecordId, Scope,
-    Store,
-};
+use idem_core::{Idem, MemoryStore, RecordId, Scope, Store};
 use idem_http::{Config, IdempotencyLayer, MissingKey, Outcome, Unstored};
+use idem_testkit::faults::FaultyStore;
 
 mod support;
 
@@ -130,74 +126,12 @@ async fn an_oversize_request_is_refused_with_413() {
 // Store failures
 // ---------------------------------------------------------------------------------------
 
-/// The in-memory store, with switches that make its calls fail as an unreachable store's.
-#[derive(Debug, Default)]
-struct Flaky {
-    inner: MemoryStore,
-    begin_down: AtomicBool,
-    complete_down: AtomicBool,
-    /// `complete` fails this many more times, then works.
-    complete_failures: AtomicUsize,
-    /// `complete` writes, then reports a timeout, this many more times.
-    complete_lost_answers: AtomicUsize,
-}
-
-fn take_one(counter: &AtomicUsize) -> bool {
-    counter
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok()
-}
-
-fn down() -> Error {
-    Error::unavailable("flaky", std::io::Error::other("connection refused"))
-}
-
-#[async_trait]
-impl Store for Flaky {
-    fn name(&self) -> &'static str {
-        "flaky"
-    }
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        if self.begin_down.load(Ordering::SeqCst) {
-            return Err(down());
-        }
-        self.inner.begin(req).await
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        c: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
-        if take_one(&self.complete_failures) || self.complete_down.load(Ordering::SeqCst) {
-            return Err(down());
-        }
-        self.inner.complete(lease, c, retention).await?;
-        if take_one(&self.complete_lost_answers) {
-            return Err(down());
-        }
-        Ok(())
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        self.inner.release(lease).await
-    }
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
-        self.inner.extend(lease, by).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.inner.get(id).await
-    }
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        self.inner.evict(id).await
-    }
-}
-
 #[tokio::test]
 async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.begin_down.store(true, Ordering::SeqCst);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.set_begin_down(true);
     let idem = Idem::from_arc(store.clone());
     let server = serve(pay_app(
         &runs,
@@ -214,7 +148,7 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     assert_eq!(outcomes.count(Outcome::StoreError), 1);
 
     // Back up: the key was never taken, so the request runs now.
-    store.begin_down.store(false, Ordering::SeqCst);
+    store.set_begin_down(false);
     assert_eq!(
         server.post("/pay", &key, "{}").await.status,
         StatusCode::CREATED
@@ -222,7 +156,7 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     assert_eq!(runs.get(), 1);
 
     // Fail open, by choice.
-    store.begin_down.store(true, Ordering::SeqCst);
+    store.set_begin_down(true);
     let config = Config::default().with_fail_open(true);
     let open = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
     assert_eq!(
@@ -237,8 +171,8 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
 async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.complete_failures.store(2, Ordering::SeqCst);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.fail_next_completes(2);
     let server = serve(pay_app(
         &runs,
         layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
@@ -258,8 +192,8 @@ async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
 async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.complete_down.store(true, Ordering::SeqCst);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.set_complete_down(true);
     let config = Config::default().with_store_response_within(Duration::from_millis(300));
     let server = serve(pay_app(
         &runs,
@@ -283,7 +217,7 @@ async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun(
     assert_eq!(runs.get(), 1);
 
     // The store recovers: the background task stores the response, and a retry gets it.
-    store.complete_down.store(false, Ordering::SeqCst);
+    store.set_complete_down(false);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let replay = loop {
         let reply = server.post("/pay", &key, "{}").await;
@@ -463,8 +397,8 @@ async fn an_inner_service_error_releases_the_key() {
 async fn a_stored_response_whose_answer_was_lost_is_sent() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.complete_lost_answers.store(1, Ordering::SeqCst);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.lose_next_complete_answers(1);
     let server = serve(pay_app(
         &runs,
         layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
@@ -477,6 +411,11 @@ async fn a_stored_response_whose_answer_was_lost_is_sent() {
     let first = server.post("/pay", &key, "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(outcomes.count(Outcome::Executed), 1);
+    assert_eq!(
+        store.completes(),
+        2,
+        "the write whose answer was lost is retried"
+    );
     let again = server.post("/pay", &key, "{}").await;
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
