@@ -94,17 +94,12 @@ impl Store for FaultyStore {
         }
         self.inner.begin(req).await
     }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
+    async fn complete(&self, lease: &Lease, c: &Completion, ttl: Duration) -> Result<(), Error> {
         self.completes.fetch_add(1, Ordering::SeqCst);
         if take_one(&self.complete_failures) || self.complete_down.load(Ordering::SeqCst) {
             return Err(self.down());
         }
-        self.inner.complete(lease, completion, retention).await?;
+        self.inner.complete(lease, c, ttl).await?;
         if take_one(&self.complete_lost_answers) {
             return Err(self.down());
         }
