@@ -96,13 +96,11 @@ mod cases {
     }
 
     pub async fn a_burst_of_identical_requests_runs_the_handler_once(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer {
+            server,
+            runs,
+            outcomes,
+        } = serve_pay(Idem::from_arc(store), Config::default()).await;
         let server = Arc::new(server);
 
         let mut tasks = Vec::new();
@@ -273,13 +271,11 @@ mod cases {
     }
 
     pub async fn a_key_reused_for_another_request_is_refused_with_422(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer {
+            server,
+            runs,
+            outcomes,
+        } = serve_pay(Idem::from_arc(store), Config::default()).await;
         let key = ("idempotency-key", "k-mismatch");
 
         let first = server.post("/pay", &[key, JSON], r#"{"amount": 1}"#).await;
@@ -300,13 +296,8 @@ mod cases {
     }
 
     pub async fn one_scope_never_sees_another_scopes_response(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer { server, runs, .. } =
+            serve_pay(Idem::from_arc(store), Config::default()).await;
         let body = r#"{"amount": 5}"#;
         let as_user = |user: &'static str| {
             [
@@ -465,13 +456,11 @@ mod cases {
     }
 
     pub async fn an_unreachable_store_fails_closed_with_503(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer {
+            server,
+            runs,
+            outcomes,
+        } = serve_pay(Idem::from_arc(store), Config::default()).await;
         let started = Instant::now();
         let reply = server
             .post("/pay", &[("idempotency-key", "down-1"), JSON], "{}")

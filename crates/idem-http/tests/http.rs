@@ -35,13 +35,11 @@ fn layer(store: impl Store + 'static, config: Config, outcomes: &Outcomes) -> Id
 
 #[tokio::test]
 async fn missing_or_malformed_keys_are_refused_with_400() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let server = serve(pay_app(
-        &runs,
-        layer(MemoryStore::new(), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
 
     let missing = server.post("/pay", &[JSON], "{}").await;
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);
@@ -95,10 +93,8 @@ impl Body for Chunked {
 
 #[tokio::test]
 async fn an_oversize_request_is_refused_with_413() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let config = Config::default().with_max_request_body(1024);
-    let server = serve(pay_app(&runs, layer(MemoryStore::new(), config, &outcomes))).await;
+    let PayServer { server, runs, .. } = serve_pay(Idem::new(MemoryStore::new()), config).await;
     let key = [("idempotency-key", "big-1")];
 
     // Declared length over the limit.
@@ -128,16 +124,14 @@ async fn an_oversize_request_is_refused_with_413() {
 
 #[tokio::test]
 async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     store.set_begin_down(true);
     let idem = Idem::from_arc(store.clone());
-    let server = serve(pay_app(
-        &runs,
-        layer_with(idem.clone(), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(idem.clone(), Config::default()).await;
     let key = [("idempotency-key", "down-1"), JSON];
 
     let reply = server.post("/pay", &key, "{}").await;
@@ -169,15 +163,10 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
 
 #[tokio::test]
 async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     store.fail_next_completes(2);
-    let server = serve(pay_app(
-        &runs,
-        layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer { server, runs, .. } =
+        serve_pay(Idem::from_arc(store.clone()), Config::default()).await;
     let key = [("idempotency-key", "flaky-1"), JSON];
 
     let first = server.post("/pay", &key, "{}").await;
@@ -190,16 +179,14 @@ async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
 
 #[tokio::test]
 async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     store.set_complete_down(true);
     let config = Config::default().with_store_response_within(Duration::from_millis(300));
-    let server = serve(pay_app(
-        &runs,
-        layer_with(Idem::from_arc(store.clone()), config, &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::from_arc(store.clone()), config).await;
     let key = [("idempotency-key", "unrecorded-1"), JSON];
 
     let first = server.post("/pay", &key, "{}").await;
@@ -395,15 +382,13 @@ async fn an_inner_service_error_releases_the_key() {
 
 #[tokio::test]
 async fn a_stored_response_whose_answer_was_lost_is_sent() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     store.lose_next_complete_answers(1);
-    let server = serve(pay_app(
-        &runs,
-        layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::from_arc(store.clone()), Config::default()).await;
     let key = [("idempotency-key", "lost-answer-1"), JSON];
 
     // The write landed but was reported failed; the retry of the write finds the record
@@ -637,13 +622,8 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
     assert!(conflict_hint(Duration::from_millis(1200), Some(Duration::from_secs(20))).await <= 2);
 
     // The first response says when the stored response is forgotten, as replays do.
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let server = serve(pay_app(
-        &runs,
-        layer(MemoryStore::new(), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer { server, .. } =
+        serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
     let headers = [("idempotency-key", "expires-1"), JSON];
     let first = server.post("/pay", &headers, "{}").await;
     let replay = server.post("/pay", &headers, "{}").await;
