@@ -165,17 +165,10 @@ mod cases {
     }
 
     pub async fn with_a_wait_every_caller_of_a_burst_gets_the_one_response(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_wait(Duration::from_secs(5)));
-        let server = Arc::new(
-            serve(pay_app(
-                &runs,
-                layer_with(idem, Config::default(), &outcomes),
-            ))
-            .await,
-        );
+        let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
+        let server = Arc::new(server);
 
         let mut tasks = Vec::new();
         for _ in 0..12 {
@@ -203,25 +196,21 @@ mod cases {
     pub async fn a_replay_is_byte_for_byte_with_allowed_headers_only(store: Arc<dyn Store>) {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
-        let r = runs.clone();
         let app = Router::new()
             .route(
                 "/blob",
-                post(move || {
-                    let r = r.clone();
-                    async move {
-                        let n = r.next() as u8;
-                        let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
-                        let mut headers = HeaderMap::new();
-                        headers.insert(
-                            "content-type",
-                            HeaderValue::from_static("application/octet-stream"),
-                        );
-                        headers.insert("location", HeaderValue::from_static("/blob/7"));
-                        headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
-                        headers.insert("x-request-id", HeaderValue::from_static("req-1"));
-                        (StatusCode::ACCEPTED, headers, body).into_response()
-                    }
+                post_counted(&runs, |n, _, _| async move {
+                    let n = n as u8;
+                    let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
+                    let mut headers = HeaderMap::new();
+                    headers.insert(
+                        "content-type",
+                        HeaderValue::from_static("application/octet-stream"),
+                    );
+                    headers.insert("location", HeaderValue::from_static("/blob/7"));
+                    headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
+                    headers.insert("x-request-id", HeaderValue::from_static("req-1"));
+                    (StatusCode::ACCEPTED, headers, body).into_response()
                 }),
             )
             .layer(layer_on(store, Config::default(), &outcomes));
@@ -369,17 +358,10 @@ mod cases {
     }
 
     pub async fn a_slow_handler_keeps_its_lease_alive(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
-        let server = Arc::new(
-            serve(pay_app(
-                &runs,
-                layer_with(idem, Config::default(), &outcomes),
-            ))
-            .await,
-        );
+        let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
+        let server = Arc::new(server);
         let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "2000"), JSON];
 
         let first = {

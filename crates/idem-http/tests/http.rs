@@ -229,18 +229,14 @@ async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun(
 async fn a_panicking_handler_releases_the_key() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
-    let r = runs.clone();
     let app = Router::new()
         .route(
             "/boom",
-            post(move || {
-                let r = r.clone();
-                async move {
-                    if r.next() == 1 {
-                        panic!("handler panicked on purpose (expected in this test)");
-                    }
-                    (StatusCode::CREATED, "ok")
+            post_counted(&runs, |n, _, _| async move {
+                if n == 1 {
+                    panic!("handler panicked on purpose (expected in this test)");
                 }
+                (StatusCode::CREATED, "ok")
             }),
         )
         .layer(layer(MemoryStore::new(), Config::default(), &outcomes));
@@ -266,17 +262,10 @@ async fn an_oversize_response_is_sent_but_not_stored() {
     ] {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
-        let r = runs.clone();
         let app = Router::new()
             .route(
                 "/big",
-                post(move || {
-                    let r = r.clone();
-                    async move {
-                        r.next();
-                        "z".repeat(4096)
-                    }
-                }),
+                post_counted(&runs, |_, _, _| async { "z".repeat(4096) }),
             )
             .layer(layer(
                 MemoryStore::new(),
