@@ -776,6 +776,12 @@ mod tests {
         RecordId::new(Scope::new("alice").unwrap(), Key::new(key).unwrap())
     }
 
+    /// A memory store, and an `Idem` over it.
+    fn memory_store() -> (MemoryStore, Idem) {
+        let store = MemoryStore::new();
+        (store.clone(), Idem::new(store))
+    }
+
     /// Claims `key`, which must be free.
     async fn acquire(idem: &Idem, key: &str, fp: Fingerprint) -> Lease {
         match idem.begin(&id(key), fp).await.unwrap() {
@@ -786,8 +792,7 @@ mod tests {
 
     #[tokio::test]
     async fn inspect_and_evict_over_a_store() {
-        let store = MemoryStore::new();
-        let idem = Idem::new(store.clone());
+        let (store, idem) = memory_store();
         let fp = Fingerprint::of_bytes(b"req");
 
         let lease = acquire(&idem, "k1", fp).await;
@@ -831,8 +836,7 @@ mod tests {
 
     #[tokio::test]
     async fn stats_over_a_store() {
-        let store = MemoryStore::new();
-        let idem = Idem::new(store.clone());
+        let (store, idem) = memory_store();
         let fp = Fingerprint::of_bytes(b"req");
         let _held = acquire(&idem, "k1", fp).await;
         let done = acquire(&idem, "k2", fp).await;
