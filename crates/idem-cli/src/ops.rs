@@ -770,21 +770,32 @@ fn human(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idem_core::{Begin, Fingerprint, Idem, Key, MemoryStore, Response, Scope};
+    use idem_core::{Begin, Fingerprint, Idem, Key, Lease, MemoryStore, Response, Scope};
 
     fn id(key: &str) -> RecordId {
         RecordId::new(Scope::new("alice").unwrap(), Key::new(key).unwrap())
     }
 
+    /// A memory store, and an `Idem` over it.
+    fn memory_store() -> (MemoryStore, Idem) {
+        let store = MemoryStore::new();
+        (store.clone(), Idem::new(store))
+    }
+
+    /// Claims `key`, which must be free.
+    async fn acquire(idem: &Idem, key: &str, fp: Fingerprint) -> Lease {
+        match idem.begin(&id(key), fp).await.unwrap() {
+            Begin::Acquired(lease) => lease,
+            other => panic!("fresh key {key}: {other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn inspect_and_evict_over_a_store() {
-        let store = MemoryStore::new();
-        let idem = Idem::new(store.clone());
+        let (store, idem) = memory_store();
         let fp = Fingerprint::of_bytes(b"req");
 
-        let Begin::Acquired(lease) = idem.begin(&id("k1"), fp).await.unwrap() else {
-            panic!("fresh key")
-        };
+        let lease = acquire(&idem, "k1", fp).await;
         let text = inspect(&store, &id("k1"), false).await.unwrap();
         assert!(text.contains("state        in progress"), "{text}");
         assert!(text.contains(&lease.token().to_string()), "{text}");
@@ -825,15 +836,10 @@ mod tests {
 
     #[tokio::test]
     async fn stats_over_a_store() {
-        let store = MemoryStore::new();
-        let idem = Idem::new(store.clone());
+        let (store, idem) = memory_store();
         let fp = Fingerprint::of_bytes(b"req");
-        let Begin::Acquired(_held) = idem.begin(&id("k1"), fp).await.unwrap() else {
-            panic!("fresh key")
-        };
-        let Begin::Acquired(done) = idem.begin(&id("k2"), fp).await.unwrap() else {
-            panic!("fresh key")
-        };
+        let _held = acquire(&idem, "k1", fp).await;
+        let done = acquire(&idem, "k2", fp).await;
         idem.complete(&done, Response::new(201, "ok"))
             .await
             .unwrap();

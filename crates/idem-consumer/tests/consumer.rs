@@ -4,16 +4,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use idem_consumer::{
     Consumer, DeadLetterReason, Delivery, InvalidMessage, Message, OnTerminal, Outcome, Policy,
     RequeueReason, ATTEMPT_HEADER, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_SCOPE_HEADER,
     MIN_REQUEUE_DELAY,
 };
-use idem_core::{
-    Begin, BeginRequest, Completion, Config, Error, Failure, Idem, Key, Lease, ManualClock,
-    MemoryStore, Record, RecordId, Scope, Store,
-};
+use idem_core::{Begin, Config, Failure, Idem, Key, ManualClock, MemoryStore, Scope, Store};
+use idem_testkit::faults::FaultyStore;
 
 fn scope() -> Scope {
     Scope::new(format!("test-{}", uuid::Uuid::new_v4())).unwrap()
@@ -350,38 +347,12 @@ async fn the_scope_header_keeps_tenants_apart() {
     ));
 }
 
-/// A store that is down.
-#[derive(Debug)]
-struct Down;
-
-#[async_trait]
-impl Store for Down {
-    fn name(&self) -> &'static str {
-        "down"
-    }
-    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
-        Err(Error::unavailable("down", "connection refused"))
-    }
-    async fn complete(&self, _: &Lease, _: &Completion, _: Duration) -> Result<(), Error> {
-        Err(Error::unavailable("down", "connection refused"))
-    }
-    async fn release(&self, _: &Lease) -> Result<(), Error> {
-        Err(Error::unavailable("down", "connection refused"))
-    }
-    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, Error> {
-        Err(Error::unavailable("down", "connection refused"))
-    }
-    async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
-        Err(Error::unavailable("down", "connection refused"))
-    }
-    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
-        Err(Error::unavailable("down", "connection refused"))
-    }
-}
-
 #[tokio::test]
 async fn a_store_that_is_down_means_requeue_and_the_handler_never_runs_unguarded() {
-    let c = Consumer::new(Idem::new(Down), scope());
+    // A store that is down: every claim fails as unreachable.
+    let down = FaultyStore::new(MemoryStore::new());
+    down.set_begin_down(true);
+    let c = Consumer::new(Idem::new(down), scope());
     let runs = AtomicU32::new(0);
     let d = c.process(&msg("k", "{}"), |_| counted(&runs, Ok(1))).await;
     let Delivery::Requeue {

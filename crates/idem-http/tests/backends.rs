@@ -96,13 +96,11 @@ mod cases {
     }
 
     pub async fn a_burst_of_identical_requests_runs_the_handler_once(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer {
+            server,
+            runs,
+            outcomes,
+        } = serve_pay(Idem::from_arc(store), Config::default()).await;
         let server = Arc::new(server);
 
         let mut tasks = Vec::new();
@@ -167,17 +165,10 @@ mod cases {
     }
 
     pub async fn with_a_wait_every_caller_of_a_burst_gets_the_one_response(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_wait(Duration::from_secs(5)));
-        let server = Arc::new(
-            serve(pay_app(
-                &runs,
-                layer_with(idem, Config::default(), &outcomes),
-            ))
-            .await,
-        );
+        let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
+        let server = Arc::new(server);
 
         let mut tasks = Vec::new();
         for _ in 0..12 {
@@ -205,25 +196,21 @@ mod cases {
     pub async fn a_replay_is_byte_for_byte_with_allowed_headers_only(store: Arc<dyn Store>) {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
-        let r = runs.clone();
         let app = Router::new()
             .route(
                 "/blob",
-                post(move || {
-                    let r = r.clone();
-                    async move {
-                        let n = r.next() as u8;
-                        let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
-                        let mut headers = HeaderMap::new();
-                        headers.insert(
-                            "content-type",
-                            HeaderValue::from_static("application/octet-stream"),
-                        );
-                        headers.insert("location", HeaderValue::from_static("/blob/7"));
-                        headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
-                        headers.insert("x-request-id", HeaderValue::from_static("req-1"));
-                        (StatusCode::ACCEPTED, headers, body).into_response()
-                    }
+                post_counted(&runs, |n, _, _| async move {
+                    let n = n as u8;
+                    let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
+                    let mut headers = HeaderMap::new();
+                    headers.insert(
+                        "content-type",
+                        HeaderValue::from_static("application/octet-stream"),
+                    );
+                    headers.insert("location", HeaderValue::from_static("/blob/7"));
+                    headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
+                    headers.insert("x-request-id", HeaderValue::from_static("req-1"));
+                    (StatusCode::ACCEPTED, headers, body).into_response()
                 }),
             )
             .layer(layer_on(store, Config::default(), &outcomes));
@@ -273,13 +260,11 @@ mod cases {
     }
 
     pub async fn a_key_reused_for_another_request_is_refused_with_422(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer {
+            server,
+            runs,
+            outcomes,
+        } = serve_pay(Idem::from_arc(store), Config::default()).await;
         let key = ("idempotency-key", "k-mismatch");
 
         let first = server.post("/pay", &[key, JSON], r#"{"amount": 1}"#).await;
@@ -300,13 +285,8 @@ mod cases {
     }
 
     pub async fn one_scope_never_sees_another_scopes_response(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer { server, runs, .. } =
+            serve_pay(Idem::from_arc(store), Config::default()).await;
         let body = r#"{"amount": 5}"#;
         let as_user = |user: &'static str| {
             [
@@ -378,17 +358,10 @@ mod cases {
     }
 
     pub async fn a_slow_handler_keeps_its_lease_alive(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
-        let server = Arc::new(
-            serve(pay_app(
-                &runs,
-                layer_with(idem, Config::default(), &outcomes),
-            ))
-            .await,
-        );
+        let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
+        let server = Arc::new(server);
         let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "2000"), JSON];
 
         let first = {
@@ -465,13 +438,11 @@ mod cases {
     }
 
     pub async fn an_unreachable_store_fails_closed_with_503(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
-        let server = serve(pay_app(
-            &runs,
-            layer_on(store, Config::default(), &outcomes),
-        ))
-        .await;
+        let PayServer {
+            server,
+            runs,
+            outcomes,
+        } = serve_pay(Idem::from_arc(store), Config::default()).await;
         let started = Instant::now();
         let reply = server
             .post("/pay", &[("idempotency-key", "down-1"), JSON], "{}")
@@ -557,88 +528,28 @@ mod redis {
 }
 
 mod postgres {
-    //! PostgreSQL: `IDEM_TEST_DATABASE_URL`, a schema per test (`idem_http_<unix
-    //! seconds>_<random>`), dropped when the test passes; schemas of runs over an hour old
-    //! are dropped too.
+    //! PostgreSQL: `IDEM_TEST_DATABASE_URL`, a schema per test (`idem_testkit::postgres`'s
+    //! `idem_t_<unix seconds>_<random>`), dropped when the test passes; schemas of runs over
+    //! an hour old are dropped too.
 
-    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    use std::time::Duration;
 
     use idem_postgres::PgStore;
-    use idem_testkit::harness;
-    use sqlx::PgPool;
+    use idem_testkit::postgres;
 
     use crate::{Fixture, Teardown};
 
-    const SCHEMA_PREFIX: &str = "idem_http_";
-    fn schema_name() -> String {
-        harness::unique_name(SCHEMA_PREFIX)
-    }
-
-    async fn drop_schema(pool: &PgPool, name: &str) {
-        sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-            .execute(pool)
-            .await
-            .expect("drop the test schema");
-    }
-
-    /// Drops the schemas of test runs that ended over an hour ago, once per process.
-    async fn drop_stale_schemas(pool: &PgPool) {
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        if SWEPT.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
-        )
-        .bind(SCHEMA_PREFIX)
-        .fetch_all(pool)
-        .await
-        .expect("list test schemas");
-        for name in names {
-            if harness::is_stale(&name, SCHEMA_PREFIX) {
-                // Another process may drop it at the same time: its error is not ours.
-                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(pool)
-                    .await;
-            }
-        }
-    }
-
     /// A migrated store in a schema of its own, and the teardown that drops the schema.
     pub(crate) async fn fresh_store() -> Option<(PgStore, Teardown)> {
-        let url = harness::database_url()?;
-        // The store's pool settings with a patient acquire timeout: a loaded machine must
-        // not turn queueing for a connection into a failure.
-        let pool = PgStore::pool_options()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(15))
-            .connect(&url)
-            .await
-            .expect("connect to IDEM_TEST_DATABASE_URL");
-        drop_stale_schemas(&pool).await;
-        let store = PgStore::new(pool)
-            .with_schema(&schema_name())
-            .expect("a valid schema name");
+        let store = postgres::fresh_store(8).await?;
         // The records table and the outbox's: the tiered backend uses this store too.
         idem_outbox::migrate(&store).await.expect("migrate");
-        let (pool, schema) = (store.pool().clone(), store.schema().to_owned());
-        let teardown: Teardown = Box::pin(async move { drop_schema(&pool, &schema).await });
+        let dropped = store.clone();
+        let teardown: Teardown = Box::pin(async move { postgres::drop_schema(&dropped).await });
         Some((store, teardown))
     }
 
-    /// A store whose pool points at a port nothing listens on, opened lazily.
-    pub(crate) fn closed_port_store() -> PgStore {
-        let url = format!(
-            "postgres://postgres@127.0.0.1:{}/test",
-            harness::free_port()
-        );
-        let pool = PgStore::pool_options()
-            .connect_lazy(&url)
-            .expect("a well-formed URL");
-        PgStore::new(pool)
-    }
+    pub(crate) use postgres::closed_port_store;
 
     async fn store() -> Option<Fixture> {
         let (store, teardown) = fresh_store().await?;
@@ -691,20 +602,19 @@ mod transactional {
     //! the layer does not store it again; a handler that does not complete leaves the
     //! storing to the layer.
 
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
-    use async_trait::async_trait;
     use axum::extract::Extension;
     use axum::http::{HeaderMap, HeaderValue, StatusCode};
     use axum::response::IntoResponse;
     use axum::routing::post;
     use axum::Router;
-    use idem_core::{Begin, BeginRequest, Completion, Error, Idem, Lease, Record, RecordId, Store};
+    use idem_core::{Completion, Error, Idem, Lease, Store};
     use idem_http::{Config, LeaseHandle, Outcome};
     use idem_outbox::TieredStore;
     use idem_postgres::PgStore;
+    use idem_testkit::faults::FaultyStore;
     use sqlx::PgConnection;
 
     use crate::support::*;
@@ -746,44 +656,6 @@ mod transactional {
         }
     }
 
-    /// The store under test, counting the layer's own `complete` calls.
-    #[derive(Debug)]
-    struct Counting {
-        inner: Arc<dyn Store>,
-        completes: AtomicUsize,
-    }
-
-    #[async_trait]
-    impl Store for Counting {
-        fn name(&self) -> &'static str {
-            self.inner.name()
-        }
-        async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-            self.inner.begin(req).await
-        }
-        async fn complete(
-            &self,
-            lease: &Lease,
-            c: &Completion,
-            retention: Duration,
-        ) -> Result<(), Error> {
-            self.completes.fetch_add(1, Ordering::SeqCst);
-            self.inner.complete(lease, c, retention).await
-        }
-        async fn release(&self, lease: &Lease) -> Result<(), Error> {
-            self.inner.release(lease).await
-        }
-        async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
-            self.inner.extend(lease, by).await
-        }
-        async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-            self.inner.get(id).await
-        }
-        async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-            self.inner.evict(id).await
-        }
-    }
-
     async fn completes_in_the_handlers_transaction(tx_store: Transactional, store: Arc<dyn Store>) {
         let table = format!("{}.payments", tx_store.pg().quoted_schema());
         sqlx::query(&format!(
@@ -792,10 +664,8 @@ mod transactional {
         .execute(tx_store.pg().pool())
         .await
         .unwrap();
-        let counting = Arc::new(Counting {
-            inner: store,
-            completes: AtomicUsize::new(0),
-        });
+        // The store under test, counting the layer's own `complete` calls.
+        let counting = Arc::new(FaultyStore::from_arc(store));
         let outcomes = Outcomes::default();
         let layer = layer_with(
             Idem::from_arc(counting.clone()),
@@ -864,7 +734,7 @@ mod transactional {
         let first = server.post("/pay", &headers, "one").await;
         assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
         assert!(first.header("idempotency-expires").is_some());
-        assert_eq!(counting.completes.load(Ordering::SeqCst), 0, "stored twice");
+        assert_eq!(counting.completes(), 0, "stored twice");
         assert_eq!(outcomes.count(Outcome::Executed), 1);
         let retry = server.post("/pay", &headers, "one").await;
         assert!(retry.replayed(), "{retry:?}");
@@ -876,7 +746,7 @@ mod transactional {
         let headers = [("idempotency-key", "tx-2")];
         let first = server.post("/pay", &headers, "two").await;
         assert_eq!(first.status, StatusCode::CREATED);
-        assert_eq!(counting.completes.load(Ordering::SeqCst), 1);
+        assert_eq!(counting.completes(), 1);
         let retry = server.post("/pay", &headers, "two").await;
         assert!(retry.replayed());
         assert_eq!(retry.body, first.body);

@@ -11,11 +11,12 @@ use support::*;
 
 #[tokio::test]
 async fn a_full_memory_store_refuses_new_keys_with_503_and_still_replays() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let store = MemoryStore::new().with_capacity(MemoryCapacity::default().with_records(2));
-    let layer = layer_with(Idem::new(store), Config::default(), &outcomes);
-    let server = serve(pay_app(&runs, layer)).await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::new(store), Config::default()).await;
     for key in ["k1", "k2"] {
         let reply = server
             .post("/pay", &[("idempotency-key", key), JSON], "{}")

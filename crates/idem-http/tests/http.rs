@@ -7,23 +7,19 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
-use idem_core::{
-    Begin, BeginRequest, Completion, Error, Idem, Lease, MemoryStore, Record, RecordId, Scope,
-    Store,
-};
+use idem_core::{Idem, MemoryStore, RecordId, Scope, Store};
 use idem_http::{Config, IdempotencyLayer, MissingKey, Outcome, Unstored};
+use idem_testkit::faults::FaultyStore;
 
 mod support;
 
@@ -39,13 +35,11 @@ fn layer(store: impl Store + 'static, config: Config, outcomes: &Outcomes) -> Id
 
 #[tokio::test]
 async fn missing_or_malformed_keys_are_refused_with_400() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let server = serve(pay_app(
-        &runs,
-        layer(MemoryStore::new(), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
 
     let missing = server.post("/pay", &[JSON], "{}").await;
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);
@@ -99,10 +93,8 @@ impl Body for Chunked {
 
 #[tokio::test]
 async fn an_oversize_request_is_refused_with_413() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
     let config = Config::default().with_max_request_body(1024);
-    let server = serve(pay_app(&runs, layer(MemoryStore::new(), config, &outcomes))).await;
+    let PayServer { server, runs, .. } = serve_pay(Idem::new(MemoryStore::new()), config).await;
     let key = [("idempotency-key", "big-1")];
 
     // Declared length over the limit.
@@ -130,80 +122,16 @@ async fn an_oversize_request_is_refused_with_413() {
 // Store failures
 // ---------------------------------------------------------------------------------------
 
-/// The in-memory store, with switches that make its calls fail as an unreachable store's.
-#[derive(Debug, Default)]
-struct Flaky {
-    inner: MemoryStore,
-    begin_down: AtomicBool,
-    complete_down: AtomicBool,
-    /// `complete` fails this many more times, then works.
-    complete_failures: AtomicUsize,
-    /// `complete` writes, then reports a timeout, this many more times.
-    complete_lost_answers: AtomicUsize,
-}
-
-fn take_one(counter: &AtomicUsize) -> bool {
-    counter
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok()
-}
-
-fn down() -> Error {
-    Error::unavailable("flaky", std::io::Error::other("connection refused"))
-}
-
-#[async_trait]
-impl Store for Flaky {
-    fn name(&self) -> &'static str {
-        "flaky"
-    }
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        if self.begin_down.load(Ordering::SeqCst) {
-            return Err(down());
-        }
-        self.inner.begin(req).await
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        c: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
-        if take_one(&self.complete_failures) || self.complete_down.load(Ordering::SeqCst) {
-            return Err(down());
-        }
-        self.inner.complete(lease, c, retention).await?;
-        if take_one(&self.complete_lost_answers) {
-            return Err(down());
-        }
-        Ok(())
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        self.inner.release(lease).await
-    }
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
-        self.inner.extend(lease, by).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.inner.get(id).await
-    }
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        self.inner.evict(id).await
-    }
-}
-
 #[tokio::test]
 async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.begin_down.store(true, Ordering::SeqCst);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.set_begin_down(true);
     let idem = Idem::from_arc(store.clone());
-    let server = serve(pay_app(
-        &runs,
-        layer_with(idem.clone(), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(idem.clone(), Config::default()).await;
     let key = [("idempotency-key", "down-1"), JSON];
 
     let reply = server.post("/pay", &key, "{}").await;
@@ -214,7 +142,7 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     assert_eq!(outcomes.count(Outcome::StoreError), 1);
 
     // Back up: the key was never taken, so the request runs now.
-    store.begin_down.store(false, Ordering::SeqCst);
+    store.set_begin_down(false);
     assert_eq!(
         server.post("/pay", &key, "{}").await.status,
         StatusCode::CREATED
@@ -222,7 +150,7 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     assert_eq!(runs.get(), 1);
 
     // Fail open, by choice.
-    store.begin_down.store(true, Ordering::SeqCst);
+    store.set_begin_down(true);
     let config = Config::default().with_fail_open(true);
     let open = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
     assert_eq!(
@@ -235,15 +163,10 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
 
 #[tokio::test]
 async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.complete_failures.store(2, Ordering::SeqCst);
-    let server = serve(pay_app(
-        &runs,
-        layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
-    ))
-    .await;
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.fail_next_completes(2);
+    let PayServer { server, runs, .. } =
+        serve_pay(Idem::from_arc(store.clone()), Config::default()).await;
     let key = [("idempotency-key", "flaky-1"), JSON];
 
     let first = server.post("/pay", &key, "{}").await;
@@ -256,16 +179,14 @@ async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
 
 #[tokio::test]
 async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.complete_down.store(true, Ordering::SeqCst);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.set_complete_down(true);
     let config = Config::default().with_store_response_within(Duration::from_millis(300));
-    let server = serve(pay_app(
-        &runs,
-        layer_with(Idem::from_arc(store.clone()), config, &outcomes),
-    ))
-    .await;
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::from_arc(store.clone()), config).await;
     let key = [("idempotency-key", "unrecorded-1"), JSON];
 
     let first = server.post("/pay", &key, "{}").await;
@@ -283,7 +204,7 @@ async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun(
     assert_eq!(runs.get(), 1);
 
     // The store recovers: the background task stores the response, and a retry gets it.
-    store.complete_down.store(false, Ordering::SeqCst);
+    store.set_complete_down(false);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let replay = loop {
         let reply = server.post("/pay", &key, "{}").await;
@@ -308,18 +229,14 @@ async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun(
 async fn a_panicking_handler_releases_the_key() {
     let runs = Runs::default();
     let outcomes = Outcomes::default();
-    let r = runs.clone();
     let app = Router::new()
         .route(
             "/boom",
-            post(move || {
-                let r = r.clone();
-                async move {
-                    if r.next() == 1 {
-                        panic!("handler panicked on purpose (expected in this test)");
-                    }
-                    (StatusCode::CREATED, "ok")
+            post_counted(&runs, |n, _, _| async move {
+                if n == 1 {
+                    panic!("handler panicked on purpose (expected in this test)");
                 }
+                (StatusCode::CREATED, "ok")
             }),
         )
         .layer(layer(MemoryStore::new(), Config::default(), &outcomes));
@@ -345,17 +262,10 @@ async fn an_oversize_response_is_sent_but_not_stored() {
     ] {
         let runs = Runs::default();
         let outcomes = Outcomes::default();
-        let r = runs.clone();
         let app = Router::new()
             .route(
                 "/big",
-                post(move || {
-                    let r = r.clone();
-                    async move {
-                        r.next();
-                        "z".repeat(4096)
-                    }
-                }),
+                post_counted(&runs, |_, _, _| async { "z".repeat(4096) }),
             )
             .layer(layer(
                 MemoryStore::new(),
@@ -461,15 +371,13 @@ async fn an_inner_service_error_releases_the_key() {
 
 #[tokio::test]
 async fn a_stored_response_whose_answer_was_lost_is_sent() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let store = Arc::new(Flaky::default());
-    store.complete_lost_answers.store(1, Ordering::SeqCst);
-    let server = serve(pay_app(
-        &runs,
-        layer_with(Idem::from_arc(store.clone()), Config::default(), &outcomes),
-    ))
-    .await;
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    store.lose_next_complete_answers(1);
+    let PayServer {
+        server,
+        runs,
+        outcomes,
+    } = serve_pay(Idem::from_arc(store.clone()), Config::default()).await;
     let key = [("idempotency-key", "lost-answer-1"), JSON];
 
     // The write landed but was reported failed; the retry of the write finds the record
@@ -477,6 +385,11 @@ async fn a_stored_response_whose_answer_was_lost_is_sent() {
     let first = server.post("/pay", &key, "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(outcomes.count(Outcome::Executed), 1);
+    assert_eq!(
+        store.completes(),
+        2,
+        "the write whose answer was lost is retried"
+    );
     let again = server.post("/pay", &key, "{}").await;
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
@@ -698,13 +611,8 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
     assert!(conflict_hint(Duration::from_millis(1200), Some(Duration::from_secs(20))).await <= 2);
 
     // The first response says when the stored response is forgotten, as replays do.
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let server = serve(pay_app(
-        &runs,
-        layer(MemoryStore::new(), Config::default(), &outcomes),
-    ))
-    .await;
+    let PayServer { server, .. } =
+        serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
     let headers = [("idempotency-key", "expires-1"), JSON];
     let first = server.post("/pay", &headers, "{}").await;
     let replay = server.post("/pay", &headers, "{}").await;

@@ -30,6 +30,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cases;
+pub mod faults;
 pub mod harness;
 pub mod model;
 pub mod postgres;

@@ -2,12 +2,14 @@
 //! layer, a hyper client, and counters of handler runs and of the layer's outcomes.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
-use axum::routing::post;
+use axum::response::IntoResponse;
+use axum::routing::{post, MethodRouter};
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
@@ -131,30 +133,61 @@ pub fn layer_with(idem: Idem, config: Config, outcomes: &Outcomes) -> Idempotenc
         .with_observer(move |o| outcomes.0.lock().unwrap().push(o))
 }
 
+/// A `POST` handler that counts its calls in `runs` and runs `handler` with the call's
+/// number (from 1), the request headers and the request body.
+pub fn post_counted<F, Fut, R>(runs: &Runs, handler: F) -> MethodRouter
+where
+    F: Fn(usize, HeaderMap, Bytes) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+    R: IntoResponse + 'static,
+{
+    let runs = runs.clone();
+    post(move |headers: HeaderMap, body: Bytes| {
+        let runs = runs.clone();
+        let handler = handler.clone();
+        async move { handler(runs.next(), headers, body).await }
+    })
+}
+
 /// `POST /pay`: one run of the side effect per call, answering 201 with the run number and
 /// the request body, after `x-delay-ms`.
 pub fn pay_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
-    let runs = runs.clone();
     Router::new()
         .route(
             "/pay",
-            post(move |headers: HeaderMap, body: Bytes| {
-                let runs = runs.clone();
-                async move {
-                    let n = runs.next();
-                    if let Some(ms) = headers.get("x-delay-ms") {
-                        let ms: u64 = ms.to_str().unwrap().parse().unwrap();
-                        tokio::time::sleep(Duration::from_millis(ms)).await;
-                    }
-                    let doc = serde_json::json!({
-                        "run": n,
-                        "request": String::from_utf8_lossy(&body),
-                    });
-                    (StatusCode::CREATED, axum::Json(doc))
+            post_counted(runs, |n, headers, body| async move {
+                if let Some(ms) = headers.get("x-delay-ms") {
+                    let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
+                let doc = serde_json::json!({
+                    "run": n,
+                    "request": String::from_utf8_lossy(&body),
+                });
+                (StatusCode::CREATED, axum::Json(doc))
             }),
         )
         .layer(layer)
+}
+
+/// [`pay_app`] served behind [`layer_with`]: the server, the handler's run count and the
+/// layer's outcomes.
+pub struct PayServer {
+    pub server: Server,
+    pub runs: Runs,
+    pub outcomes: Outcomes,
+}
+
+/// Serves [`pay_app`] behind [`layer_with`] on `idem` and `config`.
+pub async fn serve_pay(idem: Idem, config: Config) -> PayServer {
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let server = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
+    PayServer {
+        server,
+        runs,
+        outcomes,
+    }
 }
 
 pub const JSON: (&str, &str) = ("content-type", "application/json");

@@ -1,0 +1,120 @@
+//! A store that forwards every call to another, with switches that make `begin` and
+//! `complete` fail as an unreachable store's, and a count of the `complete` calls that
+//! reached it: for tests of what a caller (the HTTP layer, a consumer) does when its store
+//! fails, or of how often it stores.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Store};
+
+/// Forwards to an inner store, failing the calls its switches say (with
+/// [`Error::Unavailable`] named after the inner store, "connection refused"). All switches
+/// start off, so a new `FaultyStore` behaves as its inner store.
+#[derive(Debug)]
+pub struct FaultyStore {
+    inner: Arc<dyn Store>,
+    begin_down: AtomicBool,
+    complete_down: AtomicBool,
+    complete_failures: AtomicUsize,
+    complete_lost_answers: AtomicUsize,
+    completes: AtomicUsize,
+}
+
+impl FaultyStore {
+    /// Forwards to `inner`.
+    pub fn new(inner: impl Store + 'static) -> Self {
+        Self::from_arc(Arc::new(inner))
+    }
+
+    /// Forwards to the shared `inner`.
+    pub fn from_arc(inner: Arc<dyn Store>) -> Self {
+        Self {
+            inner,
+            begin_down: AtomicBool::new(false),
+            complete_down: AtomicBool::new(false),
+            complete_failures: AtomicUsize::new(0),
+            complete_lost_answers: AtomicUsize::new(0),
+            completes: AtomicUsize::new(0),
+        }
+    }
+
+    /// While `down`, every `begin` fails without reaching the inner store.
+    pub fn set_begin_down(&self, down: bool) {
+        self.begin_down.store(down, Ordering::SeqCst);
+    }
+
+    /// While `down`, every `complete` fails without reaching the inner store.
+    pub fn set_complete_down(&self, down: bool) {
+        self.complete_down.store(down, Ordering::SeqCst);
+    }
+
+    /// The next `n` calls of `complete` fail without reaching the inner store; later ones
+    /// work.
+    pub fn fail_next_completes(&self, n: usize) {
+        self.complete_failures.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` calls of `complete` that reach the inner store write there, then report
+    /// a failure: an answer lost on the way back.
+    pub fn lose_next_complete_answers(&self, n: usize) {
+        self.complete_lost_answers.store(n, Ordering::SeqCst);
+    }
+
+    /// How many calls of `complete` were made, failed ones included.
+    pub fn completes(&self) -> usize {
+        self.completes.load(Ordering::SeqCst)
+    }
+
+    fn down(&self) -> Error {
+        Error::unavailable(
+            self.inner.name(),
+            std::io::Error::other("connection refused"),
+        )
+    }
+}
+
+/// Takes one from a positive counter; false when it is at zero.
+fn take_one(counter: &AtomicUsize) -> bool {
+    counter
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+#[async_trait]
+impl Store for FaultyStore {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+        if self.begin_down.load(Ordering::SeqCst) {
+            return Err(self.down());
+        }
+        self.inner.begin(req).await
+    }
+    async fn complete(&self, lease: &Lease, c: &Completion, ttl: Duration) -> Result<(), Error> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
+        if take_one(&self.complete_failures) || self.complete_down.load(Ordering::SeqCst) {
+            return Err(self.down());
+        }
+        self.inner.complete(lease, c, ttl).await?;
+        if take_one(&self.complete_lost_answers) {
+            return Err(self.down());
+        }
+        Ok(())
+    }
+    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+        self.inner.release(lease).await
+    }
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+        self.inner.extend(lease, by).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        self.inner.get(id).await
+    }
+    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+        self.inner.evict(id).await
+    }
+}
