@@ -593,7 +593,17 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
     let served = spawn_serve_on(store);
     let payments = format!("{}/payments", served.base);
     let headers = payment(&auth, "order-1", &[]);
-    let retry = call(&client, "POST", &payments, &headers, order).await;
+    // On the tiered store the killed process's Redis lease answers 409 until the relay
+    // copies the committed completion into Redis (as the README says): retry as a client
+    // would, after Retry-After. PostgreSQL alone replays at once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let retry = loop {
+        let reply = call(&client, "POST", &payments, &headers, order).await;
+        if reply.status != StatusCode::CONFLICT || Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(
@@ -656,6 +666,39 @@ async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert!(retry.headers.get("idempotent-replayed").is_none());
     assert!(refused > 0, "the dead server's lease was not honoured");
+    assert_eq!(payment_rows(&pool, &owner).await, 1);
+}
+
+/// `idem serve --retention 1 --purge-every 1`: the payment's completed record is deleted
+/// from PostgreSQL in the background once it expires, so the demo does not grow forever.
+async fn serve_purges_expired_records(store: &str, database: &str) {
+    let pool = sqlx::PgPool::connect(database).await.unwrap();
+    let client = client();
+    let owner = format!("purge-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    let served = spawn_serve_with(store, &["--retention", "1", "--purge-every", "1"]);
+    let url = format!("{}/payments", served.base);
+    let headers = payment(&auth, "order-1", &[]);
+    let order = r#"{"amount": 100, "currency": "EUR"}"#;
+    let made = call(&client, "POST", &url, &headers, order).await;
+    assert_eq!(made.status, StatusCode::CREATED, "{:?}", made.body);
+    let records = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idem.records WHERE scope = $1")
+            .bind(owner.as_bytes())
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(records().await, 1, "the completed record was not stored");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while records().await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the expired record is still there 15 s later"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The payment itself stays: only idempotency records expire.
     assert_eq!(payment_rows(&pool, &owner).await, 1);
 }
 
@@ -730,6 +773,14 @@ mod postgres {
             return;
         };
         super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_purges_expired_records() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        super::serve_purges_expired_records(&url, &url).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -992,6 +1043,33 @@ mod records {
         idem.complete(&lease, Response::new(201, "paid"))
             .await
             .unwrap();
+    }
+}
+
+mod redis_persistence {
+    //! `idem serve` on throwaway `redis-server`s, one persisting nothing and one with an
+    //! append-only file: only the first is warned about at start.
+
+    use idem_redis::testing::{self, RedisServer};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_warns_when_redis_persists_nothing() {
+        if !idem_testkit::harness::present(
+            testing::binaries_available(),
+            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
+        ) {
+            return;
+        }
+        let bare = RedisServer::start().expect("start redis-server");
+        let aof = RedisServer::start_with(&["--appendonly", "yes"]).expect("start redis-server");
+        for (server, warned) in [(&bare, true), (&aof, false)] {
+            let mut served = super::spawn_serve_on(&server.url());
+            let mut child = served.child.take().unwrap();
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(log.contains("REDIS PERSISTS NOTHING"), warned, "{log}");
+        }
     }
 }
 
