@@ -759,44 +759,52 @@ mod redis {
 mod postgres {
     //! Against `IDEM_TEST_DATABASE_URL` (idem's tables in schema `idem` there).
 
+    /// Runs `case` with `IDEM_TEST_DATABASE_URL`; without one, the harness has said why
+    /// (or failed the run, when backends are required).
+    async fn on_database<F: std::future::Future<Output = ()>>(case: impl FnOnce(String) -> F) {
+        if let Some(url) = idem_testkit::harness::database_url() {
+            case(url).await;
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
-        let Some(url) = idem_testkit::harness::database_url() else {
-            return;
-        };
-        super::operator_commands_over(&url).await;
+        on_database(|url| async move {
+            super::operator_commands_over(&url).await;
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_crash_after_the_commit_loses_nothing() {
-        let Some(url) = idem_testkit::harness::database_url() else {
-            return;
-        };
-        super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
+        on_database(|url| async move {
+            super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_purges_expired_records() {
-        let Some(url) = idem_testkit::harness::database_url() else {
-            return;
-        };
-        super::serve_purges_expired_records(&url, &url).await;
+        on_database(|url| async move {
+            super::serve_purges_expired_records(&url, &url).await;
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_crash_mid_handler_frees_the_key_after_the_lease() {
-        let Some(url) = idem_testkit::harness::database_url() else {
-            return;
-        };
-        super::a_crash_mid_handler_frees_the_key_after_the_lease(&url, &url).await;
+        on_database(|url| async move {
+            super::a_crash_mid_handler_frees_the_key_after_the_lease(&url, &url).await;
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_race_across_two_processes_runs_once() {
-        let Some(url) = idem_testkit::harness::database_url() else {
-            return;
-        };
-        super::a_race_across_two_processes_runs_once(&url, &url).await;
+        on_database(|url| async move {
+            super::a_race_across_two_processes_runs_once(&url, &url).await;
+        })
+        .await;
     }
 }
 
