@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idemkit::{
     Begin, BeginRequest, Completion, Config, Error, Fingerprint, Idem, Lease, Record, RecordId,
-    Scope, Stats, Store, Watch,
+    Result, Scope, Stats, Store, Watch,
 };
 use tokio::time::Instant;
 
@@ -127,30 +127,25 @@ impl Store for Polled {
     fn name(&self) -> &'static str {
         self.0.name()
     }
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
         self.0.begin(req).await
     }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        c: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
-        self.0.complete(lease, c, retention).await
+    async fn complete(&self, lease: &Lease, c: &Completion, ttl: Duration) -> Result<()> {
+        self.0.complete(lease, c, ttl).await
     }
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+    async fn release(&self, lease: &Lease) -> Result<()> {
         self.0.release(lease).await
     }
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         self.0.extend(lease, by).await
     }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>> {
         self.0.get(id).await
     }
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+    async fn evict(&self, id: &RecordId) -> Result<bool> {
         self.0.evict(id).await
     }
-    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
         self.0.stats(scope, stuck_after).await
     }
     async fn watch(&self, _: &RecordId) -> Option<Watch> {

@@ -1,6 +1,10 @@
 //! The errors of idem. Outcomes such as replay, in flight and mismatch are values of
 //! [`crate::Begin`], not errors.
 
+/// The result of a store or lease operation: `Result<T>` is `Result<T, idem_core::Error>`,
+/// as [`std::io::Result`] is for I/O. The error type can still be named for other errors.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
 /// A boxed error source.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 

@@ -12,7 +12,7 @@ use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, CompletionKind, Lease, Record, RecordState, Replay};
 use crate::store::{Begin, BeginRequest, Stats, Store};
@@ -244,7 +244,7 @@ impl MemoryStore {
         req: &BeginRequest<'_>,
         hash: u64,
         sent_at: Instant,
-    ) -> Result<Result<Begin, CapacityError>, Error> {
+    ) -> Result<Result<Begin, CapacityError>> {
         let now = nanos(self.inner.clock.now());
         let usage = &self.inner.usage;
         let mut shard = self.inner.shard(hash);
@@ -487,13 +487,7 @@ impl Shard {
     }
 
     /// The record if it is in progress under the lease's token.
-    fn held(
-        &mut self,
-        hash: u64,
-        lease: &Lease,
-        now: u64,
-        usage: &Usage,
-    ) -> Result<&mut Slot, Error> {
+    fn held(&mut self, hash: u64, lease: &Lease, now: u64, usage: &Usage) -> Result<&mut Slot> {
         match self.live(hash, lease.id(), now, usage) {
             Some(slot) if slot.token() == Some(lease.token()) => Ok(slot),
             _ => Err(Error::LeaseLost),
@@ -507,7 +501,7 @@ impl Store for MemoryStore {
         "memory"
     }
 
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
         let sent_at = Instant::now();
         let hash = self.inner.hash_id(req.id);
         let full = match self.begin_in_shard(&req, hash, sent_at)? {
@@ -526,12 +520,7 @@ impl Store for MemoryStore {
         }
     }
 
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let now = nanos(self.inner.clock.now());
         let usage = &self.inner.usage;
         let hash = self.inner.hash_id(lease.id());
@@ -539,14 +528,14 @@ impl Store for MemoryStore {
         shard.sweep(now, SWEEP_PER_WRITE, usage);
         let done = shard
             .held(hash, lease, now, usage)?
-            .completed(completion, nanos(now_plus(now, retention)));
+            .completed(completion, nanos(now_plus(now, ttl)));
         shard.replace(hash, lease.id(), done, usage);
         drop(shard);
         self.inner.watchers.notify(lease.id());
         Ok(())
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+    async fn release(&self, lease: &Lease) -> Result<()> {
         let now = nanos(self.inner.clock.now());
         let usage = &self.inner.usage;
         let hash = self.inner.hash_id(lease.id());
@@ -558,7 +547,7 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         let sent_at = Instant::now();
         let now = nanos(self.inner.clock.now());
         let usage = &self.inner.usage;
@@ -574,7 +563,7 @@ impl Store for MemoryStore {
         Ok(lease.renewed(attempt, by, sent_at))
     }
 
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>> {
         let now = nanos(self.inner.clock.now());
         let hash = self.inner.hash_id(id);
         let mut shard = self.inner.shard(hash);
@@ -599,7 +588,7 @@ impl Store for MemoryStore {
         }))
     }
 
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+    async fn evict(&self, id: &RecordId) -> Result<bool> {
         let now = nanos(self.inner.clock.now());
         let usage = &self.inner.usage;
         let hash = self.inner.hash_id(id);
@@ -616,7 +605,7 @@ impl Store for MemoryStore {
         Some(self.inner.watchers.watch(id.clone()))
     }
 
-    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
         let now = nanos(self.inner.clock.now());
         let stuck_after = nanos(stuck_after);
         let mut stats = Stats::default();
@@ -728,7 +717,7 @@ mod tests {
     }
 
     /// A begin of `key` on `store`, with a 1 s lease and 1 s retention.
-    async fn begin(store: &MemoryStore, key: &str) -> Result<Begin, Error> {
+    async fn begin(store: &MemoryStore, key: &str) -> Result<Begin> {
         let id = id(key);
         let req = BeginRequest {
             id: &id,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, FencingToken, Lease, Record, Replay};
@@ -116,26 +116,22 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// # Errors
     ///
     /// [`Error::Unavailable`], [`Error::Backend`] or [`Error::Corrupt`].
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error>;
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin>;
 
-    /// Stores the outcome and ends the lease. The completion is kept for `retention`.
+    /// Stores the outcome and ends the lease. The completion is kept for `ttl` (its time to
+    /// live; the engine passes [`crate::Config::retention`]), then forgotten.
     ///
     /// # Errors
     ///
     /// [`Error::LeaseLost`] when the lease no longer holds the record; store errors.
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error>;
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()>;
 
     /// Ends the lease and forgets the record, so a retry runs the work again.
     ///
     /// # Errors
     ///
     /// [`Error::LeaseLost`] when the lease no longer holds the record; store errors.
-    async fn release(&self, lease: &Lease) -> Result<(), Error>;
+    async fn release(&self, lease: &Lease) -> Result<()>;
 
     /// Moves the lease deadline to `by` from now (a heartbeat for long work), returning the
     /// renewed lease.
@@ -143,21 +139,21 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// # Errors
     ///
     /// [`Error::LeaseLost`] when the lease no longer holds the record; store errors.
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error>;
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease>;
 
     /// Reads a record, for inspection. `None` when it is absent or expired.
     ///
     /// # Errors
     ///
     /// Store errors.
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error>;
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>>;
 
     /// Deletes a record whatever its state (an operator's tool). Returns whether it existed.
     ///
     /// # Errors
     ///
     /// Store errors.
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error>;
+    async fn evict(&self, id: &RecordId) -> Result<bool>;
 
     /// Registers interest in `id` settling (see the trait's contract): `None` when the store
     /// cannot notify (the default), or cannot now (its listener is down), and the caller
@@ -174,7 +170,7 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// # Errors
     ///
     /// Store errors; [`Error::Unsupported`] from stores that cannot count (the default).
-    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
         let _ = (scope, stuck_after);
         Err(Error::Unsupported {
             store: self.name(),

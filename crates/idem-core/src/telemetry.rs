@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::Instrument;
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, Lease, Record};
 use crate::store::{Begin, BeginRequest, Stats, Store};
@@ -150,7 +150,7 @@ impl Instrumented {
         id: Option<&RecordId>,
         call: impl std::future::Future<Output = Result<T, Error>>,
         describe: impl FnOnce(&T) -> (&'static str, Option<u32>),
-    ) -> Result<T, Error> {
+    ) -> Result<T> {
         let store = self.inner.name();
         let span = tracing::debug_span!(
             "idem.store",
@@ -233,7 +233,7 @@ impl Store for Instrumented {
         self.inner.name()
     }
 
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
         let id = req.id;
         self.observe("begin", None, Some(id), self.inner.begin(req), |answer| {
             let attempt = match answer {
@@ -245,20 +245,15 @@ impl Store for Instrumented {
         .await
     }
 
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
-        let call = self.inner.complete(lease, completion, retention);
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
+        let call = self.inner.complete(lease, completion, ttl);
         self.observe("complete", None, Some(lease.id()), call, |()| {
             ("ok", Some(lease.attempt()))
         })
         .await
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+    async fn release(&self, lease: &Lease) -> Result<()> {
         let call = self.inner.release(lease);
         self.observe("release", None, Some(lease.id()), call, |()| {
             ("ok", Some(lease.attempt()))
@@ -266,7 +261,7 @@ impl Store for Instrumented {
         .await
     }
 
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         let call = self.inner.extend(lease, by);
         self.observe("extend", None, Some(lease.id()), call, |renewed| {
             ("ok", Some(renewed.attempt()))
@@ -274,7 +269,7 @@ impl Store for Instrumented {
         .await
     }
 
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>> {
         let call = self.inner.get(id);
         self.observe("get", None, Some(id), call, |record| {
             (if record.is_some() { "found" } else { "absent" }, None)
@@ -282,7 +277,7 @@ impl Store for Instrumented {
         .await
     }
 
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+    async fn evict(&self, id: &RecordId) -> Result<bool> {
         let call = self.inner.evict(id);
         self.observe("evict", None, Some(id), call, |existed| {
             (if *existed { "evicted" } else { "absent" }, None)
@@ -290,7 +285,7 @@ impl Store for Instrumented {
         .await
     }
 
-    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
         let call = self.inner.stats(scope, stuck_after);
         self.observe("stats", scope, None, call, |_| ("ok", None))
             .await

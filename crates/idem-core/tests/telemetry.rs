@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_core::telemetry::{Instrumented, KeyHash};
 use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, MemoryStore, RecordId,
-    Response, Scope, Store,
+    Response, Result, Scope, Store,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::MetricKind;
@@ -161,27 +161,22 @@ impl Store for Silent {
     fn name(&self) -> &'static str {
         "silent"
     }
-    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin> {
         std::future::pending().await
     }
-    async fn complete(
-        &self,
-        _: &idem_core::Lease,
-        _: &Completion,
-        _: Duration,
-    ) -> Result<(), Error> {
+    async fn complete(&self, _: &idem_core::Lease, _: &Completion, _: Duration) -> Result<()> {
         std::future::pending().await
     }
-    async fn release(&self, _: &idem_core::Lease) -> Result<(), Error> {
+    async fn release(&self, _: &idem_core::Lease) -> Result<()> {
         std::future::pending().await
     }
-    async fn extend(&self, _: &idem_core::Lease, _: Duration) -> Result<idem_core::Lease, Error> {
+    async fn extend(&self, _: &idem_core::Lease, _: Duration) -> Result<idem_core::Lease> {
         std::future::pending().await
     }
-    async fn get(&self, _: &RecordId) -> Result<Option<idem_core::Record>, Error> {
+    async fn get(&self, _: &RecordId) -> Result<Option<idem_core::Record>> {
         std::future::pending().await
     }
-    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
+    async fn evict(&self, _: &RecordId) -> Result<bool> {
         std::future::pending().await
     }
 }

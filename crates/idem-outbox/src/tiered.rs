@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::telemetry::KeyHash;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, RecordState, Replay, Scope,
-    Stats, Store, Watch,
+    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, RecordState, Replay, Result,
+    Scope, Stats, Store, Watch,
 };
 use idem_postgres::{map_error, PgStore};
 
@@ -66,7 +66,7 @@ impl TieredStore {
     /// # Errors
     ///
     /// As [`PgStore::migrate`].
-    pub async fn migrate(&self) -> Result<(), Error> {
+    pub async fn migrate(&self) -> Result<()> {
         crate::migrate(&self.pg).await
     }
 
@@ -98,7 +98,7 @@ impl TieredStore {
         lease: &Lease,
         completion: &Completion,
         retention: Duration,
-    ) -> Result<(), Error> {
+    ) -> Result<()> {
         self.pg
             .complete_in(conn, lease, completion, retention)
             .await?;
@@ -140,7 +140,7 @@ impl TieredStore {
         lease: &Lease,
         completion: &Completion,
         retention: Duration,
-    ) -> Result<Applied, Error> {
+    ) -> Result<Applied> {
         let applied = self.apply(lease.id(), lease, completion, retention).await;
         self.let_go_unless_applied(lease, &applied).await;
         applied
@@ -167,7 +167,7 @@ impl TieredStore {
         lease: &Lease,
         completion: &Completion,
         ttl: Duration,
-    ) -> Result<Applied, Error> {
+    ) -> Result<Applied> {
         if !fits_redis(&self.redis, completion) {
             return Err(Error::Invalid(format!(
                 "the completion of {id} is over the Redis tier's body limit; it is replayed \
@@ -206,7 +206,7 @@ impl TieredStore {
     }
 
     /// PostgreSQL's answer to a `begin` that Redis granted.
-    async fn arbitrate(&self, req: &BeginRequest<'_>, redis_lease: Lease) -> Result<Begin, Error> {
+    async fn arbitrate(&self, req: &BeginRequest<'_>, redis_lease: Lease) -> Result<Begin> {
         let answer = match self.pg.begin(req.clone()).await {
             Ok(answer) => answer,
             Err(e) => {
@@ -262,7 +262,7 @@ impl Store for TieredStore {
         STORE
     }
 
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
         // In Redis an in-progress record lives only as long as its lease: PostgreSQL keeps
         // the attempt count and the fingerprint past it, and a Redis record left behind (a
         // release that failed, a begin cancelled half-way) must not answer in flight or
@@ -285,23 +285,17 @@ impl Store for TieredStore {
         }
     }
 
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let mut tx = self.pg.pool().begin().await.map_err(map_error)?;
-        self.complete_in(&mut tx, lease, completion, retention)
-            .await?;
+        self.complete_in(&mut tx, lease, completion, ttl).await?;
         tx.commit().await.map_err(map_error)?;
-        if let Err(e) = self.publish(lease, completion, retention).await {
+        if let Err(e) = self.publish(lease, completion, ttl).await {
             tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "completion left to the relay");
         }
         Ok(())
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+    async fn release(&self, lease: &Lease) -> Result<()> {
         self.pg.release(lease).await?;
         if let Err(e) = self.redis.release(lease).await {
             // The Redis lease expires on its own; until then retries see in flight.
@@ -310,7 +304,7 @@ impl Store for TieredStore {
         Ok(())
     }
 
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         let renewed = self.pg.extend(lease, by).await?;
         if let Err(e) = self.redis.extend(lease, by).await {
             tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not extended");
@@ -318,11 +312,11 @@ impl Store for TieredStore {
         Ok(renewed)
     }
 
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>> {
         self.pg.get(id).await
     }
 
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+    async fn evict(&self, id: &RecordId) -> Result<bool> {
         // The key's outbox rows go first, so the relay cannot write an evicted completion
         // back into Redis.
         sqlx::query(&self.sql.evict)
@@ -336,7 +330,7 @@ impl Store for TieredStore {
         Ok(in_pg || in_redis)
     }
 
-    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
         self.pg.stats(scope, stuck_after).await
     }
 

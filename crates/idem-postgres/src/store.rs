@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     decode_meta, encode_meta, Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint,
-    Lease, Record, RecordId, RecordState, Replay, Scope, Stats, Store, Watch,
+    Lease, Record, RecordId, RecordState, Replay, Result, Scope, Stats, Store, Watch,
 };
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgArguments, PgPoolOptions, PgRow};
@@ -287,7 +287,7 @@ impl PgStore {
         lease: &Lease,
         completion: &Completion,
         retention: Duration,
-    ) -> Result<(), Error> {
+    ) -> Result<()> {
         let meta = encode_meta(completion.kind, &completion.response);
         let done = self
             .complete_query(lease, &meta, completion, retention)
@@ -433,16 +433,11 @@ impl Store for PgStore {
         classify_begin(&row, &req, sent_at)
     }
 
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let meta = encode_meta(completion.kind, &completion.response);
         let done = self
             .retrying(|| {
-                self.complete_query(lease, &meta, completion, retention)
+                self.complete_query(lease, &meta, completion, ttl)
                     .execute(&self.pool)
             })
             .await

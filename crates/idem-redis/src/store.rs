@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
-    Replay, Scope, Stats, Store, Watch,
+    Replay, Result, Scope, Stats, Store, Watch,
 };
 use redis::aio::ConnectionLike;
 use redis::Value;
@@ -742,16 +742,11 @@ impl Store for RedisStore {
             .await)
     }
 
-    async fn complete(
-        &self,
-        lease: &Lease,
-        completion: &Completion,
-        retention: Duration,
-    ) -> Result<(), Error> {
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
         let key = self.record_key(lease.id());
         call!(self, |conn, resent| {
-            self.complete_once(conn, &key, lease, &encoded, retention, resent)
+            self.complete_once(conn, &key, lease, &encoded, ttl, resent)
                 .await
         })
     }
