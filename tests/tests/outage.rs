@@ -39,11 +39,7 @@ mod redis {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_claimed_by_timed_out_begins_are_free_soon_after_the_resume() {
-        let present = idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        );
-        if !present {
+        if !testing::available() {
             return;
         }
         let server = RedisServer::start().expect("start redis-server");

@@ -24,6 +24,15 @@ struct Served {
     base: String,
 }
 
+impl Served {
+    /// Kills the server as a crash would (SIGKILL: no shutdown code runs) and reaps it.
+    fn kill_9(&mut self) {
+        let mut child = self.child.take().expect("the server is running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
 impl Drop for Served {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -139,48 +148,27 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     let mut served = spawn_serve();
     let client = client();
     let payments = format!("{}/payments", served.base);
-    let alice = ("authorization", "Bearer alice");
-    let json = ("content-type", "application/json");
+    let alice = "Bearer alice";
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
 
     // The three-call tour: first call, replay, mismatch.
-    let first = call(
-        &client,
-        "POST",
-        &payments,
-        &[alice, json, ("idempotency-key", "order-1")],
-        order,
-    )
-    .await;
+    let order_1 = payment(alice, "order-1", &[]);
+    let first = call(&client, "POST", &payments, &order_1, order).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let payment = first.json();
-    assert_eq!(payment["amount"], 1250);
-    assert_eq!(payment["currency"], "EUR");
-    let id = payment["id"].as_str().unwrap().to_owned();
+    let payment_json = first.json();
+    assert_eq!(payment_json["amount"], 1250);
+    assert_eq!(payment_json["currency"], "EUR");
+    let id = payment_json["id"].as_str().unwrap().to_owned();
     assert_eq!(first.headers["location"], format!("/payments/{id}"));
 
-    let replay = call(
-        &client,
-        "POST",
-        &payments,
-        &[alice, json, ("idempotency-key", "order-1")],
-        order,
-    )
-    .await;
+    let replay = call(&client, "POST", &payments, &order_1, order).await;
     assert_eq!(replay.status, StatusCode::CREATED);
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert!(replay.headers.contains_key("idempotency-expires"));
     assert_eq!(replay.body, first.body);
 
     let other = r#"{"amount": 9999, "currency": "EUR"}"#;
-    let mismatch = call(
-        &client,
-        "POST",
-        &payments,
-        &[alice, json, ("idempotency-key", "order-1")],
-        other,
-    )
-    .await;
+    let mismatch = call(&client, "POST", &payments, &order_1, other).await;
     assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(mismatch.headers["content-type"], "application/problem+json");
 
@@ -189,19 +177,9 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     for _ in 0..8 {
         let (client, payments) = (client.clone(), payments.clone());
         tasks.push(tokio::spawn(async move {
-            call(
-                &client,
-                "POST",
-                &payments,
-                &[
-                    alice,
-                    json,
-                    ("idempotency-key", "race-1"),
-                    ("x-demo-delay-ms", "300"),
-                ],
-                r#"{"amount": 500, "currency": "USD"}"#,
-            )
-            .await
+            let slow = payment(alice, "race-1", &[("x-demo-delay-ms", "300")]);
+            let usd = r#"{"amount": 500, "currency": "USD"}"#;
+            call(&client, "POST", &payments, &slow, usd).await
         }));
     }
     let mut statuses = Vec::new();
@@ -218,26 +196,17 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
         .count();
 
     // Refusals.
-    let no_key = call(&client, "POST", &payments, &[alice, json], order).await;
+    let json = ("content-type", "application/json");
+    let no_key = [("authorization", alice), json];
+    let no_key = call(&client, "POST", &payments, &no_key, order).await;
     assert_eq!(no_key.status, StatusCode::BAD_REQUEST);
-    let invalid = call(
-        &client,
-        "POST",
-        &payments,
-        &[alice, json, ("idempotency-key", "bad-1")],
-        r#"{"amount": -1, "currency": "EUR"}"#,
-    )
-    .await;
+    let negative = r#"{"amount": -1, "currency": "EUR"}"#;
+    let bad_1 = payment(alice, "bad-1", &[]);
+    let invalid = call(&client, "POST", &payments, &bad_1, negative).await;
     assert_eq!(invalid.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(invalid.json()["type"], "urn:idem:demo:invalid-payment");
-    let anonymous = call(
-        &client,
-        "POST",
-        &payments,
-        &[json, ("idempotency-key", "anon-1")],
-        order,
-    )
-    .await;
+    let anonymous = [json, ("idempotency-key", "anon-1")];
+    let anonymous = call(&client, "POST", &payments, &anonymous, order).await;
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
     assert_eq!(
         anonymous.json()["type"],
@@ -245,28 +214,13 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     );
 
     // The side effect ran once per key: two payments for alice, none for bob.
-    let list = call(&client, "GET", &payments, &[alice], "").await;
-    assert_eq!(list.status, StatusCode::OK);
-    assert_eq!(list.json()["count"], 2);
-    let one = call(&client, "GET", &format!("{payments}/{id}"), &[alice], "").await;
-    assert_eq!(one.json()["id"], id.as_str());
-    let bobs = call(
-        &client,
-        "GET",
-        &payments,
-        &[("authorization", "Bearer bob")],
-        "",
-    )
-    .await;
-    assert_eq!(bobs.json()["count"], 0);
-    let not_bobs = call(
-        &client,
-        "GET",
-        &format!("{payments}/{id}"),
-        &[("authorization", "Bearer bob")],
-        "",
-    )
-    .await;
+    assert_eq!(list(&client, &served.base, alice).await["count"], 2);
+    let one = format!("{payments}/{id}");
+    let alices = call(&client, "GET", &one, &[("authorization", alice)], "").await;
+    assert_eq!(alices.json()["id"], id.as_str());
+    assert_eq!(list(&client, &served.base, "Bearer bob").await["count"], 0);
+    let bob = ("authorization", "Bearer bob");
+    let not_bobs = call(&client, "GET", &one, &[bob], "").await;
     assert_eq!(not_bobs.status, StatusCode::NOT_FOUND);
 
     let metrics = call(&client, "GET", &format!("{}/metrics", served.base), &[], "").await;
@@ -553,6 +507,23 @@ async fn payment_rows(pool: &sqlx::PgPool, owner: &str) -> i64 {
         .unwrap()
 }
 
+/// `order` paid by `auth` under the key `order-1` with the `extra` header, sent in the
+/// background to `served`, which the test kills mid-request (so the reply may be an error).
+fn pay_in_background(
+    client: &Arc<Client<HttpConnector, Full<Bytes>>>,
+    served: &Served,
+    auth: &str,
+    extra: (&'static str, &'static str),
+    order: &'static str,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    let (client, auth) = (client.clone(), auth.to_owned());
+    let url = format!("{}/payments", served.base);
+    tokio::spawn(async move {
+        let headers = payment(&auth, "order-1", &[extra]);
+        try_call(&client, "POST", &url, &headers, order).await
+    })
+}
+
 /// `idem serve` killed with `kill -9` after the payment's transaction committed and before
 /// the response was written (`x-demo-delay-after-commit-ms` holds it in that window): after
 /// a restart, the retry replays the committed payment, and PostgreSQL holds one row.
@@ -564,30 +535,15 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
     let mut served = spawn_serve_on(store);
 
-    let first = {
-        let (client, url, auth) = (
-            client.clone(),
-            format!("{}/payments", served.base),
-            auth.clone(),
-        );
-        tokio::spawn(async move {
-            let headers = payment(
-                &auth,
-                "order-1",
-                &[("x-demo-delay-after-commit-ms", "30000")],
-            );
-            try_call(&client, "POST", &url, &headers, order).await
-        })
-    };
+    let hold_after_commit = ("x-demo-delay-after-commit-ms", "30000");
+    let first = pay_in_background(&client, &served, &auth, hold_after_commit, order);
     let deadline = Instant::now() + Duration::from_secs(20);
     while payment_rows(&pool, &owner).await == 0 {
         assert!(Instant::now() < deadline, "the payment was never committed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The payment is committed and its response not yet written: kill -9.
-    let mut child = served.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    served.kill_9();
     assert!(first.await.unwrap().is_err(), "the killed server answered");
 
     let served = spawn_serve_on(store);
@@ -627,22 +583,10 @@ async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database
     let auth = format!("Bearer {owner}");
     let order = r#"{"amount": 700, "currency": "EUR"}"#;
     let mut served = spawn_serve_with(store, &["--lease", "2"]);
-    let first = {
-        let (client, url, auth) = (
-            client.clone(),
-            format!("{}/payments", served.base),
-            auth.clone(),
-        );
-        tokio::spawn(async move {
-            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "30000")]);
-            try_call(&client, "POST", &url, &headers, order).await
-        })
-    };
+    let first = pay_in_background(&client, &served, &auth, ("x-demo-delay-ms", "30000"), order);
     // Let the first request take the key, then kill -9 the server mid-handler.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut child = served.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    served.kill_9();
     let killed = Instant::now();
     assert!(first.await.unwrap().is_err(), "the killed server answered");
 
@@ -759,53 +703,33 @@ mod redis {
 mod postgres {
     //! Against `IDEM_TEST_DATABASE_URL` (idem's tables in schema `idem` there).
 
-    /// Runs `case` with `IDEM_TEST_DATABASE_URL`; without one, the harness has said why
-    /// (or failed the run, when backends are required).
-    async fn on_database<F: std::future::Future<Output = ()>>(case: impl FnOnce(String) -> F) {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_inspect_stats_evict() {
         if let Some(url) = idem_testkit::harness::database_url() {
-            case(url).await;
+            super::operator_commands_over(&url).await;
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_inspect_stats_evict() {
-        on_database(|url| async move {
-            super::operator_commands_over(&url).await;
-        })
-        .await;
+    /// One test per case of the parent module, each run with `IDEM_TEST_DATABASE_URL` as
+    /// both the store and the database the case reads; without one, the harness has said
+    /// why (or failed the run, when backends are required).
+    macro_rules! on_database {
+        ($($case:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                if let Some(url) = idem_testkit::harness::database_url() {
+                    super::$case(&url, &url).await;
+                }
+            }
+        )*};
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_crash_after_the_commit_loses_nothing() {
-        on_database(|url| async move {
-            super::a_crash_after_the_commit_loses_nothing(&url, &url).await;
-        })
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_purges_expired_records() {
-        on_database(|url| async move {
-            super::serve_purges_expired_records(&url, &url).await;
-        })
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_crash_mid_handler_frees_the_key_after_the_lease() {
-        on_database(|url| async move {
-            super::a_crash_mid_handler_frees_the_key_after_the_lease(&url, &url).await;
-        })
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_race_across_two_processes_runs_once() {
-        on_database(|url| async move {
-            super::a_race_across_two_processes_runs_once(&url, &url).await;
-        })
-        .await;
-    }
+    on_database!(
+        a_crash_after_the_commit_loses_nothing,
+        serve_purges_expired_records,
+        a_crash_mid_handler_frees_the_key_after_the_lease,
+        a_race_across_two_processes_runs_once,
+    );
 }
 
 mod redis_cluster {
@@ -816,10 +740,7 @@ mod redis_cluster {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
-        if !idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) {
+        if !testing::available() {
             return;
         }
         let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
@@ -875,10 +796,7 @@ mod tiered {
         let Some(postgres) = idem_testkit::harness::database_url() else {
             return;
         };
-        if !idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) {
+        if !testing::available() {
             return;
         }
         let mut redis = RedisServer::start().expect("start redis-server");
@@ -920,10 +838,7 @@ mod tiered {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_crash_after_the_commit_loses_nothing() {
-        let (Some(redis), Some(postgres)) = (
-            idem_testkit::harness::redis_url(),
-            idem_testkit::harness::database_url(),
-        ) else {
+        let Some((redis, postgres)) = super::both_urls() else {
             return;
         };
         let _relay = relay(&redis, &postgres).await;
@@ -933,10 +848,7 @@ mod tiered {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_race_across_two_processes_runs_once() {
-        let (Some(redis), Some(postgres)) = (
-            idem_testkit::harness::redis_url(),
-            idem_testkit::harness::database_url(),
-        ) else {
+        let Some((redis, postgres)) = super::both_urls() else {
             return;
         };
         let store = format!("tiered:{redis}|{postgres}");
@@ -956,11 +868,7 @@ mod tls {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
-        if !idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) || !pg::available()
-        {
+        if !testing::available() || !pg::available() {
             return;
         }
         let pki = Pki::new();
@@ -1062,10 +970,7 @@ mod redis_persistence {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_warns_when_redis_persists_nothing() {
-        if !idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) {
+        if !testing::available() {
             return;
         }
         let bare = RedisServer::start().expect("start redis-server");
@@ -1094,10 +999,7 @@ mod redis_keyspace {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn stats_reads_two_million_keys_page_by_page_and_stops_at_its_timeout() {
-        if !idem_testkit::harness::present(
-            testing::binaries_available(),
-            "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-        ) {
+        if !testing::available() {
             return;
         }
         let server = RedisServer::start_with(&["--enable-debug-command", "yes"])

@@ -63,10 +63,7 @@ async fn relay_starts_while_redis_is_down_and_relays_once_it_returns() {
     let Some(db_url) = harness::database_url() else {
         return;
     };
-    if !harness::present(
-        testing::binaries_available(),
-        "redis-server and redis-cli on PATH (Debian/Ubuntu: apt-get install redis-server)",
-    ) {
+    if !testing::available() {
         return;
     }
     let mut server = RedisServer::start().expect("start redis-server");
