@@ -410,36 +410,14 @@ mod tiered {
 
     // --- the outbox's own schema ---------------------------------------------------------------
 
-    /// The outbox table and index as idem-postgres's former `0002_outbox` created them, before
-    /// idem-outbox owned its schema.
-    const OLD_0002_OUTBOX: &str = r#"
-CREATE TABLE outbox (
-    id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    scope       bytea       NOT NULL,
-    key         text        COLLATE "C" NOT NULL,
-    fingerprint bytea       NOT NULL CHECK (octet_length(fingerprint) = 32),
-    -- The lease that completed: the relay writes over Redis's in-progress record only when
-    -- it is still held by this token.
-    token       uuid        NOT NULL,
-    attempt     integer     NOT NULL CHECK (attempt >= 1),
-    meta        bytea       NOT NULL,
-    body        bytea       NOT NULL,
-    -- When the completed record is forgotten: the copy in Redis expires then too.
-    expires_at  timestamptz NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
-    -- Relay bookkeeping: failed applications so far, when to try next, and why it failed.
-    tries       integer     NOT NULL DEFAULT 0,
-    next_try_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    dead        boolean     NOT NULL DEFAULT false,
-    last_error  text
-) WITH (
-    autovacuum_vacuum_scale_factor = 0.02,
-    autovacuum_vacuum_insert_scale_factor = 0.05,
-    autovacuum_analyze_scale_factor = 0.05
-);
-
-CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
-"#;
+    /// The outbox table and index as idem-postgres's former `0002_outbox` created them,
+    /// before idem-outbox owned its schema: the SQL of the outbox's own `1001_outbox`, which
+    /// creates the same table and index (only `IF NOT EXISTS` differs), taken from the
+    /// crate's migrator so the two cannot drift apart.
+    fn former_0002_outbox() -> &'static str {
+        let outbox = idem_outbox::migrator().iter().find(|m| m.version == 1001);
+        &outbox.expect("the outbox's 1001_outbox migration").sql
+    }
 
     async fn has_table(pg: &PgStore, table: &str) -> bool {
         sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
@@ -497,7 +475,7 @@ CREATE INDEX outbox_pending ON outbox (next_try_at, id) WHERE NOT dead;
             .execute(&mut *tx)
             .await
             .expect("search_path");
-        sqlx::raw_sql(OLD_0002_OUTBOX)
+        sqlx::raw_sql(former_0002_outbox())
             .execute(&mut *tx)
             .await
             .expect("the former 0002");
