@@ -216,22 +216,37 @@ impl fmt::Debug for Config {
     }
 }
 
+/// `with_<field>(value)` builders that set a field to the value as given, each documented as
+/// the setter of `Config::<field>`; the builders that convert their argument are written out.
+macro_rules! setters {
+    ($($with:ident => $field:ident: $ty:ty;)*) => {$(
+        #[doc = concat!("Sets [`Config::", stringify!($field), "`].")]
+        pub fn $with(mut self, $field: $ty) -> Self {
+            self.$field = $field;
+            self
+        }
+    )*};
+}
+
 impl Config {
-    /// Sets [`Config::header`].
-    pub fn with_header(mut self, header: HeaderName) -> Self {
-        self.header = header;
-        self
+    setters! {
+        with_header => header: HeaderName;
+        with_missing_key => missing_key: MissingKey;
+        with_json_selection => json_selection: JsonSelection;
+        with_max_request_body => max_request_body: usize;
+        with_max_response_body => max_response_body: usize;
+        with_unstored => unstored: Unstored;
+        with_fail_open => fail_open: bool;
+        with_store_retry_after => store_retry_after: Duration;
+        with_in_flight_retry_after => in_flight_retry_after: Duration;
+        with_anonymous => anonymous: Anonymous;
+        with_store_response_within => store_response_within: Duration;
+        with_heartbeat => heartbeat: bool;
     }
 
     /// Sets [`Config::methods`].
     pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().collect();
-        self
-    }
-
-    /// Sets [`Config::missing_key`].
-    pub fn with_missing_key(mut self, missing_key: MissingKey) -> Self {
-        self.missing_key = missing_key;
         self
     }
 
@@ -241,30 +256,6 @@ impl Config {
         headers: impl IntoIterator<Item = HeaderName>,
     ) -> Self {
         self.fingerprint_headers = headers.into_iter().collect();
-        self
-    }
-
-    /// Sets [`Config::json_selection`].
-    pub fn with_json_selection(mut self, selection: JsonSelection) -> Self {
-        self.json_selection = selection;
-        self
-    }
-
-    /// Sets [`Config::max_request_body`].
-    pub fn with_max_request_body(mut self, bytes: usize) -> Self {
-        self.max_request_body = bytes;
-        self
-    }
-
-    /// Sets [`Config::max_response_body`].
-    pub fn with_max_response_body(mut self, bytes: usize) -> Self {
-        self.max_response_body = bytes;
-        self
-    }
-
-    /// Sets [`Config::unstored`].
-    pub fn with_unstored(mut self, unstored: Unstored) -> Self {
-        self.unstored = unstored;
         self
     }
 
@@ -286,42 +277,6 @@ impl Config {
     /// Sets [`Config::replay_headers`].
     pub fn with_replay_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.replay_headers = headers.into_iter().collect();
-        self
-    }
-
-    /// Sets [`Config::fail_open`].
-    pub fn with_fail_open(mut self, fail_open: bool) -> Self {
-        self.fail_open = fail_open;
-        self
-    }
-
-    /// Sets [`Config::store_retry_after`].
-    pub fn with_store_retry_after(mut self, retry_after: Duration) -> Self {
-        self.store_retry_after = retry_after;
-        self
-    }
-
-    /// Sets [`Config::in_flight_retry_after`].
-    pub fn with_in_flight_retry_after(mut self, retry_after: Duration) -> Self {
-        self.in_flight_retry_after = retry_after;
-        self
-    }
-
-    /// Sets [`Config::anonymous`].
-    pub fn with_anonymous(mut self, anonymous: Anonymous) -> Self {
-        self.anonymous = anonymous;
-        self
-    }
-
-    /// Sets [`Config::store_response_within`].
-    pub fn with_store_response_within(mut self, within: Duration) -> Self {
-        self.store_response_within = within;
-        self
-    }
-
-    /// Sets [`Config::heartbeat`].
-    pub fn with_heartbeat(mut self, heartbeat: bool) -> Self {
-        self.heartbeat = heartbeat;
         self
     }
 
