@@ -1,7 +1,6 @@
 //! Every store call reports a span and metrics, and neither gives the key away.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::telemetry::{Instrumented, KeyHash};
@@ -9,18 +8,9 @@ use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, MemoryStore, RecordId,
     Response, Result, Scope, Store,
 };
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use idem_testkit::telemetry::{logs_of, metrics_of, FmtSpan, Level};
+use metrics_util::debugging::DebugValue;
 use metrics_util::MetricKind;
-use tracing_subscriber::fmt::format::FmtSpan;
-
-/// Held by each test of this file: tracing caches which callsites are enabled process-wide,
-/// so a test without a subscriber that runs beside one with a scoped subscriber can leave
-/// that subscriber's events disabled.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn id() -> RecordId {
     RecordId::new(
@@ -55,20 +45,11 @@ async fn lifecycle(store: &Instrumented) {
 
 #[test]
 fn metrics_count_every_call_by_outcome() {
-    let _one = one_at_a_time();
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
     let store = Instrumented::new(Arc::new(MemoryStore::new()));
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(lifecycle(&store));
-    });
+    let snapshot = metrics_of(lifecycle(&store));
     let mut counters = Vec::new();
     let mut histograms = 0;
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+    for (key, _, _, value) in snapshot.into_vec() {
         let (kind, key) = key.into_parts();
         let labels: Vec<String> = key
             .labels()
@@ -99,40 +80,10 @@ fn metrics_count_every_call_by_outcome() {
     assert_eq!(histograms, 4, "one latency sample per call");
 }
 
-/// A writer the subscriber formats into, for the test to read.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[test]
 fn spans_name_the_key_by_its_hash_only() {
-    let _one = one_at_a_time();
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_span_events(FmtSpan::CLOSE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
     let store = Instrumented::new(Arc::new(MemoryStore::new()));
-    tracing::subscriber::with_default(subscriber, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(lifecycle(&store));
-    });
-    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let out = logs_of(Level::DEBUG, FmtSpan::CLOSE, lifecycle(&store));
     let hash = KeyHash::of(&id()).to_string();
     assert_eq!(out.matches("idem.store").count(), 4, "{out}");
     assert_eq!(out.matches(&format!("key_hash={hash}")).count(), 4, "{out}");
@@ -185,35 +136,25 @@ impl Store for Silent {
 /// unavailable.
 #[test]
 fn idem_reports_its_calls_and_their_time_limit() {
-    let _one = one_at_a_time();
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let idem = idem_core::Idem::new(MemoryStore::new());
-                let fp = Fingerprint::of_bytes(b"request");
-                assert!(matches!(
-                    idem.begin(&id(), fp).await.unwrap(),
-                    Begin::Acquired(_)
-                ));
-                let silent = idem_core::Idem::new(Silent).with_config(
-                    idem_core::Config::default().with_store_timeout(Duration::from_millis(20)),
-                );
-                assert!(matches!(
-                    silent.begin(&id(), fp).await,
-                    Err(Error::Unavailable {
-                        store: "silent",
-                        ..
-                    })
-                ));
-            });
+    let snapshot = metrics_of(async {
+        let idem = idem_core::Idem::new(MemoryStore::new());
+        let fp = Fingerprint::of_bytes(b"request");
+        assert!(matches!(
+            idem.begin(&id(), fp).await.unwrap(),
+            Begin::Acquired(_)
+        ));
+        let silent = idem_core::Idem::new(Silent).with_config(
+            idem_core::Config::default().with_store_timeout(Duration::from_millis(20)),
+        );
+        assert!(matches!(
+            silent.begin(&id(), fp).await,
+            Err(Error::Unavailable {
+                store: "silent",
+                ..
+            })
+        ));
     });
-    let mut counters: Vec<String> = snapshotter
-        .snapshot()
+    let mut counters: Vec<String> = snapshot
         .into_vec()
         .into_iter()
         .filter_map(|(key, _, _, value)| match value {
@@ -239,43 +180,28 @@ fn idem_reports_its_calls_and_their_time_limit() {
 /// "answers again" line, while it keeps answering the keys it holds.
 #[test]
 fn a_full_memory_store_is_not_logged_as_an_outage() {
-    let _one = one_at_a_time();
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
     let full =
         MemoryStore::new().with_capacity(idem_core::MemoryCapacity::default().with_records(1));
     let idem = idem_core::Idem::new(full);
-    tracing::subscriber::with_default(subscriber, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let fp = Fingerprint::of_bytes(b"request");
-                assert!(matches!(
-                    idem.begin(&id(), fp).await.unwrap(),
-                    Begin::Acquired(_)
-                ));
-                for i in 0..3 {
-                    let other = RecordId::new(Scope::global(), Key::new(format!("k{i}")).unwrap());
-                    let refused = idem.begin(&other, fp).await;
-                    assert!(
-                        matches!(refused, Err(Error::Unavailable { .. })),
-                        "{refused:?}"
-                    );
-                    assert!(matches!(
-                        idem.begin(&id(), fp).await.unwrap(),
-                        Begin::InFlight { .. }
-                    ));
-                }
-            });
+    let out = logs_of(Level::INFO, FmtSpan::NONE, async {
+        let fp = Fingerprint::of_bytes(b"request");
+        assert!(matches!(
+            idem.begin(&id(), fp).await.unwrap(),
+            Begin::Acquired(_)
+        ));
+        for i in 0..3 {
+            let other = RecordId::new(Scope::global(), Key::new(format!("k{i}")).unwrap());
+            let refused = idem.begin(&other, fp).await;
+            assert!(
+                matches!(refused, Err(Error::Unavailable { .. })),
+                "{refused:?}"
+            );
+            assert!(matches!(
+                idem.begin(&id(), fp).await.unwrap(),
+                Begin::InFlight { .. }
+            ));
+        }
     });
-    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(!out.contains("unavailable"), "{out}");
     assert!(!out.contains("answers again"), "{out}");
 }

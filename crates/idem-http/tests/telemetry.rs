@@ -1,8 +1,5 @@
 //! Every guarded request reports a span and metrics, and neither gives the key away.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
@@ -11,31 +8,12 @@ use http_body_util::Full;
 use idem_core::telemetry::KeyHash;
 use idem_core::{Idem, Key, MemoryStore, RecordId, Scope};
 use idem_http::IdempotencyLayer;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use idem_testkit::telemetry::{logs_of, metrics_of, FmtSpan, Level};
+use metrics_util::debugging::DebugValue;
 use tower_layer::Layer;
 use tower_service::Service;
-use tracing_subscriber::fmt::format::FmtSpan;
 
 const KEY: &str = "secret-order-key-7";
-
-/// Held by each test of this file: tracing caches which callsites are enabled process-wide,
-/// so a test without a subscriber that runs beside one with a scoped subscriber can leave
-/// that subscriber's spans disabled.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// A writer the subscriber formats into, for the test to read.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// The same request twice through the layer: the handler runs, then its response replays.
 async fn twice() {
@@ -56,19 +34,9 @@ async fn twice() {
 
 #[test]
 fn requests_are_counted_by_outcome_and_the_handler_timed() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(twice());
-    });
     let mut counters = Vec::new();
     let mut handler_samples = 0;
-    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+    for (key, _, _, value) in metrics_of(twice()).into_vec() {
         let key = key.key().clone();
         let labels: Vec<String> = key.labels().map(|l| l.value().to_owned()).collect();
         match value {
@@ -98,23 +66,7 @@ fn requests_are_counted_by_outcome_and_the_handler_timed() {
 
 #[test]
 fn request_spans_carry_the_outcome_and_the_key_hash_only() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_span_events(FmtSpan::CLOSE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    tracing::subscriber::with_default(subscriber, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(twice());
-    });
-    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let out = logs_of(Level::INFO, FmtSpan::CLOSE, twice());
     let id = RecordId::new(Scope::new("tenant-a").unwrap(), Key::new(KEY).unwrap());
     let hash = format!("key_hash={}", KeyHash::of(&id));
     assert_eq!(out.matches("idem.http").count(), 2, "{out}");

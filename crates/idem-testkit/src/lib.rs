@@ -37,6 +37,9 @@ pub mod postgres;
 mod process;
 pub mod rabbitmq;
 pub mod redis;
+#[cfg(feature = "telemetry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "telemetry")))]
+pub mod telemetry;
 pub mod tls;
 
 /// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
