@@ -197,15 +197,13 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
 
     // Untimed: connections made, scripts loaded.
     for side_ in sides.iter().chain(&cluster) {
-        run_phase(
-            side_,
-            &workload,
-            "lifecycle",
-            "warm",
-            500.min(s.keys),
-            s.concurrency,
-        )
-        .await?;
+        let warm = Run {
+            phase: "lifecycle",
+            keys: "warm".to_owned(),
+            n: 500.min(s.keys),
+            c: s.concurrency,
+        };
+        run_phase(side_, &workload, &warm).await?;
     }
 
     let phases = [
@@ -231,8 +229,9 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
                 "lifecycle" if c == 1 => format!("r{round}-l1"),
                 _ => format!("r{round}-l"),
             };
+            let run = Run { phase, keys, n, c };
             for side_ in &order {
-                let (sample, parts) = measure(&side, side_, &workload, phase, &keys, n, c).await?;
+                let (sample, parts) = measure(&side, side_, &workload, &run).await?;
                 let label = format!("{phase} c={c}");
                 samples
                     .entry((side_.name().to_owned(), label.clone()))
@@ -240,7 +239,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
                     .push(sample);
                 breakdown.insert((side_.name().to_owned(), label), parts);
                 if phase == "lifecycle" && c > 1 {
-                    let bytes = sample_usage(&side, side_, &workload, &keys, n).await?;
+                    let bytes = sample_usage(&side, side_, &workload, &run.keys, n).await?;
                     usage
                         .entry(side_.name().to_owned())
                         .or_default()
@@ -248,7 +247,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
                 }
             }
             if let (Some(cl), true) = (&cluster, c > 1) {
-                let (sample, _) = measure_plain(cl, &workload, phase, &keys, n, c).await?;
+                let (sample, _) = measure_plain(cl, &workload, &run).await?;
                 samples
                     .entry((cl.name().to_owned(), format!("{phase} c={c}")))
                     .or_default()
@@ -270,26 +269,33 @@ fn json_body(bytes: usize) -> Bytes {
     ))
 }
 
+/// One run of a phase: `n` operations of `phase` (`lifecycle` or `replay`), `c` at a time, on
+/// keys named after `keys`.
+#[derive(Debug)]
+struct Run {
+    phase: &'static str,
+    keys: String,
+    n: usize,
+    c: usize,
+}
+
 /// Runs one phase of one side with the server's counters around it.
 async fn measure(
     server: &RedisSide,
     side: &Side,
     w: &Arc<Workload>,
-    phase: &'static str,
-    keys: &str,
-    n: usize,
-    c: usize,
+    run: &Run,
 ) -> Result<(Sample, String), String> {
     let stats = server.command_stats().await?;
     let cpu = server.used_cpu().await?;
     let mem = server.used_memory().await?;
-    let (mut sample, report) = measure_plain(side, w, phase, keys, n, c).await?;
+    let (mut sample, report) = measure_plain(side, w, run).await?;
     let delta = stats_delta(&stats, &server.command_stats().await?);
     let ops = report.ops().max(1) as f64;
     let (usec, parts) = server_usec(&delta, side.top_level(), ops);
     sample.server_us = usec / ops;
     sample.cpu_us = (server.used_cpu().await? - cpu) * 1e6 / ops;
-    if phase == "lifecycle" {
+    if run.phase == "lifecycle" {
         sample.bytes_per_record = (server.used_memory().await? as f64 - mem as f64) / ops;
     }
     Ok((sample, parts))
@@ -299,12 +305,9 @@ async fn measure(
 async fn measure_plain(
     side: &Side,
     w: &Arc<Workload>,
-    phase: &'static str,
-    keys: &str,
-    n: usize,
-    c: usize,
+    run: &Run,
 ) -> Result<(Sample, PhaseReport), String> {
-    let report = run_phase(side, w, phase, keys, n, c).await?;
+    let report = run_phase(side, w, run).await?;
     let sample = Sample {
         ops_per_sec: report.throughput(),
         p50_us: report.p50().as_secs_f64() * 1e6,
@@ -363,18 +366,12 @@ pub(crate) fn server_usec(
     (total, parts.join(", "))
 }
 
-/// Runs `n` operations of `phase` on one side, on keys named after `keys`: `lifecycle`
-/// claims and completes new keys, `replay` claims the keys a lifecycle completed.
-async fn run_phase(
-    side: &Side,
-    w: &Arc<Workload>,
-    phase: &'static str,
-    keys: &str,
-    n: usize,
-    c: usize,
-) -> Result<PhaseReport, String> {
-    let (side, w, keys) = (side.clone(), w.clone(), Arc::<str>::from(keys));
-    drive(phase, n, c, move |i| {
+/// Runs `run` on one side: `lifecycle` claims and completes new keys, `replay` claims the
+/// keys a lifecycle completed.
+async fn run_phase(side: &Side, w: &Arc<Workload>, run: &Run) -> Result<PhaseReport, String> {
+    let phase = run.phase;
+    let (side, w, keys) = (side.clone(), w.clone(), Arc::<str>::from(run.keys.as_str()));
+    drive(phase, run.n, run.c, move |i| {
         let (side, w, key) = (side.clone(), w.clone(), format!("{keys}-{i}"));
         async move {
             match phase {

@@ -443,15 +443,10 @@ async fn measure(
                 &side.command_stats().await?,
             );
             if let Some(set) = set_nx {
-                figures.push(
-                    Figure::new(
-                        format!("lifecycle C={c} / (SET NX C={c} / 2)"),
-                        life.throughput() / (set / 2.0),
-                        "",
-                        format!("{:.0}/s vs {:.0}/s SET NX", life.throughput(), set),
-                    )
-                    .target(Target::AtLeast(0.8)),
-                );
+                let name = format!("lifecycle C={c} / (SET NX C={c} / 2)");
+                let half = "SET NX / 2 (two round trips)";
+                let figure = Figure::ratio(name, life.throughput(), set / 2.0, half);
+                figures.push(figure.target(Target::AtLeast(0.8)));
             }
             let keys = (0..n)
                 .map(|i| bench.id("lifecycle", i).map(|id| store.record_key(&id)))
@@ -487,19 +482,10 @@ async fn measure(
         }
         if let (Server::Postgres(pg), false) = (server, args.no_floor) {
             let floor = pg.floor(n, c, args.body_bytes).await?;
-            figures.push(
-                Figure::new(
-                    format!("lifecycle C={c} / insert+update C={c}"),
-                    life.throughput() / floor.throughput(),
-                    "",
-                    format!(
-                        "{:.0}/s vs {:.0}/s two-statement floor",
-                        life.throughput(),
-                        floor.throughput()
-                    ),
-                )
-                .target(Target::AtLeast(0.9)),
-            );
+            let name = format!("lifecycle C={c} / insert+update C={c}");
+            let floor_is = "two-statement floor";
+            let figure = Figure::ratio(name, life.throughput(), floor.throughput(), floor_is);
+            figures.push(figure.target(Target::AtLeast(0.9)));
             reports.push(life);
             reports.push(floor);
         } else {
@@ -523,15 +509,9 @@ async fn measure(
                 &side.command_stats().await?,
             );
             if let Some(set) = set_nx {
-                figures.push(
-                    Figure::new(
-                        format!("replay C={c} / SET NX C={c}"),
-                        replay.throughput() / set,
-                        "",
-                        format!("{:.0}/s vs {:.0}/s SET NX", replay.throughput(), set),
-                    )
-                    .target(Target::AtLeast(0.8)),
-                );
+                let name = format!("replay C={c} / SET NX C={c}");
+                let figure = Figure::ratio(name, replay.throughput(), set, "SET NX");
+                figures.push(figure.target(Target::AtLeast(0.8)));
             }
         }
         reports.push(replay);
@@ -580,29 +560,12 @@ async fn measure(
     }
     if wants("middleware") {
         let http = middleware::run(n, c).await?;
-        figures.push(
-            Figure::new(
-                "http: layer new keys / bare handler",
-                http[1].throughput() / http[0].throughput(),
-                "",
-                format!(
-                    "{:.0} vs {:.0} requests/s",
-                    http[1].throughput(),
-                    http[0].throughput()
-                ),
-            )
-            .target(Target::AtLeast(0.7)),
-        );
-        figures.push(Figure::new(
-            "http: layer replays / bare handler",
-            http[2].throughput() / http[0].throughput(),
-            "",
-            format!(
-                "{:.0} vs {:.0} requests/s",
-                http[2].throughput(),
-                http[0].throughput()
-            ),
-        ));
+        let (bare, bare_is) = (http[0].throughput(), "requests to the bare handler");
+        let name = "http: layer new keys / bare handler";
+        let figure = Figure::ratio(name, http[1].throughput(), bare, bare_is);
+        figures.push(figure.target(Target::AtLeast(0.7)));
+        let name = "http: layer replays / bare handler";
+        figures.push(Figure::ratio(name, http[2].throughput(), bare, bare_is));
         reports.extend(http);
     }
     Ok((reports, figures))

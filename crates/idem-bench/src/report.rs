@@ -170,6 +170,13 @@ impl Figure {
         }
     }
 
+    /// The ratio of two throughputs in operations per second, `ours` over `theirs`, both
+    /// named in its basis: `"<ours>/s vs <theirs>/s <what theirs is>"`.
+    pub fn ratio(name: impl Into<String>, ours: f64, theirs: f64, theirs_is: &str) -> Self {
+        let basis = format!("{ours:.0}/s vs {theirs:.0}/s {theirs_is}");
+        Self::new(name, ours / theirs, "", basis)
+    }
+
     /// Sets the target.
     pub fn target(mut self, target: Target) -> Self {
         self.target = Some(target);
