@@ -24,6 +24,14 @@ fn idem(config: Config) -> Idem {
     Idem::new(MemoryStore::new()).with_config(config)
 }
 
+/// The lease of `key`, which no one holds yet.
+async fn acquired(idem: &Idem, key: &str) -> Lease {
+    match idem.begin(&id(key), fp()).await.unwrap() {
+        Begin::Acquired(lease) => lease,
+        other => panic!("{key}: a fresh key is acquired, got {other:?}"),
+    }
+}
+
 /// The error of `execute_once` on `key` when its work fails with `failure`.
 async fn fails(idem: &Idem, key: &str, failure: Failure<String>) -> OnceError<String> {
     idem.execute_once(&id(key), fp(), |_| async { Err::<u32, _>(failure) })
@@ -34,9 +42,7 @@ async fn fails(idem: &Idem, key: &str, failure: Failure<String>) -> OnceError<St
 #[tokio::test]
 async fn wait_returns_the_holders_result() {
     let idem = idem(Config::default().with_wait(Duration::from_secs(5)));
-    let Begin::Acquired(lease) = idem.begin(&id("k"), fp()).await.unwrap() else {
-        panic!("fresh key")
-    };
+    let lease = acquired(&idem, "k").await;
     let holder = idem.clone();
     tokio::spawn(async move {
         sleep(Duration::from_millis(100)).await;
@@ -56,9 +62,7 @@ async fn wait_returns_the_holders_result() {
 #[tokio::test]
 async fn wait_gives_up_with_in_flight() {
     let idem = idem(Config::default().with_wait(Duration::from_millis(150)));
-    let Begin::Acquired(_lease) = idem.begin(&id("k"), fp()).await.unwrap() else {
-        panic!("fresh key")
-    };
+    let _lease = acquired(&idem, "k").await;
     let started = Instant::now();
     assert!(matches!(
         idem.begin(&id("k"), fp()).await.unwrap(),
@@ -74,9 +78,7 @@ async fn wait_takes_over_when_the_holder_dies() {
             .with_lease(Duration::from_millis(100))
             .with_wait(Duration::from_secs(5)),
     );
-    let Begin::Acquired(_crashed) = idem.begin(&id("k"), fp()).await.unwrap() else {
-        panic!("fresh key")
-    };
+    let _crashed = acquired(&idem, "k").await;
     match idem.begin(&id("k"), fp()).await.unwrap() {
         Begin::TookOver(lease) => assert_eq!(lease.attempt(), 2),
         other => panic!("expected a takeover, got {other:?}"),
@@ -135,9 +137,7 @@ async fn execute_once_maps_every_outcome() {
     );
 
     // In flight while another worker holds the key.
-    let Begin::Acquired(_held) = idem.begin(&id("held"), fp()).await.unwrap() else {
-        panic!("fresh key")
-    };
+    let _held = acquired(&idem, "held").await;
     assert!(matches!(
         idem.execute_once(&id("held"), fp(), work(1)).await.unwrap(),
         Once::InFlight { .. }
@@ -301,9 +301,7 @@ async fn a_lost_lease_under_on_lost_finish_lets_the_work_end() {
     use idem_core::OnLost;
 
     let idem = idem(Config::default().with_lease(Duration::from_millis(90)));
-    let Begin::Acquired(lease) = idem.begin(&id("finish"), fp()).await.unwrap() else {
-        panic!("a fresh key is acquired")
-    };
+    let lease = acquired(&idem, "finish").await;
     let evicter = idem.clone();
     let (lease, out) = idem
         .run_with_heartbeat(lease, OnLost::Finish, async move {
