@@ -99,18 +99,21 @@ pub fn default_store_status(status: StatusCode) -> bool {
 ///
 /// The lease length, retention and the wait for an in-flight request belong to the engine:
 /// see [`idem_core::Config`].
-#[derive(Clone)]
+#[derive(Clone, derive_setters::Setters)]
+#[setters(prefix = "with_")]
 #[non_exhaustive]
 pub struct Config {
     /// The request header carrying the key. Default: `Idempotency-Key`.
     pub header: HeaderName,
     /// The methods that are guarded; requests with other methods pass through untouched.
     /// Default: `POST` and `PATCH`.
+    #[setters(skip)]
     pub methods: Vec<Method>,
     /// A guarded request without a key. Default: [`MissingKey::Reject`] (400).
     pub missing_key: MissingKey,
     /// Request headers that take part in the fingerprint besides the method, the path
     /// with its query, and the body. Default: none.
+    #[setters(skip)]
     pub fingerprint_headers: Vec<HeaderName>,
     /// Which fields of a JSON body take part in the fingerprint. Default: all of it.
     pub json_selection: JsonSelection,
@@ -128,6 +131,7 @@ pub struct Config {
     /// that are final for the request, never 401, 403, 408, 409, 423, 425 or 429 (its docs
     /// hold the whole table). A service that answers a create with `303 See Other` should
     /// add 3xx here.
+    #[setters(skip)]
     pub store_status: StatusFilter,
     /// Response headers stored and replayed (compared case-insensitively). Headers not
     /// listed are sent with the first response only. `Set-Cookie`, hop-by-hop headers
@@ -136,6 +140,7 @@ pub struct Config {
     /// are even when listed, as a replayed body is framed anew. Default: `Content-Type`,
     /// `Content-Encoding`, `Content-Language`, `Content-Location`, `Location`, `ETag`,
     /// `Last-Modified`, `Cache-Control`, `Link`.
+    #[setters(skip)]
     pub replay_headers: Vec<HeaderName>,
     /// When the store is unavailable at the start of a request: `false` (the default)
     /// answers 503 with `Retry-After` and never runs the handler unguarded (fail closed);
@@ -216,34 +221,8 @@ impl fmt::Debug for Config {
     }
 }
 
-/// `with_<field>(value)` builders that set a field to the value as given, each documented as
-/// the setter of `Config::<field>`; the builders that convert their argument are written out.
-macro_rules! setters {
-    ($($with:ident => $field:ident: $ty:ty;)*) => {$(
-        #[doc = concat!("Sets [`Config::", stringify!($field), "`].")]
-        pub fn $with(mut self, $field: $ty) -> Self {
-            self.$field = $field;
-            self
-        }
-    )*};
-}
-
+// The `with_*` builders of the other fields, which set them as given, are derived.
 impl Config {
-    setters! {
-        with_header => header: HeaderName;
-        with_missing_key => missing_key: MissingKey;
-        with_json_selection => json_selection: JsonSelection;
-        with_max_request_body => max_request_body: usize;
-        with_max_response_body => max_response_body: usize;
-        with_unstored => unstored: Unstored;
-        with_fail_open => fail_open: bool;
-        with_store_retry_after => store_retry_after: Duration;
-        with_in_flight_retry_after => in_flight_retry_after: Duration;
-        with_anonymous => anonymous: Anonymous;
-        with_store_response_within => store_response_within: Duration;
-        with_heartbeat => heartbeat: bool;
-    }
-
     /// Sets [`Config::methods`].
     pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().collect();
