@@ -95,36 +95,59 @@ mod cases {
         layer_with(Idem::from_arc(store), config, outcomes)
     }
 
+    /// `n` copies of one POST sent at once, each from a task of its own: the replies, in the
+    /// order sent.
+    async fn burst(
+        server: &Server,
+        n: usize,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Vec<Reply> {
+        let owned = |s: &str| s.to_owned();
+        let headers: Vec<(String, String)> =
+            headers.iter().map(|(n, v)| (owned(n), owned(v))).collect();
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let (server, path, body) = (server.clone(), owned(path), owned(body));
+                let headers = headers.clone();
+                tokio::spawn(async move {
+                    let headers: Vec<(&str, &str)> = headers
+                        .iter()
+                        .map(|(n, v)| (n.as_str(), v.as_str()))
+                        .collect();
+                    server.post(&path, &headers, &body).await
+                })
+            })
+            .collect();
+        let mut replies = Vec::with_capacity(n);
+        for task in tasks {
+            replies.push(task.await.unwrap());
+        }
+        replies
+    }
+
+    /// The payments app on `store`, with the default configuration.
+    async fn pay_on(store: Arc<dyn Store>) -> PayServer {
+        serve_pay(Idem::from_arc(store), Config::default()).await
+    }
+
     pub async fn a_burst_of_identical_requests_runs_the_handler_once(store: Arc<dyn Store>) {
         let PayServer {
             server,
             runs,
             outcomes,
-        } = serve_pay(Idem::from_arc(store), Config::default()).await;
-        let server = Arc::new(server);
-
-        let mut tasks = Vec::new();
-        for _ in 0..24 {
-            let server = server.clone();
-            tasks.push(tokio::spawn(async move {
-                server
-                    .post(
-                        "/pay",
-                        &[
-                            ("idempotency-key", "burst-1"),
-                            ("authorization", "Bearer alice"),
-                            ("x-delay-ms", "300"),
-                            JSON,
-                        ],
-                        r#"{"amount": 1250, "currency": "EUR"}"#,
-                    )
-                    .await
-            }));
-        }
+        } = pay_on(store).await;
+        let headers = [
+            ("idempotency-key", "burst-1"),
+            ("authorization", "Bearer alice"),
+            ("x-delay-ms", "300"),
+            JSON,
+        ];
+        let order = r#"{"amount": 1250, "currency": "EUR"}"#;
         let mut created = Vec::new();
         let mut conflicts = 0;
-        for task in tasks {
-            let reply = task.await.unwrap();
+        for reply in burst(&server, 24, "/pay", &headers, order).await {
             match reply.status {
                 StatusCode::CREATED => created.push(reply.body),
                 StatusCode::CONFLICT => {
@@ -168,25 +191,8 @@ mod cases {
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_wait(Duration::from_secs(5)));
         let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
-        let server = Arc::new(server);
-
-        let mut tasks = Vec::new();
-        for _ in 0..12 {
-            let server = server.clone();
-            tasks.push(tokio::spawn(async move {
-                server
-                    .post(
-                        "/pay",
-                        &[("idempotency-key", "burst-2"), ("x-delay-ms", "200"), JSON],
-                        r#"{"amount": 1}"#,
-                    )
-                    .await
-            }));
-        }
-        let mut replies = Vec::new();
-        for task in tasks {
-            replies.push(task.await.unwrap());
-        }
+        let headers = [("idempotency-key", "burst-2"), ("x-delay-ms", "200"), JSON];
+        let replies = burst(&server, 12, "/pay", &headers, r#"{"amount": 1}"#).await;
         assert_eq!(runs.get(), 1);
         assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
         assert!(replies.iter().all(|r| r.body == replies[0].body));
@@ -254,8 +260,7 @@ mod cases {
         let bare = server
             .post("/blob", &[("idempotency-key", "blob-1")], "")
             .await;
-        assert!(bare.replayed());
-        assert_eq!(bare.body, first.body);
+        bare.assert_replay_of(&first);
         assert_eq!(outcomes.count(Outcome::Replayed), 2);
     }
 
@@ -264,7 +269,7 @@ mod cases {
             server,
             runs,
             outcomes,
-        } = serve_pay(Idem::from_arc(store), Config::default()).await;
+        } = pay_on(store).await;
         let key = ("idempotency-key", "k-mismatch");
 
         let first = server.post("/pay", &[key, JSON], r#"{"amount": 1}"#).await;
@@ -285,8 +290,7 @@ mod cases {
     }
 
     pub async fn one_scope_never_sees_another_scopes_response(store: Arc<dyn Store>) {
-        let PayServer { server, runs, .. } =
-            serve_pay(Idem::from_arc(store), Config::default()).await;
+        let PayServer { server, runs, .. } = pay_on(store).await;
         let body = r#"{"amount": 5}"#;
         let as_user = |user: &'static str| {
             [
@@ -305,8 +309,7 @@ mod cases {
         assert_eq!(runs.get(), 2);
 
         let alice_again = server.post("/pay", &as_user("Bearer alice"), body).await;
-        assert!(alice_again.replayed());
-        assert_eq!(alice_again.body, alice.body);
+        alice_again.assert_replay_of(&alice);
         // Anonymous requests share the global scope, apart from every named one.
         let anonymous = server
             .post("/pay", &[("idempotency-key", "shared-key"), JSON], body)
@@ -351,8 +354,7 @@ mod cases {
         let bad = server.post("/flaky", &key, "client-error").await;
         assert_eq!(bad.status, StatusCode::BAD_REQUEST);
         let bad_again = server.post("/flaky", &key, "client-error").await;
-        assert!(bad_again.replayed());
-        assert_eq!(bad_again.body, bad.body);
+        bad_again.assert_replay_of(&bad);
         assert_eq!(runs.get(), 3);
         assert_eq!(outcomes.count(Outcome::NotStored), 1);
     }
@@ -442,7 +444,7 @@ mod cases {
             server,
             runs,
             outcomes,
-        } = serve_pay(Idem::from_arc(store), Config::default()).await;
+        } = pay_on(store).await;
         let started = Instant::now();
         let reply = server
             .post("/pay", &[("idempotency-key", "down-1"), JSON], "{}")
@@ -748,8 +750,7 @@ mod transactional {
         assert_eq!(first.status, StatusCode::CREATED);
         assert_eq!(counting.completes(), 1);
         let retry = server.post("/pay", &headers, "two").await;
-        assert!(retry.replayed());
-        assert_eq!(retry.body, first.body);
+        retry.assert_replay_of(&first);
         assert_eq!(rows().await, 2);
     }
 

@@ -21,6 +21,7 @@ use idem_http::{Anonymous, Config, IdempotencyLayer, Outcome};
 
 pub type ClientBody = BoxBody<Bytes, Infallible>;
 
+#[derive(Clone)]
 pub struct Server {
     pub base: String,
     pub client: Client<hyper_util::client::legacy::connect::HttpConnector, ClientBody>,
@@ -40,6 +41,14 @@ impl Reply {
 
     pub fn replayed(&self) -> bool {
         self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// Asserts that this reply is the replay of `first`: marked replayed, with its status and
+    /// its bytes.
+    #[track_caller]
+    pub fn assert_replay_of(&self, first: &Reply) {
+        assert!(self.replayed(), "not a replay: {self:?}");
+        assert_eq!((self.status, &self.body), (first.status, &first.body));
     }
 
     pub fn problem_type(&self) -> String {
