@@ -7,6 +7,8 @@
 //! its own (`idem_t_<unix seconds>_<random>`, swept by the PostgreSQL tests after an hour)
 //! and a Redis key prefix of its own.
 
+mod support;
+
 mod relay {
     use std::process::Stdio;
     use std::sync::Arc;
@@ -200,7 +202,7 @@ mod relay {
 
         /// `idem-relay run` on this environment, standard output piped.
         fn spawn_relay_process(&self, extra: &[&str]) -> Child {
-            Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+            crate::support::relay_command()
                 .args(["run", "--migrate"])
                 .args(["--database-url", &self.db_url])
                 .args(["--schema", self.pg.schema()])
@@ -208,9 +210,7 @@ mod relay {
                 .args(["--redis-prefix", &self.prefix])
                 .args(["--log", "warn"])
                 .args(extra)
-                .stdin(Stdio::null())
                 .stdout(Stdio::piped())
-                .kill_on_drop(true)
                 .spawn()
                 .expect("start idem-relay")
         }

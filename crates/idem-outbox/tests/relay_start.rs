@@ -19,8 +19,10 @@ use idem_redis::testing::{self, RedisServer};
 use idem_redis::RedisStore;
 use idem_testkit::harness;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
 use tokio::time::{sleep, Instant};
+
+mod support;
+use support::relay_command;
 
 const RELAY: &str = env!("CARGO_BIN_EXE_idem-relay");
 /// Generous for a loaded 2-core machine; nothing here asserts speed.
@@ -72,19 +74,14 @@ async fn relay_starts_while_redis_is_down_and_relays_once_it_returns() {
     let pg = migrated(&db_url).await;
     server.stop();
 
-    let mut relay = Command::new(RELAY)
+    let mut relay = relay_command()
         .arg("run")
         .env("IDEM_STORE", format!("tiered:{redis_url}|{db_url}"))
         .env("IDEM_PREFIX", &prefix)
         .env("IDEM_SCHEMA", pg.schema())
-        .env_remove("IDEM_DATABASE_URL")
-        .env_remove("IDEM_REDIS_URL")
-        .env_remove("RUST_LOG")
         .args(["--poll-ms", "50", "--backoff-ms", "50", "--log", "info"])
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
         .spawn()
         .expect("start idem-relay");
     let lines = Arc::new(Mutex::new(Vec::new()));
@@ -233,19 +230,13 @@ async fn run_without_migrate_changes_no_schema() {
         return;
     };
     let schema = harness::unique_name("idem_relay_nomig_");
-    let relay = tokio::process::Command::new(RELAY)
+    let relay = relay_command()
         .args(["run", "--schema", &schema, "--log", "warn"])
         // No Redis listens on port 1: the relay would start without it, so only the schema
         // check can stop it.
         .env("IDEM_STORE", format!("tiered:redis://127.0.0.1:1|{db_url}"))
-        .env_remove("IDEM_DATABASE_URL")
-        .env_remove("IDEM_REDIS_URL")
-        .env_remove("IDEM_SCHEMA")
-        .env_remove("IDEM_PREFIX")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
         .spawn()
         .unwrap();
     // A relay that got past the check runs until stopped: bound the wait.

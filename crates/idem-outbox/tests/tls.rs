@@ -3,6 +3,8 @@
 //! makes. The relay connects to both, migrates, serves its metrics (read from PostgreSQL)
 //! and stops cleanly; trusting another authority, it refuses to start.
 
+mod support;
+
 mod tls {
     use std::process::Stdio;
     use std::time::Duration;
@@ -11,7 +13,6 @@ mod tls {
     use idem_testkit::postgres::{self as pg, PgServer};
     use idem_testkit::tls::Pki;
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-    use tokio::process::Command;
     use tokio::time::timeout;
 
     const PATIENCE: Duration = Duration::from_secs(30);
@@ -34,15 +35,12 @@ mod tls {
         };
         let redis = |ca: &str| format!("rediss://localhost:{tls_port}/?tls_ca_file={ca}");
         let relay = |database: String, redis: String| {
-            Command::new(env!("CARGO_BIN_EXE_idem-relay"))
+            crate::support::relay_command()
                 .args(["run", "--migrate", "--database-url", &database])
                 .args(["--redis-url", &redis])
                 .args(["--metrics-listen", "127.0.0.1:0", "--log", "warn"])
-                .env_remove("RUST_LOG")
-                .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
-                .kill_on_drop(true)
                 .spawn()
                 .expect("start idem-relay")
         };
