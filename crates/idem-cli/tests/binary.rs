@@ -97,6 +97,8 @@ fn spawn_serve_with(store: &str, extra: &[&str]) -> Served {
     served
 }
 
+type Request = hyper::Request<Full<Bytes>>;
+
 struct Reply {
     status: StatusCode,
     headers: hyper::HeaderMap,
@@ -109,6 +111,7 @@ impl Reply {
     }
 }
 
+/// The [`request`] sent, and its reply; the test fails if the connection breaks.
 async fn call(
     client: &Client<HttpConnector, Full<Bytes>>,
     method: &str,
@@ -116,25 +119,23 @@ async fn call(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Reply {
-    try_call(client, method, url, headers, body).await.unwrap()
+    send(client, request(method, url, headers, body))
+        .await
+        .unwrap()
 }
 
-/// [`call`], for a request whose connection may break.
-async fn try_call(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    method: &str,
-    url: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Result<Reply, String> {
+/// The request `method url` with `headers` and `body`.
+fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Request {
     let mut req = hyper::Request::builder().method(method).uri(url);
     for (n, v) in headers {
         req = req.header(*n, *v);
     }
-    let response = client
-        .request(req.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
-        .await
-        .map_err(|e| e.to_string())?;
+    req.body(Full::new(Bytes::from(body.to_owned()))).unwrap()
+}
+
+/// Sends `req`, for a request whose connection may break: the error as text then.
+async fn send(client: &Client<HttpConnector, Full<Bytes>>, req: Request) -> Result<Reply, String> {
+    let response = client.request(req).await.map_err(|e| e.to_string())?;
     let (parts, body) = response.into_parts();
     Ok(Reply {
         status: parts.status,
@@ -466,6 +467,14 @@ async fn operator_commands_over(store: &str) {
     assert_eq!(list(&client, &served.base, &auth).await["count"], 2);
 }
 
+/// A payer of the test's own: its name (`<prefix>-<random>`, as the demo's rows name their
+/// owner) and the `Authorization` header value that makes requests its own.
+fn payer(prefix: &str) -> (String, String) {
+    let owner = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+    let auth = format!("Bearer {owner}");
+    (owner, auth)
+}
+
 /// A client for the tests' requests.
 fn client() -> Arc<Client<HttpConnector, Full<Bytes>>> {
     Arc::new(Client::builder(TokioExecutor::new()).build_http())
@@ -513,15 +522,13 @@ fn pay_in_background(
     client: &Arc<Client<HttpConnector, Full<Bytes>>>,
     served: &Served,
     auth: &str,
-    extra: (&'static str, &'static str),
-    order: &'static str,
+    extra: (&str, &str),
+    order: &str,
 ) -> tokio::task::JoinHandle<Result<Reply, String>> {
-    let (client, auth) = (client.clone(), auth.to_owned());
     let url = format!("{}/payments", served.base);
-    tokio::spawn(async move {
-        let headers = payment(&auth, "order-1", &[extra]);
-        try_call(&client, "POST", &url, &headers, order).await
-    })
+    let req = request("POST", &url, &payment(auth, "order-1", &[extra]), order);
+    let client = client.clone();
+    tokio::spawn(async move { send(&client, req).await })
 }
 
 /// `idem serve` killed with `kill -9` after the payment's transaction committed and before
@@ -530,8 +537,7 @@ fn pay_in_background(
 async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
     let client = client();
-    let owner = format!("crash-{}", uuid::Uuid::new_v4().simple());
-    let auth = format!("Bearer {owner}");
+    let (owner, auth) = payer("crash");
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
     let mut served = spawn_serve_on(store);
 
@@ -579,8 +585,7 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
 async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
     let client = client();
-    let owner = format!("lease-{}", uuid::Uuid::new_v4().simple());
-    let auth = format!("Bearer {owner}");
+    let (owner, auth) = payer("lease");
     let order = r#"{"amount": 700, "currency": "EUR"}"#;
     let mut served = spawn_serve_with(store, &["--lease", "2"]);
     let first = pay_in_background(&client, &served, &auth, ("x-demo-delay-ms", "30000"), order);
@@ -618,8 +623,7 @@ async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database
 async fn serve_purges_expired_records(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
     let client = client();
-    let owner = format!("purge-{}", uuid::Uuid::new_v4().simple());
-    let auth = format!("Bearer {owner}");
+    let (owner, auth) = payer("purge");
     let served = spawn_serve_with(store, &["--retention", "1", "--purge-every", "1"]);
     let url = format!("{}/payments", served.base);
     let headers = payment(&auth, "order-1", &[]);
@@ -652,8 +656,7 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
     let client = client();
     let servers = [spawn_serve_on(store), spawn_serve_on(store)];
-    let owner = format!("race-{}", uuid::Uuid::new_v4().simple());
-    let auth = format!("Bearer {owner}");
+    let (owner, auth) = payer("race");
     let order = r#"{"amount": 500, "currency": "USD"}"#;
 
     let mut tasks = Vec::new();
@@ -804,8 +807,7 @@ mod tiered {
         let store = format!("tiered:{}|{postgres}", redis.url());
         let mut served = super::spawn_serve_on(&store);
         let client = super::client();
-        let owner = format!("down-{}", uuid::Uuid::new_v4().simple());
-        let auth = format!("Bearer {owner}");
+        let (_, auth) = super::payer("down");
         let url = format!("{}/payments", served.base);
         let order = r#"{"amount": 300, "currency": "EUR"}"#;
         let headers = super::payment(&auth, "order-1", &[]);
