@@ -19,10 +19,11 @@ the attempt, so `string.sub(head, 24, 59)` is what a completion carries over.
 wake(key) tells the waiters of the record at `key` (crates/idem-redis/src/notify.rs) that
 it changed: an empty message on the channel named like `key`, published only when that
 channel has subscribers, so a write nobody waits for sends and replicates nothing. One
-server's waiters subscribe with SUBSCRIBE (PUBLISH); a cluster's with SSUBSCRIBE on the
-primary that owns the key's slot (SPUBLISH: the channel hashes to the key's slot, and
-PUBSUB SHARDNUMSUB counts that node's subscribers, where NUMSUB would miss them and a
-PUBLISH would be broadcast to every node).
+server's waiters subscribe with SUBSCRIBE (PUBSUB NUMSUB, PUBLISH); a cluster's with
+SSUBSCRIBE on the primary that owns the key's slot (PUBSUB SHARDNUMSUB, SPUBLISH: the
+channel hashes to the key's slot, where NUMSUB would miss its subscribers and a PUBLISH
+would be broadcast to every node). `SHARDED`, a local the store places in front of this
+prelude (scripts.rs), says which: one count per write, not both.
 ]]
 local function lease_head(key, token)
   local head = redis.call('GETRANGE', key, 0, 58)
@@ -43,10 +44,11 @@ local function lease_head(key, token)
 end
 
 local function wake(key)
-  if redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
+  if SHARDED then
+    if redis.call('PUBSUB', 'SHARDNUMSUB', key)[2] > 0 then
+      redis.call('SPUBLISH', key, '')
+    end
+  elseif redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
     redis.call('PUBLISH', key, '')
-  end
-  if redis.call('PUBSUB', 'SHARDNUMSUB', key)[2] > 0 then
-    redis.call('SPUBLISH', key, '')
   end
 end

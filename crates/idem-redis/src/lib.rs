@@ -183,7 +183,7 @@
 //! pub/sub: the channel of a record is its key, the store subscribes to it on a subscribing
 //! connection of its own (one per store, shared by its waiters, made again when lost), and
 //! `complete.lua`, `release.lua` and `apply.lua` publish on it after their write, only when
-//! a subscriber is counted. A completion nobody waits for costs two dictionary lookups
+//! a subscriber is counted. A completion nobody waits for costs one dictionary lookup
 //! inside the script: nothing is published, replicated or written to the AOF.
 //!
 //! - One server: `SUBSCRIBE`, counted with `PUBSUB NUMSUB`, sent with `PUBLISH`.

@@ -5,8 +5,8 @@
 //! A waiter subscribes to it on the store's subscribing connection, shared by all of the
 //! store's waiters, before it looks at the record once more; `complete.lua`, `release.lua`
 //! and `apply.lua` publish on it after their write (`wake` in `prelude.lua`), and only when
-//! a subscriber is counted, so a completion nobody waits for costs two dictionary lookups
-//! in the script and nothing is published or replicated.
+//! a subscriber is counted, so a completion nobody waits for costs one dictionary lookup in
+//! the script and nothing is published or replicated.
 //!
 //! - **One server** ([`Notifier`]): `SUBSCRIBE`; the scripts count with `PUBSUB NUMSUB` and
 //!   `PUBLISH`. A lost subscribing connection is made again, its channels subscribed again,

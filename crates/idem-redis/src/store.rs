@@ -305,7 +305,7 @@ impl RedisStore {
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
         let key = self.record_key(id);
         let mut cmd = scripts::evalsha(
-            &scripts::APPLY,
+            scripts::APPLY.on(self.is_cluster()),
             &key,
             7,
             70 + encoded.meta.len() + encoded.body.len(),
@@ -321,7 +321,7 @@ impl RedisStore {
             let mut conn = conn;
             // Idempotent by construction: a re-send after a dropped connection needs no
             // marker.
-            match scripts::run(&scripts::APPLY, &cmd, &mut conn).await {
+            match scripts::run(scripts::APPLY.on(self.is_cluster()), &cmd, &mut conn).await {
                 Ok(Value::Int(1)) => Ok(Applied::Written),
                 Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
                 Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
@@ -548,7 +548,7 @@ impl RedisStore {
         resent: bool,
     ) -> Result<(), Error> {
         let mut cmd = scripts::evalsha(
-            &scripts::COMPLETE,
+            scripts::COMPLETE.on(self.is_cluster()),
             key,
             6,
             40 + encoded.meta.len() + encoded.body.len(),
@@ -559,7 +559,7 @@ impl RedisStore {
             .arg(encoded.body.as_ref())
             .arg(millis(retention).max(1))
             .arg(if resent { "1" } else { "0" });
-        let reply = scripts::run(&scripts::COMPLETE, &cmd, &mut conn).await?;
+        let reply = scripts::run(scripts::COMPLETE.on(self.is_cluster()), &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => {}
             Value::Int(0) => return Err(Error::LeaseLost),
@@ -586,10 +586,10 @@ impl RedisStore {
         lease: &Lease,
         resent: bool,
     ) -> Result<(), Error> {
-        let mut cmd = scripts::evalsha(&scripts::RELEASE, key, 2, 20);
+        let mut cmd = scripts::evalsha(scripts::RELEASE.on(self.is_cluster()), key, 2, 20);
         cmd.arg(lease.token().as_bytes().as_slice())
             .arg(if resent { "1" } else { "0" });
-        let reply = scripts::run(&scripts::RELEASE, &cmd, &mut conn).await?;
+        let reply = scripts::run(scripts::RELEASE.on(self.is_cluster()), &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(Error::LeaseLost),
