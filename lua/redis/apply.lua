@@ -23,8 +23,9 @@ Returns
      later incarnation of the key, which must not be overwritten by an older completion.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
-Publishes an empty message on the channel named like KEYS[1] after a write, when that
-channel has subscribers (waiters for the record): nothing is published otherwise.
+Publishes an empty message on the channel (or shard channel) named like KEYS[1] after a
+write, when that channel has subscribers (waiters for the record): nothing is published
+otherwise (prelude.lua's wake).
 
 Over the completing lease's own in-progress record, the fingerprint and attempt are carried
 over from it (as complete.lua does), so the common case after a commit needs no lookup.
@@ -51,8 +52,6 @@ else
   identity = string.sub(head, 24, 59)
 end
 redis.call('SET', key, ARGV[2] .. identity .. ARGV[5] .. ARGV[6], 'PX', tonumber(ARGV[7]))
--- Wake the record's waiters (crates/idem-redis/src/notify.rs), only if one subscribed.
-if redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
-  redis.call('PUBLISH', key, '')
-end
+-- Wake the record's waiters (prelude.lua), only if one subscribed.
+wake(key)
 return 1

@@ -22,8 +22,9 @@ in-progress record (36 bytes), ARGV[3] and ARGV[4]: the script never looks into 
 metadata or the body. Only the in-progress record's 59 bytes are read. All checks come
 before the only write.
 
-Publishes an empty message on the channel named like KEYS[1] after a write, when that
-channel has subscribers (waiters for the record): nothing is published otherwise.
+Publishes an empty message on the channel (or shard channel) named like KEYS[1] after a
+write, when that channel has subscribers (waiters for the record): nothing is published
+otherwise (prelude.lua's wake).
 
 The shebang has no flags: Redis counts the script as a writer and refuses it with OOM,
 before it runs, when the server is out of memory.
@@ -44,8 +45,6 @@ if state ~= 'held' then
 end
 redis.call('SET', key, ARGV[2] .. string.sub(head, 24, 59) .. ARGV[3] .. ARGV[4],
   'PX', tonumber(ARGV[5]))
--- Wake the record's waiters (crates/idem-redis/src/notify.rs), only if one subscribed.
-if redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
-  redis.call('PUBLISH', key, '')
-end
+-- Wake the record's waiters (prelude.lua), only if one subscribed.
+wake(key)
 return 1

@@ -1,7 +1,7 @@
 --[[
 prelude: what complete, release, extend and apply share, placed in front of each (after its
 shebang line) when the store loads it (crates/idem-redis/src/scripts.rs). Not a script of
-its own: it defines one function and touches no key.
+its own: it defines two functions and touches no key but the caller's.
 
 lease_head(key, token) reads the first 59 bytes of the record at `key` (a KEYS entry of the
 calling script) and says what they hold for the lease whose fencing token is `token`:
@@ -15,6 +15,15 @@ The layout is in crates/idem-redis/src/codec.rs: an in-progress record is the ta
 token [2..17], the margin [18..23], the fingerprint [24..55] and the attempt [56..59]
 (1-based, as string.sub counts); a completed one starts with the tag, the fingerprint and
 the attempt, so `string.sub(head, 24, 59)` is what a completion carries over.
+
+wake(key) tells the waiters of the record at `key` (crates/idem-redis/src/notify.rs) that
+it changed: an empty message on the channel named like `key`, published only when that
+channel has subscribers, so a write nobody waits for sends and replicates nothing. One
+server's waiters subscribe with SUBSCRIBE (PUBSUB NUMSUB, PUBLISH); a cluster's with
+SSUBSCRIBE on the primary that owns the key's slot (PUBSUB SHARDNUMSUB, SPUBLISH: the
+channel hashes to the key's slot, where NUMSUB would miss its subscribers and a PUBLISH
+would be broadcast to every node). `SHARDED`, a local the store places in front of this
+prelude (scripts.rs), says which: one count per write, not both.
 ]]
 local function lease_head(key, token)
   local head = redis.call('GETRANGE', key, 0, 58)
@@ -32,4 +41,14 @@ local function lease_head(key, token)
     return head, 'held'
   end
   return head, 'other'
+end
+
+local function wake(key)
+  if SHARDED then
+    if redis.call('PUBSUB', 'SHARDNUMSUB', key)[2] > 0 then
+      redis.call('SPUBLISH', key, '')
+    end
+  elseif redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
+    redis.call('PUBLISH', key, '')
+  end
 end

@@ -12,8 +12,9 @@ A call sent again ('1') also gets 1 when the record is absent: the key is forgot
 is what the release was for, whether the first send or the record's expiry did it.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
-Publishes an empty message on the channel named like KEYS[1] after a write, when that
-channel has subscribers (waiters for the record): nothing is published otherwise.
+Publishes an empty message on the channel (or shard channel) named like KEYS[1] after a
+write, when that channel has subscribers (waiters for the record): nothing is published
+otherwise (prelude.lua's wake).
 
 `allow-oom`: a release only frees memory, so it runs even when the server is out of
 memory (a full server must still let workers give their keys back).
@@ -30,8 +31,6 @@ if state ~= 'held' then
   return 0
 end
 redis.call('DEL', key)
--- Wake the record's waiters (crates/idem-redis/src/notify.rs), only if one subscribed.
-if redis.call('PUBSUB', 'NUMSUB', key)[2] > 0 then
-  redis.call('PUBLISH', key, '')
-end
+-- Wake the record's waiters (prelude.lua), only if one subscribed.
+wake(key)
 return 1

@@ -11,6 +11,7 @@ mod postgres {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use idem_core::telemetry::KeyHash;
     use idem_core::{
         Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
         RecordState, Response, Scope, Store,
@@ -19,7 +20,7 @@ mod postgres {
     use idem_testkit::harness;
     use idem_testkit::postgres::{self as pg, drop_schema};
     use idem_tests::{create_work_table, id, insert_work, work_rows};
-    use sqlx::postgres::PgConnectOptions;
+    use sqlx::postgres::{PgConnectOptions, PgListener};
     use sqlx::{Connection, PgConnection, PgPool};
     use tokio::time::{sleep, timeout, Instant};
 
@@ -49,14 +50,130 @@ mod postgres {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
-    /// LISTEN/NOTIFY (turned on): a waiter answers within milliseconds of the completion.
+    /// LISTEN/NOTIFY with the default settings: a waiter answers within milliseconds of the
+    /// completion (and of the release), while its polls are seconds apart.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn waiter_is_notified() {
         let Some(store) = fresh(4).await else {
             return;
         };
-        let store = store.with_notify(true);
         idem_testkit::cases::waiter_is_notified(Arc::new(store.clone())).await;
+        drop_schema(&store).await;
+    }
+
+    /// `complete` and `release` send a notification only for a record someone waits for,
+    /// here a waiter of another store on the same schema (as in another process).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn notifies_only_when_someone_waits() {
+        let Some(store) = fresh(4).await else {
+            return;
+        };
+        let payload = |id: &RecordId| format!("{} {}", KeyHash::of(id), store.schema());
+        let mut listener = PgListener::connect_with(store.pool())
+            .await
+            .expect("listener");
+        listener
+            .listen(idem_postgres::notify::CHANNEL)
+            .await
+            .expect("listen");
+
+        let (alone, released) = (id("nobody-waits"), id("nobody-waits-released"));
+        let lease = claim(&store, &alone, LONG).await;
+        store
+            .complete(&lease, &done("x"), KEEP)
+            .await
+            .expect("complete");
+        let lease = claim(&store, &released, LONG).await;
+        store.release(&lease).await.expect("release");
+
+        let other = PgStore::new(store.pool().clone())
+            .with_schema(store.schema())
+            .expect("schema");
+        let waited = id("somebody-waits");
+        let lease = claim(&store, &waited, LONG).await;
+        let watch = other.watch(&waited).await.expect("a watch");
+        store
+            .complete(&lease, &done("x"), KEEP)
+            .await
+            .expect("complete");
+        // Notifications arrive in commit order: any for the first two records comes first.
+        let mut seen = Vec::new();
+        loop {
+            let n = timeout(Duration::from_secs(10), listener.recv())
+                .await
+                .expect("the waited-for record's notification")
+                .expect("recv");
+            if n.payload() == payload(&waited) {
+                break;
+            }
+            seen.push(n.payload().to_owned());
+        }
+        for quiet in [&alone, &released] {
+            assert!(
+                !seen.contains(&payload(quiet)),
+                "notified for nobody: {seen:?}"
+            );
+        }
+        drop(watch);
+        drop_schema(&store).await;
+    }
+
+    /// A waiter that comes while the holder's completion is written but not committed
+    /// (`complete_in` in an open business transaction) answers within milliseconds of the
+    /// commit: it cannot register while the completion holds the record's lock, and reads
+    /// the committed result once it can. Polls are seconds apart. Tried in three rounds, one
+    /// in time is enough (a loaded machine can stall any one round).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_during_an_uncommitted_completion_is_answered_at_the_commit() {
+        use idem_core::{Config, Idem};
+        use idem_testkit::cases::{NOTIFIED_WITHIN, NOTIFY_SAFETY_POLL};
+
+        let Some(store) = fresh(6).await else {
+            return;
+        };
+        let idem = Idem::new(store.clone()).with_config(
+            Config::default()
+                .with_wait(Duration::from_secs(20))
+                .with_safety_poll(NOTIFY_SAFETY_POLL)
+                .with_max_poll(NOTIFY_SAFETY_POLL),
+        );
+        // The listening connection, made before the rounds.
+        drop(store.watch(&id("warm-up")).await);
+        let mut late = Vec::new();
+        for round in 0..3 {
+            let key = id(&format!("uncommitted-{round}"));
+            let lease = claim(&store, &key, LONG).await;
+            let mut tx = store.pool().begin().await.expect("tx");
+            store
+                .complete_in(&mut tx, &lease, &done("paid"), KEEP)
+                .await
+                .expect("complete_in");
+            let waiter = {
+                let (idem, key) = (idem.clone(), key.clone());
+                tokio::spawn(async move {
+                    let answer = idem.begin(&key, fp("request")).await.expect("begin");
+                    (answer, Instant::now())
+                })
+            };
+            // The waiter finds the key in flight and tries to register meanwhile.
+            sleep(Duration::from_millis(15)).await;
+            tx.commit().await.expect("commit");
+            let committed = Instant::now();
+            let (answer, answered) = timeout(Duration::from_secs(10), waiter)
+                .await
+                .expect("the waiter answers")
+                .expect("the waiter task");
+            match answer {
+                Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "paid"),
+                other => panic!("expected Replay, got {other:?}"),
+            }
+            let after = answered.saturating_duration_since(committed);
+            if after < NOTIFIED_WITHIN {
+                break;
+            }
+            late.push(after);
+        }
+        assert!(late.len() < 3, "answered long after every commit: {late:?}");
         drop_schema(&store).await;
     }
 

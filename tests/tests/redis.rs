@@ -110,5 +110,13 @@ mod redis_cluster {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
+    /// Sharded pub/sub: a waiter answers within milliseconds of the completion, with the
+    /// record on any of the primaries.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::waiter_is_notified(store).await;
+    }
+
     mod specific;
 }

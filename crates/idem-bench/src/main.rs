@@ -102,9 +102,9 @@ struct Args {
     /// PostgreSQL pool size. Default: `--concurrency`, so no caller waits for a connection.
     #[arg(long)]
     pg_pool: Option<u32>,
-    /// PostgreSQL: notify waiters on completions (`PgStore::with_notify(true)`; off by
-    /// default), to measure the wait phase with it and what it costs the others.
-    #[arg(long)]
+    /// PostgreSQL: whether waiters listen for notifications (`PgStore::with_notify`, on
+    /// by default); `--pg-notify false` makes them poll, to compare what it costs.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pg_notify: bool,
     /// Keep the run's PostgreSQL schema instead of dropping it.
     #[arg(long)]

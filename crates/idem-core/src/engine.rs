@@ -215,9 +215,9 @@ impl Idem {
     /// [`Begin::Replay`]), its lease expires (answering [`Begin::TookOver`]) or the wait runs
     /// out (answering [`Begin::InFlight`]).
     ///
-    /// While waiting, a store that notifies ([`Store::watch`]: the memory store, Redis
-    /// standalone, the tiered store, PostgreSQL with `PgStore::with_notify`) wakes the
-    /// waiter when the holder completes or releases, and the key is looked at again only
+    /// While waiting, a store that notifies ([`Store::watch`]: the memory store, Redis (one
+    /// server or a cluster), PostgreSQL, the tiered store) wakes the waiter when the holder
+    /// completes or releases, and the key is looked at again only
     /// then, at the holder's deadline, or every [`Config::safety_poll`]; other stores are
     /// polled, from 2 ms doubling up to [`Config::max_poll`].
     ///

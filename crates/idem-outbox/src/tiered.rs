@@ -337,8 +337,8 @@ impl Store for TieredStore {
     /// Both tiers' notifications, whichever comes first: Redis's fires when the completion
     /// reaches Redis (`apply.lua`, right after the commit or from the relay), which is what
     /// the waiter's next `begin` reads; PostgreSQL's fires at the commit, for a waiter
-    /// answered by PostgreSQL alone while Redis is down. `None` when neither tier notifies
-    /// (Redis Cluster, and notifications off in PostgreSQL): the waiter polls.
+    /// answered by PostgreSQL alone while Redis is down. `None` when neither tier can
+    /// register the waiter in time: the waiter polls.
     async fn watch(&self, id: &RecordId) -> Option<Watch> {
         let (redis, pg) = tokio::join!(self.redis.watch(id), self.pg.watch(id));
         Watch::any(redis.into_iter().chain(pg))

@@ -48,6 +48,15 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Waiters
+//!
+//! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken with
+//! `LISTEN`/`NOTIFY` by default: its store listens on a connection of its own and holds an
+//! advisory lock on each record waited for, and `complete`/`release` send `pg_notify` (on
+//! commit) only for a record whose lock is held, so a completion nobody waits for sends
+//! nothing. [`notify`] has the protocol and why it misses no completion;
+//! [`PgStore::with_notify`] turns it off (waiters then poll).
+//!
 //! ## How `begin` stays atomic
 //!
 //! `begin` is one statement (see `src/sql/begin.sql`) with two branches:

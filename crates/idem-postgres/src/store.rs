@@ -66,7 +66,7 @@ pub struct PgStore {
     schema: Arc<Schema>,
     sql: Arc<Statements>,
     conflict_retries: u32,
-    /// Whether `complete` and `release` send a notification (see [`PgStore::with_notify`]).
+    /// Whether waiters listen for notifications (see [`PgStore::with_notify`]).
     notify: bool,
     /// Waiters' `LISTEN` connection, shared by clones.
     notifier: Arc<Notifier>,
@@ -97,25 +97,27 @@ impl PgStore {
             sql: Arc::new(Statements::new(&schema)),
             schema: Arc::new(schema),
             conflict_retries: DEFAULT_CONFLICT_RETRIES,
-            notify: false,
+            notify: true,
             notifier: Arc::new(Notifier::new()),
         }
     }
 
-    /// Whether `complete` and `release` (and their `*_in` forms) notify waiters with
-    /// `pg_notify`, sent on commit (see [`crate::notify`]), so that a caller waiting for
-    /// another worker's result ([`idem_core::Config::wait`]) answers at once instead of at
-    /// its next poll. Default: off.
+    /// Whether this store's waiters ([`idem_core::Config::wait`]) are notified with
+    /// `LISTEN`/`NOTIFY` when the holder completes or releases, and so answer within about a
+    /// millisecond instead of at their next poll. Default: on.
     ///
-    /// Why off: PostgreSQL serialises the commits of notifying transactions (a
-    /// database-wide lock held from the notification's queueing until the commit is
-    /// flushed), so every completion would pay for it whether anyone waits or not. Measured
-    /// on the (loaded) 2-core benchmark machine, lifecycles at 16 callers in interleaved
-    /// runs: 421 to 549/s with it, 880 to 1,265/s without (BENCHMARKS.md, "Waiting for
-    /// the holder's result"). Turn it on when callers wait
-    /// ([`idem_core::Config::wait`]) and completions are not the bottleneck; without it
-    /// waiters poll (2 ms doubling to [`idem_core::Config::max_poll`]). The tiered store's
-    /// waiters are woken through Redis either way.
+    /// On, the store opens one connection of its own (outside the pool) at its first wait,
+    /// which listens and holds an advisory lock per record waited for (see
+    /// [`crate::notify`]). `complete` and `release` (and their `*_in` forms) call
+    /// `pg_notify` only for a record with such a waiter, in any store on the database, so a
+    /// completion nobody waits for costs one advisory lock taken and freed in memory, and
+    /// sends nothing (notifying commits are serialised by PostgreSQL: BENCHMARKS.md,
+    /// "Waiting for the holder's result").
+    ///
+    /// Off, this store's waiters poll (2 ms doubling to [`idem_core::Config::max_poll`])
+    /// and it opens no listening connection (for a connection pooler that cannot keep a
+    /// `LISTEN`, for example); its completions still wake the waiters of other stores. The
+    /// tiered store's waiters are woken through Redis either way.
     pub fn with_notify(mut self, notify: bool) -> Self {
         self.notify = notify;
         self
@@ -404,9 +406,9 @@ impl PgStore {
             .bind(self.notification(lease.id()))
     }
 
-    /// The payload `complete.sql` and `release.sql` notify with, or NULL to send none.
-    fn notification(&self, id: &RecordId) -> Option<String> {
-        self.notify.then(|| notify::payload(self.schema.name(), id))
+    /// The payload `complete.sql` and `release.sql` notify with, when someone waits.
+    fn notification(&self, id: &RecordId) -> String {
+        notify::payload(self.schema.name(), id)
     }
 
     fn release_query<'q>(&'q self, lease: &'q Lease) -> Query<'q, Postgres, PgArguments> {
@@ -505,8 +507,9 @@ impl Store for PgStore {
         }
     }
 
-    /// `LISTEN` on the store's own connection (see [`crate::notify`]), made on the first
-    /// wait; `None` when notifications are off or it does not listen within 3 s.
+    /// `LISTEN` on the store's own connection, which then holds the record's waiter lock
+    /// (see [`crate::notify`]); made on the first wait. `None` when notifications are off,
+    /// when it does not listen within 3 s, or when the lock cannot be had (the caller polls).
     async fn watch(&self, id: &RecordId) -> Option<Watch> {
         if !self.notify {
             return None;

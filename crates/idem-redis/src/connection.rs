@@ -146,6 +146,42 @@ pub(crate) fn pubsub_client(url: &str) -> Result<Option<redis::Client>, Error> {
     Ok(Some(client))
 }
 
+/// A cluster client of its own for the waiters' sharded subscriptions (see `notify.rs`), on
+/// the nodes of a cluster `url` and trusting the same certificates: RESP3, with what the
+/// nodes push (messages, confirmations, disconnections) sent to `push`. `None` for a
+/// one-server `url`.
+pub(crate) fn shard_pubsub_client(
+    url: &str,
+    config: &RedisConfig,
+    push: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
+) -> Result<Option<ClusterClient>, Error> {
+    let (url, ca_file) = split_ca_file(url)?;
+    let cluster = url
+        .strip_prefix(CLUSTER_SCHEME)
+        .map(|rest| (rest, false))
+        .or_else(|| {
+            url.strip_prefix(CLUSTER_TLS_SCHEME)
+                .map(|rest| (rest, true))
+        });
+    let Some((rest, tls)) = cluster else {
+        return Ok(None);
+    };
+    let builder = ClusterClientBuilder::new(cluster_nodes(rest, tls)?);
+    let builder = match ca_file {
+        Some(path) => with_cluster_certs(builder, read_ca(&path)?)?,
+        None => builder,
+    };
+    builder
+        .connection_timeout(config.connect_timeout)
+        .response_timeout(config.response_timeout)
+        .overall_response_timeout(Some(config.call_timeout))
+        .use_protocol(redis::ProtocolVersion::RESP3)
+        .push_sender(push)
+        .build()
+        .map(Some)
+        .map_err(|e| Error::Invalid(format!("redis url: {e}")))
+}
+
 /// One handle on the store's connection, for the length of a call.
 pub(crate) enum Conn {
     Standalone(ConnectionManager),

@@ -180,13 +180,23 @@
 //! ## Waiters
 //!
 //! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken by
-//! pub/sub on one server: the channel of a record is its key, the store subscribes to it
-//! on a subscribing connection of its own (one per store, shared by its waiters, made again
-//! when lost), and `complete.lua`, `release.lua` and `apply.lua` publish on it after their
-//! write, only when `PUBSUB NUMSUB` counts a subscriber. A completion nobody waits for
-//! costs one dictionary lookup inside the script: nothing is published, replicated or
-//! written to the AOF. On Redis Cluster waiters poll (a `PUBLISH` there is broadcast to
-//! every node, and sharded pub/sub needs redis-rs's RESP3 push path, not used yet).
+//! pub/sub: the channel of a record is its key, the store subscribes to it on a subscribing
+//! connection of its own (one per store, shared by its waiters, made again when lost), and
+//! `complete.lua`, `release.lua` and `apply.lua` publish on it after their write, only when
+//! a subscriber is counted. A completion nobody waits for costs one dictionary lookup
+//! inside the script: nothing is published, replicated or written to the AOF.
+//!
+//! - One server: `SUBSCRIBE`, counted with `PUBSUB NUMSUB`, sent with `PUBLISH`.
+//! - Redis Cluster: sharded pub/sub (Redis 7.0). A classic `PUBLISH` there is broadcast to
+//!   every node and `PUBSUB NUMSUB` counts only the node's own subscribers, so the store
+//!   subscribes with `SSUBSCRIBE` on the primary that owns the record's slot (a RESP3
+//!   cluster connection of its own, which follows the slot map), and the scripts count with
+//!   `PUBSUB SHARDNUMSUB` and send with `SPUBLISH` on that node. When the slot moves (a
+//!   failover, a resharding) the subscriptions are made again on its new primary, then the
+//!   waiters look at their records.
+//!
+//! A notification lost meanwhile costs the waiter its safety-net poll
+//! ([`idem_core::Config::safety_poll`]).
 //!
 //! ## Testing
 //!

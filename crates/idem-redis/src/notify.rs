@@ -1,19 +1,29 @@
-//! Waiters notified over Redis pub/sub, on one server.
+//! Waiters notified over Redis pub/sub: classic pub/sub on one server, sharded pub/sub on
+//! Redis Cluster.
 //!
 //! The channel of a record is its key (channels and keys are separate namespaces in Redis).
-//! A waiter subscribes to it on the store's one subscribing connection, shared by all of
-//! the store's waiters, before it looks at the record once more; `complete.lua`,
-//! `release.lua` and `apply.lua` publish on it after their write, and only when
-//! `PUBSUB NUMSUB` counts a subscriber, so a completion nobody waits for costs one
-//! dictionary lookup in the script and nothing is published or replicated.
+//! A waiter subscribes to it on the store's subscribing connection, shared by all of the
+//! store's waiters, before it looks at the record once more; `complete.lua`, `release.lua`
+//! and `apply.lua` publish on it after their write (`wake` in `prelude.lua`), and only when
+//! a subscriber is counted, so a completion nobody waits for costs one dictionary lookup in
+//! the script and nothing is published or replicated.
 //!
-//! Redis Cluster is polled instead: a `PUBLISH` there is broadcast to every node, and
-//! `PUBSUB NUMSUB` counts only the node's own subscribers (sharded pub/sub would fit, but
-//! redis-rs's cluster client offers it only over RESP3 push messages; not used yet).
+//! - **One server** ([`Notifier`]): `SUBSCRIBE`; the scripts count with `PUBSUB NUMSUB` and
+//!   `PUBLISH`. A lost subscribing connection is made again, its channels subscribed again,
+//!   and every waiter woken (a notification may have been lost meanwhile).
+//! - **Redis Cluster** ([`ShardNotifier`]): a classic `PUBLISH` is broadcast to every node,
+//!   and `PUBSUB NUMSUB` counts only the node's own subscribers, so waiters use sharded
+//!   pub/sub instead (Redis 7.0): `SSUBSCRIBE` on the primary that owns the channel's slot,
+//!   which is the record's slot, where the script runs, counts with `PUBSUB SHARDNUMSUB`
+//!   and sends with `SPUBLISH`. The subscriptions go over a cluster connection of the
+//!   store's own (RESP3, which redis-rs needs for pub/sub on a cluster), which follows the
+//!   slot map. When a slot moves (a failover, a resharding), its node drops the slot's
+//!   subscriptions (`sunsubscribe`) or the connection is lost: the waiters of the
+//!   channels concerned are subscribed again, routed by the refreshed slot map, and then
+//!   woken to look at their records.
 //!
-//! A lost subscribing connection is made again, its channels subscribed again, and every
-//! waiter woken (a notification may have been lost meanwhile); while it is down, waiters
-//! fall back to polling ([`idem_core::Config::safety_poll`]).
+//! While no subscription holds, waiters fall back to polling
+//! ([`idem_core::Config::safety_poll`]).
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +33,21 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use idem_core::{Watch, Watchers};
 use redis::aio::{PubSubSink, PubSubStream};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{PushInfo, PushKind, Value};
 use tokio::sync::{mpsc, watch, Mutex};
+
+/// How a [`crate::RedisStore`]'s waiters are notified.
+#[derive(Debug)]
+pub(crate) enum Waiters {
+    /// One server: classic pub/sub.
+    One(Arc<Notifier>),
+    /// Redis Cluster: sharded pub/sub.
+    Cluster(Arc<ShardNotifier>),
+    /// Neither (a URL that is neither, refused before this is built).
+    None,
+}
 
 /// The subscribing side of a [`crate::RedisStore`] on one server: made on the first wait.
 pub(crate) struct Notifier {
@@ -203,6 +227,191 @@ async fn read(
             drop(notifier);
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+}
+
+/// The subscribing side of a [`crate::RedisStore`] on Redis Cluster: sharded pub/sub on a
+/// cluster connection of its own, made on the first wait.
+pub(crate) struct ShardNotifier {
+    client: ClusterClient,
+    /// Waiters by shard channel (their record's key).
+    watchers: Watchers<String>,
+    /// The subscribing connection once made. Every subscribe and unsubscribe goes through
+    /// this lock, one at a time, so that unsubscribing a channel whose last waiter left can
+    /// never undo the subscribe of a waiter that came since.
+    connection: Mutex<Option<ClusterConnection>>,
+    /// Bounds connecting and each subscribe.
+    timeout: Duration,
+}
+
+impl fmt::Debug for ShardNotifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShardNotifier")
+            .field("watchers", &self.watchers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShardNotifier {
+    /// A notifier on `client`'s cluster, whose connections push what the nodes send to
+    /// `pushes` (see `connection::shard_pubsub_client`), with its task that reads them and
+    /// its task that unsubscribes idle channels. Must run inside a Tokio runtime.
+    pub(crate) fn start(
+        client: ClusterClient,
+        pushes: mpsc::UnboundedReceiver<PushInfo>,
+        timeout: Duration,
+    ) -> Arc<Self> {
+        let (idle_tx, mut idle_rx) = mpsc::unbounded_channel::<String>();
+        let notifier = Arc::new(Self {
+            client,
+            watchers: Watchers::with_on_idle(move |channel: &String| {
+                // The task may be gone with the store: then there is nothing to undo.
+                let _ = idle_tx.send(channel.clone());
+            }),
+            connection: Mutex::new(None),
+            timeout,
+        });
+        let weak = Arc::downgrade(&notifier);
+        tokio::spawn(async move {
+            // Ends when the last watch and the notifier are gone (the sender lives in the
+            // registry they share).
+            while let Some(channel) = idle_rx.recv().await {
+                let Some(notifier) = weak.upgrade() else {
+                    break;
+                };
+                notifier.unsubscribe_if_idle(&channel).await;
+            }
+        });
+        tokio::spawn(read_pushes(Arc::downgrade(&notifier), pushes));
+        notifier
+    }
+
+    /// A watch on `channel`, subscribed on the primary of its slot when this returns;
+    /// `None` when the cluster cannot be reached or does not confirm in time (the caller
+    /// polls).
+    pub(crate) async fn watch(&self, channel: String) -> Option<Watch> {
+        // Registered first, so a message that arrives as soon as the subscription holds is
+        // delivered to it.
+        let watch = self.watchers.watch(channel.clone());
+        self.subscribe(&channel).await.then_some(watch)
+    }
+
+    /// `SSUBSCRIBE channel`, connecting first if needed; whether the node confirmed it.
+    async fn subscribe(&self, channel: &str) -> bool {
+        let mut connection = self.connection.lock().await;
+        if connection.is_none() {
+            match tokio::time::timeout(self.timeout, self.client.get_async_connection()).await {
+                Ok(Ok(made)) => *connection = Some(made),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "redis: no subscribing cluster connection; waiters poll");
+                    return false;
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "redis: subscribing cluster connection timed out; waiters poll"
+                    );
+                    return false;
+                }
+            }
+        }
+        let Some(connection) = connection.as_mut() else {
+            return false;
+        };
+        match tokio::time::timeout(self.timeout, connection.ssubscribe(channel)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "redis: ssubscribe failed; the waiter polls");
+                false
+            }
+            Err(_) => {
+                tracing::debug!("redis: ssubscribe not confirmed in time; the waiter polls");
+                false
+            }
+        }
+    }
+
+    async fn unsubscribe_if_idle(&self, channel: &String) {
+        let mut connection = self.connection.lock().await;
+        if self.watchers.is_watched(channel) {
+            return;
+        }
+        if let Some(connection) = connection.as_mut() {
+            // Best effort: a channel left subscribed only costs a message nobody reads.
+            let _ = tokio::time::timeout(self.timeout, connection.sunsubscribe(channel)).await;
+        }
+    }
+
+    /// Subscribes `channels` again (those still watched), after their node dropped them or
+    /// a connection was lost, then wakes their waiters, so that each looks at its record
+    /// with its subscription in place. Tries again, backing off up to a second, while
+    /// anyone still waits (meanwhile waiters poll).
+    async fn resubscribe(&self, channels: Vec<String>) {
+        let mut pause = Duration::from_millis(20);
+        let mut left = channels;
+        loop {
+            let mut failed = Vec::new();
+            for channel in left {
+                if !self.watchers.is_watched(&channel) {
+                    continue;
+                }
+                if self.subscribe(&channel).await {
+                    self.watchers.notify(&channel);
+                } else {
+                    failed.push(channel);
+                }
+            }
+            if failed.is_empty() {
+                return;
+            }
+            left = failed;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+}
+
+/// The shard channel a push is about (its first element).
+fn channel_of(push: &PushInfo) -> Option<String> {
+    match push.data.first() {
+        Some(Value::BulkString(name)) => Some(String::from_utf8_lossy(name).into_owned()),
+        _ => None,
+    }
+}
+
+/// Reads what the nodes push to the subscribing cluster connection: wakes the waiters of
+/// each message's channel; subscribes again the watched channels a node dropped (its slot
+/// moved) or whose connection was lost. Ends with the notifier.
+async fn read_pushes(notifier: Weak<ShardNotifier>, mut pushes: mpsc::UnboundedReceiver<PushInfo>) {
+    while let Some(push) = pushes.recv().await {
+        let Some(notifier) = notifier.upgrade() else {
+            return;
+        };
+        match push.kind {
+            PushKind::SMessage => {
+                if let Some(channel) = channel_of(&push) {
+                    notifier.watchers.notify(&channel);
+                }
+            }
+            // Our own unsubscribes of idle channels are confirmed the same way: those are
+            // no longer watched and left alone. A watched one was dropped by its node.
+            PushKind::SUnsubscribe => {
+                if let Some(channel) = channel_of(&push) {
+                    if notifier.watchers.is_watched(&channel) {
+                        tokio::spawn(async move { notifier.resubscribe(vec![channel]).await });
+                    }
+                }
+            }
+            // A node's connection was lost, and with it its subscriptions and maybe a
+            // message. redis-rs reconnects and subscribes again by itself; subscribing every
+            // watched channel here too makes sure they hold before the waiters look.
+            PushKind::Disconnection => {
+                let channels = notifier.watchers.keys();
+                if !channels.is_empty() {
+                    tokio::spawn(async move { notifier.resubscribe(channels).await });
+                }
+            }
+            _ => {}
         }
     }
 }

@@ -18,10 +18,10 @@ use tokio::time::Instant;
 
 use crate::codec::{self, Head};
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
-use crate::connection::{pubsub_client, Conn, Connection, CLUSTER_SCHEME};
+use crate::connection::{pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME};
 use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
 use crate::key;
-use crate::notify::Notifier;
+use crate::notify::{Notifier, ShardNotifier, Waiters};
 use crate::scripts;
 use crate::STORE;
 
@@ -97,8 +97,8 @@ struct Inner {
     config: RedisConfig,
     /// Set once the eviction policy was checked and found acceptable (or warned about).
     checked: OnceCell<()>,
-    /// Waiters' pub/sub on one server; `None` on a cluster, whose waiters poll.
-    notifier: Option<Arc<Notifier>>,
+    /// Waiters' pub/sub: classic on one server, sharded on a cluster.
+    notifier: Waiters,
 }
 
 impl fmt::Debug for RedisStore {
@@ -215,8 +215,20 @@ impl RedisStoreBuilder {
             return Err(Error::Invalid("redis timeouts must not be zero".into()));
         }
         let connection = Connection::open(&self.url, &config)?;
-        let notifier = pubsub_client(&self.url)?
-            .map(|client| Notifier::start(client, config.response_timeout));
+        let notifier = match pubsub_client(&self.url)? {
+            Some(client) => Waiters::One(Notifier::start(client, config.response_timeout)),
+            None => {
+                let (push, pushes) = tokio::sync::mpsc::unbounded_channel();
+                match shard_pubsub_client(&self.url, &config, push)? {
+                    Some(client) => Waiters::Cluster(ShardNotifier::start(
+                        client,
+                        pushes,
+                        config.response_timeout,
+                    )),
+                    None => Waiters::None,
+                }
+            }
+        };
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
@@ -293,7 +305,7 @@ impl RedisStore {
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
         let key = self.record_key(id);
         let mut cmd = scripts::evalsha(
-            &scripts::APPLY,
+            scripts::APPLY.on(self.is_cluster()),
             &key,
             7,
             70 + encoded.meta.len() + encoded.body.len(),
@@ -309,7 +321,7 @@ impl RedisStore {
             let mut conn = conn;
             // Idempotent by construction: a re-send after a dropped connection needs no
             // marker.
-            match scripts::run(&scripts::APPLY, &cmd, &mut conn).await {
+            match scripts::run(scripts::APPLY.on(self.is_cluster()), &cmd, &mut conn).await {
                 Ok(Value::Int(1)) => Ok(Applied::Written),
                 Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
                 Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
@@ -536,7 +548,7 @@ impl RedisStore {
         resent: bool,
     ) -> Result<(), Error> {
         let mut cmd = scripts::evalsha(
-            &scripts::COMPLETE,
+            scripts::COMPLETE.on(self.is_cluster()),
             key,
             6,
             40 + encoded.meta.len() + encoded.body.len(),
@@ -547,7 +559,7 @@ impl RedisStore {
             .arg(encoded.body.as_ref())
             .arg(millis(retention).max(1))
             .arg(if resent { "1" } else { "0" });
-        let reply = scripts::run(&scripts::COMPLETE, &cmd, &mut conn).await?;
+        let reply = scripts::run(scripts::COMPLETE.on(self.is_cluster()), &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => {}
             Value::Int(0) => return Err(Error::LeaseLost),
@@ -574,10 +586,10 @@ impl RedisStore {
         lease: &Lease,
         resent: bool,
     ) -> Result<(), Error> {
-        let mut cmd = scripts::evalsha(&scripts::RELEASE, key, 2, 20);
+        let mut cmd = scripts::evalsha(scripts::RELEASE.on(self.is_cluster()), key, 2, 20);
         cmd.arg(lease.token().as_bytes().as_slice())
             .arg(if resent { "1" } else { "0" });
-        let reply = scripts::run(&scripts::RELEASE, &cmd, &mut conn).await?;
+        let reply = scripts::run(scripts::RELEASE.on(self.is_cluster()), &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => Ok(()),
             Value::Int(0) => Err(Error::LeaseLost),
@@ -776,11 +788,15 @@ impl Store for RedisStore {
         call!(self, |conn, _resent| evict_once(conn, &key).await)
     }
 
-    /// Pub/sub on one server (see the [crate docs](crate#waiters)): the waiter subscribes to
-    /// the record's channel on the store's subscribing connection. `None` on a cluster.
+    /// Pub/sub (see the [crate docs](crate#waiters)): the waiter subscribes to the record's
+    /// channel on the store's subscribing connection, a shard channel on a cluster. `None`
+    /// when the subscription is not confirmed in time (the caller polls).
     async fn watch(&self, id: &RecordId) -> Option<Watch> {
-        let notifier = self.inner.notifier.as_ref()?;
-        notifier.watch(self.record_key(id)).await
+        match &self.inner.notifier {
+            Waiters::One(notifier) => notifier.watch(self.record_key(id)).await,
+            Waiters::Cluster(notifier) => notifier.watch(self.record_key(id)).await,
+            Waiters::None => None,
+        }
     }
 
     /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and

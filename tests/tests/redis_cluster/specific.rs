@@ -81,3 +81,100 @@ async fn wait_without_replicas_fails_clearly() {
     }
     assert!(store.get(&id).await.unwrap().is_none());
 }
+
+/// A waiter's shard subscription follows its record's slot: while it waits, the slot moves
+/// to another primary (the keys migrated, then `CLUSTER SETSLOT NODE`, as a resharding
+/// does; the old primary drops the slot's subscriptions), and the completion on the new
+/// primary still wakes it, long before its safety-net poll. On a cluster of its own, so
+/// that moving a slot disturbs no other test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_follows_a_moved_slot() {
+    use idem_core::{Begin, Completion, Config, Idem, Response};
+    use idem_redis::testing::RedisCluster;
+
+    if !idem_redis::testing::available() {
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+        .await
+        .expect("cluster start")
+        .map(Arc::new)
+        .expect("start a 3-primary cluster");
+    let store = builder(&cluster.url()).connect().await.expect("connect");
+    let safety_poll = Duration::from_secs(10);
+    let idem = Idem::new(store.clone()).with_config(
+        Config::default()
+            .with_wait(Duration::from_secs(60))
+            .with_safety_poll(safety_poll)
+            .with_max_poll(safety_poll),
+    );
+    let id = RecordId::new(Scope::new("moved").unwrap(), Key::new("slot").unwrap());
+    let lease = match store.begin(request(&id)).await.expect("begin") {
+        Begin::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    };
+    let waiter = {
+        let (idem, id) = (idem.clone(), id.clone());
+        tokio::spawn(async move {
+            let answer = idem.begin(&id, Fingerprint::of_bytes(b"f")).await.expect("wait");
+            (answer, tokio::time::Instant::now())
+        })
+    };
+    // The waiter finds the key in flight and subscribes on the slot's primary.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "the waiter did not wait");
+
+    let key = store.record_key(&id);
+    let moved = key.clone();
+    let on = cluster.clone();
+    tokio::task::spawn_blocking(move || {
+        let nodes = on.nodes();
+        let trim = |s: String| s.trim().to_owned();
+        let slot = trim(nodes[0].cli(&["cluster", "keyslot", &moved]).unwrap());
+        let owns = |n: &idem_redis::testing::RedisServer| {
+            trim(n.cli(&["cluster", "countkeysinslot", &slot]).unwrap()) == "1"
+        };
+        let from = nodes.iter().find(|n| owns(n)).expect("the record's primary");
+        let to = nodes.iter().find(|n| n.port() != from.port()).expect("another primary");
+        let to_id = trim(to.cli(&["cluster", "myid"]).unwrap());
+        let from_id = trim(from.cli(&["cluster", "myid"]).unwrap());
+        let port = to.port().to_string();
+        for (node, args) in [
+            (to, vec!["cluster", "setslot", &slot, "importing", &from_id]),
+            (from, vec!["cluster", "setslot", &slot, "migrating", &to_id]),
+            (from, vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys", &moved]),
+            (to, vec!["cluster", "setslot", &slot, "node", &to_id]),
+            (from, vec!["cluster", "setslot", &slot, "node", &to_id]),
+        ] {
+            let out = node.cli(&args).unwrap();
+            assert!(out.trim() == "OK", "{args:?}: {out}");
+        }
+        assert!(owns(to), "the record did not move");
+    })
+    .await
+    .expect("move the slot");
+    // The old primary dropped the subscription: it is made again on the new one, and the
+    // waiter, woken, finds the record still in flight and waits on.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished(), "the waiter stopped waiting");
+
+    let completion = Completion::succeeded(Response::new(200, "moved"));
+    store
+        .complete(&lease, &completion, Duration::from_secs(600))
+        .await
+        .expect("complete on the new primary");
+    let completed = tokio::time::Instant::now();
+    let (answer, answered) = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter answers")
+        .expect("the waiter task");
+    match answer {
+        Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "moved"),
+        other => panic!("expected Replay, got {other:?}"),
+    }
+    let after = answered.saturating_duration_since(completed);
+    assert!(
+        after < safety_poll / 4,
+        "answered {after:?} after the completion: not notified (safety poll {safety_poll:?})"
+    );
+}
