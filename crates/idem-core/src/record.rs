@@ -20,9 +20,7 @@ use crate::key::RecordId;
 pub struct FencingToken(Uuid);
 
 impl FencingToken {
-    /// A fresh random token: a version-4 UUID (122 random bits) drawn from a thread-local
-    /// cryptographically secure generator seeded by the operating system (`uuid`'s
-    /// `fast-rng`), so it cannot be predicted, and drawing one costs no system call.
+    /// A fresh random token.
     pub fn random() -> Self {
         Self(Uuid::new_v4())
     }
