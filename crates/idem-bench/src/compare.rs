@@ -128,7 +128,12 @@ struct Sample {
     p50_us: f64,
     server_us: f64,
     cpu_us: f64,
+    /// This process's CPU time per operation (every thread: the callers, redis-rs's
+    /// connection tasks, tokio), µs.
+    client_us: f64,
     bytes_per_record: f64,
+    /// `bytes_per_record` without the growth of the keyspace's bucket arrays.
+    bytes_net_of_tables: f64,
 }
 
 /// Runs the comparison and prints (or returns as JSON) its report.
@@ -289,16 +294,65 @@ async fn measure(
     let stats = server.command_stats().await?;
     let cpu = server.used_cpu().await?;
     let mem = server.used_memory().await?;
+    let tables = keyspace_tables(server).await?;
+    let client = process_cpu_ns();
     let (mut sample, report) = measure_plain(side, w, run).await?;
+    let client = process_cpu_ns()
+        .zip(client)
+        .map(|(after, before)| after - before);
     let delta = stats_delta(&stats, &server.command_stats().await?);
     let ops = report.ops().max(1) as f64;
     let (usec, parts) = server_usec(&delta, side.top_level(), ops);
     sample.server_us = usec / ops;
     sample.cpu_us = (server.used_cpu().await? - cpu) * 1e6 / ops;
+    sample.client_us = client.map_or(f64::NAN, |ns| ns as f64 / 1e3 / ops);
     if run.phase == "lifecycle" {
-        sample.bytes_per_record = (server.used_memory().await? as f64 - mem as f64) / ops;
+        let used = server.used_memory().await? as f64 - mem as f64;
+        sample.bytes_per_record = used / ops;
+        let grown = keyspace_tables(server).await? as f64 - tables as f64;
+        sample.bytes_net_of_tables = (used - grown) / ops;
     }
     Ok((sample, parts))
+}
+
+/// This process's CPU time so far, ns: the sum of `/proc/self/task/*/schedstat` (time on a
+/// CPU of every thread; Linux only, `None` elsewhere). Threads that ended are not counted:
+/// tokio's workers live as long as the run.
+fn process_cpu_ns() -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
+}
+
+/// The bytes of the keyspace's bucket arrays (`MEMORY STATS`: every database's
+/// `overhead.hashtable.main` and `overhead.hashtable.expires`). They double when the number
+/// of keys passes a power of two, and the side whose phase happens to cross one would be
+/// charged the whole table (up to 100 B per record of its phase): the figure net of them is
+/// each side's own records, the raw delta is kept beside it.
+async fn keyspace_tables(server: &RedisSide) -> Result<u64, String> {
+    use redis::Value;
+    let is_db = |v: &Value| match v {
+        Value::BulkString(b) => b.starts_with(b"db."),
+        Value::SimpleString(s) => s.starts_with("db."),
+        _ => false,
+    };
+    let mut total = 0;
+    for pair in server.memory_stats().await?.chunks(2) {
+        if let [name, Value::Array(fields)] = pair {
+            if is_db(name) {
+                // Only the two hashtable overheads are numbers in a database's entry.
+                for field in fields.chunks(2) {
+                    if let [_, Value::Int(n)] = field {
+                        total += u64::try_from(*n).unwrap_or(0);
+                    }
+                }
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// Runs one phase of one side; throughput and latency only.
@@ -338,8 +392,8 @@ pub(crate) fn server_usec(
     let mut total = 0.0;
     let mut parts = Vec::new();
     for (name, &(calls, usec)) in delta {
-        // The snapshots' own INFO calls are not the phase's work.
-        if name == "info" {
+        // The snapshots' own INFO and MEMORY STATS calls are not the phase's work.
+        if name == "info" || name == "memory|stats" {
             continue;
         }
         let per_call = usec as f64 / calls as f64;
@@ -567,6 +621,7 @@ fn report(
                 "p50_us": med(name, label, |x| x.p50_us),
                 "server_us_per_op": med(name, label, |x| x.server_us),
                 "cpu_us_per_op": med(name, label, |x| x.cpu_us),
+                "client_cpu_us_per_op": med(name, label, |x| x.client_us),
                 "rounds_ops_per_sec": samples.get(&(name.to_string(), label.clone())).map(|v| v.iter().map(|x| x.ops_per_sec).collect::<Vec<_>>()),
                 "commandstats": breakdown.get(&(name.to_string(), label.clone())),
             });
@@ -574,19 +629,20 @@ fn report(
         rows.push((label.clone(), idem, best_name, best));
         doc["phases"].as_array_mut().expect("array").push(phase);
     }
-    let memory: Vec<(String, f64, f64)> = names
+    let memory: Vec<(String, f64, f64, f64)> = names
         .iter()
         .map(|n| {
             (
                 n.to_string(),
                 med(n, &labels[0], |x| x.bytes_per_record),
+                med(n, &labels[0], |x| x.bytes_net_of_tables),
                 usage.get(*n).map_or(f64::NAN, |v| median(v)),
             )
         })
         .collect();
     doc["memory"] = memory
         .iter()
-        .map(|(n, used, usage)| serde_json::json!({"side": n, "used_memory_per_record": used, "memory_usage": usage}))
+        .map(|(n, used, net, usage)| serde_json::json!({"side": n, "used_memory_per_record": used, "used_memory_net_of_tables": net, "memory_usage": usage}))
         .collect();
     if let Some(cl) = cluster {
         doc["cluster"] = labels[..2]
@@ -634,12 +690,23 @@ fn report(
         }
         println!();
     }
+    println!("\nclient CPU per operation (this process, every thread), µs");
+    for label in &labels {
+        print!("{label:<16}");
+        for n in &names {
+            print!(" {:>17.2}", med(n, label, |x| x.client_us));
+        }
+        println!();
+    }
     for ((side, label), parts) in breakdown {
         println!("  {side}, {label}: {parts}");
     }
-    println!("\nmemory per completed record, B: used_memory delta / MEMORY USAGE (sampled)");
-    for (n, used, usage) in &memory {
-        println!("  {n:<20} {used:>7.1} / {usage:>7.1}");
+    println!(
+        "\nmemory per completed record, B: used_memory delta / the same net of the keyspace's \
+         bucket arrays / MEMORY USAGE (sampled)"
+    );
+    for (n, used, net, usage) in &memory {
+        println!("  {n:<20} {used:>7.1} / {net:>7.1} / {usage:>7.1}");
     }
     if let Some(cl) = cluster {
         println!(

@@ -205,6 +205,20 @@ impl RedisSide {
         Ok(total)
     }
 
+    /// `MEMORY STATS` of every primary, their flat name/value lists one after the other.
+    pub async fn memory_stats(&self) -> Result<Vec<redis::Value>, String> {
+        let mut out = Vec::new();
+        for (addr, conn) in &self.primaries {
+            let reply: Vec<redis::Value> = redis::cmd("MEMORY")
+                .arg("STATS")
+                .query_async(&mut conn.clone())
+                .await
+                .map_err(|e| format!("redis {addr}: MEMORY STATS: {e}"))?;
+            out.extend(reply);
+        }
+        Ok(out)
+    }
+
     /// `MEMORY USAGE key SAMPLES 0` (the whole value counted); the cluster client routes it
     /// to the key's node.
     pub async fn memory_usage(&self, key: &str) -> Result<Option<u64>, String> {
