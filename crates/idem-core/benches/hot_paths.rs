@@ -35,6 +35,20 @@ fn fingerprints(c: &mut Criterion) {
                     .map(|f| f.finish())
             })
         });
+        // The same canonical form by way of a `serde_json::Value` tree (what `json` did
+        // before it streamed): the side-by-side comparison for the streaming path above.
+        group.bench_function(format!("canonical_json_via_value_{}B", body.len()), |b| {
+            b.iter(|| {
+                let value: serde_json::Value = serde_json::from_slice(black_box(&body)).ok()?;
+                Some(
+                    Fingerprint::builder()
+                        .text("method", "POST")
+                        .text("path", "/payments")
+                        .json_value("body", &value, &JsonSelection::All)
+                        .finish(),
+                )
+            })
+        });
         let except = JsonSelection::Except(vec!["/sent_at".into()]);
         group.bench_function(format!("json_except_{}B", body.len()), |b| {
             b.iter(|| {

@@ -14,6 +14,8 @@
 //! | `idem-fp-v1` | keys sorted by UTF-8 bytes, numbers as `serde_json` writes them (`1250` and `1250.0` differ) |
 //! | `idem-fp-v2` (current) | RFC 8785 (JCS): numbers as IEEE 754 doubles in their shortest round-trip form (ECMAScript `Number.prototype.toString`, so `1250`, `1250.0` and `1.25e3` agree), keys sorted by UTF-16 code units, strings escaped per JCS |
 
+mod canonical;
+
 use std::fmt;
 
 use serde_json::Value;
@@ -146,11 +148,17 @@ impl FingerprintBuilder {
     /// that wants that (as the HTTP layer does for a body it only believed to be JSON)
     /// uses [`FingerprintBuilder::bytes`] on the error.
     pub fn json(
-        self,
+        mut self,
         name: &str,
         body: &[u8],
         selection: &JsonSelection,
     ) -> Result<Self, JsonError> {
+        if *selection == JsonSelection::All {
+            // The common case, streamed: no `Value` tree is built.
+            let canonical = canonical::canonicalize(body)?;
+            self.frame(name, &canonical);
+            return Ok(self);
+        }
         let value: Value = serde_json::from_slice(body)?;
         Ok(self.json_value(name, &value, selection))
     }
@@ -199,54 +207,9 @@ impl FingerprintBuilder {
     }
 }
 
-/// Writes `value` in its RFC 8785 canonical form. Numbers are the hard part and come from
-/// `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's `Number.prototype.toString`,
-/// which RFC 8785 prescribes); strings are escaped by `serde_json`, whose escapes are JCS's
-/// (`\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t`, other control characters as lower-case
-/// `\u00xx`, everything else as UTF-8). Written here rather than with
-/// `serde_json_canonicalizer` (correct, but it buffers and re-parses every key: twice as
-/// slow on the request path, BENCHMARKS.md); the RFC's vectors below hold it to the RFC.
+/// Writes `value` in its RFC 8785 canonical form (see [`canonical`]).
 fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Object(map) => {
-            // By UTF-16 code units, as RFC 8785 says (UTF-8 order differs above U+FFFF).
-            let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
-            out.push(b'{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_json(k.as_str(), out);
-                out.push(b':');
-                write_canonical(v, out);
-            }
-            out.push(b'}');
-        }
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(v, out);
-            }
-            out.push(b']');
-        }
-        // Every number is the IEEE 754 double it denotes (integers beyond 2^53 round as in
-        // JavaScript); a `Value` never holds NaN or an infinity.
-        Value::Number(n) => {
-            let double = n.as_f64().unwrap_or_default();
-            out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
-        }
-        scalar => write_json(scalar, out),
-    }
-}
-
-/// Writes a string, `true`, `false` or `null` straight into `out`.
-fn write_json<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
-    // Serialising a string or a `Value` into a `Vec` cannot fail.
-    let _ = serde_json::to_writer(&mut *out, value);
+    canonical::canonicalize_value(value, out);
 }
 
 /// Removes the value at an RFC 6901 pointer, if there is one.
@@ -335,10 +298,13 @@ mod tests {
         assert_eq!(f.to_hex(), PINNED);
     }
 
+    /// The canonical form by the streaming path, checked against the `Value` path.
     fn canonical(json: &str) -> String {
+        let streamed = canonical::canonicalize(json.as_bytes()).unwrap();
         let value: Value = serde_json::from_str(json).unwrap();
         let mut out = Vec::new();
         write_canonical(&value, &mut out);
+        assert_eq!(streamed, out, "{json}");
         String::from_utf8(out).unwrap()
     }
 
@@ -476,5 +442,322 @@ mod tests {
         assert!(Fingerprint::builder()
             .json("b", b"[1e400]", &JsonSelection::All)
             .is_err());
+    }
+
+    /// The `Value`-tree writer that `canonical` replaced, kept as the oracle it must match
+    /// byte for byte (stored fingerprints depend on it).
+    fn reference(value: &Value, out: &mut Vec<u8>) {
+        fn scalar<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
+            serde_json::to_writer(&mut *out, value).unwrap();
+        }
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+                out.push(b'{');
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    scalar(k.as_str(), out);
+                    out.push(b':');
+                    reference(v, out);
+                }
+                out.push(b'}');
+            }
+            Value::Array(items) => {
+                out.push(b'[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    reference(v, out);
+                }
+                out.push(b']');
+            }
+            Value::Number(n) => {
+                let double = n.as_f64().unwrap_or_default();
+                out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+            }
+            scalar_value => scalar(scalar_value, out),
+        }
+    }
+
+    /// What the code before the streaming canonicaliser answered for `body`: the canonical
+    /// bytes, or the parser's error message.
+    fn by_reference(body: &[u8]) -> Result<Vec<u8>, String> {
+        let value: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        reference(&value, &mut out);
+        Ok(out)
+    }
+
+    fn streamed(body: &[u8]) -> Result<Vec<u8>, String> {
+        canonical::canonicalize(body).map_err(|e| e.to_string())
+    }
+
+    /// A JSON text as a client may write it: duplicate keys, escapes or none, any number
+    /// notation, whitespace or none.
+    #[derive(Debug, Clone)]
+    enum Text {
+        Null,
+        Bool(bool),
+        Number(String),
+        String(String, bool),
+        Array(Vec<Text>, bool),
+        Object(Vec<(String, bool, Text)>, bool),
+    }
+
+    impl Text {
+        fn write(&self, out: &mut String) {
+            match self {
+                Text::Null => out.push_str("null"),
+                Text::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+                Text::Number(n) => out.push_str(n),
+                Text::String(s, escaped) => write_string(s, *escaped, out),
+                Text::Array(items, spaced) => {
+                    out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        if *spaced {
+                            out.push_str("\n  ");
+                        }
+                        item.write(out);
+                    }
+                    out.push(']');
+                }
+                Text::Object(members, spaced) => {
+                    out.push('{');
+                    for (i, (key, escaped, value)) in members.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        if *spaced {
+                            out.push_str(" \t");
+                        }
+                        write_string(key, *escaped, out);
+                        out.push_str(if *spaced { " : " } else { ":" });
+                        value.write(out);
+                    }
+                    out.push('}');
+                }
+            }
+        }
+    }
+
+    /// A string with serde_json's minimal escapes, or every character as `\uXXXX`.
+    fn write_string(s: &str, escaped: bool, out: &mut String) {
+        if !escaped {
+            out.push_str(&serde_json::to_string(s).unwrap());
+            return;
+        }
+        out.push('"');
+        for unit in s.encode_utf16() {
+            out.push_str(&format!("\\u{unit:04X}"));
+        }
+        out.push('"');
+    }
+
+    mod random {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Characters where the canonical form has its corner cases: escapes, controls,
+        /// U+E000..=U+FFFF against the supplementary planes (UTF-16 order differs there).
+        fn chars() -> impl Strategy<Value = char> {
+            prop_oneof![
+                prop::char::range('a', 'e'),
+                prop::sample::select(vec![
+                    '"',
+                    '\\',
+                    '/',
+                    '\n',
+                    '\u{0}',
+                    '\u{1f}',
+                    '\u{7f}',
+                    'é',
+                    '\u{ff}',
+                    '\u{d7ff}',
+                    '\u{e000}',
+                    '\u{fb33}',
+                    '\u{ffff}',
+                    '\u{10000}',
+                    '\u{1f600}',
+                    '\u{10ffff}',
+                ]),
+                any::<char>(),
+            ]
+        }
+
+        fn strings() -> impl Strategy<Value = String> {
+            prop::collection::vec(chars(), 0..6).prop_map(|c| c.into_iter().collect())
+        }
+
+        fn numbers() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<i64>().prop_map(|n| n.to_string()),
+                any::<u64>().prop_map(|n| n.to_string()),
+                any::<f64>()
+                    .prop_filter("finite", |f| f.is_finite())
+                    .prop_map(|f| format!("{f:?}")),
+                any::<f64>()
+                    .prop_filter("finite", |f| f.is_finite())
+                    .prop_map(|f| format!("{f:e}")),
+                (any::<i32>(), -30i32..30).prop_map(|(m, e)| format!("{m}E{e}")),
+                prop::sample::select(vec![
+                    "-0",
+                    "0.0",
+                    "-0.0",
+                    "1250.00",
+                    "12500e-1",
+                    "9007199254740993",
+                    "1e-400",
+                    "1.7976931348623157e308",
+                    "5e-324",
+                    "123456789012345678901234567890",
+                ])
+                .prop_map(String::from),
+            ]
+        }
+
+        fn texts() -> impl Strategy<Value = Text> {
+            let leaf = prop_oneof![
+                Just(Text::Null),
+                any::<bool>().prop_map(Text::Bool),
+                numbers().prop_map(Text::Number),
+                (strings(), any::<bool>()).prop_map(|(s, e)| Text::String(s, e)),
+            ];
+            leaf.prop_recursive(5, 48, 6, |inner| {
+                // Keys from a few short strings too, so that duplicates are common.
+                let key = prop_oneof![
+                    prop::sample::select(vec!["a", "b", "ab", "", "\u{e000}", "\u{1f600}", "é"])
+                        .prop_map(String::from),
+                    strings(),
+                ];
+                prop_oneof![
+                    (prop::collection::vec(inner.clone(), 0..6), any::<bool>())
+                        .prop_map(|(items, s)| Text::Array(items, s)),
+                    (
+                        prop::collection::vec((key, any::<bool>(), inner), 0..7),
+                        any::<bool>()
+                    )
+                        .prop_map(|(members, s)| Text::Object(members, s)),
+                ]
+            })
+        }
+
+        fn text_of(t: &Text) -> String {
+            let mut out = String::new();
+            t.write(&mut out);
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(4096))]
+
+            /// On any document, the streamed canonical form is the `Value`-tree writer's,
+            /// byte for byte; and through `json_value` too.
+            #[test]
+            fn streaming_matches_the_tree_writer(t in texts()) {
+                let text = text_of(&t);
+                let expected = by_reference(text.as_bytes());
+                prop_assert!(expected.is_ok(), "{text}: {expected:?}");
+                prop_assert_eq!(streamed(text.as_bytes()), expected.clone(), "{}", text);
+                let value: Value = serde_json::from_str(&text).unwrap();
+                let mut out = Vec::new();
+                write_canonical(&value, &mut out);
+                prop_assert_eq!(Ok(out), expected);
+            }
+
+            /// Broken documents (bytes replaced, cut short, extended) give the same answer:
+            /// the same canonical bytes, or the same error.
+            #[test]
+            fn broken_documents_fail_alike(
+                t in texts(),
+                edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+                cut in any::<prop::sample::Index>(),
+                how in 0u8..3,
+            ) {
+                let mut bytes = text_of(&t).into_bytes();
+                for (at, byte) in &edits {
+                    let i = at.index(bytes.len());
+                    bytes[i] = *byte;
+                }
+                match how {
+                    0 => bytes.truncate(cut.index(bytes.len() + 1)),
+                    1 => bytes.extend_from_slice(b" x"),
+                    _ => {}
+                }
+                prop_assert_eq!(streamed(&bytes), by_reference(&bytes));
+            }
+
+            #[test]
+            fn utf16_order_without_transcoding(a in strings(), b in strings()) {
+                prop_assert_eq!(
+                    canonical::cmp_utf16(&a, &b),
+                    a.encode_utf16().cmp(b.encode_utf16())
+                );
+            }
+        }
+    }
+
+    /// Nesting is bounded by the parser's recursion limit, as before: deep documents get an
+    /// error, never a stack overflow, and the limit is where it was.
+    #[test]
+    fn deep_nesting_is_refused_not_overflowed() {
+        for depth in [1, 100, 127, 128, 129, 200, 100_000] {
+            let arrays = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+            assert_eq!(streamed(arrays.as_bytes()), by_reference(arrays.as_bytes()));
+            let objects = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+            assert_eq!(
+                streamed(objects.as_bytes()),
+                by_reference(objects.as_bytes())
+            );
+        }
+        let deep = "[".repeat(100_000);
+        assert!(streamed(deep.as_bytes())
+            .unwrap_err()
+            .contains("recursion limit"));
+        assert!(streamed(b"[[[1]]]").is_ok());
+    }
+
+    /// Every kind of invalid document answers serde_json's own error, message included.
+    #[test]
+    fn invalid_documents_give_the_parsers_errors() {
+        let cases: [&[u8]; 14] = [
+            b"",
+            b"{nope",
+            b"[1e400]",
+            b"[1,]",
+            b"{\"a\":1,}",
+            b"{1:2}",
+            b"\"\\ud800\"",
+            b"{\"\\udc00\":1}",
+            b"\"\xff\"",
+            b"[1] 2",
+            b"{\"a\" 1}",
+            b"nul",
+            b"[\"a\x01\"]",
+            b"{\"a\":1,\"a\":}",
+        ];
+        for body in cases {
+            let expected = by_reference(body);
+            assert!(expected.is_err(), "{body:?}");
+            assert_eq!(streamed(body), expected, "{body:?}");
+        }
+    }
+
+    /// Of a key given twice the last member counts, as `serde_json::Value` kept it.
+    #[test]
+    fn duplicate_keys_keep_the_last_member() {
+        assert_eq!(canonical(r#"{"b":1,"a":2,"b":3}"#), r#"{"a":2,"b":3}"#);
+        assert_eq!(canonical(r#"{"a":1,"a":{"x":[2]}}"#), r#"{"a":{"x":[2]}}"#);
+        assert_eq!(
+            canonical(r#"{"\u0061":1,"a":2,"b":{"d":1,"c":2,"d":3}}"#),
+            r#"{"a":2,"b":{"c":2,"d":3}}"#
+        );
     }
 }

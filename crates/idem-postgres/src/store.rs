@@ -149,14 +149,21 @@ impl PgStore {
         self
     }
 
-    /// Pool settings suited to the store: at most 10 connections, and a 3 s acquire timeout,
+    /// Pool settings suited to the store: at most 10 connections; a 3 s acquire timeout,
     /// which bounds both the wait for a free connection and the opening of a new one, so an
-    /// unreachable server gives [`Error::Unavailable`] within about 3 s. Adjust and pass the
-    /// pool to [`PgStore::new`].
+    /// unreachable server gives [`Error::Unavailable`] within about 3 s; and no test of a
+    /// connection as it leaves the pool. Adjust and pass the pool to [`PgStore::new`].
+    ///
+    /// Why no test: sqlx pings every connection it hands out by default (a round trip of its
+    /// own), which would make each transition two round trips instead of one. A connection
+    /// that died while idle (a server restart) then fails its next statement instead, with
+    /// [`Error::Unavailable`], and sqlx drops it: every statement of the store may be sent
+    /// again, so a retry proceeds on a fresh connection.
     pub fn pool_options() -> PgPoolOptions {
         PgPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(3))
+            .test_before_acquire(false)
     }
 
     /// Opens a pool with [`PgStore::pool_options`] on `url` (connecting once to check it) and
