@@ -50,6 +50,68 @@ mod postgres {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
+    /// A server restart closes every pooled connection. The store does not ping a
+    /// connection before each statement (that would be a second round trip per transition),
+    /// so the first statements after a restart meet connections the server has ended: they
+    /// are sent again on fresh ones, and callers see no error. `fast` ends the sessions with
+    /// `57P01`, `immediate` kills them; a crashed server's sessions end like the latter.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_restart_is_not_seen_by_callers() {
+        if !pg::available() {
+            return;
+        }
+        let server = pg::PgServer::start(&[], &[]).expect("start a throwaway PostgreSQL");
+        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+        let store = PgStore::connect(&url).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        let scope = Scope::new(harness::unique_name("restart")).unwrap();
+        let mut n = 0;
+        for mode in ["fast", "immediate"] {
+            // Fill the pool with idle connections: concurrent calls each hold one.
+            let mut round = tokio::task::JoinSet::new();
+            for _ in 0..8 {
+                n += 1;
+                let id = RecordId::new(scope.clone(), Key::new(format!("k{n}")).unwrap());
+                let store = store.clone();
+                round.spawn(async move { acquire_and_complete(&store, &id).await });
+            }
+            for outcome in round.join_all().await {
+                outcome.unwrap_or_else(|e| panic!("before the {mode} restart: {e}"));
+            }
+            server.restart(mode).expect("restart");
+            for _ in 0..12 {
+                n += 1;
+                let id = RecordId::new(scope.clone(), Key::new(format!("k{n}")).unwrap());
+                acquire_and_complete(&store, &id)
+                    .await
+                    .unwrap_or_else(|e| panic!("after the {mode} restart: {e}"));
+            }
+        }
+    }
+
+    /// Begins a new key and completes it.
+    async fn acquire_and_complete(store: &PgStore, id: &RecordId) -> Result<(), Error> {
+        let begun = store
+            .begin(BeginRequest {
+                id,
+                fingerprint: Fingerprint::of_bytes(b"req"),
+                token: FencingToken::random(),
+                lease: LONG,
+                retention: KEEP,
+            })
+            .await?;
+        let Begin::Acquired(lease) = begun else {
+            panic!("a new key was not acquired: {begun:?}");
+        };
+        store
+            .complete(
+                &lease,
+                &Completion::succeeded(Response::new(201, "ok")),
+                KEEP,
+            )
+            .await
+    }
+
     /// LISTEN/NOTIFY with the default settings: a waiter answers within milliseconds of the
     /// completion (and of the release), while its polls are seconds apart.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

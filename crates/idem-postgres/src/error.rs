@@ -74,6 +74,36 @@ pub(crate) fn is_conflict(err: &sqlx::Error) -> bool {
     sqlstate(err).is_some_and(|c| classify_sqlstate(&c) == Class::Conflict)
 }
 
+/// How a connection's session ended under a statement, as [`session_ended`] tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// Before the statement ran: `57P01` (admin_shutdown: a fast shutdown or restart, or
+    /// `pg_terminate_backend`) and `57P02` (crash_shutdown) are sent to a session as it is
+    /// ended, and PostgreSQL rolled back whatever the statement had started.
+    Before,
+    /// The connection broke with no word from the server (an immediate shutdown, a crash,
+    /// a reset): the statement may have run, and committed, before it broke.
+    Unknown,
+}
+
+/// Whether, and how, `err` says the connection's session ended under the statement.
+pub(crate) fn session_ended(err: &sqlx::Error) -> Option<Ended> {
+    use std::io::ErrorKind;
+    match err {
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            ErrorKind::UnexpectedEof
+                | ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::BrokenPipe
+        )
+        .then_some(Ended::Unknown),
+        _ => sqlstate(err)
+            .is_some_and(|c| c == "57P01" || c == "57P02")
+            .then_some(Ended::Before),
+    }
+}
+
 /// Which core error kind a sqlx error becomes.
 pub(crate) fn kind(err: &sqlx::Error) -> Class {
     match err {

@@ -350,16 +350,43 @@ impl PgStore {
     }
 
     /// Runs `op` (one statement on the pool), sending it again after a serialization failure
-    /// or deadlock: PostgreSQL rolled the failed statement back whole, and every statement of
-    /// the store gives the same answer when repeated (begin with the same token included).
-    async fn retrying<T, F, Fut>(&self, mut op: F) -> Result<T, sqlx::Error>
+    /// or deadlock (PostgreSQL rolled the failed statement back whole), or when the server
+    /// ended the connection's session (see [`PgStore::resending`]). Every statement of the
+    /// store gives the same answer when repeated (begin with the same token included),
+    /// except that a repeated complete or release finds its work done: those two use
+    /// [`PgStore::resending`] and check.
+    async fn retrying<T, F, Fut>(&self, op: F) -> Result<T, sqlx::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        self.resending(op).await.map(|(answer, _)| answer)
+    }
+
+    /// [`PgStore::retrying`], also saying whether an earlier send may have run: its
+    /// connection died before the answer came.
+    ///
+    /// The pool does not test a connection before handing it out (see
+    /// [`PgStore::pool_options`]), so a server restart is absorbed here: every connection of
+    /// the pool may have been ended by it, and each is dropped by sqlx as it fails, so the
+    /// statement is sent again, up to once per pooled connection, each time on the next one.
+    async fn resending<T, F, Fut>(&self, mut op: F) -> Result<(T, bool), sqlx::Error>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, sqlx::Error>>,
     {
         let mut tries = 0;
+        let mut ended = 0;
+        let mut may_have_run = false;
+        let max_ended = self.pool.options().get_max_connections();
         loop {
             match op().await {
+                Ok(answer) => return Ok((answer, may_have_run)),
+                Err(e) if ended < max_ended && error::session_ended(&e).is_some() => {
+                    ended += 1;
+                    may_have_run |= error::session_ended(&e) == Some(error::Ended::Unknown);
+                    tracing::debug!(error = %e, ended, "postgres: session ended by the server, resending");
+                }
                 Err(e) if error::is_conflict(&e) && tries < self.conflict_retries => {
                     tries += 1;
                     // Back off a little, with jitter, so that colliding callers spread out.
@@ -368,7 +395,7 @@ impl PgStore {
                     tracing::debug!(error = %e, tries, "postgres: transaction conflict, resending");
                     tokio::time::sleep(Duration::from_millis(pause)).await;
                 }
-                other => return other,
+                Err(e) => return Err(e),
             }
         }
     }
@@ -444,21 +471,37 @@ impl Store for PgStore {
 
     async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let meta = encode_meta(completion.kind, &completion.response);
-        let done = self
-            .retrying(|| {
+        let (done, may_have_run) = self
+            .resending(|| {
                 self.complete_query(lease, &meta, completion, ttl)
                     .execute(&self.pool)
             })
             .await
             .map_err(error::map)?;
+        if done.rows_affected() == 0 && may_have_run {
+            // The send whose connection died may have stored it: then the record holds
+            // exactly this completion, from this attempt.
+            let record = self.get(lease.id()).await?;
+            if record.is_some_and(|r| {
+                r.attempt == lease.attempt()
+                    && matches!(&r.state, RecordState::Completed(c) if c == completion)
+            }) {
+                return Ok(());
+            }
+        }
         held(done.rows_affected())
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        let done = self
-            .retrying(|| self.release_query(lease).execute(&self.pool))
+        let (done, may_have_run) = self
+            .resending(|| self.release_query(lease).execute(&self.pool))
             .await
             .map_err(error::map)?;
+        if done.rows_affected() == 0 && may_have_run && self.get(lease.id()).await?.is_none() {
+            // The send whose connection died may have released it; either way the record
+            // is gone, which is what the caller asked for.
+            return Ok(());
+        }
         held(done.rows_affected())
     }
 

@@ -110,6 +110,26 @@ impl PgServer {
         Ok(server)
     }
 
+    /// Restarts the server on the same port and data, as an operator's `pg_ctl restart`
+    /// would (`mode`: `fast` ends every session with `57P01`, `immediate` kills them), and
+    /// waits until it accepts connections again.
+    ///
+    /// # Errors
+    ///
+    /// When `pg_ctl` fails or the server does not come back.
+    pub fn restart(&self, mode: &str) -> io::Result<()> {
+        self.run(
+            self.as_server("pg_ctl")
+                .arg("-D")
+                .arg(&self.data)
+                // The log file again: without it the new server would write to (and hold
+                // open) the pipe that `run` reads to its end.
+                .arg("-l")
+                .arg(self.data.join("server.log"))
+                .args(["-w", "-t", "60", "-m", mode, "restart"]),
+        )
+    }
+
     /// A server with `ssl=on`, serving the certificate of `pki`.
     ///
     /// # Errors
