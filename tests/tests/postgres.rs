@@ -188,7 +188,7 @@ mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn waiter_during_an_uncommitted_completion_is_answered_at_the_commit() {
         use idem_core::{Config, Idem};
-        use idem_testkit::cases::{NOTIFIED_WITHIN, NOTIFY_SAFETY_POLL};
+        use idem_testkit::cases::{self, NOTIFIED_WITHIN, NOTIFY_SAFETY_POLL};
 
         let Some(store) = fresh(6).await else {
             return;
@@ -210,21 +210,12 @@ mod postgres {
                 .complete_in(&mut tx, &lease, &done("paid"), KEEP)
                 .await
                 .expect("complete_in");
-            let waiter = {
-                let (idem, key) = (idem.clone(), key.clone());
-                tokio::spawn(async move {
-                    let answer = idem.begin(&key, fp("request")).await.expect("begin");
-                    (answer, Instant::now())
-                })
-            };
+            let waiter = cases::spawn_waiter(&idem, &key, fp("request"));
             // The waiter finds the key in flight and tries to register meanwhile.
             sleep(Duration::from_millis(15)).await;
             tx.commit().await.expect("commit");
             let committed = Instant::now();
-            let (answer, answered) = timeout(Duration::from_secs(10), waiter)
-                .await
-                .expect("the waiter answers")
-                .expect("the waiter task");
+            let (answer, answered) = cases::answer_of(waiter, Duration::from_secs(10)).await;
             match answer {
                 Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "paid"),
                 other => panic!("expected Replay, got {other:?}"),

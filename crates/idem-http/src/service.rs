@@ -75,10 +75,8 @@ where
         + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     type Response = Response<ResponseBody>;
     type Error = S::Error;
@@ -140,10 +138,8 @@ where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     if !shared.config.methods.contains(req.method()) {
         return pass(inner, req.map(Either::Right)).await;
@@ -258,8 +254,7 @@ async fn guard<S, ReqBody, ResBody>(
 ) -> Result<Response<ResponseBody>, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let Admitted {
         id,
@@ -337,8 +332,7 @@ async fn pass<S, ReqBody, ResBody>(
 ) -> Result<Response<ResponseBody>, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let response = inner.call(req).await?;
     Ok(response.map(ResponseBody::new))
@@ -617,8 +611,7 @@ async fn store<ResBody, E>(
     ran: Ran<Response<ResBody>, E>,
 ) -> Result<Response<ResponseBody>, E>
 where
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     match ran {
         Ran::Answered(response) => Ok(settle(shared, lease, handle, response).await),
@@ -652,8 +645,7 @@ async fn settle<ResBody>(
     response: Response<ResBody>,
 ) -> Response<ResponseBody>
 where
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let config = &shared.config;
     let (mut parts, body) = response.into_parts();

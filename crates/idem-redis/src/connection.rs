@@ -57,13 +57,7 @@ impl Connection {
         let invalid = |e: redis::RedisError| Error::Invalid(format!("redis url: {e}"));
         let (url, ca_file) = split_ca_file(url)?;
         let url = url.as_str();
-        let cluster = url
-            .strip_prefix(CLUSTER_SCHEME)
-            .map(|rest| (rest, false))
-            .or_else(|| {
-                url.strip_prefix(CLUSTER_TLS_SCHEME)
-                    .map(|rest| (rest, true))
-            });
+        let cluster = cluster_rest(url);
         let tls = cluster.map_or(url.starts_with("rediss://"), |(_, tls)| tls);
         if tls && !cfg!(any(feature = "tls-rustls", feature = "tls-native-tls")) {
             return Err(Error::Invalid(
@@ -146,6 +140,17 @@ pub(crate) fn pubsub_client(url: &str) -> Result<Option<redis::Client>, Error> {
     Ok(Some(client))
 }
 
+/// The part of a cluster `url` after its scheme, and whether the scheme asks for TLS;
+/// `None` for a one-server URL.
+fn cluster_rest(url: &str) -> Option<(&str, bool)> {
+    url.strip_prefix(CLUSTER_SCHEME)
+        .map(|rest| (rest, false))
+        .or_else(|| {
+            url.strip_prefix(CLUSTER_TLS_SCHEME)
+                .map(|rest| (rest, true))
+        })
+}
+
 /// A cluster client of its own for the waiters' sharded subscriptions (see `notify.rs`), on
 /// the nodes of a cluster `url` and trusting the same certificates: RESP3, with what the
 /// nodes push (messages, confirmations, disconnections) sent to `push`. `None` for a
@@ -156,14 +161,7 @@ pub(crate) fn shard_pubsub_client(
     push: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
 ) -> Result<Option<ClusterClient>, Error> {
     let (url, ca_file) = split_ca_file(url)?;
-    let cluster = url
-        .strip_prefix(CLUSTER_SCHEME)
-        .map(|rest| (rest, false))
-        .or_else(|| {
-            url.strip_prefix(CLUSTER_TLS_SCHEME)
-                .map(|rest| (rest, true))
-        });
-    let Some((rest, tls)) = cluster else {
+    let Some((rest, tls)) = cluster_rest(&url) else {
         return Ok(None);
     };
     let builder = ClusterClientBuilder::new(cluster_nodes(rest, tls)?);

@@ -121,17 +121,8 @@ impl Notifier {
             *sink = Some((generation, connection));
         }
         let (_, connection) = sink.as_mut()?;
-        match tokio::time::timeout(self.timeout, connection.subscribe(&channel)).await {
-            Ok(Ok(())) => Some(watch),
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "redis: subscribe failed; the waiter polls");
-                None
-            }
-            Err(_) => {
-                tracing::debug!("redis: subscribe not confirmed in time; the waiter polls");
-                None
-            }
-        }
+        or_poll(self.timeout, "subscribe", connection.subscribe(&channel)).await?;
+        Some(watch)
     }
 
     async fn unsubscribe_if_idle(&self, channel: &String) {
@@ -301,34 +292,20 @@ impl ShardNotifier {
     async fn subscribe(&self, channel: &str) -> bool {
         let mut connection = self.connection.lock().await;
         if connection.is_none() {
-            match tokio::time::timeout(self.timeout, self.client.get_async_connection()).await {
-                Ok(Ok(made)) => *connection = Some(made),
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "redis: no subscribing cluster connection; waiters poll");
-                    return false;
-                }
-                Err(_) => {
-                    tracing::debug!(
-                        "redis: subscribing cluster connection timed out; waiters poll"
-                    );
-                    return false;
-                }
-            }
+            let connecting = self.client.get_async_connection();
+            let Some(made) =
+                or_poll(self.timeout, "subscribing cluster connection", connecting).await
+            else {
+                return false;
+            };
+            *connection = Some(made);
         }
         let Some(connection) = connection.as_mut() else {
             return false;
         };
-        match tokio::time::timeout(self.timeout, connection.ssubscribe(channel)).await {
-            Ok(Ok(())) => true,
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "redis: ssubscribe failed; the waiter polls");
-                false
-            }
-            Err(_) => {
-                tracing::debug!("redis: ssubscribe not confirmed in time; the waiter polls");
-                false
-            }
-        }
+        or_poll(self.timeout, "ssubscribe", connection.ssubscribe(channel))
+            .await
+            .is_some()
     }
 
     async fn unsubscribe_if_idle(&self, channel: &String) {
@@ -412,6 +389,27 @@ async fn read_pushes(notifier: Weak<ShardNotifier>, mut pushes: mpsc::UnboundedR
                 }
             }
             _ => {}
+        }
+    }
+}
+
+/// Awaits `step` (`what`) of setting up a waiter's notification, for at most `limit`. When
+/// it fails or is not confirmed in time, says so at debug level and gives `None`: the
+/// waiter then polls, which is slower but misses nothing.
+async fn or_poll<T, E: std::fmt::Display>(
+    limit: Duration,
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, E>>,
+) -> Option<T> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(Ok(done)) => Some(done),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "redis: {what} failed; the waiter polls");
+            None
+        }
+        Err(_) => {
+            tracing::debug!("redis: {what} not confirmed in time; the waiter polls");
+            None
         }
     }
 }

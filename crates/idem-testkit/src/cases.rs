@@ -574,6 +574,38 @@ pub const NOTIFY_SAFETY_POLL: Duration = Duration::from_secs(2);
 /// Rounds of [`waiter_is_notified`]; one in time is enough.
 pub const NOTIFY_ROUNDS: usize = 3;
 
+/// A waiter: `idem.begin(id, fingerprint)` on a task of its own, answering with the
+/// instant it got its answer (to compare with when the holder settled the record).
+pub fn spawn_waiter(
+    idem: &idem_core::Idem,
+    id: &RecordId,
+    fingerprint: Fingerprint,
+) -> tokio::task::JoinHandle<(Begin, Instant)> {
+    let (idem, id) = (idem.clone(), id.clone());
+    tokio::spawn(async move {
+        let answer = idem
+            .begin(&id, fingerprint)
+            .await
+            .expect("the waiter's begin");
+        (answer, Instant::now())
+    })
+}
+
+/// The answer of a [`spawn_waiter`] task, which must come within `limit`, and when it came.
+///
+/// # Panics
+///
+/// When it does not come in time or the task failed.
+pub async fn answer_of(
+    waiter: tokio::task::JoinHandle<(Begin, Instant)>,
+    limit: Duration,
+) -> (Begin, Instant) {
+    timeout(limit, waiter)
+        .await
+        .expect("the waiter answers")
+        .expect("the waiter task")
+}
+
 /// For stores that notify ([`Store::watch`]): a caller waiting for the holder's result
 /// ([`idem_core::Config::wait`]) answers within [`NOTIFIED_WITHIN`] of the holder's
 /// completion (a replay: a read), and within [`NOTIFIED_WITHIN`] plus what an acquisition
@@ -636,13 +668,7 @@ async fn notified_round(
     let started = Instant::now();
     let lease = acquired(begin(&**store, &id, fp("n"), LONG).await);
     let acquisition = started.elapsed();
-    let waiter = {
-        let (idem, id) = (idem.clone(), id.clone());
-        tokio::spawn(async move {
-            let answer = idem.begin(&id, fp("n")).await.expect("waiting begin");
-            (answer, Instant::now())
-        })
-    };
+    let waiter = spawn_waiter(idem, &id, fp("n"));
     // Let the waiter find the key in flight and register its watch.
     sleep(Duration::from_millis(300)).await;
     assert!(!waiter.is_finished(), "{settle}: the waiter did not wait");
@@ -654,10 +680,7 @@ async fn notified_round(
         _ => store.release(&lease).await.expect("release"),
     }
     let settled = Instant::now();
-    let (answer, answered) = timeout(Duration::from_secs(10), waiter)
-        .await
-        .expect("the waiter answers")
-        .expect("the waiter task");
+    let (answer, answered) = answer_of(waiter, Duration::from_secs(10)).await;
     let allowed = match (&answer, settle) {
         (Begin::Replay(replay), "complete") => {
             assert_eq!(replay.completion.response.body, Bytes::from_static(b"done"));

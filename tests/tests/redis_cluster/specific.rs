@@ -113,13 +113,7 @@ async fn waiter_follows_a_moved_slot() {
         Begin::Acquired(lease) => lease,
         other => panic!("expected Acquired, got {other:?}"),
     };
-    let waiter = {
-        let (idem, id) = (idem.clone(), id.clone());
-        tokio::spawn(async move {
-            let answer = idem.begin(&id, Fingerprint::of_bytes(b"f")).await.expect("wait");
-            (answer, tokio::time::Instant::now())
-        })
-    };
+    let waiter = idem_testkit::cases::spawn_waiter(&idem, &id, Fingerprint::of_bytes(b"f"));
     // The waiter finds the key in flight and subscribes on the slot's primary.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiter.is_finished(), "the waiter did not wait");
@@ -164,10 +158,8 @@ async fn waiter_follows_a_moved_slot() {
         .await
         .expect("complete on the new primary");
     let completed = tokio::time::Instant::now();
-    let (answer, answered) = tokio::time::timeout(Duration::from_secs(30), waiter)
-        .await
-        .expect("the waiter answers")
-        .expect("the waiter task");
+    let (answer, answered) =
+        idem_testkit::cases::answer_of(waiter, Duration::from_secs(30)).await;
     match answer {
         Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "moved"),
         other => panic!("expected Replay, got {other:?}"),
