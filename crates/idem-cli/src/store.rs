@@ -101,7 +101,7 @@ impl Opened {
 pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliError> {
     match url {
         StoreUrl::Memory => Ok(Opened::Memory(Arc::new(MemoryStore::new()))),
-        StoreUrl::Redis(redis) => match open_redis(redis, options).await {
+        StoreUrl::Redis(redis) => match open_redis(redis, options, false).await {
             Ok(store) => Ok(Opened::Redis(store)),
             Err(e) => Err(failure(url, redis, e).await),
         },
@@ -122,7 +122,7 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
             let opened = if options.without_redis {
                 open_redis_or_wait(redis, options).await
             } else {
-                open_redis(redis, options).await
+                open_redis(redis, options, true).await
             };
             match opened {
                 Ok(redis) => Ok(Opened::Tiered(TieredStore::new(redis, pg))),
@@ -135,22 +135,27 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
     }
 }
 
-fn redis_builder(url: &str, options: &Options) -> RedisStoreBuilder {
-    let builder = RedisStore::builder(url);
+/// The builder of a Redis store; `tiered` for the Redis of a tiered store, which needs no
+/// persistence (PostgreSQL is the arbiter), so the store does not warn about it.
+fn redis_builder(url: &str, options: &Options, tiered: bool) -> RedisStoreBuilder {
+    let builder = RedisStore::builder(url).with_persistence_check(!tiered);
     match &options.prefix {
         Some(prefix) => builder.with_prefix(prefix.clone()),
         None => builder,
     }
 }
 
-async fn open_redis(url: &str, options: &Options) -> Result<RedisStore, Error> {
-    redis_builder(url, options).connect().await
+async fn open_redis(url: &str, options: &Options, tiered: bool) -> Result<RedisStore, Error> {
+    redis_builder(url, options, tiered).connect().await
 }
 
-/// [`open_redis`], or the store built without Redis when it is out of reach, said in the log.
+/// [`open_redis`] for a tiered store, or the store built without Redis when it is out of
+/// reach, said in the log.
 async fn open_redis_or_wait(url: &str, options: &Options) -> Result<RedisStore, Error> {
     let name = idem_core::url::redact(url);
-    let (redis, answered) = redis_builder(url, options).connect_or_wait(&name).await?;
+    let (redis, answered) = redis_builder(url, options, true)
+        .connect_or_wait(&name)
+        .await?;
     if !answered {
         tracing::warn!(
             redis = %name,

@@ -47,6 +47,10 @@ pub struct RedisConfig {
     pub eviction: EvictionCheck,
     /// Wait for replicas after each acquisition and completion. Default: `None` (no wait).
     pub durability: Option<Durability>,
+    /// Whether the first connection warns when the server persists nothing (no AOF, no RDB
+    /// save points), so that a restart forgets every record. Default: `true`. Off for the
+    /// Redis of a tiered store, which needs no persistence: PostgreSQL is its arbiter.
+    pub persistence_check: bool,
 }
 
 impl Default for RedisConfig {
@@ -60,6 +64,7 @@ impl Default for RedisConfig {
             body: BodyLimit::default(),
             eviction: EvictionCheck::default(),
             durability: None,
+            persistence_check: true,
         }
     }
 }

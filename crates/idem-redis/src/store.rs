@@ -152,6 +152,13 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Sets [`RedisConfig::persistence_check`]. Default: on (a warning when the server
+    /// persists nothing); turn it off for the Redis of a tiered store.
+    pub fn with_persistence_check(mut self, check: bool) -> Self {
+        self.config.persistence_check = check;
+        self
+    }
+
     /// Sets [`RedisConfig::connect_timeout`] and [`RedisConfig::response_timeout`].
     /// Defaults: 1 s and 2 s.
     pub fn with_timeouts(mut self, connect: Duration, response: Duration) -> Self {
@@ -341,7 +348,7 @@ impl RedisStore {
         if self.inner.config.eviction != EvictionCheck::Skip {
             self.inner
                 .checked
-                .get_or_try_init(|| check_eviction(&mut conn, self.inner.config.eviction))
+                .get_or_try_init(|| check_eviction(&mut conn, &self.inner.config))
                 .await?;
         }
         Ok(conn)
@@ -669,8 +676,10 @@ fn connection_failed(error: &Error) -> bool {
         .is_some_and(|e| e.is_connection_dropped() || e.is_connection_refusal())
 }
 
-/// Reads the servers' `maxmemory-policy` and warns or refuses per `check`.
-async fn check_eviction(conn: &mut Conn, check: EvictionCheck) -> Result<(), Error> {
+/// Reads the servers' `maxmemory-policy` and warns or refuses per `config.eviction`; then,
+/// per `config.persistence_check`, warns when they persist nothing.
+async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Error> {
+    let check = config.eviction;
     let policies = match conn.eviction_policies().await {
         Ok(policies) => policies,
         Err(e) => {
@@ -702,6 +711,9 @@ async fn check_eviction(conn: &mut Conn, check: EvictionCheck) -> Result<(), Err
             policy = %error.policy,
             "REDIS MAY EVICT IDEMPOTENCY RECORDS: {error}"
         );
+    }
+    if !config.persistence_check {
+        return Ok(());
     }
     match conn.persists_nothing().await {
         Ok(true) => tracing::warn!(

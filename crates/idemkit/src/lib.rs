@@ -167,7 +167,11 @@ pub async fn connect_url_with(
         }
         #[cfg(feature = "outbox")]
         StoreUrl::Tiered { redis, postgres } => {
-            let redis = idem_redis::RedisStore::connect(redis).await?;
+            // PostgreSQL is the arbiter: a Redis that persists nothing loses no record.
+            let redis = idem_redis::RedisStore::builder(redis)
+                .with_persistence_check(false)
+                .connect()
+                .await?;
             let pg = idem_postgres::PgStore::connect(postgres).await?;
             idem_outbox::migrate(&pg).await?;
             let store = Arc::new(idem_outbox::TieredStore::new(redis, pg.clone()));

@@ -282,7 +282,8 @@ fn deprecated(line: String) {
 /// pending (its batches fail without counting tries) and relays them once Redis answers,
 /// which a task logs.
 async fn redis_store(url: &str, prefix: Option<&String>) -> Result<RedisStore, Failure> {
-    let mut builder = RedisStore::builder(url);
+    // The tiered store's Redis: PostgreSQL is the arbiter, so Redis needs no persistence.
+    let mut builder = RedisStore::builder(url).with_persistence_check(false);
     if let Some(prefix) = prefix {
         builder = builder.with_prefix(prefix.clone());
     }
