@@ -26,6 +26,7 @@
 //! ([`idem_core::Config::safety_poll`]).
 
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -77,30 +78,14 @@ impl Notifier {
     /// A notifier on `client`'s server, and its task that unsubscribes idle channels. Must
     /// run inside a Tokio runtime.
     pub(crate) fn start(client: redis::Client, timeout: Duration) -> Arc<Self> {
-        let (idle_tx, mut idle_rx) = mpsc::unbounded_channel::<String>();
-        let notifier = Arc::new(Self {
+        unsubscribing_idle(|watchers| Self {
             client,
-            watchers: Watchers::with_on_idle(move |channel: &String| {
-                // The task may be gone with the store: then there is nothing to undo.
-                let _ = idle_tx.send(channel.clone());
-            }),
+            watchers,
             sink: Mutex::new(None),
             generation: AtomicU64::new(0),
             timeout,
             alive: watch::channel(()).0,
-        });
-        let weak = Arc::downgrade(&notifier);
-        tokio::spawn(async move {
-            // Ends when the last watch and the notifier are gone (the sender lives in the
-            // registry they share).
-            while let Some(channel) = idle_rx.recv().await {
-                let Some(notifier) = weak.upgrade() else {
-                    break;
-                };
-                notifier.unsubscribe_if_idle(&channel).await;
-            }
-        });
-        notifier
+        })
     }
 
     /// A watch on `channel`, subscribed on the server when this returns; `None` when the
@@ -125,7 +110,7 @@ impl Notifier {
         Some(watch)
     }
 
-    async fn unsubscribe_if_idle(&self, channel: &String) {
+    async fn unsubscribe_idle(&self, channel: &String) {
         let mut sink = self.sink.lock().await;
         if self.watchers.is_watched(channel) {
             return;
@@ -253,26 +238,11 @@ impl ShardNotifier {
         pushes: mpsc::UnboundedReceiver<PushInfo>,
         timeout: Duration,
     ) -> Arc<Self> {
-        let (idle_tx, mut idle_rx) = mpsc::unbounded_channel::<String>();
-        let notifier = Arc::new(Self {
+        let notifier = unsubscribing_idle(|watchers| Self {
             client,
-            watchers: Watchers::with_on_idle(move |channel: &String| {
-                // The task may be gone with the store: then there is nothing to undo.
-                let _ = idle_tx.send(channel.clone());
-            }),
+            watchers,
             connection: Mutex::new(None),
             timeout,
-        });
-        let weak = Arc::downgrade(&notifier);
-        tokio::spawn(async move {
-            // Ends when the last watch and the notifier are gone (the sender lives in the
-            // registry they share).
-            while let Some(channel) = idle_rx.recv().await {
-                let Some(notifier) = weak.upgrade() else {
-                    break;
-                };
-                notifier.unsubscribe_if_idle(&channel).await;
-            }
         });
         tokio::spawn(read_pushes(Arc::downgrade(&notifier), pushes));
         notifier
@@ -308,7 +278,7 @@ impl ShardNotifier {
             .is_some()
     }
 
-    async fn unsubscribe_if_idle(&self, channel: &String) {
+    async fn unsubscribe_idle(&self, channel: &String) {
         let mut connection = self.connection.lock().await;
         if self.watchers.is_watched(channel) {
             return;
@@ -412,4 +382,43 @@ async fn or_poll<T, E: std::fmt::Display>(
             None
         }
     }
+}
+
+/// A notifier's subscriptions, as [`unsubscribing_idle`] needs them.
+trait Subscriptions: Send + Sync + 'static {
+    /// Unsubscribes `channel` if it is still without waiters.
+    fn unsubscribe_if_idle(&self, channel: String) -> impl Future<Output = ()> + Send;
+}
+
+impl Subscriptions for Notifier {
+    async fn unsubscribe_if_idle(&self, channel: String) {
+        self.unsubscribe_idle(&channel).await;
+    }
+}
+
+impl Subscriptions for ShardNotifier {
+    async fn unsubscribe_if_idle(&self, channel: String) {
+        self.unsubscribe_idle(&channel).await;
+    }
+}
+
+/// The notifier that `build` makes around a waiters' registry, and its task that
+/// unsubscribes each channel whose last waiter left. The task ends when the last watch and
+/// the notifier are gone (the sender lives in the registry they share).
+fn unsubscribing_idle<N: Subscriptions>(build: impl FnOnce(Watchers<String>) -> N) -> Arc<N> {
+    let (idle_tx, mut idle_rx) = mpsc::unbounded_channel::<String>();
+    let notifier = Arc::new(build(Watchers::with_on_idle(move |channel: &String| {
+        // The task may be gone with the store: then there is nothing to undo.
+        let _ = idle_tx.send(channel.clone());
+    })));
+    let weak = Arc::downgrade(&notifier);
+    tokio::spawn(async move {
+        while let Some(channel) = idle_rx.recv().await {
+            let Some(notifier) = weak.upgrade() else {
+                break;
+            };
+            notifier.unsubscribe_if_idle(channel).await;
+        }
+    });
+    notifier
 }

@@ -792,3 +792,51 @@ async fn apply_completion_never_overwrites_a_newer_state() {
     assert_eq!(applied, Applied::AlreadyCompleted);
     assert_eq!(replayed(store.clone(), id).await.completion, first);
 }
+
+/// A channel is subscribed while someone waits for its record, and unsubscribed once the
+/// last waiter has left: otherwise every later completion of that key would publish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_is_unsubscribed_when_its_last_waiter_leaves() {
+    let Some(url) = idem_testkit::harness::redis_url() else {
+        return;
+    };
+    let store = builder(&url).connect().await.unwrap();
+    let mut raw = raw(&url).await;
+    let id = new_id("watched");
+    let channel = store.record_key(&id);
+    let first = store.watch(&id).await.expect("a watch");
+    let second = store.watch(&id).await.expect("a second watch");
+    assert_eq!(
+        subscribers(&mut raw, &channel).await,
+        1,
+        "one subscription for the record's waiters"
+    );
+    drop(first);
+    // One waiter is still there: the channel stays subscribed.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        subscribers(&mut raw, &channel).await,
+        1,
+        "unsubscribed while a waiter was left"
+    );
+    drop(second);
+    let started = Instant::now();
+    while subscribers(&mut raw, &channel).await != 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still subscribed after its last waiter left"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `PUBSUB NUMSUB channel`.
+async fn subscribers(raw: &mut redis::aio::MultiplexedConnection, channel: &str) -> i64 {
+    let (_, n): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(raw)
+        .await
+        .unwrap();
+    n
+}
