@@ -156,9 +156,10 @@ impl PgStore {
     ///
     /// Why no test: sqlx pings every connection it hands out by default (a round trip of its
     /// own), which would make each transition two round trips instead of one. A connection
-    /// that died while idle (a server restart) then fails its next statement instead, with
-    /// [`Error::Unavailable`], and sqlx drops it: every statement of the store may be sent
-    /// again, so a retry proceeds on a fresh connection.
+    /// that died while idle (a server restart) fails its next statement instead; sqlx drops
+    /// it, and the store sends the statement again on the next connection, so callers of
+    /// the store do not see the restart. Statements inside a caller's transaction
+    /// (`*_in`) are not sent again: the transaction is the caller's.
     pub fn pool_options() -> PgPoolOptions {
         PgPoolOptions::new()
             .max_connections(10)
