@@ -28,6 +28,16 @@
 //!
 //! With `--compare-cluster <redis+cluster URL>`, every round also runs idem's lifecycle and
 //! replay at `--concurrency` on that cluster, for the cluster / standalone ratio.
+//!
+//! Beside the sides runs a **fenced floor** (never a peer, never in the ratios): the least
+//! that any fenced lifecycle sends on Redis 7.0 with the same client, in raw redis-rs and
+//! with no store around it. Its claim is idem's (`SET key <59-byte in-progress record> NX
+//! GET PX` and `PTTL`, one round trip; a replay is the same round trip); its completion is
+//! an `EVALSHA` of a two-call script that compares the record's first 17 bytes with the
+//! token and `SET`s the completed record (Redis 7.0 has no conditional `SET`, so a compare
+//! needs a script); per operation it draws a token and a SHA-256 fingerprint like idem.
+//! No waiter wake-up, no timeouts, no resend: what is left of idem's lifecycle. A peer
+//! ahead of the floor is ahead of any fenced store on this server and client.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -81,10 +91,20 @@ pub struct Settings {
 /// One store under comparison.
 #[derive(Clone)]
 enum Side {
-    Idem { store: RedisStore, cluster: bool },
+    Idem {
+        store: RedisStore,
+        cluster: bool,
+    },
     Idempotent(Arc<ValkeyStore>),
     Klauthed(RedisIdempotencyStore),
+    /// The fenced floor (module docs): raw redis-rs, and the script that completes.
+    Floor(ConnectionManager, Arc<redis::Script>),
 }
+
+/// The fenced floor's completion: the record's first 17 bytes ('P' and the token) compared
+/// with ARGV[1], then the completed record set with its retention.
+const FLOOR_COMPLETE: &str = "if redis.call('GETRANGE', KEYS[1], 0, 16) == ARGV[1] then \
+     redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0";
 
 impl Side {
     fn name(&self) -> &'static str {
@@ -93,14 +113,20 @@ impl Side {
             Side::Idem { cluster: true, .. } => "idem (cluster)",
             Side::Idempotent(_) => "idempotent 0.3",
             Side::Klauthed(_) => "klauthed-data 1.0",
+            Side::Floor(..) => "fenced floor",
         }
+    }
+
+    /// Whether the side is a published crate compared with idem (not idem, not the floor).
+    fn is_peer(&self) -> bool {
+        matches!(self, Side::Idempotent(_) | Side::Klauthed(_))
     }
 
     /// The commands the side sends itself (outside scripts) that its scripts may also
     /// call, with how many it sends per operation of each phase; see [`server_usec`].
     fn top_level(&self) -> &'static [(&'static str, f64)] {
         match self {
-            Side::Idem { .. } => IDEM_TOP_LEVEL,
+            Side::Idem { .. } | Side::Floor(..) => IDEM_TOP_LEVEL,
             Side::Idempotent(_) | Side::Klauthed(_) => &[],
         }
     }
@@ -147,6 +173,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
         ("idem", format!("{p}i:")),
         ("idempotent", format!("{p}v")),
         ("klauthed", format!("{p}k:")),
+        ("floor", format!("{p}f:")),
     ]
     .into();
     let body = json_body(s.body_bytes);
@@ -172,9 +199,12 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     let valkey = ValkeyStore::with_prefix(client.clone(), Some(&workload.prefix["idempotent"]))
         .await
         .map_err(|e| format!("idempotent: {e}"))?;
-    let manager = ConnectionManager::new(client)
+    let manager = ConnectionManager::new(client.clone())
         .await
         .map_err(|e| format!("klauthed-data: {e}"))?;
+    let floor = ConnectionManager::new(client)
+        .await
+        .map_err(|e| format!("fenced floor: {e}"))?;
     let retention_ms = u64::try_from(s.retention.as_millis()).unwrap_or(u64::MAX);
     let klauthed = RedisIdempotencyStore::with_ttl_ms(manager, retention_ms);
     let sides = vec![
@@ -184,6 +214,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
         },
         Side::Idempotent(Arc::new(valkey)),
         Side::Klauthed(klauthed),
+        Side::Floor(floor, Arc::new(redis::Script::new(FLOOR_COMPLETE))),
     ];
     let cluster = match &s.cluster {
         Some(url) => {
@@ -477,7 +508,88 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
                 )),
             }
         }
+        Side::Floor(conn, script) => {
+            let key = format!("{}{key}", w.prefix["floor"]);
+            let (fingerprint, token) = floor_identity(w);
+            let mut conn = conn.clone();
+            match floor_claim(&mut conn, &key, &fingerprint, &token, w).await? {
+                redis::Value::Nil => {}
+                other => {
+                    return Err(format!(
+                        "fenced floor: a new key was not claimed: {other:?}"
+                    ))
+                }
+            }
+            let mut head = [b'P'; 17];
+            head[1..].copy_from_slice(&token);
+            let mut record = Vec::with_capacity(40 + w.body.len());
+            record.push(b'c');
+            record.extend_from_slice(&fingerprint);
+            record.extend_from_slice(&1u32.to_be_bytes());
+            record.extend_from_slice(&[0x80, 0, 201]);
+            record.extend_from_slice(&w.body);
+            let done: i64 = script
+                .key(&key)
+                .arg(head.as_slice())
+                .arg(record)
+                .arg(millis(w.retention))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(|e| format!("fenced floor: {e}"))?;
+            if done == 1 {
+                Ok("executed")
+            } else {
+                Err("fenced floor: the completion found another record".into())
+            }
+        }
     }
+}
+
+/// The fenced floor's per-operation work that idem does too: a SHA-256 fingerprint of the
+/// request and a random 16-byte token.
+fn floor_identity(w: &Workload) -> ([u8; 32], [u8; 16]) {
+    use sha2::{Digest, Sha256};
+    let mut request = Vec::with_capacity(OPERATION.len() + 1 + w.body.len());
+    request.extend_from_slice(OPERATION.as_bytes());
+    request.push(b'\n');
+    request.extend_from_slice(&w.body);
+    let fingerprint: [u8; 32] = Sha256::digest(&request).into();
+    (fingerprint, *FencingToken::random().as_bytes())
+}
+
+/// The fenced floor's claim: `SET key <in-progress record> NX GET PX` and `PTTL key` in one
+/// round trip; the `SET`'s answer (nil when claimed, else the record).
+async fn floor_claim(
+    conn: &mut ConnectionManager,
+    key: &str,
+    fingerprint: &[u8; 32],
+    token: &[u8; 16],
+    w: &Workload,
+) -> Result<redis::Value, String> {
+    let mut record = [0u8; 59];
+    record[0] = b'P';
+    record[1..17].copy_from_slice(token);
+    record[17..23].copy_from_slice(&millis(w.retention).to_be_bytes()[2..]);
+    record[23..55].copy_from_slice(fingerprint);
+    record[55..59].copy_from_slice(&1u32.to_be_bytes());
+    let (old, _pttl): (redis::Value, i64) = redis::pipe()
+        .cmd("SET")
+        .arg(key)
+        .arg(record.as_slice())
+        .arg("NX")
+        .arg("GET")
+        .arg("PX")
+        .arg(30_000 + millis(w.retention))
+        .cmd("PTTL")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .map_err(|e| format!("fenced floor: {e}"))?;
+    Ok(old)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Claims a key that [`lifecycle`] completed: it replays.
@@ -508,6 +620,17 @@ async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, 
             match store.begin(&key).await {
                 Ok(Outcome::Completed(value)) => value == *w.json,
                 other => return Err(format!("klauthed-data: no replay: {other:?}")),
+            }
+        }
+        Side::Floor(conn, _) => {
+            let key = format!("{}{key}", w.prefix["floor"]);
+            let (fingerprint, token) = floor_identity(w);
+            match floor_claim(&mut conn.clone(), &key, &fingerprint, &token, w).await? {
+                redis::Value::BulkString(record) => {
+                    record.get(1..33) == Some(fingerprint.as_slice())
+                        && record.get(40..) == Some(&w.body[..])
+                }
+                other => return Err(format!("fenced floor: no replay: {other:?}")),
             }
         }
     };
@@ -558,6 +681,7 @@ async fn sample_usage(
             Side::Idem { store, .. } => store.record_key(&idem_id(&key)?),
             Side::Idempotent(_) => format!("{}-{key}", w.prefix["idempotent"]),
             Side::Klauthed(_) => format!("{}{key}", w.prefix["klauthed"]),
+            Side::Floor(..) => format!("{}{key}", w.prefix["floor"]),
         };
         if let Some(bytes) = server.memory_usage(&redis_key).await? {
             total += bytes;
@@ -603,6 +727,11 @@ fn report(
             .unwrap_or(f64::NAN)
     };
     let names: Vec<&str> = sides.iter().map(Side::name).collect();
+    let peers: Vec<&str> = sides
+        .iter()
+        .filter(|s| s.is_peer())
+        .map(Side::name)
+        .collect();
     let mut doc = serde_json::json!({
         "url": s.url, "keys": s.keys, "c1_keys": s.c1_keys, "concurrency": s.concurrency,
         "rounds": s.rounds, "body_bytes": json_body(s.body_bytes).len(), "phases": [],
@@ -610,7 +739,7 @@ fn report(
     let mut rows = Vec::new();
     for label in &labels {
         let idem = med("idem", label, |x| x.ops_per_sec);
-        let (best_name, best) = names[1..]
+        let (best_name, best) = peers
             .iter()
             .map(|n| (*n, med(n, label, |x| x.ops_per_sec)))
             .fold(("", 0.0), |a, b| if b.1 > a.1 { b } else { a });

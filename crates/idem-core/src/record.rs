@@ -69,6 +69,9 @@ pub struct Lease {
     token: FencingToken,
     attempt: u32,
     deadline: Instant,
+    /// The fingerprint of the request that acquired the lease, when the store recorded it
+    /// ([`Lease::with_fingerprint`]).
+    fingerprint: Option<Fingerprint>,
 }
 
 impl Lease {
@@ -90,13 +93,32 @@ impl Lease {
             deadline: sent_at
                 .checked_add(remaining)
                 .unwrap_or_else(|| sent_at + FAR_FUTURE),
+            fingerprint: None,
         }
+    }
+
+    /// This lease, carrying the fingerprint of the request that acquired it. A store that
+    /// sets it may rely on it when the lease completes (the Redis store writes the completed
+    /// record whole from it instead of reading it back), so it must be the fingerprint the
+    /// store recorded for this token.
+    #[must_use]
+    pub fn with_fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// The fingerprint of the request that acquired this lease, when its store recorded it.
+    pub fn fingerprint(&self) -> Option<&Fingerprint> {
+        self.fingerprint.as_ref()
     }
 
     /// This lease (same record, same token) as a store renewed it: `attempt` and
     /// `remaining` as the store answered, measured from `sent_at` as in [`Lease::new`].
     pub fn renewed(&self, attempt: u32, remaining: Duration, sent_at: Instant) -> Self {
-        Self::new(self.id.clone(), self.token, attempt, remaining, sent_at)
+        Self {
+            fingerprint: self.fingerprint,
+            ..Self::new(self.id.clone(), self.token, attempt, remaining, sent_at)
+        }
     }
 
     /// The record this lease is for.

@@ -22,8 +22,10 @@
 //! `SET .. NX GET PX <lease + margin>`: its lease deadline is its expiry (by the server's
 //! clock) minus its margin, and the key's `PTTL` minus the margin is the lease time left.
 //! A completion carries the in-progress record's last 36 bytes (fingerprint and attempt)
-//! over as its bytes 1 to 36, so a script completes a lease with one `GETRANGE` and one
-//! `SET` and never looks into the metadata.
+//! over as its bytes 1 to 36. The client writes the completed record whole when its lease
+//! carries the fingerprint ([`Completed`]), so the `complete` script compares the record's
+//! first 17 bytes with `'P'` and the token and sets it: one `GETRANGE` and one `SET`, no
+//! string built in Lua.
 //!
 //! The metadata's first byte tells its form: with its top bit set, the compact form above;
 //! clear, the length-prefixed form: the length of [`idem_core::encode_meta`]'s bytes (u32,
@@ -80,6 +82,45 @@ pub(crate) struct EncodedCompletion {
     pub meta: Vec<u8>,
     /// The body as stored.
     pub body: Bytes,
+}
+
+impl EncodedCompletion {
+    /// The stored bytes after the completed record's identity: the metadata and the body.
+    fn tail_len(&self) -> usize {
+        self.meta.len() + self.body.len()
+    }
+}
+
+/// The completed record as one command argument, written straight into the command: whole
+/// (the tag, the lease's fingerprint and attempt, the metadata, the body), or, without a
+/// fingerprint, the tag followed by the metadata and the body (the `complete` script then
+/// carries the identity over from the in-progress record).
+pub(crate) struct Completed<'a> {
+    pub encoded: &'a EncodedCompletion,
+    /// The fingerprint and attempt of the lease's in-progress record, when known.
+    pub identity: Option<(&'a Fingerprint, u32)>,
+}
+
+impl Completed<'_> {
+    /// The argument's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        let identity = if self.identity.is_some() { 36 } else { 0 };
+        1 + identity + self.encoded.tail_len()
+    }
+}
+
+impl redis::ToRedisArgs for Completed<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use bytes::BufMut as _;
+        let mut arg = out.bufmut_for_next_arg(self.len());
+        arg.put_slice(self.encoded.tag);
+        if let Some((fingerprint, attempt)) = self.identity {
+            arg.put_slice(fingerprint.as_bytes());
+            arg.put_u32(attempt);
+        }
+        arg.put_slice(&self.encoded.meta);
+        arg.put_slice(&self.encoded.body);
+    }
 }
 
 /// Encodes a completion, applying the body limit.

@@ -126,7 +126,7 @@
 //! | script | does | shebang |
 //! |---|---|---|
 //! | `begin.lua` | the whole begin rule, sent when the fast path finds a lease whose deadline passed: take it over, or answer what the record shows by then | `#!lua`: a writer, refused under OOM before it runs |
-//! | `complete.lua` | replace the in-progress record held by the token with the completion | `#!lua` |
+//! | `complete.lua` | replace the in-progress record held by the token with the completion: one `GETRANGE` of the record's first 17 bytes and one `SET` of the record the client sent whole (its lease carries the fingerprint), or the fingerprint and attempt carried over | `#!lua` |
 //! | `release.lua` | delete the in-progress record held by the token | `#!lua flags=allow-oom`: only frees memory |
 //! | `extend.lua` | move the deadline of the record held by the token: its expiry by as much, or its margin when the deadline moves back | `#!lua flags=allow-oom`: grows nothing |
 //! | `apply.lua` | write a completion committed by the tiered store's arbiter, unless the key is completed or held by another lease | `#!lua` |

@@ -433,7 +433,8 @@ impl RedisStore {
                     1,
                     Duration::from_millis(lease_ms),
                     sent_at,
-                );
+                )
+                .with_fingerprint(req.fingerprint);
                 return self.hold(conn, key, lease).await;
             }
             Value::BulkString(old) => Bytes::from(old),
@@ -459,7 +460,8 @@ impl RedisStore {
                 if token == req.token.as_bytes().as_slice() {
                     // The same attempt asking again (its reply was lost): its own lease.
                     let remaining = codec::millis(lease_left_ms);
-                    let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
+                    let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
+                        .with_fingerprint(req.fingerprint);
                     self.hold(conn, key, lease).await
                 } else if lease_left_ms > 0 {
                     Ok(Begin::InFlight {
@@ -502,7 +504,8 @@ impl RedisStore {
                     .and_then(|a| u32::try_from(a).ok())
                     .ok_or_else(bad)?;
                 let remaining = codec::millis(int_at(items, 2).ok_or_else(bad)?);
-                let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at);
+                let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
+                    .with_fingerprint(req.fingerprint);
                 self.hold(conn, key, lease).await
             }
             (Some(2), 3) => {
@@ -554,18 +557,30 @@ impl RedisStore {
         retention: Duration,
         resent: bool,
     ) -> Result<(), Error> {
+        // With the lease's fingerprint, the record goes whole and the script only compares
+        // the first 17 bytes of the one in Redis ('w'); without, it carries them over ('c').
+        let record = codec::Completed {
+            encoded,
+            identity: lease.fingerprint().map(|fp| (fp, lease.attempt())),
+        };
+        let mode = match (record.identity.is_some(), resent) {
+            (true, false) => "w",
+            (true, true) => "W",
+            (false, false) => "c",
+            (false, true) => "C",
+        };
+        let mut head = [b'P'; 17];
+        head[1..].copy_from_slice(lease.token().as_bytes());
         let mut cmd = scripts::evalsha(
             scripts::COMPLETE.on(self.is_cluster()),
             key,
-            6,
-            40 + encoded.meta.len() + encoded.body.len(),
+            4,
+            17 + record.len() + 20 + 1,
         );
-        cmd.arg(lease.token().as_bytes().as_slice())
-            .arg(encoded.tag)
-            .arg(encoded.meta.as_slice())
-            .arg(encoded.body.as_ref())
+        cmd.arg(head.as_slice())
+            .arg(&record)
             .arg(millis(retention).max(1))
-            .arg(if resent { "1" } else { "0" });
+            .arg(mode);
         let reply = scripts::run(scripts::COMPLETE.on(self.is_cluster()), &cmd, &mut conn).await?;
         match reply {
             Value::Int(1) => {}
@@ -624,13 +639,7 @@ impl RedisStore {
                 let attempt = int_at(items, 1)
                     .and_then(|a| u32::try_from(a).ok())
                     .ok_or_else(bad)?;
-                Ok(Lease::new(
-                    lease.id().clone(),
-                    lease.token(),
-                    attempt,
-                    Duration::from_millis(by_ms),
-                    sent_at,
-                ))
+                Ok(lease.renewed(attempt, Duration::from_millis(by_ms), sent_at))
             }
             _ => Err(bad()),
         }

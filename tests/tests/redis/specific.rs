@@ -580,7 +580,9 @@ async fn body_limit_policies() {
 
 /// The scripts answer a call sent twice (its first reply lost) as if it ran once: a
 /// re-sent complete that finds its own completion, and a re-sent release that finds the key
-/// gone, succeed; the same calls not marked as re-sent are lease-lost.
+/// gone, succeed; the same calls not marked as re-sent are lease-lost. `complete` is tried in
+/// both its modes: the record sent whole ('w', a lease that carries its fingerprint) and the
+/// fingerprint and attempt carried over from the in-progress record ('c').
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resent_calls_count_once() {
     let Some((store, mut conn)) = on_the_shared_server().await else {
@@ -588,10 +590,6 @@ async fn resent_calls_count_once() {
     };
     let complete = idem_redis::testing::script("complete").expect("the complete script");
     let release = idem_redis::testing::script("release").expect("the release script");
-    let id = new_id("k");
-    let lease = acquire(&store, &id).await;
-    let key = store.record_key(&id);
-    let token = lease.token();
     let meta = {
         let meta = idem_core::encode_meta(
             idem_core::CompletionKind::Succeeded,
@@ -601,24 +599,107 @@ async fn resent_calls_count_once() {
         framed.extend_from_slice(&meta);
         framed
     };
-    let send = |body: &'static str, resent: &'static str| {
-        let mut invocation = complete.key(&key);
-        invocation
-            .arg(token.as_bytes().as_slice())
-            .arg("c")
-            .arg(meta.as_slice())
-            .arg(body)
-            .arg(60_000)
-            .arg(resent);
-        invocation
+    for whole in [true, false] {
+        let id = new_id(if whole { "kw" } else { "kc" });
+        let lease = acquire(&store, &id).await;
+        let fingerprint = *lease.fingerprint().expect("begin records the fingerprint");
+        let key = store.record_key(&id);
+        let mut head = b"P".to_vec();
+        head.extend_from_slice(lease.token().as_bytes());
+        let send = |body: &'static str, resent: bool| {
+            let mut record = b"c".to_vec();
+            if whole {
+                record.extend_from_slice(fingerprint.as_bytes());
+                record.extend_from_slice(&lease.attempt().to_be_bytes());
+            }
+            record.extend_from_slice(&meta);
+            record.extend_from_slice(body.as_bytes());
+            let mode = match (whole, resent) {
+                (true, false) => "w",
+                (true, true) => "W",
+                (false, false) => "c",
+                (false, true) => "C",
+            };
+            let mut invocation = complete.key(&key);
+            invocation
+                .arg(head.as_slice())
+                .arg(record)
+                .arg(60_000)
+                .arg(mode);
+            invocation
+        };
+        let first: i64 = send("body", false).invoke_async(&mut conn).await.unwrap();
+        let again: i64 = send("body", false).invoke_async(&mut conn).await.unwrap();
+        let resent: i64 = send("body", true).invoke_async(&mut conn).await.unwrap();
+        let resent_other: i64 = send("other", true).invoke_async(&mut conn).await.unwrap();
+        assert_eq!(
+            (first, again, resent, resent_other),
+            (1, 0, 1, 0),
+            "whole: {whole}"
+        );
+        let replay = replay(&store, &id).await;
+        assert_eq!(replay.completion.response.body, "body");
+        let record = store.get(&id).await.unwrap().expect("the record");
+        assert_eq!(record.fingerprint, fingerprint, "whole: {whole}");
+        assert_eq!(record.attempt, 1, "whole: {whole}");
+    }
+
+    // Through the store: a lease made without its fingerprint completes in mode 'c', and the
+    // record keeps the fingerprint its begin wrote.
+    let id = new_id("kl");
+    let lease = acquire(&store, &id).await;
+    let bare = Lease::new(
+        id.clone(),
+        lease.token(),
+        lease.attempt(),
+        lease.remaining(),
+        tokio::time::Instant::now(),
+    );
+    assert!(bare.fingerprint().is_none());
+    store
+        .complete(
+            &bare,
+            &Completion::succeeded(Response::new(201, "bare")),
+            KEEP,
+        )
+        .await
+        .expect("complete without a fingerprint");
+    let record = store.get(&id).await.unwrap().expect("the record");
+    assert_eq!(record.fingerprint, *lease.fingerprint().unwrap());
+    assert_eq!(replay(&store, &id).await.completion.response.body, "bare");
+
+    // Through the store, leases that carry their fingerprint (the record goes whole): it
+    // holds the begin's fingerprint and the lease's attempt, 2 after a takeover.
+    let id = new_id("kt");
+    let first = match store
+        .begin(request(
+            &id,
+            FencingToken::random(),
+            Duration::from_millis(30),
+        ))
+        .await
+        .expect("begin")
+    {
+        Begin::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
     };
-    let first: i64 = send("body", "0").invoke_async(&mut conn).await.unwrap();
-    let again: i64 = send("body", "0").invoke_async(&mut conn).await.unwrap();
-    let resent: i64 = send("body", "1").invoke_async(&mut conn).await.unwrap();
-    let resent_other: i64 = send("other", "1").invoke_async(&mut conn).await.unwrap();
-    assert_eq!((first, again, resent, resent_other), (1, 0, 1, 0));
-    let replay = replay(&store, &id).await;
-    assert_eq!(replay.completion.response.body, "body");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let second = match begin(&store, &id).await {
+        Begin::TookOver(lease) => lease,
+        other => panic!("expected TookOver, got {other:?}"),
+    };
+    assert_eq!((first.attempt(), second.attempt()), (1, 2));
+    store
+        .complete(&second, &succeeded(201, "second"), KEEP)
+        .await
+        .expect("complete");
+    let record = store.get(&id).await.unwrap().expect("the record");
+    assert_eq!(record.fingerprint, Fingerprint::of_bytes(b"f"));
+    assert_eq!(record.attempt, 2);
+    assert!(matches!(
+        store.complete(&first, &succeeded(201, "first"), KEEP).await,
+        Err(Error::LeaseLost)
+    ));
 
     let id = new_id("r");
     let lease = acquire(&store, &id).await;
