@@ -8,8 +8,9 @@
 //! a subscriber is counted, so a completion nobody waits for costs one dictionary lookup in
 //! the script and nothing is published or replicated.
 //!
-//! - **One server** ([`Notifier`]): `SUBSCRIBE`; the scripts count with `PUBSUB NUMSUB` and
-//!   `PUBLISH`. A lost subscribing connection is made again, its channels subscribed again,
+//! - **One server** ([`Notifier`]): `SUBSCRIBE`; `release.lua` and `apply.lua` count with
+//!   `PUBSUB NUMSUB` and `PUBLISH`; a `complete` is followed by a plain `PUBSUB NUMSUB` in
+//!   its round trip, and the store sends the `PUBLISH` when it counts a subscriber. A lost subscribing connection is made again, its channels subscribed again,
 //!   and every waiter woken (a notification may have been lost meanwhile).
 //! - **Redis Cluster** ([`ShardNotifier`]): a classic `PUBLISH` is broadcast to every node,
 //!   and `PUBSUB NUMSUB` counts only the node's own subscribers, so waiters use sharded

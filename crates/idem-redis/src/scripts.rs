@@ -45,6 +45,40 @@ pub(crate) async fn run(script: &Script, cmd: &Cmd, conn: &mut Conn) -> Result<V
     }
 }
 
+/// Sends `pipe`, two commands in one round trip: an `EVALSHA` of `script` (made by
+/// [`evalsha`]), then a plain command; with [`run`]'s handling of `NOSCRIPT`. The script's
+/// answer and the command's.
+pub(crate) async fn run_then(
+    script: &Script,
+    pipe: &redis::Pipeline,
+    conn: &mut Conn,
+) -> Result<(Value, Value), Error> {
+    use redis::aio::ConnectionLike as _;
+    let mut reloads = 0;
+    loop {
+        let mut replies = conn
+            .req_packed_commands(&pipe, 0, 2)
+            .await
+            .map_err(classify)?
+            .into_iter();
+        let (Some(answer), Some(after)) = (replies.next(), replies.next()) else {
+            return Err(Error::backend(crate::STORE, "a reply is missing"));
+        };
+        match answer.extract_error() {
+            Err(e)
+                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+                    && reloads < RELOADS =>
+            {
+                reloads += 1;
+                script.load_async(conn).await.map_err(classify)?;
+            }
+            Err(e) => return Err(classify(e)),
+            // The script's answer decides; the command's, even an error, is the caller's to read.
+            Ok(answer) => return Ok((answer, after)),
+        }
+    }
+}
+
 /// `lua/redis/prelude.lua`: the lease check that `complete`, `release`, `extend` and
 /// `apply` share, and `wake`, which tells waiters.
 const PRELUDE: &str = include_str!("../lua/prelude.lua");

@@ -581,11 +581,35 @@ impl RedisStore {
             .arg(&record)
             .arg(millis(retention).max(1))
             .arg(mode);
-        let reply = scripts::run(scripts::COMPLETE.on(self.is_cluster()), &cmd, &mut conn).await?;
+        let script = scripts::COMPLETE.on(self.is_cluster());
+        // On one server the waiters are counted by a plain `PUBSUB NUMSUB` behind the
+        // script, in the same round trip (complete.lua says why); a cluster's script counts
+        // them on the key's node itself.
+        let (reply, waiters) = if self.is_cluster() {
+            (scripts::run(script, &cmd, &mut conn).await?, 0)
+        } else {
+            let mut numsub = redis::Cmd::with_capacity(3, 6 + 6 + key.len());
+            numsub.arg("PUBSUB").arg("NUMSUB").arg(key);
+            let mut pipe = redis::Pipeline::with_capacity(2);
+            pipe.add_command(cmd).add_command(numsub);
+            let (reply, counts) = scripts::run_then(script, &pipe, &mut conn).await?;
+            (reply, subscribers(&counts))
+        };
         match reply {
             Value::Int(1) => {}
             Value::Int(0) => return Err(Error::LeaseLost),
             other => return Err(unexpected("complete", &other)),
+        }
+        if waiters > 0 {
+            // Wake the record's waiters; should this fail, they fall back to polling.
+            if let Err(e) = redis::cmd("PUBLISH")
+                .arg(key)
+                .arg("")
+                .query_async::<i64>(&mut conn)
+                .await
+            {
+                tracing::debug!(error = %e, "could not wake the waiters of a completed record");
+            }
         }
         if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
             return Err(Error::unavailable(
@@ -738,6 +762,13 @@ async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Err
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
+}
+
+/// The count of a `PUBSUB NUMSUB <channel>` answer: `[channel, count]`.
+fn subscribers(answer: &Value) -> i64 {
+    as_array(answer)
+        .and_then(|items| int_at(items, 1))
+        .unwrap_or(0)
 }
 
 fn as_array(value: &Value) -> Option<&[Value]> {
