@@ -126,7 +126,8 @@ impl Side {
     /// call, with how many it sends per operation of each phase; see [`server_usec`].
     fn top_level(&self) -> &'static [(&'static str, f64)] {
         match self {
-            Side::Idem { .. } | Side::Floor(..) => IDEM_TOP_LEVEL,
+            Side::Idem { .. } => IDEM_TOP_LEVEL,
+            Side::Floor(..) => FLOOR_TOP_LEVEL,
             Side::Idempotent(_) | Side::Klauthed(_) => &[],
         }
     }
@@ -134,8 +135,14 @@ impl Side {
 
 /// The commands idem's store sends outside scripts on the two phases' paths, per operation
 /// (`begin` is `SET .. NX GET PX` and a `PTTL` in one round trip; `complete` a script whose
-/// `SET` is counted inside it). Keep in step with `idem-redis`'s `store.rs`.
-pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pttl", 1.0)];
+/// `SET` is counted inside it, then a plain `PUBSUB NUMSUB` in the same round trip; each
+/// is capped at the calls seen, so a replay counts no `PUBSUB`). Keep in step with
+/// `idem-redis`'s `store.rs`.
+pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] =
+    &[("set", 1.0), ("pttl", 1.0), ("pubsub|numsub", 1.0)];
+
+/// The fenced floor's commands outside its script: the claim's `SET` and `PTTL`.
+const FLOOR_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pttl", 1.0)];
 
 /// What every side stores and how.
 struct Workload {
