@@ -57,7 +57,7 @@ pub(crate) async fn run_then(
     let mut reloads = 0;
     loop {
         let mut replies = conn
-            .req_packed_commands(&pipe, 0, 2)
+            .req_packed_commands(pipe, 0, 2)
             .await
             .map_err(classify)?
             .into_iter();
