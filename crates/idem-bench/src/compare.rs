@@ -102,7 +102,7 @@ enum Side {
 }
 
 /// The fenced floor's completion: the record's first 17 bytes ('P' and the token) compared
-/// with ARGV[1], then the completed record set with its retention.
+/// with `ARGV[1]`, then the completed record set with its retention.
 const FLOOR_COMPLETE: &str = "if redis.call('GETRANGE', KEYS[1], 0, 16) == ARGV[1] then \
      redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0";
 
