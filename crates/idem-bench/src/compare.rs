@@ -212,8 +212,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     let floor = ConnectionManager::new(client)
         .await
         .map_err(|e| format!("fenced floor: {e}"))?;
-    let retention_ms = u64::try_from(s.retention.as_millis()).unwrap_or(u64::MAX);
-    let klauthed = RedisIdempotencyStore::with_ttl_ms(manager, retention_ms);
+    let klauthed = RedisIdempotencyStore::with_ttl_ms(manager, millis(s.retention));
     let sides = vec![
         Side::Idem {
             store: idem,

@@ -84,13 +84,6 @@ pub(crate) struct EncodedCompletion {
     pub body: Bytes,
 }
 
-impl EncodedCompletion {
-    /// The stored bytes after the completed record's identity: the metadata and the body.
-    fn tail_len(&self) -> usize {
-        self.meta.len() + self.body.len()
-    }
-}
-
 /// The completed record as one command argument, written straight into the command: whole
 /// (the tag, the lease's fingerprint and attempt, the metadata, the body), or, without a
 /// fingerprint, the tag followed by the metadata and the body (the `complete` script then
@@ -105,7 +98,7 @@ impl Completed<'_> {
     /// The argument's length in bytes.
     pub(crate) fn len(&self) -> usize {
         let identity = if self.identity.is_some() { 36 } else { 0 };
-        1 + identity + self.encoded.tail_len()
+        1 + identity + self.encoded.meta.len() + self.encoded.body.len()
     }
 }
 

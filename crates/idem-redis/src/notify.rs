@@ -3,15 +3,17 @@
 //!
 //! The channel of a record is its key (channels and keys are separate namespaces in Redis).
 //! A waiter subscribes to it on the store's subscribing connection, shared by all of the
-//! store's waiters, before it looks at the record once more; `complete.lua`, `release.lua`
-//! and `apply.lua` publish on it after their write (`wake` in `prelude.lua`), and only when
-//! a subscriber is counted, so a completion nobody waits for costs one dictionary lookup in
-//! the script and nothing is published or replicated.
+//! store's waiters, before it looks at the record once more. A write publishes on it only
+//! when a subscriber is counted, so a completion nobody waits for costs one dictionary
+//! lookup and nothing is published or replicated.
 //!
-//! - **One server** ([`Notifier`]): `SUBSCRIBE`; `release.lua` and `apply.lua` count with
-//!   `PUBSUB NUMSUB` and `PUBLISH`; a `complete` is followed by a plain `PUBSUB NUMSUB` in
-//!   its round trip, and the store sends the `PUBLISH` when it counts a subscriber. A lost subscribing connection is made again, its channels subscribed again,
-//!   and every waiter woken (a notification may have been lost meanwhile).
+//! - **One server** ([`Notifier`]): `SUBSCRIBE`. `release.lua` and `apply.lua` count with
+//!   `PUBSUB NUMSUB` and `PUBLISH` (`wake` in `prelude.lua`); a `complete` is followed by
+//!   a plain `PUBSUB NUMSUB` in its round trip, and the store sends the `PUBLISH` when it
+//!   counts a subscriber (a waiter that subscribes after the count finds the record
+//!   completed when it looks). A lost subscribing connection is made again, its channels
+//!   subscribed again, and every waiter woken (a notification may have been lost
+//!   meanwhile).
 //! - **Redis Cluster** ([`ShardNotifier`]): a classic `PUBLISH` is broadcast to every node,
 //!   and `PUBSUB NUMSUB` counts only the node's own subscribers, so waiters use sharded
 //!   pub/sub instead (Redis 7.0): `SSUBSCRIBE` on the primary that owns the channel's slot,
