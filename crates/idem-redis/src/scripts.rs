@@ -83,13 +83,24 @@ pub(crate) async fn run_then(
 /// `apply` share, and `wake`, which tells waiters.
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
 
+/// Where a script wants the prelude, when not right after its shebang: a line of its own,
+/// after a common path that needs none of the prelude's functions (so that the path does
+/// not pay for making them).
+const PRELUDE_HERE: &str = "\n--@prelude\n";
+
 /// A script with the prelude placed after its shebang line (which must stay first: Redis
-/// reads the script's flags from it), for one server or, `sharded`, for Redis Cluster: the
-/// prelude's `wake` reads `SHARDED`, so that each write counts one kind of subscriber only
-/// (a `redis.call` costs about half a microsecond of the server's time).
+/// reads the script's flags from it), or at its [`PRELUDE_HERE`] line, for one server or,
+/// `sharded`, for Redis Cluster: the prelude's `wake` reads `SHARDED` (defined right after
+/// the shebang), so that each write counts one kind of subscriber only (a `redis.call`
+/// costs about half a microsecond of the server's time).
 pub(crate) fn with_prelude(source: &str, sharded: bool) -> String {
     let (shebang, body) = source.split_once('\n').unwrap_or((source, ""));
-    format!("{shebang}\nlocal SHARDED = {sharded}\n{PRELUDE}{body}")
+    match body.split_once(PRELUDE_HERE) {
+        Some((before, after)) => {
+            format!("{shebang}\nlocal SHARDED = {sharded}\n{before}\n{PRELUDE}{after}")
+        }
+        None => format!("{shebang}\nlocal SHARDED = {sharded}\n{PRELUDE}{body}"),
+    }
 }
 
 /// A script with the prelude in its two forms (see [`with_prelude`]).
@@ -178,5 +189,20 @@ mod tests {
         assert!(assembled.starts_with("#!lua"));
         assert!(assembled.contains("local function lease_head"));
         assert!(!include_str!("../lua/prelude.lua").contains("#!lua"));
+        // complete.lua's common path comes before the prelude, which replaces its marker.
+        let prelude_at = assembled.find("local function lease_head").unwrap();
+        assert!(assembled.find("local written").unwrap() < prelude_at);
+        assert!(!assembled.contains(super::PRELUDE_HERE));
+        for source in [
+            include_str!("../lua/release.lua"),
+            include_str!("../lua/extend.lua"),
+            include_str!("../lua/apply.lua"),
+        ] {
+            // The others have it right after the shebang.
+            let assembled = super::with_prelude(source, false);
+            let after_shebang = assembled.split_once('\n').unwrap().1;
+            let expected = format!("local SHARDED = false\n{}", super::PRELUDE);
+            assert!(after_shebang.starts_with(&expected));
+        }
     }
 }
