@@ -75,6 +75,7 @@
 
 mod clock;
 mod engine;
+mod entropy;
 mod error;
 mod fingerprint;
 mod key;

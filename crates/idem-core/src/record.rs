@@ -20,9 +20,13 @@ use crate::key::RecordId;
 pub struct FencingToken(Uuid);
 
 impl FencingToken {
-    /// A fresh random token.
+    /// A fresh random token: a version 4 UUID from the operating system's CSPRNG (drawn a
+    /// few tokens at a time per thread, and never shared with a forked child).
     pub fn random() -> Self {
-        Self(Uuid::new_v4())
+        match crate::entropy::token_bytes() {
+            Some(bytes) => Self(uuid::Builder::from_random_bytes(bytes).into_uuid()),
+            None => Self(Uuid::new_v4()),
+        }
     }
 
     /// Wraps a token read back from a store.
