@@ -1,7 +1,8 @@
 --[[
 prelude: what complete, release, extend and apply share, placed in front of each (after its
-shebang line) when the store loads it (crates/idem-redis/src/scripts.rs). Not a script of
-its own: it defines two functions and touches no key but the caller's.
+shebang line, or at its `--@prelude` line) when the store loads it
+(crates/idem-redis/src/scripts.rs). Not a script of its own: it defines two functions and
+touches no key but the caller's.
 
 lease_head(key, token) reads the first 59 bytes of the record at `key` (a KEYS entry of the
 calling script) and says what they hold for the lease whose fencing token is `token`:

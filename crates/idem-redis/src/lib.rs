@@ -230,7 +230,8 @@ const STORE: &str = "redis";
 
 /// The Lua scripts, as they are in the workspace's `lua/redis/` folder. Each opens with its
 /// contract; `complete`, `release`, `extend` and `apply` are sent with `prelude.lua` (their
-/// shared lease check) placed after their first line.
+/// shared lease check) placed after their first line, or at their `--@prelude` line
+/// (`complete`'s, after its common path).
 pub mod lua {
     #![doc = concat!("## begin.lua\n\n```lua\n", include_str!("../lua/begin.lua"), "```\n")]
     #![doc = concat!("## complete.lua\n\n```lua\n", include_str!("../lua/complete.lua"), "```\n")]
