@@ -32,15 +32,12 @@ pub(crate) fn evalsha(script: &Script, key: &str, args: usize, bytes: usize) -> 
 pub(crate) async fn run(script: &Script, cmd: &Cmd, conn: &mut Conn) -> Result<Value, Error> {
     let mut reloads = 0;
     loop {
-        match cmd.query_async::<Value>(conn).await {
-            Err(e)
-                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
-                    && reloads < RELOADS =>
-            {
-                reloads += 1;
-                script.load_async(conn).await.map_err(classify)?;
-            }
-            result => return result.map_err(classify),
+        let e = match cmd.query_async::<Value>(conn).await {
+            Ok(answer) => return Ok(answer),
+            Err(e) => e,
+        };
+        if !reloaded(script, &e, &mut reloads, conn).await? {
+            return Err(classify(e));
         }
     }
 }
@@ -64,19 +61,31 @@ pub(crate) async fn run_then(
         let (Some(answer), Some(after)) = (replies.next(), replies.next()) else {
             return Err(Error::backend(crate::STORE, "a reply is missing"));
         };
-        match answer.extract_error() {
-            Err(e)
-                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
-                    && reloads < RELOADS =>
-            {
-                reloads += 1;
-                script.load_async(conn).await.map_err(classify)?;
-            }
-            Err(e) => return Err(classify(e)),
-            // The script's answer decides; the command's, even an error, is the caller's to read.
+        // The script's answer decides; the command's, even an error, is the caller's to read.
+        let e = match answer.extract_error() {
             Ok(answer) => return Ok((answer, after)),
+            Err(e) => e,
+        };
+        if !reloaded(script, &e, &mut reloads, conn).await? {
+            return Err(classify(e));
         }
     }
+}
+
+/// After `e`, an `EVALSHA`'s error: when it is `NOSCRIPT` and fewer than [`RELOADS`] loads
+/// were made, loads the script and answers `true` (send it again); otherwise `false`.
+async fn reloaded(
+    script: &Script,
+    e: &redis::RedisError,
+    reloads: &mut usize,
+    conn: &mut Conn,
+) -> Result<bool, Error> {
+    if e.kind() != ErrorKind::Server(ServerErrorKind::NoScript) || *reloads >= RELOADS {
+        return Ok(false);
+    }
+    *reloads += 1;
+    script.load_async(conn).await.map_err(classify)?;
+    Ok(true)
 }
 
 /// `lua/redis/prelude.lua`: the lease check that `complete`, `release`, `extend` and

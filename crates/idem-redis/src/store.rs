@@ -571,17 +571,12 @@ impl RedisStore {
         };
         let mut head = [b'P'; 17];
         head[1..].copy_from_slice(lease.token().as_bytes());
-        let mut cmd = scripts::evalsha(
-            scripts::COMPLETE.on(self.is_cluster()),
-            key,
-            4,
-            17 + record.len() + 20 + 1,
-        );
+        let script = scripts::COMPLETE.on(self.is_cluster());
+        let mut cmd = scripts::evalsha(script, key, 4, 17 + record.len() + 20 + 1);
         cmd.arg(head.as_slice())
             .arg(&record)
             .arg(millis(retention).max(1))
             .arg(mode);
-        let script = scripts::COMPLETE.on(self.is_cluster());
         // On one server the waiters are counted by a plain `PUBSUB NUMSUB` behind the
         // script, in the same round trip (complete.lua says why); a cluster's script counts
         // them on the key's node itself.
