@@ -699,6 +699,34 @@ mod postgres {
         drop_schema(&store).await;
     }
 
+    /// A duplicate that comes while the holder's completion is written but not committed
+    /// (`complete_in` in an open business transaction, which holds the row) is answered in
+    /// flight at once, from its snapshot: `begin` never waits for a transaction that holds
+    /// a record it reads. After the commit, the duplicate gets the replay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicate_during_an_uncommitted_completion_is_in_flight_at_once() {
+        let Some(store) = fresh(4).await else { return };
+        let id = id("held");
+        let lease = claim(&store, &id, LONG).await;
+        let mut tx = store.pool().begin().await.expect("tx");
+        store
+            .complete_in(&mut tx, &lease, &done("paid"), KEEP)
+            .await
+            .expect("complete_in");
+        let answer = timeout(Duration::from_secs(5), store.begin(req(&id, LONG))).await;
+        tx.commit().await.expect("commit");
+        match answer {
+            Ok(Ok(Begin::InFlight { .. })) => {}
+            Ok(other) => panic!("expected InFlight, got {other:?}"),
+            Err(_) => panic!("begin waited for the transaction that holds the record"),
+        }
+        match store.begin(req(&id, LONG)).await.expect("begin") {
+            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "paid"),
+            other => panic!("expected Replay, got {other:?}"),
+        }
+        drop_schema(&store).await;
+    }
+
     /// In a REPEATABLE READ transaction whose snapshot predates another caller's claim,
     /// `begin_in` reports a transaction conflict (retryable), and retrying the whole
     /// transaction sees the key in flight.

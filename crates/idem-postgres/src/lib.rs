@@ -59,21 +59,33 @@
 //!
 //! ## How `begin` stays atomic
 //!
-//! `begin` is one statement (see `src/sql/begin.sql`) with two branches:
+//! `begin` sends `src/sql/claim.sql`, and `src/sql/begin.sql` only when that returns no row.
+//! Each is one statement, so each is atomic; between the two the record may change, which
+//! is as if the call had come a little later.
 //!
-//! - It first reads the record in the statement's snapshot. When the record needs no change
-//!   (completed, in flight under a live lease, held by this very token, or created by
+//! - `claim.sql` reads the record in the statement's snapshot. When the record needs no
+//!   change (completed, in flight under a live lease, held by this very token, or created by
 //!   another request) that read is the answer, and nothing is written or locked: replays,
 //!   in-flight answers (a waiter's polling included) and mismatches are plain index
-//!   lookups, and cannot conflict with the holder's `complete`.
-//! - Otherwise it runs `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... RETURNING`. The
-//!   obvious `ON CONFLICT DO NOTHING` is wrong at READ COMMITTED: the loser of a race gets
-//!   no row back, and a read in the same statement uses a snapshot taken before the winner
-//!   committed, so it sees no row either. `DO UPDATE` instead waits for the winner's
+//!   lookups, and cannot conflict with the holder's `complete`. When the snapshot holds no
+//!   record of the key at all, it inserts one (`ON CONFLICT DO NOTHING`): a new key is one
+//!   plain insert, with none of `begin.sql`'s plan to build (BENCHMARKS.md has the
+//!   measurements).
+//! - It returns no row when the record needs a change (past its expiry, or an expired lease
+//!   to take over) or when a concurrent caller inserted the key after the snapshot. Then
+//!   `begin.sql` runs `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... RETURNING`. `ON
+//!   CONFLICT DO NOTHING` cannot decide this case at READ COMMITTED: the loser of a race
+//!   gets no row back, and a read in the same statement uses a snapshot taken before the
+//!   winner committed, so it sees no row either. `DO UPDATE` instead waits for the winner's
 //!   transaction, locks the row's latest committed version and always returns it. Its
 //!   `CASE`s decide on that version: take an expired lease over (same fingerprint, another
 //!   token, deadline passed), restart a record past its expiry as a fresh one, or set every
 //!   column to itself (the row changed since the snapshot and needs nothing).
+//!
+//! `claim.sql` inserts only when its snapshot holds no row of the key (`NOT EXISTS`): `ON
+//! CONFLICT`'s own check would otherwise wait for a transaction that holds the row (a
+//! completion written with [`PgStore::complete_in`], not yet committed) before answering.
+//! [`PgStore::begin_in`] sends `begin.sql` alone.
 //!
 //! The returned row is read as one of the five outcomes: the request's own token on it
 //! means it holds the lease (acquired, taken over, or the same attempt sent twice).

@@ -51,6 +51,7 @@ impl Schema {
 /// The store's statements with the schema spliced in (`{records}` in the `.sql` files).
 #[derive(Debug)]
 pub(crate) struct Statements {
+    pub(crate) claim: String,
     pub(crate) begin: String,
     pub(crate) complete: String,
     pub(crate) release: String,
@@ -66,6 +67,7 @@ impl Statements {
         let table = format!("{}.records", schema.quoted());
         let build = |sql: &str| sql.replace("{records}", &table);
         Self {
+            claim: build(include_str!("sql/claim.sql")),
             begin: build(include_str!("sql/begin.sql")),
             complete: build(include_str!("sql/complete.sql")),
             release: build(include_str!("sql/release.sql")),
@@ -103,6 +105,7 @@ mod tests {
     fn statements_name_the_schema() {
         let sql = Statements::new(&Schema::new("x\"y").unwrap());
         for s in [
+            &sql.claim,
             &sql.begin,
             &sql.complete,
             &sql.release,

@@ -35,10 +35,12 @@ pub const DEFAULT_CONFLICT_RETRIES: u32 = 10;
 /// The [`Store`] on PostgreSQL.
 ///
 /// Each step of the state machine is one SQL statement on one row, so each is atomic and
-/// takes one round trip. [`Store::begin`] is a single `INSERT ... ON CONFLICT DO UPDATE`
-/// that inserts the in-progress record, takes over an expired lease, or returns the record
-/// as it stands, correct at READ COMMITTED under any number of concurrent callers (see the
-/// crate docs for why it is built that way). `complete`, `release` and `extend` are single
+/// takes one round trip. [`Store::begin`] is one statement that answers from a snapshot
+/// read or inserts a new key's in-progress record, and, only when it cannot (an expired
+/// lease to take over, an expired record, a race lost), a second: an `INSERT ... ON
+/// CONFLICT DO UPDATE` that decides on the locked row. Both are correct at READ COMMITTED
+/// under any number of concurrent callers (see the crate docs for why they are built that
+/// way). `complete`, `release` and `extend` are single
 /// statements guarded by the lease's fencing token: when no row matches, the lease was lost
 /// and they return [`Error::LeaseLost`]. Deadlines and expiry come from the database's
 /// `clock_timestamp()`, never from the application's clock.
@@ -269,7 +271,7 @@ impl PgStore {
     ) -> Result<Begin, Error> {
         let sent_at = Instant::now();
         let row = self
-            .begin_query(&req)
+            .begin_query(&self.sql.begin, &req)
             .fetch_one(conn)
             .await
             .map_err(error::map)?;
@@ -414,8 +416,13 @@ impl PgStore {
         .map_err(error::map)
     }
 
-    fn begin_query<'q>(&'q self, req: &'q BeginRequest<'_>) -> Query<'q, Postgres, PgArguments> {
-        sqlx::query(&self.sql.begin)
+    /// `sql` (`claim.sql` or `begin.sql`, which take the same parameters) for `req`.
+    fn begin_query<'q>(
+        &'q self,
+        sql: &'q str,
+        req: &'q BeginRequest<'_>,
+    ) -> Query<'q, Postgres, PgArguments> {
+        sqlx::query(sql)
             .bind(req.id.scope().as_str().as_bytes())
             .bind(req.id.key().as_str())
             .bind(&req.fingerprint.as_bytes()[..])
@@ -461,10 +468,28 @@ impl Store for PgStore {
         NAME
     }
 
+    /// `claim.sql` first: it answers a new key (one plain insert) and a record that needs
+    /// no change (a snapshot read), which is nearly every call. When it returns no row (a
+    /// record past its expiry, a lease to take over, or a key a concurrent caller inserted
+    /// meanwhile), `begin.sql` decides on the row under its lock.
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
         let sent_at = Instant::now();
+        let claimed = self
+            .retrying(|| {
+                self.begin_query(&self.sql.claim, &req)
+                    .fetch_optional(&self.pool)
+            })
+            .await
+            .map_err(error::map)?;
+        if let Some(row) = claimed {
+            return classify_begin(&row, &req, sent_at);
+        }
+        let sent_at = Instant::now();
         let row = self
-            .retrying(|| self.begin_query(&req).fetch_one(&self.pool))
+            .retrying(|| {
+                self.begin_query(&self.sql.begin, &req)
+                    .fetch_one(&self.pool)
+            })
             .await
             .map_err(error::map)?;
         classify_begin(&row, &req, sent_at)
@@ -603,7 +628,8 @@ fn held(rows: u64) -> Result<(), Error> {
     }
 }
 
-/// Reads the row `begin.sql` returns and decides which of the five outcomes it is.
+/// Reads the row `claim.sql` or `begin.sql` returns and decides which of the five outcomes
+/// it is.
 fn classify_begin(row: &PgRow, req: &BeginRequest<'_>, sent_at: Instant) -> Result<Begin, Error> {
     let token: Option<Uuid> = row.try_get("token").map_err(error::map)?;
     let attempt = attempt_of(row)?;
