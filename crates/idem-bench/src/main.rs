@@ -485,7 +485,7 @@ async fn measure(
             let name = format!("lifecycle C={c} / insert+update C={c}");
             let floor_is = "two-statement floor";
             let figure = Figure::ratio(name, life.throughput(), floor.throughput(), floor_is);
-            figures.push(figure.target(Target::AtLeast(0.9)));
+            figures.push(figure.target(Target::AtLeast(0.95)));
             reports.push(life);
             reports.push(floor);
         } else {
@@ -563,7 +563,7 @@ async fn measure(
         let (bare, bare_is) = (http[0].throughput(), "requests to the bare handler");
         let name = "http: layer new keys / bare handler";
         let figure = Figure::ratio(name, http[1].throughput(), bare, bare_is);
-        figures.push(figure.target(Target::AtLeast(0.7)));
+        figures.push(figure.target(Target::AtLeast(0.75)));
         let name = "http: layer replays / bare handler";
         figures.push(Figure::ratio(name, http[2].throughput(), bare, bare_is));
         reports.extend(http);
