@@ -101,6 +101,32 @@ mod tests {
         ));
     }
 
+    /// `claim.sql` answers from `begin.sql`'s snapshot read with `begin.sql`'s row: the two
+    /// statements must not drift apart.
+    #[test]
+    fn claim_reads_and_answers_as_begin_does() {
+        // The statement's code alone: comments dropped, whitespace made single spaces.
+        fn code(sql: &str) -> String {
+            let lines = sql.lines().map(|l| l.split("--").next().unwrap_or(""));
+            lines
+                .flat_map(str::split_whitespace)
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+        fn seen(sql: &str) -> &str {
+            let start = sql.find("seen AS (").expect("a seen CTE");
+            let end = sql.find("), claimed AS (").expect("a claimed CTE");
+            &sql[start..end]
+        }
+        fn answer(sql: &str) -> &str {
+            &sql[sql.rfind("SELECT rec.fingerprint").expect("the answer")..]
+        }
+        let claim = code(include_str!("sql/claim.sql"));
+        let begin = code(include_str!("sql/begin.sql"));
+        assert_eq!(seen(&claim), seen(&begin));
+        assert_eq!(answer(&claim), answer(&begin));
+    }
+
     #[test]
     fn statements_name_the_schema() {
         let sql = Statements::new(&Schema::new("x\"y").unwrap());

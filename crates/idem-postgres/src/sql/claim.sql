@@ -9,8 +9,8 @@
 -- * `seen` is begin.sql's own snapshot read: a record that needs no change (completed and
 --   live, in flight under a live lease, held by this very token, created by another
 --   request) is the answer, and nothing is written or locked.
--- * `fresh` inserts the record in progress under $4 when the snapshot holds no record of the
---   key at all: a new key, the common case, is one plain insert.
+-- * `claimed` inserts the record in progress under $4 when the snapshot holds no record of
+--   the key at all: a new key, the common case, is one plain insert.
 -- * No row: the snapshot holds a record that needs a change (past its expiry, or a lease to
 --   take over), or a concurrent caller inserted the key after the snapshot was taken (ON
 --   CONFLICT DO NOTHING, at READ COMMITTED, then returns nothing). The caller sends
@@ -29,7 +29,7 @@ seen AS (
            OR r.lease_until > clock.now -- in flight
            OR r.fingerprint <> $3)      -- another request: a mismatch
 ),
-fresh AS (
+claimed AS (
     INSERT INTO {records} AS r (scope, key, fingerprint, attempt, token, lease_until, expires_at)
     SELECT $1, $2, $3, 1, $4, clock.now + $5::interval, clock.now + $5::interval + $6::interval
     FROM clock
@@ -47,4 +47,4 @@ SELECT
     (extract(epoch FROM clock_timestamp() - clock.now) * 1000000)::bigint AS waited_us,
     CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.meta END AS meta,
     CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.body END AS body
-FROM (SELECT * FROM seen UNION ALL SELECT * FROM fresh) AS rec, clock
+FROM (SELECT * FROM seen UNION ALL SELECT * FROM claimed) AS rec, clock
