@@ -555,11 +555,7 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
 /// request and a random 16-byte token.
 fn floor_identity(w: &Workload) -> ([u8; 32], [u8; 16]) {
     use sha2::{Digest, Sha256};
-    let mut request = Vec::with_capacity(OPERATION.len() + 1 + w.body.len());
-    request.extend_from_slice(OPERATION.as_bytes());
-    request.push(b'\n');
-    request.extend_from_slice(&w.body);
-    let fingerprint: [u8; 32] = Sha256::digest(&request).into();
+    let fingerprint: [u8; 32] = Sha256::digest(request(w)).into();
     (fingerprint, *FencingToken::random().as_bytes())
 }
 
@@ -654,15 +650,21 @@ fn idem_id(key: &str) -> Result<RecordId, String> {
     ))
 }
 
-async fn idem_begin(store: &RedisStore, w: &Workload, id: &RecordId) -> Result<Begin, String> {
+/// The request bytes idem and the fenced floor fingerprint per operation: the operation, a
+/// newline, the body.
+fn request(w: &Workload) -> Vec<u8> {
     let mut request = Vec::with_capacity(OPERATION.len() + 1 + w.body.len());
     request.extend_from_slice(OPERATION.as_bytes());
     request.push(b'\n');
     request.extend_from_slice(&w.body);
+    request
+}
+
+async fn idem_begin(store: &RedisStore, w: &Workload, id: &RecordId) -> Result<Begin, String> {
     store
         .begin(BeginRequest {
             id,
-            fingerprint: Fingerprint::of_bytes(&request),
+            fingerprint: Fingerprint::of_bytes(&request(w)),
             token: FencingToken::random(),
             lease: Duration::from_secs(30),
             retention: w.retention,
