@@ -2,7 +2,9 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -354,15 +356,41 @@ impl RedisStore {
         Ok(conn)
     }
 
-    /// Bounds a whole call by [`RedisConfig::call_timeout`].
+    /// Bounds a whole call by [`RedisConfig::call_timeout`], counted from its first poll.
+    ///
+    /// The timer is armed only when the call waits a second time. Nearly every call waits
+    /// once (for the one round trip of its command) and is answered by the wake-up that
+    /// follows, so it never pays for registering and clearing a timer: redis-rs already
+    /// runs one per command. The first wait is always one redis-rs bounds by a timer of
+    /// its own (the response timeout around a command, the connection timeout and the
+    /// backoff of a reconnection, the cluster client's), and both timeouts are shorter
+    /// than the call's, so the call wakes again before its deadline and arms the timer
+    /// then. When a timeout is not shorter, the timer is armed at the first wait.
     async fn bounded<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        match tokio::time::timeout(self.inner.config.call_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::unavailable(
-                STORE,
-                format!("no answer within {:?}", self.inner.config.call_timeout),
-            )),
-        }
+        let config = &self.inner.config;
+        let limit = config.call_timeout;
+        let deadline = Instant::now() + limit;
+        let mut waited = config.response_timeout >= limit || config.connect_timeout >= limit;
+        let mut call = std::pin::pin!(call);
+        let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(result) = call.as_mut().poll(cx) {
+                return Poll::Ready(result);
+            }
+            if !waited {
+                waited = true;
+                return Poll::Pending;
+            }
+            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            match timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(Error::unavailable(
+                    STORE,
+                    format!("no answer within {limit:?}"),
+                ))),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
     }
 
     /// Waits for replicas after a write when durability is on; `Ok(None)` when enough

@@ -921,3 +921,57 @@ async fn subscribers(raw: &mut redis::aio::MultiplexedConnection, channel: &str)
         .unwrap();
     n
 }
+
+/// A store call against a server that takes connections and never answers ends with
+/// `Unavailable` at `call_timeout`, however many reconnections redis-rs would still try:
+/// when redis-rs's timeouts are shorter than the call's (the call's timer is armed at its
+/// second wait, see `RedisStore::bounded`), and when they are not (armed at the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_to_a_silent_server_ends_at_the_call_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().unwrap().port();
+    // Takes every connection and keeps it open, reading nothing, for the test's life.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    let call = Duration::from_millis(1500);
+    // Without the call's timer, each would go on through its 13 connection attempts: about
+    // 4 s with the first timeouts, close to a minute with the second. With the timer armed
+    // at the second wait only, the second would end at its first wake-up, after 4 s.
+    for (connect, response) in [
+        (Duration::from_millis(300), Duration::from_secs(1)),
+        (Duration::from_secs(4), Duration::from_secs(4)),
+    ] {
+        let config = idem_redis::RedisConfig::default()
+            .with_prefix(format!("idem-test-{}:", uuid::Uuid::new_v4().simple()))
+            .with_connect_timeout(connect)
+            .with_response_timeout(response)
+            .with_reconnect_retries(12)
+            .with_call_timeout(call);
+        let store = RedisStore::builder(format!("redis://127.0.0.1:{port}"))
+            .with_config(config)
+            .connect_lazy()
+            .expect("a lazy store builds");
+        let started = Instant::now();
+        let answer = store
+            .begin(request(&new_id("silent"), FencingToken::random(), LONG))
+            .await;
+        let took = started.elapsed();
+        match answer {
+            Err(Error::Unavailable { source, .. }) => assert!(
+                source.to_string().contains("no answer within 1.5s"),
+                "timeouts {connect:?} / {response:?}: not the call's timeout: {source}"
+            ),
+            other => {
+                panic!("timeouts {connect:?} / {response:?}: expected Unavailable, got {other:?}")
+            }
+        }
+        assert!(
+            took >= call && took < call + Duration::from_millis(900),
+            "timeouts {connect:?} / {response:?}: the call took {took:?}, its timeout is {call:?}"
+        );
+    }
+}
