@@ -41,8 +41,8 @@ pub const DEFAULT_CONFLICT_RETRIES: u32 = 10;
 /// decides on the locked row. Both are correct at READ COMMITTED under any number of
 /// concurrent callers (see the crate docs for why they are built that way). `complete`,
 /// `release` and `extend` are single statements guarded by the lease's fencing token: when
-/// no row matches, the lease was lost and they return [`Error::LeaseLost`]. Deadlines and expiry come from the database's
-/// `clock_timestamp()`, never from the application's clock.
+/// no row matches, the lease was lost and they return [`Error::LeaseLost`]. Deadlines and
+/// expiry come from the database's `clock_timestamp()`, never from the application's clock.
 ///
 /// The [`Store`] methods run on the pool, each statement in its own implicit transaction: no
 /// transaction stays open across the protected work. To commit the completed record together

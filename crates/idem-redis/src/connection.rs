@@ -22,6 +22,9 @@ use crate::error::classify;
 pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
 /// The URL scheme that selects Redis Cluster over TLS.
 pub(crate) const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
+/// The longest pause between two attempts of a reconnection (redis-rs's backoff grows up to
+/// it). A call that finds a reconnection in its pause waits that long at most.
+pub(crate) const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
 /// The query parameter naming a PEM file of certificate authorities to trust instead of the
 /// system's roots (a private CA): `rediss://host:6380/?tls_ca_file=/etc/idem/ca.pem`.
 const TLS_CA_FILE: &str = "tls_ca_file";
@@ -104,7 +107,7 @@ impl Connection {
             .set_response_timeout(Some(config.response_timeout))
             .set_number_of_retries(config.reconnect_retries)
             .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(500));
+            .set_max_delay(RECONNECT_MAX_DELAY);
         ConnectionManager::new_lazy_with_config(client, manager)
             .map(Self::Standalone)
             .map_err(invalid)

@@ -20,7 +20,9 @@ use tokio::time::Instant;
 
 use crate::codec::{self, Head};
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
-use crate::connection::{pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME};
+use crate::connection::{
+    pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME, RECONNECT_MAX_DELAY,
+};
 use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
 use crate::key;
 use crate::notify::{Notifier, ShardNotifier, Waiters};
@@ -363,14 +365,19 @@ impl RedisStore {
     /// follows, so it never pays for registering and clearing a timer: redis-rs already
     /// runs one per command. The first wait is always one redis-rs bounds by a timer of
     /// its own (the response timeout around a command, the connection timeout and the
-    /// backoff of a reconnection, the cluster client's), and both timeouts are shorter
-    /// than the call's, so the call wakes again before its deadline and arms the timer
-    /// then. When a timeout is not shorter, the timer is armed at the first wait.
+    /// backoff pause of a reconnection, the cluster client's whole-request timeout, which is
+    /// the call's). When the first three are shorter than the call's timeout, as by default,
+    /// the call wakes again before its deadline and arms the timer then; otherwise the timer
+    /// is armed at the first wait.
     async fn bounded<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
         let config = &self.inner.config;
         let limit = config.call_timeout;
         let deadline = Instant::now() + limit;
-        let mut waited = config.response_timeout >= limit || config.connect_timeout >= limit;
+        let first_wait = config
+            .response_timeout
+            .max(config.connect_timeout)
+            .max(RECONNECT_MAX_DELAY);
+        let mut waited = first_wait >= limit;
         let mut call = std::pin::pin!(call);
         let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
         std::future::poll_fn(|cx| {
