@@ -600,6 +600,9 @@ mod tests {
             prop_oneof![
                 any::<i64>().prop_map(|n| n.to_string()),
                 any::<u64>().prop_map(|n| n.to_string()),
+                // Integers around 2^53, where they stop being written digit for digit.
+                (-(1i64 << 54)..(1i64 << 54)).prop_map(|n| n.to_string()),
+                (-(1i64 << 20)..(1i64 << 20)).prop_map(|n| n.to_string()),
                 any::<f64>()
                     .prop_filter("finite", |f| f.is_finite())
                     .prop_map(|f| format!("{f:?}")),
@@ -614,6 +617,13 @@ mod tests {
                     "1250.00",
                     "12500e-1",
                     "9007199254740993",
+                    "9007199254740992",
+                    "9007199254740991",
+                    "-9007199254740992",
+                    "-9007199254740993",
+                    "9007199254740995",
+                    "18446744073709551615",
+                    "-9223372036854775808",
                     "1e-400",
                     "1.7976931348623157e308",
                     "5e-324",

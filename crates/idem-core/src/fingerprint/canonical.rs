@@ -36,7 +36,7 @@ use serde_json::Value;
 /// when `body` is not one JSON document (trailing characters included) or holds a number
 /// out of a double's range.
 pub(super) fn canonicalize(body: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
-    let mut writer = Writer::with_capacity(body.len());
+    let mut writer = Writer::for_document(body.len());
     let mut de = serde_json::Deserializer::from_slice(body);
     Node(&mut writer).deserialize(&mut de)?;
     de.end()?;
@@ -48,7 +48,6 @@ pub(super) fn canonicalize_value(value: &Value, out: &mut Vec<u8>) {
     let mut writer = Writer {
         out: std::mem::take(out),
         members: Vec::new(),
-        scratch: Vec::new(),
     };
     writer.value(value);
     *out = writer.out;
@@ -91,16 +90,16 @@ struct Member<'a> {
 struct Writer<'a> {
     out: Vec<u8>,
     members: Vec<Member<'a>>,
-    /// Where an object's members are copied to be put in order.
-    scratch: Vec<u8>,
 }
 
 impl<'a> Writer<'a> {
-    fn with_capacity(capacity: usize) -> Self {
+    /// A writer for a document of `len` bytes: room for its canonical form (no longer than
+    /// a compact document) and for a second copy of its largest object while that one's
+    /// members are put in order, and for the members of a few objects.
+    fn for_document(len: usize) -> Self {
         Self {
-            out: Vec::with_capacity(capacity),
-            members: Vec::new(),
-            scratch: Vec::new(),
+            out: Vec::with_capacity(len.saturating_mul(2)),
+            members: Vec::with_capacity(8),
         }
     }
 
@@ -111,6 +110,25 @@ impl<'a> Writer<'a> {
     fn bool(&mut self, b: bool) {
         self.out
             .extend_from_slice(if b { b"true" } else { b"false" });
+    }
+
+    /// An integer, by its sign and magnitude. Up to 2^53 a double holds it exactly and
+    /// ECMAScript writes its digits (no string of fewer digits denotes the same double), so
+    /// `itoa` writes them: the same text as [`Writer::number`], without its float
+    /// formatting. Beyond, it is the double it rounds to, as there.
+    fn integer(&mut self, negative: bool, magnitude: u64) {
+        if magnitude <= 1 << 53 {
+            if negative && magnitude != 0 {
+                self.out.push(b'-');
+            }
+            let mut buffer = itoa::Buffer::new();
+            self.out
+                .extend_from_slice(buffer.format(magnitude).as_bytes());
+        } else {
+            // Rounding to nearest is symmetric: this is `n as f64` for the signed `n`.
+            let double = magnitude as f64;
+            self.number(if negative { -double } else { double });
+        }
     }
 
     /// Every number is the IEEE 754 double it denotes (integers beyond 2^53 round as in
@@ -169,9 +187,8 @@ impl<'a> Writer<'a> {
             let first = members[0].start;
             // Stable: of equal keys, the last one given stays last.
             members.sort_by(|a, b| cmp_utf16(&a.key, &b.key));
-            self.scratch.clear();
-            self.scratch.extend_from_slice(&self.out[first..]);
-            self.out.truncate(first);
+            // The members in order are written after the text as it came, then moved over it.
+            let unordered = self.out.len();
             let mut written = false;
             for (i, member) in members.iter().enumerate() {
                 if members
@@ -184,9 +201,11 @@ impl<'a> Writer<'a> {
                     self.out.push(b',');
                 }
                 written = true;
-                self.out
-                    .extend_from_slice(&self.scratch[member.start - first..member.end - first]);
+                self.out.extend_from_within(member.start..member.end);
             }
+            let ordered = self.out.len() - unordered;
+            self.out.copy_within(unordered.., first);
+            self.out.truncate(first + ordered);
         }
         self.members.truncate(mark);
         self.out.push(b'}');
@@ -198,8 +217,12 @@ impl<'a> Writer<'a> {
         match value {
             Value::Null => self.null(),
             Value::Bool(b) => self.bool(*b),
-            // A `Value` never holds NaN or an infinity.
-            Value::Number(n) => self.number(n.as_f64().unwrap_or_default()),
+            Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => self.integer(false, u),
+                (None, Some(i)) => self.integer(i < 0, i.unsigned_abs()),
+                // A `Value` never holds NaN or an infinity.
+                (None, None) => self.number(n.as_f64().unwrap_or_default()),
+            },
             Value::String(s) => self.string(s),
             Value::Array(items) => {
                 self.out.push(b'[');
@@ -251,15 +274,15 @@ impl<'a> Visitor<'a> for Node<'_, 'a> {
         Ok(())
     }
 
-    // The three ways `serde_json` hands over a number, turned into a double as
-    // `serde_json::Number::as_f64` does.
+    // The three ways `serde_json` hands over a number, each standing for the double
+    // `serde_json::Number::as_f64` gives.
     fn visit_u64<E>(self, n: u64) -> Result<(), E> {
-        self.0.number(n as f64);
+        self.0.integer(false, n);
         Ok(())
     }
 
     fn visit_i64<E>(self, n: i64) -> Result<(), E> {
-        self.0.number(n as f64);
+        self.0.integer(n < 0, n.unsigned_abs());
         Ok(())
     }
 
