@@ -30,7 +30,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -82,27 +82,171 @@ pub const LATENCY_BUCKETS: [f64; 13] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
-/// The name an outcome or error goes by in spans and metrics.
-fn begin_outcome(answer: &Begin) -> &'static str {
-    match answer {
-        Begin::Acquired(_) => "acquired",
-        Begin::TookOver(_) => "took_over",
-        Begin::Replay(_) => "replay",
-        Begin::InFlight { .. } => "in_flight",
-        Begin::Mismatch => "mismatch",
+/// The store calls [`Instrumented`] reports, by their `op` names.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Begin,
+    Complete,
+    Release,
+    Extend,
+    Get,
+    Evict,
+    Stats,
+}
+
+impl Op {
+    const COUNT: usize = 7;
+
+    const fn as_str(self) -> &'static str {
+        match self {
+            Op::Begin => "begin",
+            Op::Complete => "complete",
+            Op::Release => "release",
+            Op::Extend => "extend",
+            Op::Get => "get",
+            Op::Evict => "evict",
+            Op::Stats => "stats",
+        }
+    }
+}
+
+/// What a store call came to, by the `outcome` names of spans and metrics: the successes,
+/// then the kinds of error.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Acquired,
+    TookOver,
+    Replay,
+    InFlight,
+    Mismatch,
+    Found,
+    Absent,
+    Evicted,
+    Ok,
+    Unavailable,
+    Backend,
+    Corrupt,
+    LeaseLost,
+    Unsupported,
+    Invalid,
+}
+
+impl Outcome {
+    const COUNT: usize = 15;
+
+    const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Acquired => "acquired",
+            Outcome::TookOver => "took_over",
+            Outcome::Replay => "replay",
+            Outcome::InFlight => "in_flight",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Found => "found",
+            Outcome::Absent => "absent",
+            Outcome::Evicted => "evicted",
+            Outcome::Ok => "ok",
+            Outcome::Unavailable => "unavailable",
+            Outcome::Backend => "backend",
+            Outcome::Corrupt => "corrupt",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::Unsupported => "unsupported",
+            Outcome::Invalid => "invalid",
+        }
+    }
+
+    fn of_begin(answer: &Begin) -> Self {
+        match answer {
+            Begin::Acquired(_) => Outcome::Acquired,
+            Begin::TookOver(_) => Outcome::TookOver,
+            Begin::Replay(_) => Outcome::Replay,
+            Begin::InFlight { .. } => Outcome::InFlight,
+            Begin::Mismatch => Outcome::Mismatch,
+        }
+    }
+
+    fn of_error(e: &Error) -> Self {
+        match e {
+            Error::Unavailable { .. } => Outcome::Unavailable,
+            Error::Backend { .. } => Outcome::Backend,
+            Error::Corrupt { .. } => Outcome::Corrupt,
+            Error::LeaseLost => Outcome::LeaseLost,
+            Error::Unsupported { .. } => Outcome::Unsupported,
+            Error::Invalid(_) => Outcome::Invalid,
+        }
     }
 }
 
 /// The kind of an error, as spans and metrics name it.
 pub fn error_kind(e: &Error) -> &'static str {
-    match e {
-        Error::Unavailable { .. } => "unavailable",
-        Error::Backend { .. } => "backend",
-        Error::Corrupt { .. } => "corrupt",
-        Error::LeaseLost => "lease_lost",
-        Error::Unsupported { .. } => "unsupported",
-        Error::Invalid(_) => "invalid",
+    Outcome::of_error(e).as_str()
+}
+
+/// Where the metrics of every call are recorded from: the same as the `metrics` macros
+/// would give in this module.
+static METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+
+/// The metric keys of one store's calls, each built the first time it is recorded and
+/// reused after: a key built per call (as the `metrics` macros do with labels that are not
+/// literals) is an allocation and a hash of its labels on every call. Every record still
+/// goes through the recorder in place at that moment, as a macro's would.
+#[derive(Debug)]
+struct Keys {
+    /// `idem_store_calls_total`, by op and outcome.
+    calls: [[OnceLock<metrics::Key>; Outcome::COUNT]; Op::COUNT],
+    /// `idem_store_call_duration_seconds`, by op.
+    durations: [OnceLock<metrics::Key>; Op::COUNT],
+    /// `idem_lease_lost_total`, by op.
+    lease_lost: [OnceLock<metrics::Key>; Op::COUNT],
+}
+
+impl Keys {
+    fn new() -> Self {
+        Self {
+            calls: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
+            durations: std::array::from_fn(|_| OnceLock::new()),
+            lease_lost: std::array::from_fn(|_| OnceLock::new()),
+        }
     }
+
+    fn counter(key: &metrics::Key) -> metrics::Counter {
+        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
+    }
+
+    fn call(&self, store: &'static str, op: Op, outcome: Outcome) -> metrics::Counter {
+        Self::counter(self.calls[op as usize][outcome as usize].get_or_init(|| {
+            metrics::Key::from_parts(
+                "idem_store_calls_total",
+                vec![
+                    metrics::Label::from_static_parts("store", store),
+                    metrics::Label::from_static_parts("op", op.as_str()),
+                    metrics::Label::from_static_parts("outcome", outcome.as_str()),
+                ],
+            )
+        }))
+    }
+
+    fn lease_lost(&self, store: &'static str, op: Op) -> metrics::Counter {
+        Self::counter(
+            self.lease_lost[op as usize].get_or_init(|| {
+                metrics::Key::from_parts("idem_lease_lost_total", by_op(store, op))
+            }),
+        )
+    }
+
+    fn duration(&self, store: &'static str, op: Op) -> metrics::Histogram {
+        let key = self.durations[op as usize].get_or_init(|| {
+            metrics::Key::from_parts("idem_store_call_duration_seconds", by_op(store, op))
+        });
+        metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
+    }
+}
+
+fn by_op(store: &'static str, op: Op) -> Vec<metrics::Label> {
+    vec![
+        metrics::Label::from_static_parts("store", store),
+        metrics::Label::from_static_parts("op", op.as_str()),
+    ]
 }
 
 /// A [`Store`] that reports every call of the store it wraps (see the [module](self)).
@@ -117,6 +261,8 @@ pub struct Instrumented {
     timeout: Option<Duration>,
     /// Whether the last call found the store unavailable (shared by clones).
     down: Arc<AtomicBool>,
+    /// The metric keys of the store's calls (shared by clones).
+    keys: Arc<Keys>,
 }
 
 impl Instrumented {
@@ -126,6 +272,7 @@ impl Instrumented {
             inner,
             timeout: None,
             down: Arc::new(AtomicBool::new(false)),
+            keys: Arc::new(Keys::new()),
         }
     }
 
@@ -145,17 +292,17 @@ impl Instrumented {
     /// and the attempt it concerns, if any.
     async fn observe<T>(
         &self,
-        op: &'static str,
+        op: Op,
         scope: Option<&Scope>,
         id: Option<&RecordId>,
         call: impl std::future::Future<Output = Result<T, Error>>,
-        describe: impl FnOnce(&T) -> (&'static str, Option<u32>),
+        describe: impl FnOnce(&T) -> (Outcome, Option<u32>),
     ) -> Result<T> {
         let store = self.inner.name();
         let span = tracing::debug_span!(
             "idem.store",
             store,
-            op,
+            op = op.as_str(),
             scope = Empty,
             key_hash = Empty,
             outcome = Empty,
@@ -192,10 +339,9 @@ impl Instrumented {
             }
             Err(e) => {
                 if matches!(e, Error::LeaseLost) {
-                    metrics::counter!("idem_lease_lost_total", "store" => store, "op" => op)
-                        .increment(1);
+                    self.keys.lease_lost(store, op).increment(1);
                 }
-                error_kind(e)
+                Outcome::of_error(e)
             }
         };
         match &result {
@@ -213,12 +359,10 @@ impl Instrumented {
                 }
             }
         }
-        span.record("outcome", outcome);
+        span.record("outcome", outcome.as_str());
         span.record("elapsed_us", micros(elapsed));
-        metrics::counter!("idem_store_calls_total", "store" => store, "op" => op, "outcome" => outcome)
-            .increment(1);
-        metrics::histogram!("idem_store_call_duration_seconds", "store" => store, "op" => op)
-            .record(elapsed.as_secs_f64());
+        self.keys.call(store, op, outcome).increment(1);
+        self.keys.duration(store, op).record(elapsed.as_secs_f64());
         result
     }
 }
@@ -235,59 +379,73 @@ impl Store for Instrumented {
 
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
         let id = req.id;
-        self.observe("begin", None, Some(id), self.inner.begin(req), |answer| {
+        self.observe(Op::Begin, None, Some(id), self.inner.begin(req), |answer| {
             let attempt = match answer {
                 Begin::Acquired(lease) | Begin::TookOver(lease) => Some(lease.attempt()),
                 _ => None,
             };
-            (begin_outcome(answer), attempt)
+            (Outcome::of_begin(answer), attempt)
         })
         .await
     }
 
     async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let call = self.inner.complete(lease, completion, ttl);
-        self.observe("complete", None, Some(lease.id()), call, |()| {
-            ("ok", Some(lease.attempt()))
+        self.observe(Op::Complete, None, Some(lease.id()), call, |()| {
+            (Outcome::Ok, Some(lease.attempt()))
         })
         .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         let call = self.inner.release(lease);
-        self.observe("release", None, Some(lease.id()), call, |()| {
-            ("ok", Some(lease.attempt()))
+        self.observe(Op::Release, None, Some(lease.id()), call, |()| {
+            (Outcome::Ok, Some(lease.attempt()))
         })
         .await
     }
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         let call = self.inner.extend(lease, by);
-        self.observe("extend", None, Some(lease.id()), call, |renewed| {
-            ("ok", Some(renewed.attempt()))
+        self.observe(Op::Extend, None, Some(lease.id()), call, |renewed| {
+            (Outcome::Ok, Some(renewed.attempt()))
         })
         .await
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>> {
         let call = self.inner.get(id);
-        self.observe("get", None, Some(id), call, |record| {
-            (if record.is_some() { "found" } else { "absent" }, None)
+        self.observe(Op::Get, None, Some(id), call, |record| {
+            (
+                if record.is_some() {
+                    Outcome::Found
+                } else {
+                    Outcome::Absent
+                },
+                None,
+            )
         })
         .await
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool> {
         let call = self.inner.evict(id);
-        self.observe("evict", None, Some(id), call, |existed| {
-            (if *existed { "evicted" } else { "absent" }, None)
+        self.observe(Op::Evict, None, Some(id), call, |existed| {
+            (
+                if *existed {
+                    Outcome::Evicted
+                } else {
+                    Outcome::Absent
+                },
+                None,
+            )
         })
         .await
     }
 
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
         let call = self.inner.stats(scope, stuck_after);
-        self.observe("stats", scope, None, call, |_| ("ok", None))
+        self.observe(Op::Stats, scope, None, call, |_| (Outcome::Ok, None))
             .await
     }
 

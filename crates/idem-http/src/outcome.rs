@@ -81,3 +81,16 @@ pub struct IdempotencyInfo {
     /// it again).
     pub attempt: u32,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Outcome;
+
+    /// The layer's metric keys are looked up by `outcome as usize` in `ALL`'s order.
+    #[test]
+    fn all_is_in_declaration_order() {
+        for (i, outcome) in Outcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome as usize, i, "{outcome}");
+        }
+    }
+}
