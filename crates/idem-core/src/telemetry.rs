@@ -10,7 +10,7 @@
 //! | field | value |
 //! |---|---|
 //! | `store` | the backend: `memory`, `redis`, `postgres`, `tiered`, ... |
-//! | `op` | `begin`, `complete`, `release`, `extend`, `get`, `evict` |
+//! | `op` | `begin`, `complete`, `release`, `extend`, `get`, `evict`, `stats` |
 //! | `scope` | the record's scope |
 //! | `key_hash` | [`KeyHash`] of the record: never the key itself |
 //! | `outcome` | `begin`: `acquired`, `took_over`, `replay`, `in_flight`, `mismatch`; `get`: `found`, `absent`; `evict`: `evicted`, `absent`; others: `ok`; on an error its [kind](error_kind) |
@@ -95,7 +95,8 @@ enum Op {
 }
 
 impl Op {
-    const COUNT: usize = 7;
+    /// The number of ops: the last one's discriminant, plus one.
+    const COUNT: usize = Op::Stats as usize + 1;
 
     const fn as_str(self) -> &'static str {
         match self {
@@ -132,7 +133,8 @@ enum Outcome {
 }
 
 impl Outcome {
-    const COUNT: usize = 15;
+    /// The number of outcomes: the last one's discriminant, plus one.
+    const COUNT: usize = Outcome::Invalid as usize + 1;
 
     const fn as_str(self) -> &'static str {
         match self {
@@ -190,7 +192,6 @@ static METADATA: metrics::Metadata<'static> =
 /// reused after: a key built per call (as the `metrics` macros do with labels that are not
 /// literals) is an allocation and a hash of its labels on every call. Every record still
 /// goes through the recorder in place at that moment, as a macro's would.
-#[derive(Debug)]
 struct Keys {
     /// `idem_store_calls_total`, by op and outcome.
     calls: [[OnceLock<metrics::Key>; Outcome::COUNT]; Op::COUNT],
@@ -239,6 +240,12 @@ impl Keys {
             metrics::Key::from_parts("idem_store_call_duration_seconds", by_op(store, op))
         });
         metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
+    }
+}
+
+impl fmt::Debug for Keys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Keys").finish_non_exhaustive()
     }
 }
 

@@ -64,19 +64,24 @@ fn requests_total(outcome: Outcome) -> metrics::Counter {
     static METADATA: metrics::Metadata<'static> =
         metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
     static KEYS: OnceLock<[metrics::Key; Outcome::ALL.len()]> = OnceLock::new();
-    // `Outcome::ALL` is in declaration order: an outcome's index is its discriminant.
-    let keys = KEYS.get_or_init(|| {
-        Outcome::ALL.map(|outcome| {
-            metrics::Key::from_parts(
-                "idem_http_requests_total",
-                vec![metrics::Label::from_static_parts(
-                    "outcome",
-                    outcome.as_str(),
-                )],
-            )
-        })
-    });
-    metrics::with_recorder(|recorder| recorder.register_counter(&keys[outcome as usize], &METADATA))
+    let key = |outcome: Outcome| {
+        metrics::Key::from_parts(
+            "idem_http_requests_total",
+            vec![metrics::Label::from_static_parts(
+                "outcome",
+                outcome.as_str(),
+            )],
+        )
+    };
+    let keys = KEYS.get_or_init(|| Outcome::ALL.map(key));
+    let register = |key: &metrics::Key| {
+        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
+    };
+    match keys.get(outcome.index()) {
+        Some(built) => register(built),
+        // An outcome missing from `ALL`: counted all the same.
+        None => register(&key(outcome)),
+    }
 }
 
 impl IdempotencyLayer {

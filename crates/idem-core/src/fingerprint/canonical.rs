@@ -12,8 +12,8 @@
 //! re-parses every key: twice as slow as the `Value`-tree version this replaced, let
 //! alone this one; BENCHMARKS.md). Numbers are the hard part of RFC 8785 and come from
 //! `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's
-//! `Number.prototype.toString`, which the RFC prescribes); strings are escaped by
-//! `serde_json`. The tests hold this module to the RFC's vectors and, on random documents,
+//! `Number.prototype.toString`, which the RFC prescribes), except integers up to 2^53,
+//! whose form is their digits, written by `itoa`; strings are escaped by `serde_json`. The tests hold this module to the RFC's vectors and, on random documents,
 //! to the `Value`-tree writer it replaced.
 //!
 //! What the parser accepts, rejects and how it reports it is `serde_json`'s own
@@ -93,9 +93,10 @@ struct Writer<'a> {
 }
 
 impl<'a> Writer<'a> {
-    /// A writer for a document of `len` bytes: room for its canonical form (no longer than
-    /// a compact document) and for a second copy of its largest object while that one's
-    /// members are put in order, and for the members of a few objects.
+    /// A writer for a document of `len` bytes. A hint, not a bound: room for about its
+    /// canonical form and a second copy of its largest object while that object's members
+    /// are put in order (a number such as `1e20` grows when written out), and for the
+    /// members of a few objects.
     fn for_document(len: usize) -> Self {
         Self {
             out: Vec::with_capacity(len.saturating_mul(2)),
