@@ -216,14 +216,12 @@ impl Keys {
 
     fn call(&self, store: &'static str, op: Op, outcome: Outcome) -> metrics::Counter {
         Self::counter(self.calls[op as usize][outcome as usize].get_or_init(|| {
-            metrics::Key::from_parts(
-                "idem_store_calls_total",
-                vec![
-                    metrics::Label::from_static_parts("store", store),
-                    metrics::Label::from_static_parts("op", op.as_str()),
-                    metrics::Label::from_static_parts("outcome", outcome.as_str()),
-                ],
-            )
+            let mut labels = by_op(store, op);
+            labels.push(metrics::Label::from_static_parts(
+                "outcome",
+                outcome.as_str(),
+            ));
+            metrics::Key::from_parts("idem_store_calls_total", labels)
         }))
     }
 
@@ -249,6 +247,7 @@ impl fmt::Debug for Keys {
     }
 }
 
+/// The `store` and `op` labels every metric of a call carries, in that order.
 fn by_op(store: &'static str, op: Op) -> Vec<metrics::Label> {
     vec![
         metrics::Label::from_static_parts("store", store),

@@ -61,9 +61,7 @@ impl Outcome {
             Outcome::Unguarded => "unguarded",
         }
     }
-}
 
-impl Outcome {
     /// Where the outcome is in [`Outcome::ALL`] (declaration order).
     pub(crate) const fn index(self) -> usize {
         match self {

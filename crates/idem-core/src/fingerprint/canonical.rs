@@ -13,8 +13,9 @@
 //! alone this one; BENCHMARKS.md). Numbers are the hard part of RFC 8785 and come from
 //! `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's
 //! `Number.prototype.toString`, which the RFC prescribes), except integers up to 2^53,
-//! whose form is their digits, written by `itoa`; strings are escaped by `serde_json`. The tests hold this module to the RFC's vectors and, on random documents,
-//! to the `Value`-tree writer it replaced.
+//! whose form is their digits, written by `itoa`; strings are escaped by `serde_json`.
+//! The tests hold this module to the RFC's vectors and, on random documents, to the
+//! `Value`-tree writer it replaced.
 //!
 //! What the parser accepts, rejects and how it reports it is `serde_json`'s own
 //! (`from_slice` calls the same parser the same way): the same errors, the same recursion
