@@ -6,10 +6,12 @@ unless Redis holds a state that must win.
 
 KEYS[1]  the record's key
 ARGV[1]  the fencing token of the lease that completed, 16 bytes
-ARGV[2]  the completed record's tag: 'c' (raw body), 'z' (LZ4 body) or 'h' (body dropped)
+ARGV[2]  the completed record's tag ('C' raw body, 'Z' LZ4 body, 'H' body dropped), then its
+         expiry (u32 Unix seconds): 5 bytes
 ARGV[3]  the request's fingerprint, 32 bytes, or '' when the caller does not have it at hand
-ARGV[4]  the attempt that completed, 4 bytes, big-endian, or '' with ARGV[3]
-ARGV[5]  the completion's metadata, as complete.lua's ARGV[3]
+ARGV[4]  the attempt that completed, in a completed record's form (one byte under 255, else
+         255 and the u32), or '' with ARGV[3]
+ARGV[5]  the completion's metadata (crates/idem-redis/src/codec.rs)
 ARGV[6]  the body as stored
 ARGV[7]  how long the completed record is kept, in milliseconds (>= 1)
 
@@ -37,7 +39,7 @@ The shebang has no flags: a writer, refused under OOM before it runs.
 ]]
 local key = KEYS[1]
 local head, state = lease_head(key, ARGV[1])
-local identity = ARGV[3] .. ARGV[4]
+local fingerprint, attempt = ARGV[3], ARGV[4]
 if state == 'corrupt' then
   return redis.error_reply('IDEM_CORRUPT not a record')
 elseif state == 'absent' then
@@ -49,9 +51,11 @@ elseif state == 'settled' then
 elseif state == 'other' then
   return 3
 else
-  identity = string.sub(head, 24, 59)
+  fingerprint, attempt = carried(head)
 end
-redis.call('SET', key, ARGV[2] .. identity .. ARGV[5] .. ARGV[6], 'PX', tonumber(ARGV[7]))
+local record = string.sub(ARGV[2], 1, 1) .. fingerprint .. string.sub(ARGV[2], 2, 5) .. attempt
+  .. ARGV[5] .. ARGV[6]
+redis.call('SET', key, record, 'PX', tonumber(ARGV[7]))
 -- Wake the record's waiters (prelude.lua), only if one subscribed.
 wake(key)
 return 1

@@ -3,13 +3,12 @@
 begin: claim a key for one attempt, or say why not. One atomic step.
 
 The store's common cases never run this script: its fast path is one plain
-`SET key <in-progress record> NX GET PX <lease + retention>` with a `PTTL key` in the same
-round trip, which acquires an absent key, or hands back a completed record (a replay), a
-record of another fingerprint (a mismatch), a live lease (in flight: its time left is the
-key's PTTL minus the record's margin) or the caller's own lease (the same token sent
-again). Only when that answer shows a lease whose deadline has passed (or a record of the
-previous layout) is this script sent, since a takeover needs the server's clock and a
-compare in one step. It decides every case itself, as the state may have changed since.
+`SET key <in-progress record> NX GET PX <lease + retention>`, which acquires an absent key,
+or hands back a completed record (a replay: the record carries its expiry) or a record of
+another fingerprint (a mismatch). Only when that answer shows a record in progress is this
+script sent, since its lease deadline needs the server's clock (the key's PTTL minus the
+record's margin) and a takeover a compare in one step. It decides every case itself, as
+the state may have changed since.
 
 KEYS[1]  the record's key (one string value; layout in crates/idem-redis/src/codec.rs)
 ARGV[1]  the request's fingerprint, 32 bytes
@@ -66,7 +65,7 @@ elseif tag == 'p' and string.len(record) == 59 then
   local time = redis.call('TIME')
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   left = struct.unpack('>I6', record, 54) - now
-elseif string.find('czh', tag, 1, true) and string.len(record) >= 37 then
+elseif string.find('CZHczh', tag, 1, true) and string.len(record) >= 37 then
   if string.sub(record, 2, 33) ~= fingerprint then
     return {4}
   end

@@ -5,18 +5,19 @@ complete: store a lease's outcome and end the lease, if the lease still holds th
 KEYS[1]  the record's key
 ARGV[1]  'P' and the lease's fencing token (17 bytes): what an in-progress record held by
          this lease starts with
-ARGV[2]  the completed record: in mode 'w' whole (tag, fingerprint, attempt, metadata,
-         body: the layout of crates/idem-redis/src/codec.rs); in mode 'c' only its tag, then
-         the metadata and the body, and the fingerprint and attempt are carried over from
-         the in-progress record
+ARGV[2]  the completed record: in mode 'w' whole (tag, fingerprint, expiry, attempt,
+         metadata, body: the layout of crates/idem-redis/src/codec.rs); in mode 'c' only its
+         tag, then the expiry (4 bytes), the metadata and the body, and the fingerprint and
+         attempt are carried over from the in-progress record
 ARGV[3]  how long the completed record is kept, in milliseconds (>= 1)
 ARGV[4]  the mode: 'w' or 'c', upper case ('W', 'C') when this is the same call sent again
          after its connection dropped
 
 Returns 1 when the completion replaced the in-progress record, 0 when the lease no longer
 holds it (absent, completed, or held by another token): then nothing was changed.
-A call sent again also gets 1 when the record already holds exactly this completion: the
-first send did it and only its reply was lost.
+A call sent again also gets 1 when the record already holds this completion (the same
+record but for its expiry, which a call sent again may put a second later): the first send
+did it and only its reply was lost.
 Errors: "IDEM_CORRUPT <why>" when the stored value is not a record; nothing is written.
 
 Mode 'w' is the common path, for a lease that carries its request's fingerprint (the store
@@ -60,11 +61,15 @@ if not written then
   end
   if state == 'settled' and (mode == 'W' or mode == 'C') then
     local stored = redis.call('GET', key)
-    if whole and stored == ARGV[2] then
+    -- The same completion, the expiry (bytes 34 to 37) aside.
+    if whole and string.sub(stored, 1, 33) == string.sub(ARGV[2], 1, 33)
+        and string.sub(stored, 38) == string.sub(ARGV[2], 38) then
       return 1
     end
+    -- Past the carried-over attempt: one byte, or five after a 255.
+    local rest = string.byte(stored, 38) == 255 and 43 or 39
     if not whole and string.sub(stored, 1, 1) == string.sub(ARGV[2], 1, 1)
-        and string.sub(stored, 38) == string.sub(ARGV[2], 2) then
+        and string.sub(stored, rest) == string.sub(ARGV[2], 6) then
       return 1
     end
   end
@@ -74,7 +79,9 @@ if not written then
   local record = ARGV[2]
   if not whole then
     -- Carry the fingerprint and attempt over from the in-progress record.
-    record = string.sub(ARGV[2], 1, 1) .. string.sub(head, 24, 59) .. string.sub(ARGV[2], 2)
+    local fingerprint, attempt = carried(head)
+    record = string.sub(ARGV[2], 1, 1) .. fingerprint .. string.sub(ARGV[2], 2, 5) .. attempt
+        .. string.sub(ARGV[2], 6)
   end
   redis.call('SET', key, record, 'PX', ARGV[3])
 end

@@ -32,7 +32,7 @@
 //! Beside the sides runs a **fenced floor** (never a peer, never in the ratios): the least
 //! that any fenced lifecycle sends on Redis 7.0 with the same client, in raw redis-rs and
 //! with no store around it. Its claim is idem's (`SET key <59-byte in-progress record> NX
-//! GET PX` and `PTTL`, one round trip; a replay is the same round trip); its completion is
+//! GET PX`, one command; a replay is the same command); its completion is
 //! an `EVALSHA` of a two-call script that compares the record's first 17 bytes with the
 //! token and `SET`s the completed record (Redis 7.0 has no conditional `SET`, so a compare
 //! needs a script); per operation it draws a token and a SHA-256 fingerprint like idem.
@@ -134,15 +134,14 @@ impl Side {
 }
 
 /// The commands idem's store sends outside scripts on the two phases' paths, per operation
-/// (`begin` is `SET .. NX GET PX` and a `PTTL` in one round trip; `complete` a script whose
+/// (`begin` is one `SET .. NX GET PX`; `complete` a script whose
 /// `SET` is counted inside it, then a plain `PUBSUB NUMSUB` in the same round trip; each
 /// is capped at the calls seen, so a replay counts no `PUBSUB`). Keep in step with
 /// `idem-redis`'s `store.rs`.
-pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] =
-    &[("set", 1.0), ("pttl", 1.0), ("pubsub|numsub", 1.0)];
+pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pubsub|numsub", 1.0)];
 
-/// The fenced floor's commands outside its script: the claim's `SET` and `PTTL`.
-const FLOOR_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pttl", 1.0)];
+/// The fenced floor's command outside its script: the claim's `SET`.
+const FLOOR_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0)];
 
 /// What every side stores and how.
 struct Workload {
@@ -528,10 +527,11 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
             }
             let mut head = [b'P'; 17];
             head[1..].copy_from_slice(&token);
-            let mut record = Vec::with_capacity(40 + w.body.len());
-            record.push(b'c');
+            let mut record = Vec::with_capacity(41 + w.body.len());
+            record.push(b'C');
             record.extend_from_slice(&fingerprint);
-            record.extend_from_slice(&1u32.to_be_bytes());
+            record.extend_from_slice(&expires_at(w.retention).to_be_bytes());
+            record.push(1);
             record.extend_from_slice(&[0x80, 0, 201]);
             record.extend_from_slice(&w.body);
             let done: i64 = script
@@ -559,8 +559,8 @@ fn floor_identity(w: &Workload) -> ([u8; 32], [u8; 16]) {
     (fingerprint, *FencingToken::random().as_bytes())
 }
 
-/// The fenced floor's claim: `SET key <in-progress record> NX GET PX` and `PTTL key` in one
-/// round trip; the `SET`'s answer (nil when claimed, else the record).
+/// The fenced floor's claim: `SET key <in-progress record> NX GET PX`, one command; its
+/// answer (nil when claimed, else the record).
 async fn floor_claim(
     conn: &mut ConnectionManager,
     key: &str,
@@ -574,20 +574,25 @@ async fn floor_claim(
     record[17..23].copy_from_slice(&millis(w.retention).to_be_bytes()[2..]);
     record[23..55].copy_from_slice(fingerprint);
     record[55..59].copy_from_slice(&1u32.to_be_bytes());
-    let (old, _pttl): (redis::Value, i64) = redis::pipe()
-        .cmd("SET")
+    redis::cmd("SET")
         .arg(key)
         .arg(record.as_slice())
         .arg("NX")
         .arg("GET")
         .arg("PX")
         .arg(30_000 + millis(w.retention))
-        .cmd("PTTL")
-        .arg(key)
         .query_async(conn)
         .await
-        .map_err(|e| format!("fenced floor: {e}"))?;
-    Ok(old)
+        .map_err(|e| format!("fenced floor: {e}"))
+}
+
+/// The completed record's expiry, in Unix seconds, as idem writes it.
+fn expires_at(retention: Duration) -> u32 {
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        + retention;
+    u32::try_from(at.as_secs()).unwrap_or(u32::MAX)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -630,7 +635,7 @@ async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, 
             match floor_claim(&mut conn.clone(), &key, &fingerprint, &token, w).await? {
                 redis::Value::BulkString(record) => {
                     record.get(1..33) == Some(fingerprint.as_slice())
-                        && record.get(40..) == Some(&w.body[..])
+                        && record.get(41..) == Some(&w.body[..])
                 }
                 other => return Err(format!("fenced floor: no replay: {other:?}")),
             }

@@ -6,36 +6,49 @@
 //! the measured figures). Integers are big-endian.
 //!
 //! ```text
-//! in progress (59 bytes)             completed (40 bytes + headers + body)
-//! [0]       'P'                      [0]       'c' raw body | 'z' LZ4 body | 'h' body dropped
+//! in progress (59 bytes)             completed (41 bytes + headers + body)
+//! [0]       'P'                      [0]       'C' raw body | 'Z' LZ4 body | 'H' body dropped
 //! [1..17)   fencing token            [1..33)   fingerprint
-//! [17..23)  margin, u48 ms           [33..37)  attempt, u32
-//! [23..55)  fingerprint              [37]      0x80 | kind << 6 | header count n (< 64);
-//! [55..59)  attempt, u32                       kind: 0 succeeded, 1 failed
-//!                                    [38..40)  status, u16
+//! [17..23)  margin, u48 ms           [33..37)  expires at, u32 Unix seconds (rounded down)
+//! [23..55)  fingerprint              [37]      attempt, u8 when under 255; else 255, then
+//! [55..59)  attempt, u32                       the attempt as u32 at [38..42)
+//!                                    then the metadata:
+//!                                    0x80 | kind << 6 | header count n (< 64);
+//!                                    kind: 0 succeeded, 1 failed
+//!                                    status, u16
 //!                                    then n × (name length u8, name, value length u16,
-//!                                    value), then the body ('z': u32 original length, then
+//!                                    value), then the body ('Z': u32 original length, then
 //!                                    the LZ4 block)
 //! ```
 //!
 //! The in-progress record holds no clock reading, so a client writes it with a plain
 //! `SET .. NX GET PX <lease + margin>`: its lease deadline is its expiry (by the server's
 //! clock) minus its margin, and the key's `PTTL` minus the margin is the lease time left.
-//! A completion carries the in-progress record's last 36 bytes (fingerprint and attempt)
-//! over as its bytes 1 to 36. The client writes the completed record whole when its lease
-//! carries the fingerprint ([`Completed`]), so the `complete` script compares the record's
-//! first 17 bytes with `'P'` and the token and sets it: one `GETRANGE` and one `SET`, no
-//! string built in Lua.
+//!
+//! The completed record carries its own expiry, so that a replay is the fast path's one
+//! `SET .. NX GET` and nothing more: the writer's clock plus the retention, rounded down to
+//! the second (so it is never later than the key's own expiry, by a clock in step with the
+//! server's). The key's `PX`, by the server's clock, is still what removes it; the stored
+//! expiry only answers [`idem_core::Replay::expires_in`]. The client writes the completed
+//! record whole when its lease carries the fingerprint ([`Completed`]), so the `complete`
+//! script compares the record's first 17 bytes with `'P'` and the token and sets it: one
+//! `GETRANGE` and one `SET`, no string built in Lua. Without the fingerprint, the script
+//! carries the fingerprint and the attempt over from the in-progress record.
 //!
 //! The metadata's first byte tells its form: with its top bit set, the compact form above;
 //! clear, the length-prefixed form: the length of [`idem_core::encode_meta`]'s bytes (u32,
 //! whose top byte is 0 for anything under 16 MiB), then those bytes. Completions the
 //! compact form cannot hold (64 headers or more, a header name over 255 bytes or a value
-//! over 65,535) are written in the length-prefixed form, which is also how the previous
-//! layout wrote every completion, so its completed records are read as they are. Its
-//! in-progress records (`p`: fingerprint, attempt, token, absolute deadline) are read too.
+//! over 65,535) are written in the length-prefixed form.
+//!
+//! Records of the previous layouts are read as they are: completed records tagged `c`, `z`
+//! and `h` (the fingerprint, the attempt as u32, no expiry: their key's `PTTL` tells it),
+//! and in-progress records tagged `p` (fingerprint, attempt, token, absolute deadline).
+//! Earlier versions of idem do not read the completed records of this layout (they report
+//! them as corrupt), so every instance is upgraded before the old ones meet such a record;
+//! the crate docs say how.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use idem_core::{
@@ -48,8 +61,13 @@ use crate::STORE;
 
 /// Length of an in-progress record (either layout).
 pub(crate) const IN_PROGRESS_LEN: usize = 59;
-/// Length of what every completed record starts with (tag, fingerprint, attempt).
-const COMPLETED_IDENTITY_END: usize = 37;
+/// Length of what every completed record of the previous layout starts with (tag,
+/// fingerprint, attempt).
+const PREVIOUS_IDENTITY_END: usize = 37;
+/// The shortest identity of a completed record (tag, fingerprint, expiry, one-byte attempt).
+const COMPLETED_IDENTITY_MIN: usize = 38;
+/// The attempt byte that says the attempt follows as a u32.
+const LONG_ATTEMPT: u8 = 255;
 /// LZ4 cannot expand data by more than about 255 to 1; a stored length above that is corrupt,
 /// and checking it bounds the allocation a corrupt record can cause.
 const LZ4_MAX_RATIO: usize = 255;
@@ -76,7 +94,7 @@ const MAX_U48: u64 = (1 << 48) - 1;
 /// A completion as the `complete` script takes it.
 #[derive(Debug)]
 pub(crate) struct EncodedCompletion {
-    /// `c` (raw body), `z` (LZ4 body) or `h` (body dropped).
+    /// `C` (raw body), `Z` (LZ4 body) or `H` (body dropped).
     pub tag: &'static [u8],
     /// The metadata, compact or length-prefixed (its first byte tells which).
     pub meta: Vec<u8>,
@@ -85,20 +103,26 @@ pub(crate) struct EncodedCompletion {
 }
 
 /// The completed record as one command argument, written straight into the command: whole
-/// (the tag, the lease's fingerprint and attempt, the metadata, the body), or, without a
-/// fingerprint, the tag followed by the metadata and the body (the `complete` script then
-/// carries the identity over from the in-progress record).
+/// (the tag, the lease's fingerprint, the expiry, the attempt, the metadata, the body), or,
+/// without a fingerprint, the tag followed by the expiry, the metadata and the body (the
+/// `complete` script then carries the fingerprint and attempt over from the in-progress
+/// record).
 pub(crate) struct Completed<'a> {
     pub encoded: &'a EncodedCompletion,
     /// The fingerprint and attempt of the lease's in-progress record, when known.
     pub identity: Option<(&'a Fingerprint, u32)>,
+    /// When the record expires, in Unix seconds ([`expires_at`]).
+    pub expires_at: u32,
 }
 
 impl Completed<'_> {
     /// The argument's length in bytes.
     pub(crate) fn len(&self) -> usize {
-        let identity = if self.identity.is_some() { 36 } else { 0 };
-        1 + identity + self.encoded.meta.len() + self.encoded.body.len()
+        let identity = match self.identity {
+            Some((_, attempt)) => 32 + attempt_len(attempt),
+            None => 0,
+        };
+        1 + identity + 4 + self.encoded.meta.len() + self.encoded.body.len()
     }
 }
 
@@ -107,13 +131,57 @@ impl redis::ToRedisArgs for Completed<'_> {
         use bytes::BufMut as _;
         let mut arg = out.bufmut_for_next_arg(self.len());
         arg.put_slice(self.encoded.tag);
-        if let Some((fingerprint, attempt)) = self.identity {
-            arg.put_slice(fingerprint.as_bytes());
-            arg.put_u32(attempt);
+        match self.identity {
+            Some((fingerprint, attempt)) => {
+                arg.put_slice(fingerprint.as_bytes());
+                arg.put_u32(self.expires_at);
+                put_attempt(&mut arg, attempt);
+            }
+            None => arg.put_u32(self.expires_at),
         }
         arg.put_slice(&self.encoded.meta);
         arg.put_slice(&self.encoded.body);
     }
+}
+
+/// The bytes an attempt takes in a completed record: one under 255, else five.
+pub(crate) fn attempt_len(attempt: u32) -> usize {
+    if attempt < u32::from(LONG_ATTEMPT) {
+        1
+    } else {
+        5
+    }
+}
+
+/// Writes an attempt in a completed record's form ([`attempt_len`]).
+pub(crate) fn put_attempt(out: &mut impl bytes::BufMut, attempt: u32) {
+    match u8::try_from(attempt) {
+        Ok(short) if short < LONG_ATTEMPT => out.put_u8(short),
+        _ => {
+            out.put_u8(LONG_ATTEMPT);
+            out.put_u32(attempt);
+        }
+    }
+}
+
+/// When a record written now and kept for `ttl` expires, in Unix seconds by this host's
+/// clock, rounded down (so never later than the key's expiry, by a clock in step with the
+/// server's); saturated at `u32::MAX` (in 2106).
+pub(crate) fn expires_at(ttl: Duration) -> u32 {
+    let at = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .saturating_add(ttl)
+        .as_secs();
+    u32::try_from(at).unwrap_or(u32::MAX)
+}
+
+/// The time left until `expires_at` (Unix seconds), by this host's clock; zero once passed.
+pub(crate) fn expires_in(expires_at: u32) -> Duration {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    Duration::from_secs(u64::from(expires_at)).saturating_sub(now)
 }
 
 /// Encodes a completion, applying the body limit.
@@ -171,7 +239,7 @@ pub(crate) fn encode_completion(
         }
     };
     Ok(EncodedCompletion {
-        tag: [b"c", b"z", b"h"][form],
+        tag: [b"C", b"Z", b"H"][form],
         meta,
         body,
     })
@@ -237,14 +305,49 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Decodes a completed record (tag `c`, `z` or `h`) held in `record` (a slice of `owner`,
-/// so a raw body is handed out without a copy).
+/// What a completed record starts with, of either layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Identity<'a> {
+    fingerprint: &'a [u8],
+    /// Unix seconds; `None` in the previous layout, which kept no expiry.
+    expires_at: Option<u32>,
+    attempt: u32,
+    /// Where the metadata starts.
+    meta_at: usize,
+}
+
+/// Reads the identity of a completed record (tag `C`, `Z` or `H`, or `c`, `z` or `h` of the
+/// previous layout); `None` when it is not one, or too short to hold it.
+fn completed_identity(record: &[u8]) -> Option<Identity<'_>> {
+    match *record.first()? {
+        b'C' | b'Z' | b'H' if record.len() >= COMPLETED_IDENTITY_MIN => {
+            let (attempt, meta_at) = match record[37] {
+                LONG_ATTEMPT => (u32::from_be_bytes(read4(record.get(38..42)?)), 42),
+                short => (u32::from(short), 38),
+            };
+            Some(Identity {
+                fingerprint: &record[1..33],
+                expires_at: Some(u32::from_be_bytes(read4(&record[33..37]))),
+                attempt,
+                meta_at,
+            })
+        }
+        b'c' | b'z' | b'h' if record.len() >= PREVIOUS_IDENTITY_END => Some(Identity {
+            fingerprint: &record[1..33],
+            expires_at: None,
+            attempt: u32::from_be_bytes(read4(&record[33..37])),
+            meta_at: PREVIOUS_IDENTITY_END,
+        }),
+        _ => None,
+    }
+}
+
+/// Decodes a completed record (of either layout) held in `record` (a slice of `owner`, so
+/// a raw body is handed out without a copy).
 pub(crate) fn decode_completion_in(owner: &Bytes, record: &[u8]) -> Result<Completion, Error> {
     let corrupt = |why: &str| Error::corrupt(STORE, why.to_owned());
-    if record.len() < COMPLETED_IDENTITY_END || !matches!(record[0], b'c' | b'z' | b'h') {
-        return Err(corrupt("not a completed record"));
-    }
-    let rest = &record[COMPLETED_IDENTITY_END..];
+    let identity = completed_identity(record).ok_or_else(|| corrupt("not a completed record"))?;
+    let rest = &record[identity.meta_at..];
     let (stored, meta) = match rest.first() {
         Some(first) if first & 0x80 != 0 => {
             let (kind, response, len) =
@@ -264,7 +367,7 @@ pub(crate) fn decode_completion_in(owner: &Bytes, record: &[u8]) -> Result<Compl
         }
     };
     let body = match record[0] {
-        b'z' => Bytes::from(decompress(stored).ok_or_else(|| corrupt("bad LZ4 body"))?),
+        b'Z' | b'z' => Bytes::from(decompress(stored).ok_or_else(|| corrupt("bad LZ4 body"))?),
         _ => owner.slice_ref(stored),
     };
     match meta {
@@ -305,11 +408,13 @@ pub(crate) enum Head<'a> {
         attempt: u32,
         lease_left_ms: i64,
     },
-    /// Completed, with its kind (read from the head alone).
+    /// Completed, with its kind (read from the head alone) and its expiry (Unix seconds;
+    /// `None` in the previous layout, whose key's `PTTL` tells it).
     Completed {
         fingerprint: &'a [u8],
         attempt: u32,
         kind: Option<CompletionKind>,
+        expires_at: Option<u32>,
     },
 }
 
@@ -336,15 +441,19 @@ pub(crate) fn decode_head(head: &[u8], pttl_ms: i64, now_ms: i64) -> Option<Head
             attempt: u32::from_be_bytes(read4(&head[33..37])),
             lease_left_ms: read_u48(&head[53..59]).saturating_sub(now_ms),
         }),
-        b'c' | b'z' | b'h' if head.len() >= COMPLETED_IDENTITY_END => {
-            let kind = match head.get(37) {
+        _ => {
+            let identity = completed_identity(head)?;
+            let kind = match head.get(identity.meta_at) {
                 Some(first) if first & 0x80 != 0 => Some(first & 0x40 != 0),
                 // The length-prefixed metadata: length (4), version (1), kind (1).
-                _ => head.get(42).and_then(|b| (*b < 2).then_some(*b == 1)),
+                _ => head
+                    .get(identity.meta_at + 5)
+                    .and_then(|b| (*b < 2).then_some(*b == 1)),
             };
             Some(Head::Completed {
-                fingerprint: &head[1..33],
-                attempt: u32::from_be_bytes(read4(&head[33..37])),
+                fingerprint: identity.fingerprint,
+                attempt: identity.attempt,
+                expires_at: identity.expires_at,
                 kind: kind.map(|failed| {
                     if failed {
                         CompletionKind::Failed
@@ -354,7 +463,6 @@ pub(crate) fn decode_head(head: &[u8], pttl_ms: i64, now_ms: i64) -> Option<Head
                 }),
             })
         }
-        _ => None,
     }
 }
 
@@ -429,13 +537,13 @@ pub(crate) fn fingerprint_of(bytes: &[u8]) -> Fingerprint {
 /// on a length that means nothing in a foreign value).
 fn check_tag(record: &[u8]) -> Result<(), Error> {
     match record.first() {
-        Some(b'P' | b'p' | b'c' | b'z' | b'h') => Ok(()),
+        Some(b'P' | b'p' | b'C' | b'Z' | b'H' | b'c' | b'z' | b'h') => Ok(()),
         Some(&tag) => Err(Error::corrupt(
             STORE,
             format!(
-                "unknown record tag {:?} (byte 0x{tag:02x}; idem writes 'P', 'c', 'z' or 'h', \
-                 and reads 'p' of its previous layout): the value was not written by this \
-                 version of idem",
+                "unknown record tag {:?} (byte 0x{tag:02x}; idem writes 'P', 'C', 'Z' or 'H', \
+                 and reads 'p', 'c', 'z' and 'h' of its previous layouts): the value was not \
+                 written by this version of idem",
                 char::from(tag)
             ),
         )),
@@ -460,13 +568,74 @@ mod tests {
     use idem_core::{CompletionKind, Response};
     use proptest::prelude::*;
 
-    /// Builds the record the `complete` script writes over the in-progress record `p`.
+    /// An expiry for the records the tests build.
+    const AT: u32 = 1_900_000_000;
+
+    /// Builds the record the `complete` script writes over the in-progress record `p`, by
+    /// the layout's table (not by [`Completed`], which the tests check against it).
     fn as_stored(p: &[u8; IN_PROGRESS_LEN], e: &EncodedCompletion) -> Vec<u8> {
         let mut out = e.tag.to_vec();
-        out.extend_from_slice(&p[23..59]);
+        out.extend_from_slice(&p[23..55]);
+        out.extend_from_slice(&AT.to_be_bytes());
+        match p[55..59] {
+            [0, 0, 0, short] if short < 255 => out.push(short),
+            _ => {
+                out.push(255);
+                out.extend_from_slice(&p[55..59]);
+            }
+        }
         out.extend_from_slice(&e.meta);
         out.extend_from_slice(&e.body);
         out
+    }
+
+    /// What [`Completed`] writes as its argument.
+    fn argument(completed: &Completed<'_>) -> Vec<u8> {
+        let mut args = redis::ToRedisArgs::to_redis_args(completed);
+        assert_eq!(args.len(), 1);
+        let arg = args.remove(0);
+        assert_eq!(arg.len(), completed.len());
+        arg
+    }
+
+    #[test]
+    fn the_argument_is_the_stored_record_or_its_tag_expiry_and_rest() {
+        let fp = Fingerprint::of_bytes(b"x");
+        let e = encode_completion(&completion(b"body".to_vec()), &BodyLimit::default()).unwrap();
+        for attempt in [1, 254, 255, 70_000, u32::MAX] {
+            let whole = Completed {
+                encoded: &e,
+                identity: Some((&fp, attempt)),
+                expires_at: AT,
+            };
+            assert_eq!(argument(&whole), as_stored(&held(&fp, attempt), &e));
+        }
+        // Without the fingerprint: the tag, the expiry, then the metadata and the body.
+        let bare = Completed {
+            encoded: &e,
+            identity: None,
+            expires_at: AT,
+        };
+        let mut expected = b"C".to_vec();
+        expected.extend_from_slice(&AT.to_be_bytes());
+        expected.extend_from_slice(&e.meta);
+        expected.extend_from_slice(b"body");
+        assert_eq!(argument(&bare), expected);
+    }
+
+    #[test]
+    fn the_stored_expiry_is_rounded_down_and_read_back_by_the_clock() {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let at = expires_at(Duration::from_millis(2_500));
+        assert!(
+            u64::from(at) * 1000 <= (now + Duration::from_millis(2_500)).as_millis() as u64 + 5
+        );
+        assert!(u64::from(at) + 1 >= (now + Duration::from_millis(2_500)).as_secs());
+        let left = expires_in(at);
+        assert!(left <= Duration::from_millis(2_500), "{left:?}");
+        assert!(left >= Duration::from_millis(1_000), "{left:?}");
+        assert_eq!(expires_in(0), Duration::ZERO);
+        assert_eq!(expires_at(Duration::MAX), u32::MAX);
     }
 
     fn held(fp: &Fingerprint, attempt: u32) -> [u8; IN_PROGRESS_LEN] {
@@ -504,20 +673,21 @@ mod tests {
     }
 
     #[test]
-    fn a_plain_success_is_40_bytes_plus_its_body() {
+    fn a_plain_success_is_41_bytes_plus_its_body() {
         let fp = Fingerprint::of_bytes(b"x");
         let ok = Completion::succeeded(Response::new(201, "0123456789"));
         let e = encode_completion(&ok, &BodyLimit::default()).unwrap();
-        assert_eq!(e.tag, b"c");
+        assert_eq!(e.tag, b"C");
         assert_eq!(e.meta[0], 0x80);
         let stored = as_stored(&held(&fp, 1), &e);
-        assert_eq!(stored.len(), 40 + 10);
+        assert_eq!(stored.len(), 41 + 10);
         assert_eq!(decode_completion(&stored).unwrap(), ok);
         assert!(matches!(
             decode_head(&stored, 10, 0),
             Some(Head::Completed {
                 attempt: 1,
                 kind: Some(CompletionKind::Succeeded),
+                expires_at: Some(AT),
                 ..
             })
         ));
@@ -536,7 +706,7 @@ mod tests {
         ] {
             let c = Completion::failed(response);
             let e = encode_completion(&c, &BodyLimit::default()).unwrap();
-            assert_eq!((e.tag, e.meta[0]), (&b"c"[..], 0));
+            assert_eq!((e.tag, e.meta[0]), (&b"C"[..], 0));
             let stored = as_stored(&held(&fp, 2), &e);
             assert_eq!(decode_completion(&stored).unwrap(), c);
             assert!(matches!(
@@ -563,6 +733,15 @@ mod tests {
         old.extend_from_slice(&meta);
         old.extend_from_slice(b"old");
         assert_eq!(decode_completion(&old).unwrap(), c);
+        assert_eq!(
+            decode_head(&old, 10, 0),
+            Some(Head::Completed {
+                fingerprint: fp.as_bytes(),
+                attempt: 3,
+                kind: Some(CompletionKind::Failed),
+                expires_at: None,
+            })
+        );
         // In progress: tag, fingerprint, attempt, token, absolute deadline.
         let token = FencingToken::random();
         let mut p = b"p".to_vec();
@@ -605,16 +784,22 @@ mod tests {
             &p,
             &encode_completion(&completion(b"ok".to_vec()), &limit(OversizeBody::Refuse)).unwrap(),
         ));
-        // The previous layout's in-progress record: fingerprint, attempt, token, deadline.
+        // The previous layouts' in-progress record: fingerprint, attempt, token, deadline.
         let mut old = b"p".to_vec();
         old.extend_from_slice(fp.as_bytes());
         old.extend_from_slice(&3u32.to_be_bytes());
         old.extend_from_slice(FencingToken::random().as_bytes());
         old.extend_from_slice(&10_000u64.to_be_bytes()[2..]);
         records.push(old);
+        // And their completed record: fingerprint, attempt, compact metadata, body.
+        let mut old = b"c".to_vec();
+        old.extend_from_slice(fp.as_bytes());
+        old.extend_from_slice(&3u32.to_be_bytes());
+        old.extend_from_slice(&[0x80, 0, 200]);
+        records.push(old);
         let mut tags: Vec<u8> = records.iter().map(|r| r[0]).collect();
         tags.sort_unstable();
-        assert_eq!(tags, b"Pchpz");
+        assert_eq!(tags, b"CHPZcp");
         for record in records {
             let back = decode_record(&id, Bytes::from(record), 5_000, 9_000).unwrap();
             assert_eq!((back.fingerprint, back.attempt), (fp, 3));
@@ -624,6 +809,7 @@ mod tests {
             (&b"P0123"[..], "in-progress record of wrong length"),
             (&p[..], "in-progress record without an expiry"),
             (&b"c0123"[..], "completed record too short"),
+            (&b"C0123"[..], "completed record too short"),
         ] {
             let Err(Error::Corrupt { detail, .. }) =
                 decode_record(&id, Bytes::copy_from_slice(value), -1, 0)
@@ -644,7 +830,7 @@ mod tests {
         };
 
         let z = encode_completion(&big, &limit(OversizeBody::Compress)).unwrap();
-        assert_eq!(z.tag, b"z");
+        assert_eq!(z.tag, b"Z");
         assert!(z.body.len() < 1000);
         assert_eq!(
             decode_completion(&as_stored(&held(&fp, 2), &z)).unwrap(),
@@ -652,7 +838,7 @@ mod tests {
         );
 
         let h = encode_completion(&big, &limit(OversizeBody::StatusAndHeaders)).unwrap();
-        assert_eq!(h.tag, b"h");
+        assert_eq!(h.tag, b"H");
         let back = decode_completion(&as_stored(&held(&fp, 2), &h)).unwrap();
         assert_eq!(back.response.status, 503);
         assert_eq!(back.response.headers, big.response.headers);
@@ -709,7 +895,7 @@ mod tests {
                 let stored = as_stored(&held(&fp, attempt), &e);
                 let head = decode_head(&stored, 10, 0);
                 prop_assert!(
-                    matches!(head, Some(Head::Completed { fingerprint, attempt: a, kind: Some(CompletionKind::Failed) }) if fingerprint == fp.as_bytes() && a == attempt),
+                    matches!(head, Some(Head::Completed { fingerprint, attempt: a, kind: Some(CompletionKind::Failed), expires_at: Some(AT) }) if fingerprint == fp.as_bytes() && a == attempt),
                     "{:?}", head
                 );
                 prop_assert_eq!(decode_completion(&stored).unwrap(), c);
@@ -717,7 +903,7 @@ mod tests {
         }
 
         #[test]
-        fn decoding_never_panics(record in proptest::collection::vec(any::<u8>(), 0..120), tag in prop_oneof![Just(b'P'), Just(b'p'), Just(b'c'), Just(b'z'), Just(b'h'), any::<u8>()], pttl in -2i64..100_000) {
+        fn decoding_never_panics(record in proptest::collection::vec(any::<u8>(), 0..120), tag in prop_oneof![Just(b'P'), Just(b'p'), Just(b'C'), Just(b'Z'), Just(b'H'), Just(b'c'), Just(b'z'), Just(b'h'), any::<u8>()], pttl in -2i64..100_000) {
             let mut record = record;
             if let Some(first) = record.first_mut() {
                 *first = tag;
@@ -727,7 +913,7 @@ mod tests {
         }
 
         #[test]
-        fn unknown_tags_are_named(record in proptest::collection::vec(any::<u8>(), 0..120), tag in any::<u8>().prop_filter("not a tag", |t| !b"Ppczh".contains(t))) {
+        fn unknown_tags_are_named(record in proptest::collection::vec(any::<u8>(), 0..120), tag in any::<u8>().prop_filter("not a tag", |t| !b"PpCZHczh".contains(t))) {
             let mut record = record;
             record.insert(0, tag);
             let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());

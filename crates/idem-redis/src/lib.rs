@@ -71,9 +71,9 @@
 //! state tag, the 16-byte fencing token, the margin (how long the record is kept past its
 //! lease deadline), the 32-byte fingerprint and the attempt; it holds no clock reading, so
 //! the client writes it with a plain `SET`, and its lease deadline is the key's expiry (the
-//! server's clock) minus the margin. Completed (40 bytes + headers + body): the tag, the
-//! fingerprint, the attempt, the status with the completion's kind, the headers and the
-//! body. It is a string rather than a hash because a hash whose body field exceeds
+//! server's clock) minus the margin. Completed (41 bytes + headers + body): the tag, the
+//! fingerprint, its expiry (Unix seconds, so that a replay needs no `PTTL`), the attempt,
+//! the status with the completion's kind, the headers and the body. It is a string rather than a hash because a hash whose body field exceeds
 //! `hash-max-listpack-value` (64 bytes by default) becomes a hash table costing several
 //! hundred bytes more per record.
 //!
@@ -92,7 +92,7 @@
 //! | completed, 1000-byte body | 1368 | 368 | 1112 |
 //!
 //! Redis itself charges about 104 bytes for any key of this length holding an empty string
-//! (key, dictionary entry, object header); a record adds its 40 bytes of head and metadata
+//! (key, dictionary entry, object header); a record adds its 41 bytes of head and metadata
 //! (+3 per header and its bytes) to that, rounded up to jemalloc's size classes (16 bytes
 //! apart up to 128, 32 up to 256), so a completed record costs about 136–150 bytes beyond
 //! its body. Past 1 KiB, those classes round every allocation up by up to a quarter, for
@@ -109,13 +109,13 @@
 //! ## The commands and scripts
 //!
 //! `begin` is one plain command in the common cases: `SET <key> <in-progress record> NX GET
-//! PX <lease + retention>`, with a `PTTL <key>` in the same round trip. An absent key is
-//! acquired by the `SET` itself. Otherwise the `SET` writes nothing and hands back the
-//! record, which decides: completed, a replay (the `PTTL` is its time to live); another
-//! fingerprint, a mismatch; the caller's own token, its lease back (the same attempt sent
-//! twice); a live lease, in flight for the `PTTL` minus the record's margin. Only a lease
-//! whose deadline has passed needs the server's clock and a compare in one step: then
-//! `begin.lua` decides again and takes it over.
+//! PX <lease + retention>`, and nothing else. An absent key is acquired by the `SET` itself.
+//! Otherwise the `SET` writes nothing and hands back the record, which decides: completed,
+//! a replay (the record holds its expiry); another fingerprint, a mismatch. A record in
+//! progress needs the server's clock (its lease deadline is the key's expiry minus the
+//! record's margin), so `begin.lua` decides it in one atomic step: in flight, the caller's
+//! own lease back (the same attempt sent twice), or a takeover of a lease whose deadline
+//! has passed.
 //!
 //! The scripts: one file per script in the workspace's `lua/` folder, each opening with its
 //! contract (`KEYS` / `ARGV` / Returns; all shown in [`lua`]), embedded with `include_str!`,
@@ -127,7 +127,7 @@
 //!
 //! | script | does | shebang |
 //! |---|---|---|
-//! | `begin.lua` | the whole begin rule, sent when the fast path finds a lease whose deadline passed: take it over, or answer what the record shows by then | `#!lua`: a writer, refused under OOM before it runs |
+//! | `begin.lua` | the whole begin rule, sent when the fast path finds a record in progress: in flight, the same attempt's lease back, or a takeover of a lease whose deadline passed | `#!lua`: a writer, refused under OOM before it runs |
 //! | `complete.lua` | replace the in-progress record held by the token with the completion: one `GETRANGE` of the record's first 17 bytes and one `SET` of the record the client sent whole (its lease carries the fingerprint), or the fingerprint and attempt carried over | `#!lua` |
 //! | `release.lua` | delete the in-progress record held by the token | `#!lua flags=allow-oom`: only frees memory |
 //! | `extend.lua` | move the deadline of the record held by the token: its expiry by as much, or its margin when the deadline moves back | `#!lua flags=allow-oom`: grows nothing |
@@ -139,9 +139,23 @@
 //! ([`RedisStore::scan`]: counts by state, corrupt and foreign keys, and the stuck ones).
 //!
 //! Deadlines are expiries: set with `PX` / `PEXPIRE` and read back with `PTTL`, both by the
-//! server's clock; no application instance's clock is ever used. In a cluster each record
-//! lives on one primary, whose clock decides; a failover to a replica with a skewed clock
-//! shifts live deadlines by the skew.
+//! server's clock; no application instance's clock decides anything. In a cluster each
+//! record lives on one primary, whose clock decides; a failover to a replica with a skewed
+//! clock shifts live deadlines by the skew. The one reading of an instance's clock is the
+//! expiry a completed record carries, for [`idem_core::Replay::expires_in`] alone: the
+//! writer's clock plus the retention, rounded down to the second, read back against the
+//! reader's clock. The key's own expiry (by the server's clock) is what removes the record;
+//! instances whose clocks are apart by a few seconds report expiries apart by as much.
+//!
+//! ### Upgrading from a version that wrote the previous layout
+//!
+//! Completed records now carry their expiry (tags `C`, `Z`, `H`). This version reads every
+//! record the previous ones wrote (`c`, `z`, `h`, and in-progress `p`), so it can be rolled
+//! out over a live keyspace. The previous versions do not read the new completed records:
+//! an old instance that meets one answers [`idem_core::Error::Corrupt`] for that key (the
+//! HTTP layer's 500) and leaves the record as it is. Finish a rollout before traffic mixes
+//! for long, or drain the old instances first; once every instance runs this version, no old
+//! reader is left.
 //!
 //! ## Errors
 //!

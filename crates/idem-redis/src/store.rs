@@ -310,10 +310,18 @@ impl RedisStore {
         ttl: Duration,
     ) -> Result<Applied, Error> {
         let (fingerprint, attempt): (&[u8], Vec<u8>) = match identity {
-            Some((fp, attempt)) => (fp.as_bytes().as_slice(), attempt.to_be_bytes().to_vec()),
+            Some((fp, attempt)) => {
+                let mut compact = Vec::with_capacity(5);
+                codec::put_attempt(&mut compact, attempt);
+                (fp.as_bytes().as_slice(), compact)
+            }
             None => (&[], Vec::new()),
         };
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
+        // The tag, then the expiry (the script puts the fingerprint between them).
+        let mut tag = [0; 5];
+        tag[0] = encoded.tag[0];
+        tag[1..].copy_from_slice(&codec::expires_at(ttl).to_be_bytes());
         let key = self.record_key(id);
         let mut cmd = scripts::evalsha(
             scripts::APPLY.on(self.is_cluster()),
@@ -322,7 +330,7 @@ impl RedisStore {
             70 + encoded.meta.len() + encoded.body.len(),
         );
         cmd.arg(token.as_bytes().as_slice())
-            .arg(encoded.tag)
+            .arg(tag.as_slice())
             .arg(fingerprint)
             .arg(attempt.as_slice())
             .arg(encoded.meta.as_slice())
@@ -411,18 +419,14 @@ impl RedisStore {
     }
 
     /// `begin`'s fast path: one plain `SET key <in-progress record> NX GET PX <lease +
-    /// retention>` and a `PTTL key`, in one round trip. An absent key is acquired by the
-    /// `SET` itself; otherwise the record it hands back, with the key's time to live, decides
-    /// every case but a takeover without a script: a completed record is replayed (its
-    /// `PTTL` is its time to live), a record of another fingerprint is a mismatch, a live
-    /// lease is in flight (its time left is the `PTTL` minus the record's margin, by the
-    /// server's clock) and the caller's own token gets its lease back. A lease whose deadline
-    /// passed is taken over by `begin.lua`, which decides again in one atomic step.
-    ///
-    /// The `PTTL` runs right after the `SET` on the same connection, and Redis runs the
-    /// commands of one read back to back; should anything come between them anyway, only
-    /// the figures of an answer can be off, never the answer: acquiring is the `SET`'s own
-    /// doing, and a takeover is always the script's.
+    /// retention>`, one command and one round trip. An absent key is acquired by the `SET`
+    /// itself; otherwise the record it hands back decides the common cases without a
+    /// script: a completed record is replayed (it carries its own expiry), and a record of
+    /// another fingerprint is a mismatch. A record in progress needs the server's clock (its
+    /// lease deadline is the key's expiry minus its margin), so `begin.lua` decides it in
+    /// one atomic step: in flight, a takeover, or the caller's own lease sent again. A
+    /// completed record of the previous layout, which holds no expiry, is replayed with its
+    /// key's `PTTL`, one more round trip.
     async fn begin_once(
         &self,
         mut conn: Conn,
@@ -433,7 +437,7 @@ impl RedisStore {
         let lease_ms = millis(req.lease).max(1);
         let margin_ms = millis(req.retention);
         let record = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
-        // Both commands sized up front, so that building them never reallocates.
+        // Sized up front, so that building it never reallocates.
         let mut set = redis::Cmd::with_capacity(7, 3 + key.len() + record.len() + 2 + 3 + 2 + 20);
         set.arg("SET")
             .arg(key)
@@ -442,25 +446,8 @@ impl RedisStore {
             .arg("GET")
             .arg("PX")
             .arg(lease_ms + margin_ms);
-        let mut pttl = redis::Cmd::with_capacity(2, 4 + key.len());
-        pttl.arg("PTTL").arg(key);
-        let mut pipe = redis::Pipeline::with_capacity(2);
-        pipe.add_command(set).add_command(pttl);
-        let mut replies = conn
-            .req_packed_commands(&pipe, 0, 2)
-            .await
-            .map_err(classify)?
-            .into_iter()
-            .map(|v| v.extract_error().map_err(classify));
-        let (old, pttl) = match (replies.next(), replies.next()) {
-            (Some(old), Some(pttl)) => (old?, pttl?),
-            _ => return Err(Error::backend(STORE, "begin: a reply is missing")),
-        };
-        let pttl = match pttl {
-            Value::Int(pttl) => pttl,
-            other => return Err(unexpected("PTTL", &other)),
-        };
-        let old = match old {
+        let reply = conn.req_packed_command(&set).await;
+        let old = match reply.and_then(Value::extract_error).map_err(classify)? {
             Value::Nil => {
                 let lease = Lease::new(
                     req.id.clone(),
@@ -476,42 +463,29 @@ impl RedisStore {
             other => return Err(unexpected("SET NX GET", &other)),
         };
         let fingerprint = req.fingerprint.as_bytes().as_slice();
-        match codec::decode_head(&old, pttl, 0) {
-            Some(Head::Completed { fingerprint: f, .. }) if f != fingerprint => Ok(Begin::Mismatch),
-            Some(Head::Completed { .. }) => Ok(Begin::Replay(Replay {
-                completion: codec::decode_completion_in(&old, &old)?,
-                expires_in: codec::millis(pttl),
-            })),
-            Some(Head::InProgress { fingerprint: f, .. }) if f != fingerprint => {
-                Ok(Begin::Mismatch)
+        // The clock arguments only matter for a record in progress, which the script decides.
+        match codec::decode_head(&old, 0, 0) {
+            Some(
+                Head::Completed { fingerprint: f, .. } | Head::InProgress { fingerprint: f, .. },
+            ) if f != fingerprint => Ok(Begin::Mismatch),
+            Some(Head::Completed { expires_at, .. }) => {
+                let expires_in = match expires_at {
+                    Some(at) => codec::expires_in(at),
+                    None => {
+                        let pttl: i64 = redis::cmd("PTTL")
+                            .arg(key)
+                            .query_async(&mut conn)
+                            .await
+                            .map_err(classify)?;
+                        codec::millis(pttl)
+                    }
+                };
+                Ok(Begin::Replay(Replay {
+                    completion: codec::decode_completion_in(&old, &old)?,
+                    expires_in,
+                }))
             }
-            // A record of the current layout: its head decides, by the server's clock.
-            Some(Head::InProgress {
-                token,
-                attempt,
-                lease_left_ms,
-                ..
-            }) if old[0] == b'P' => {
-                if token == req.token.as_bytes().as_slice() {
-                    // The same attempt asking again (its reply was lost): its own lease.
-                    let remaining = codec::millis(lease_left_ms);
-                    let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
-                        .with_fingerprint(req.fingerprint);
-                    self.hold(conn, key, lease).await
-                } else if lease_left_ms > 0 {
-                    Ok(Begin::InFlight {
-                        retry_after: codec::millis(lease_left_ms),
-                    })
-                } else {
-                    self.begin_script(conn, key, req).await
-                }
-            }
-            // An expired lease, a lease of the previous layout, or a record gone between
-            // the two commands: the script decides.
             Some(Head::InProgress { .. }) => self.begin_script(conn, key, req).await,
-            None if old.first() == Some(&b'P') && pttl < 0 => {
-                self.begin_script(conn, key, req).await
-            }
             None => Err(Error::corrupt(STORE, "not a record")),
         }
     }
@@ -597,6 +571,7 @@ impl RedisStore {
         let record = codec::Completed {
             encoded,
             identity: lease.fingerprint().map(|fp| (fp, lease.attempt())),
+            expires_at: codec::expires_at(retention),
         };
         let mode = match (record.identity.is_some(), resent) {
             (true, false) => "w",

@@ -364,7 +364,7 @@ async fn wait_for_a_real_replica() {
         .query_async(&mut on_replica)
         .await
         .unwrap();
-    assert_eq!(stored.as_deref().map(|r| r[0]), Some(b'c'));
+    assert_eq!(stored.as_deref().map(|r| r[0]), Some(b'C'));
 
     // Two replicas required, one exists: begin fails and gives its lease back.
     let greedy = waiting_for(2, Duration::from_millis(100)).await.unwrap();
@@ -606,11 +606,16 @@ async fn resent_calls_count_once() {
         let key = store.record_key(&id);
         let mut head = b"P".to_vec();
         head.extend_from_slice(lease.token().as_bytes());
+        // A call sent again is encoded again, possibly a second later: its expiry may differ.
         let send = |body: &'static str, resent: bool| {
-            let mut record = b"c".to_vec();
+            let expires_at: u32 = if resent { 2_000_000_001 } else { 2_000_000_000 };
+            let mut record = b"C".to_vec();
             if whole {
                 record.extend_from_slice(fingerprint.as_bytes());
-                record.extend_from_slice(&lease.attempt().to_be_bytes());
+                record.extend_from_slice(&expires_at.to_be_bytes());
+                record.push(u8::try_from(lease.attempt()).unwrap());
+            } else {
+                record.extend_from_slice(&expires_at.to_be_bytes());
             }
             record.extend_from_slice(&meta);
             record.extend_from_slice(body.as_bytes());
@@ -973,5 +978,116 @@ async fn a_call_to_a_silent_server_ends_at_the_call_timeout() {
             took >= call && took < call + Duration::from_millis(900),
             "timeouts {connect:?} / {response:?}: the call took {took:?}, its timeout is {call:?}"
         );
+    }
+}
+
+/// An in-progress record as `begin` writes it: tag, token, margin, fingerprint, attempt.
+fn in_progress(token: &FencingToken, fingerprint: &Fingerprint, attempt: u32) -> Vec<u8> {
+    let mut record = b"P".to_vec();
+    record.extend_from_slice(token.as_bytes());
+    record.extend_from_slice(&KEEP.as_millis().to_be_bytes()[10..]);
+    record.extend_from_slice(fingerprint.as_bytes());
+    record.extend_from_slice(&attempt.to_be_bytes());
+    record
+}
+
+/// A completed record carries its expiry (Unix seconds, rounded down), and a replay reads
+/// it from there; a completed record of the previous layout, which has none, is replayed
+/// with its key's time to live. An attempt of 255 or more, carried over from the in-progress
+/// record by `complete.lua` (a lease without its fingerprint) or `apply.lua`, is kept whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_records_carry_their_expiry_and_attempt() {
+    let Some((store, mut conn)) = on_the_shared_server().await else {
+        return;
+    };
+    let get = |key: String| {
+        let mut conn = conn.clone();
+        async move {
+            let value: Vec<u8> = redis::cmd("GET")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            value
+        }
+    };
+    let unix_now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+    };
+
+    // Written by `complete`: the tag, the fingerprint, then the expiry.
+    let id = new_id("expiry");
+    let lease = acquire(&store, &id).await;
+    let before = unix_now();
+    store
+        .complete(&lease, &succeeded(201, "done"), KEEP)
+        .await
+        .unwrap();
+    let after = unix_now();
+    let stored = get(store.record_key(&id)).await;
+    assert_eq!(stored[0], b'C');
+    let at = u64::from(u32::from_be_bytes(stored[33..37].try_into().unwrap()));
+    assert!(
+        ((before + KEEP).as_secs()..=(after + KEEP).as_secs()).contains(&at),
+        "{at}"
+    );
+    let expires_in = replay(&store, &id).await.expires_in;
+    assert!(
+        expires_in <= KEEP && expires_in >= KEEP - Duration::from_secs(3),
+        "{expires_in:?}"
+    );
+
+    // The previous layout: no expiry in the record; the key's PTTL tells it.
+    let id = new_id("previous");
+    let mut old = b"c".to_vec();
+    old.extend_from_slice(Fingerprint::of_bytes(b"f").as_bytes());
+    old.extend_from_slice(&1u32.to_be_bytes());
+    old.extend_from_slice(&[0x80, 0, 201]);
+    old.extend_from_slice(b"old");
+    let _: () = redis::cmd("SET")
+        .arg(store.record_key(&id))
+        .arg(old)
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let old = replay(&store, &id).await;
+    assert_eq!(old.completion.response.body, "old");
+    assert!(
+        old.expires_in <= Duration::from_secs(60) && old.expires_in > Duration::from_secs(50),
+        "{:?}",
+        old.expires_in
+    );
+
+    // Attempt 300, carried over by complete.lua and by apply.lua.
+    let fingerprint = Fingerprint::of_bytes(b"f");
+    for through_apply in [false, true] {
+        let id = new_id(if through_apply { "apply" } else { "complete" });
+        let token = FencingToken::random();
+        let _: () = redis::cmd("SET")
+            .arg(store.record_key(&id))
+            .arg(in_progress(&token, &fingerprint, 300))
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let done = succeeded(200, "late");
+        if through_apply {
+            let applied = store
+                .apply_completion(&id, None, token, &done, KEEP)
+                .await
+                .unwrap();
+            assert_eq!(applied, idem_redis::Applied::Written);
+        } else {
+            let bare = Lease::new(id.clone(), token, 300, LONG, Instant::now());
+            store.complete(&bare, &done, KEEP).await.unwrap();
+        }
+        let record = store.get(&id).await.unwrap().expect("the record");
+        assert_eq!((record.fingerprint, record.attempt), (fingerprint, 300));
+        assert_eq!(replay(&store, &id).await.completion, done);
     }
 }
