@@ -234,7 +234,9 @@ impl Completion {
 pub struct Replay {
     /// The stored completion.
     pub completion: Completion,
-    /// Time until the store forgets it (by the store's clock).
+    /// Time until the store forgets it. By the store's clock for the memory and PostgreSQL
+    /// stores; the Redis store reads it from the expiry its completed record holds (the
+    /// writing instance's clock, rounded down to the second) against this host's clock.
     pub expires_in: Duration,
 }
 
