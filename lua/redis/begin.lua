@@ -65,7 +65,8 @@ elseif tag == 'p' and string.len(record) == 59 then
   local time = redis.call('TIME')
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   left = struct.unpack('>I6', record, 54) - now
-elseif string.find('CZHczh', tag, 1, true) and string.len(record) >= 37 then
+elseif (string.find('CZH', tag, 1, true) and string.len(record) >= 38)
+    or (string.find('czh', tag, 1, true) and string.len(record) >= 37) then
   if string.sub(record, 2, 33) ~= fingerprint then
     return {4}
   end

@@ -591,7 +591,7 @@ fn expires_at(retention: Duration) -> u32 {
     let at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
-        + retention;
+        .saturating_add(retention);
     u32::try_from(at.as_secs()).unwrap_or(u32::MAX)
 }
 

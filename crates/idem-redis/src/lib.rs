@@ -1,10 +1,11 @@
 //! # idem-redis
 //!
 //! The Redis backend of idem: [`RedisStore`] implements [`idem_core::Store`] on Redis 7,
-//! one server or Redis Cluster. Each transition is one round trip and one atomic step: the
-//! common ones (acquiring a new key, replaying a completed one) one plain `SET .. NX GET`,
-//! the ones that need a compare (completing, releasing and extending a lease, taking over
-//! an expired one) one Lua script. Lease deadlines come from the server's clock; every write
+//! one server or Redis Cluster. Each transition is one atomic step: the common ones
+//! (acquiring a new key, replaying a completed one) one plain `SET .. NX GET`, the ones that
+//! need a compare (completing, releasing and extending a lease) one Lua script. A `begin`
+//! that finds a record in progress (in flight, the same attempt sent again, a takeover of
+//! an expired lease) sends `begin.lua` after its `SET`. Lease deadlines come from the server's clock; every write
 //! that ends or extends a lease checks its fencing token.
 //!
 //! ## Quick start
@@ -73,8 +74,8 @@
 //! the client writes it with a plain `SET`, and its lease deadline is the key's expiry (the
 //! server's clock) minus the margin. Completed (41 bytes + headers + body): the tag, the
 //! fingerprint, its expiry (Unix seconds, so that a replay needs no `PTTL`), the attempt,
-//! the status with the completion's kind, the headers and the body. It is a string rather than a hash because a hash whose body field exceeds
-//! `hash-max-listpack-value` (64 bytes by default) becomes a hash table costing several
+//! the status with the completion's kind, the headers and the body. It is a string rather
+//! than a hash because a hash whose body field exceeds `hash-max-listpack-value` (64 bytes by default) becomes a hash table costing several
 //! hundred bytes more per record.
 //!
 //! ### Memory per record

@@ -89,7 +89,8 @@ async fn reloaded(
 }
 
 /// `lua/redis/prelude.lua`: the lease check that `complete`, `release`, `extend` and
-/// `apply` share, and `wake`, which tells waiters.
+/// `apply` share, `carried` (what a completion takes over from the in-progress record), and
+/// `wake`, which tells waiters.
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
 
 /// Where a script wants the prelude, when not right after its shebang: a line of its own,

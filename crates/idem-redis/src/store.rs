@@ -327,7 +327,7 @@ impl RedisStore {
             scripts::APPLY.on(self.is_cluster()),
             &key,
             7,
-            70 + encoded.meta.len() + encoded.body.len(),
+            80 + encoded.meta.len() + encoded.body.len(),
         );
         cmd.arg(token.as_bytes().as_slice())
             .arg(tag.as_slice())
@@ -491,7 +491,7 @@ impl RedisStore {
     }
 
     /// `begin.lua`: the whole begin rule in one atomic step, for what the fast path cannot
-    /// decide alone (a takeover).
+    /// decide alone (a record in progress: in flight, the same token, a takeover).
     async fn begin_script(
         &self,
         mut conn: Conn,

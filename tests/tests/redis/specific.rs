@@ -171,7 +171,7 @@ async fn completed_record_memory() {
             "{len:>10} | {usage:>21} | {beyond:>11} | {bare:>6} (key of {} bytes)",
             key.len()
         );
-        // The record adds its 41-byte head and 6 bytes of metadata to the plain string.
+        // The record adds its 38-byte head and 3 bytes of metadata to the plain string.
         // jemalloc's size classes round allocations up (by up to a quarter past 1 KiB), so
         // the difference is only bounded tightly for small bodies.
         if len <= 200 {
