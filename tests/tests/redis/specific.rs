@@ -1000,17 +1000,6 @@ async fn completed_records_carry_their_expiry_and_attempt() {
     let Some((store, mut conn)) = on_the_shared_server().await else {
         return;
     };
-    let get = |key: String| {
-        let mut conn = conn.clone();
-        async move {
-            let value: Vec<u8> = redis::cmd("GET")
-                .arg(key)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            value
-        }
-    };
     let unix_now = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1026,7 +1015,11 @@ async fn completed_records_carry_their_expiry_and_attempt() {
         .await
         .unwrap();
     let after = unix_now();
-    let stored = get(store.record_key(&id)).await;
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(store.record_key(&id))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     assert_eq!(stored[0], b'C');
     let at = u64::from(u32::from_be_bytes(stored[33..37].try_into().unwrap()));
     assert!(
