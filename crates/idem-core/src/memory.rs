@@ -149,6 +149,10 @@ struct Shard {
     /// drops both (both expired), and a change of one's expiry leaves the other to be swept
     /// when it is next looked up.
     expiry: BTreeSet<(u64, u64)>,
+    /// At most the earliest instant in `expiry` (`u64::MAX` or lower when it is empty): a
+    /// sweep before it has nothing to do and does not walk the index. Every entry added
+    /// lowers it; one removed may leave it lower than needed, which only costs a walk.
+    next_expiry: u64,
 }
 
 /// A store-clock instant as the slots keep it: nanoseconds, saturated (584 years).
@@ -416,6 +420,9 @@ impl Usage {
 impl Shard {
     /// Removes up to `max` expired records, oldest first.
     fn sweep(&mut self, now: u64, max: usize, usage: &Usage) -> usize {
+        if now < self.next_expiry {
+            return 0;
+        }
         let mut removed = 0;
         while removed < max {
             let Some(&(at, hash)) = self.expiry.first() else {
@@ -432,19 +439,28 @@ impl Shard {
                 removed += 1;
             }
         }
+        self.next_expiry = self.expiry.first().map_or(u64::MAX, |&(at, _)| at);
         removed
     }
 
-    /// The live record for `id`, dropping it first if it expired.
+    /// Adds `(at, hash)` to the expiry index.
+    fn index(&mut self, at: u64, hash: u64) {
+        self.expiry.insert((at, hash));
+        self.next_expiry = self.next_expiry.min(at);
+    }
+
+    /// The live record for `id`, dropping it first if it expired. One probe of the table.
     fn live(&mut self, hash: u64, id: &RecordId, now: u64, usage: &Usage) -> Option<&mut Slot> {
-        let expired = self
-            .records
-            .find(hash, |s| s.is(id))
-            .is_some_and(|s| s.expires_at() <= now);
-        if expired {
-            self.remove(hash, id, usage);
+        match self.records.find_entry(hash, |s| s.is(id)) {
+            Ok(entry) if entry.get().expires_at() <= now => {
+                let (slot, _) = entry.remove();
+                self.expiry.remove(&(slot.expires_at(), hash));
+                usage.forget(cost(&slot));
+                None
+            }
+            Ok(entry) => Some(entry.into_mut()),
+            Err(_) => None,
         }
-        self.records.find_mut(hash, |s| s.is(id))
     }
 
     fn remove(&mut self, hash: u64, id: &RecordId, usage: &Usage) -> bool {
@@ -461,7 +477,7 @@ impl Shard {
 
     /// Adds a record whose key is absent, already counted by [`Usage::reserve`].
     fn insert(&mut self, hash: u64, slot: Slot, hasher: &RandomState) {
-        self.expiry.insert((slot.expires_at(), hash));
+        self.index(slot.expires_at(), hash);
         self.records.insert_unique(hash, slot, |s| {
             let (scope, key) = s.id_parts();
             hasher.hash_one((scope, key))
@@ -471,18 +487,26 @@ impl Shard {
     /// Puts `slot` in place of the record of `id`, which is present.
     fn replace(&mut self, hash: u64, id: &RecordId, slot: Slot, usage: &Usage) {
         if let Some(old) = self.records.find_mut(hash, |s| s.is(id)) {
-            self.expiry.remove(&(old.expires_at(), hash));
-            self.expiry.insert((slot.expires_at(), hash));
-            usage.resize(cost(old), cost(&slot));
-            *old = slot;
+            let (at, bytes) = (slot.expires_at(), cost(&slot));
+            let old = std::mem::replace(old, slot);
+            self.reindexed(hash, &old, at, bytes, usage);
         }
+    }
+
+    /// The expiry index and counts after the record of `hash` that was `old` became one
+    /// of `bytes` expiring at `at`.
+    fn reindexed(&mut self, hash: u64, old: &Slot, at: u64, bytes: usize, usage: &Usage) {
+        self.expiry.remove(&(old.expires_at(), hash));
+        self.index(at, hash);
+        usage.resize(cost(old), bytes);
     }
 
     fn set_expiry(&mut self, hash: u64, id: &RecordId, expires_at: u64) {
         if let Some(slot) = self.records.find_mut(hash, |s| s.is(id)) {
-            self.expiry.remove(&(slot.expires_at(), hash));
+            let old = slot.expires_at();
             slot.set_expires_at(expires_at);
-            self.expiry.insert((expires_at, hash));
+            self.expiry.remove(&(old, hash));
+            self.index(expires_at, hash);
         }
     }
 
@@ -526,10 +550,12 @@ impl Store for MemoryStore {
         let hash = self.inner.hash_id(lease.id());
         let mut shard = self.inner.shard(hash);
         shard.sweep(now, SWEEP_PER_WRITE, usage);
-        let done = shard
-            .held(hash, lease, now, usage)?
-            .completed(completion, nanos(now_plus(now, ttl)));
-        shard.replace(hash, lease.id(), done, usage);
+        // One probe of the table: the completed record takes the held one's place.
+        let held = shard.held(hash, lease, now, usage)?;
+        let done = held.completed(completion, nanos(now_plus(now, ttl)));
+        let (at, bytes) = (done.expires_at(), cost(&done));
+        let old = std::mem::replace(held, done);
+        shard.reindexed(hash, &old, at, bytes, usage);
         drop(shard);
         self.inner.watchers.notify(lease.id());
         Ok(())
