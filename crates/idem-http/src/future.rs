@@ -18,15 +18,21 @@ type Boxed<E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, E>> +
 
 /// The response future of [`crate::IdempotencyService`].
 pub struct ResponseFuture<E> {
-    inner: Boxed<E>,
+    /// `None` only while the future is dropped.
+    inner: Option<Boxed<E>>,
+    /// The request's span (`idem.http`, or none for a method that is not guarded): entered
+    /// around every poll, and around the drop of the work, as `tracing::Instrumented` does.
+    span: tracing::Span,
 }
 
 impl<E> ResponseFuture<E> {
     pub(crate) fn new(
         inner: impl Future<Output = Result<Response<ResponseBody>, E>> + Send + 'static,
+        span: tracing::Span,
     ) -> Self {
         Self {
-            inner: Box::pin(inner),
+            inner: Some(Box::pin(inner)),
+            span,
         }
     }
 }
@@ -35,7 +41,24 @@ impl<E> Future for ResponseFuture<E> {
     type Output = Result<Response<ResponseBody>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+        let this = &mut *self;
+        let _entered = this.span.enter();
+        let Some(inner) = this.inner.as_mut() else {
+            // Unreachable: `inner` is taken only by `drop`.
+            return Poll::Pending;
+        };
+        let out = std::task::ready!(inner.as_mut().poll(cx));
+        if let Ok(response) = &out {
+            tracing::Span::current().record("status", response.status().as_u16());
+        }
+        Poll::Ready(out)
+    }
+}
+
+impl<E> Drop for ResponseFuture<E> {
+    fn drop(&mut self) {
+        let _entered = self.span.enter();
+        drop(self.inner.take());
     }
 }
 

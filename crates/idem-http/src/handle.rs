@@ -48,6 +48,11 @@ impl LeaseHandle {
         }
     }
 
+    /// The layer's state this handle shares.
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.inner.shared
+    }
+
     /// The lease, for `complete_in`. It is the lease as first granted: the layer renews it
     /// while the handler runs, and `complete_in` checks only its fencing token, which
     /// renewals keep.

@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::fmt;
+use std::future::Future;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -91,49 +92,45 @@ where
         // request, and a fresh clone (not yet ready) stays behind for the next `poll_ready`.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let span = if self.shared.config.methods.contains(req.method()) {
-            // Stable field names for log searches; the key only ever as its hash.
-            tracing::info_span!(
-                "idem.http",
-                method = %req.method(),
-                path = req.uri().path(),
-                scope = Empty,
-                key_hash = Empty,
-                attempt = Empty,
-                outcome = Empty,
-                status = Empty,
-            )
-        } else {
-            tracing::Span::none()
-        };
-        let shared = self.shared.clone();
-        ResponseFuture::new(
-            async move {
-                let out = handle(shared, inner, req).await;
-                if let Ok(response) = &out {
-                    tracing::Span::current().record("status", response.status().as_u16());
-                }
-                out
-            }
-            .instrument(span),
-        )
+        if !self.shared.config.methods.contains(req.method()) {
+            // Not guarded: handed on as it came, without the guarded path's state.
+            return ResponseFuture::new(pass(inner, req.map(Either::Right)), tracing::Span::none());
+        }
+        // Stable field names for log searches; the key only ever as its hash.
+        let span = tracing::info_span!(
+            "idem.http",
+            method = %req.method(),
+            path = req.uri().path(),
+            scope = Empty,
+            key_hash = Empty,
+            attempt = Empty,
+            outcome = Empty,
+            status = Empty,
+        );
+        ResponseFuture::new(handle(self.shared.clone(), inner, req), span)
     }
 }
 
-/// One request, start to end, in four named steps: **admit** (key, principal, body,
-/// fingerprint), then **decide** (the store's `begin`), **run** (the handler, its lease
-/// renewed) and **store** (its outcome).
+/// One guarded request, start to end, in four named steps: **admit** (key, principal,
+/// body, fingerprint), then **decide** (the store's `begin`), **run** (the handler, its
+/// lease renewed) and **store** (its outcome).
 ///
 /// Everything from `begin` on outlives the response future: it is polled in place while
 /// the response is awaited, and moved to a task of its own if the response future is
 /// dropped first ([`Detach`]). A client that goes away drops the response future, not the
 /// work. Once a lease is taken, the handler and the storing of its outcome run to their
 /// end, so a retry gets the stored response rather than a lease held for nothing.
-async fn handle<S, ReqBody, ResBody>(
+///
+/// The steps are written inline rather than as nested `async fn`s, and the rare paths are
+/// boxed: a nested future is built, then moved into its caller's state, a copy of its whole
+/// size on every request, and the state of a rare path would make every request's larger.
+// An `async fn` would keep a second copy of its arguments in its state: see the body.
+#[allow(clippy::manual_async_fn)]
+fn handle<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     inner: S,
     req: Request<ReqBody>,
-) -> Result<Response<ResponseBody>, S::Error>
+) -> impl Future<Output = Result<Response<ResponseBody>, S::Error>> + Send + 'static
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -141,53 +138,59 @@ where
     ReqBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
-    if !shared.config.methods.contains(req.method()) {
-        return pass(inner, req.map(Either::Right)).await;
+    // An `async` block rather than an `async fn`: the latter keeps a copy of each argument
+    // in its state besides the one it works on.
+    async move {
+        // Step 1, admit: the key, the principal, the body within its limit, the
+        // fingerprint. Nothing is claimed yet, so a client that goes away here leaves
+        // nothing behind.
+        let config = &shared.config;
+        let (parts, body) = req.into_parts();
+        let id = match admit(&shared, &parts) {
+            Admission::Guard(id) => id,
+            Admission::Pass => {
+                let req = Request::from_parts(parts, Either::Right(body));
+                return Box::pin(pass(inner, req)).await;
+            }
+            Admission::Refuse(response) => return Ok(response),
+        };
+        let bytes = match read_body(body, &parts.headers, config.max_request_body).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Ok(refuse(&shared, Outcome::Rejected, problem)),
+        };
+        let span = tracing::Span::current();
+        // Hashing the key costs a SHA-256: only for a span that is recorded.
+        if !span.is_disabled() {
+            span.record("scope", tracing::field::display(id.scope()));
+            span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
+        }
+        let fingerprint = fingerprint(config, &parts, &bytes);
+        let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
+        // From here the work runs to its end even if this future is dropped (see `Detach`).
+        Detach::new(guard(shared, inner, id, fingerprint, req)).await
     }
-    let admitted = match admit(&shared, req).await {
-        Admission::Guard(admitted) => admitted,
-        Admission::Pass(req) => return pass(inner, req).await,
-        Admission::Refuse(response) => return Ok(response),
-    };
-    // From here the work runs to its end even if this future is dropped (see `Detach`).
-    Detach::new(guard(shared, inner, admitted)).await
 }
 
-/// A guarded request that passed admission: its record, its fingerprint, and the request
-/// with its body read.
-struct Admitted<B> {
-    id: RecordId,
-    fingerprint: Fingerprint,
-    req: Request<RequestBody<B>>,
-}
-
-/// What admission decided.
-enum Admission<B> {
-    /// Guard the request.
-    Guard(Admitted<B>),
+/// What admission decided from the request's head.
+enum Admission {
+    /// Guard the request under this record.
+    Guard(RecordId),
     /// Hand it on unguarded (no key, and keys are optional).
-    Pass(Request<RequestBody<B>>),
+    Pass,
     /// Refuse it with this answer.
     Refuse(Response<ResponseBody>),
 }
 
-/// Step 1, admit: reads the key, finds the principal, reads the body within its limit and
-/// computes the fingerprint. Nothing is claimed yet, so a client that goes away here
-/// leaves nothing behind.
-async fn admit<B>(shared: &Shared, req: Request<B>) -> Admission<B>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
+/// Step 1, admit, from the request's head: reads the key and finds the principal.
+fn admit(shared: &Shared, parts: &Parts) -> Admission {
     let config = &shared.config;
-    let (parts, body) = req.into_parts();
     let rejected = |problem| Admission::Refuse(refuse(shared, Outcome::Rejected, problem));
 
     let key = match read_key(&parts.headers, &config.header) {
         Ok(Some(key)) => key,
         Ok(None) if config.missing_key == MissingKey::PassThrough => {
             shared.observe(Outcome::Unguarded);
-            return Admission::Pass(Request::from_parts(parts, Either::Right(body)));
+            return Admission::Pass;
         }
         Ok(None) => {
             let detail = format!(
@@ -213,7 +216,7 @@ where
         }
     };
 
-    let scope = match shared.scope.as_ref().and_then(|scope| scope(&parts)) {
+    let scope = match shared.scope.as_ref().and_then(|scope| scope(parts)) {
         Some(scope) => scope,
         None if config.anonymous == Anonymous::Shared => Scope::global(),
         None => {
@@ -226,53 +229,142 @@ where
             ));
         }
     };
-
-    let bytes = match read_body(body, &parts.headers, config.max_request_body).await {
-        Ok(bytes) => bytes,
-        Err(problem) => return rejected(problem),
-    };
-    let id = RecordId::new(scope, key);
-    let span = tracing::Span::current();
-    // Hashing the key costs a SHA-256: only for a span that is recorded.
-    if !span.is_disabled() {
-        span.record("scope", tracing::field::display(id.scope()));
-        span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
-    }
-    let fingerprint = fingerprint(config, &parts, &bytes);
-    Admission::Guard(Admitted {
-        id,
-        fingerprint,
-        req: Request::from_parts(parts, Either::Left(Full::new(bytes))),
-    })
+    Admission::Guard(RecordId::new(scope, key))
 }
 
 /// Steps 2 to 4 as work that outlives the response future: decide, run, store.
-async fn guard<S, ReqBody, ResBody>(
+#[allow(clippy::manual_async_fn)] // As `handle`.
+fn guard<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     mut inner: S,
-    admitted: Admitted<ReqBody>,
-) -> Result<Response<ResponseBody>, S::Error>
+    id: RecordId,
+    fingerprint: Fingerprint,
+    mut req: Request<RequestBody<ReqBody>>,
+) -> impl Future<Output = Result<Response<ResponseBody>, S::Error>>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
-    let Admitted {
-        id,
-        fingerprint,
-        req,
-    } = admitted;
-    let lease = match decide(&shared, &id, fingerprint).await {
-        Decision::Run(lease) => lease,
-        Decision::Answer(response) => return Ok(response),
-        Decision::FailOpen => return pass(inner, req).await,
-    };
-    let handle = LeaseHandle::new(
-        lease.clone(),
-        shared.idem.config().retention,
-        shared.clone(),
-    );
-    let (lease, ran) = run(&shared, &mut inner, req, lease, &handle).await;
-    store(&shared, lease, &handle, ran).await
+    // An `async` block, as in `handle`.
+    async move {
+        // Step 2, decide: claims the key, or answers from the store.
+        let begun = shared.idem.begin(&id, fingerprint).await;
+        let lease = match decide(&shared, begun) {
+            Decision::Run(lease) => lease,
+            Decision::Answer(response) => return Ok(response),
+            // Rare: boxed, so that its state is not part of every request's.
+            Decision::FailOpen => return Box::pin(pass(inner, req)).await,
+        };
+
+        // Step 3, run: the service under the lease, renewed by the engine's heartbeat
+        // ([`Idem::run_with_heartbeat`] with [`OnLost::Finish`]: a handler whose lease is lost
+        // still runs to its end, and storing its outcome then finds the lease lost).
+        let attempt = lease.attempt();
+        // The handle keeps the lease as granted, and the layer uses that one too (a renewal
+        // below is kept in `renewed`); `IdempotencyInfo` takes the id admission made. Both
+        // moved: no copy of the key per request.
+        let retention = shared.idem.config().retention;
+        // The handle takes this work's share of the layer's state (one reference count
+        // less to bump on a line every request of every thread touches); used from it below.
+        let handle = LeaseHandle::new(lease, retention, shared);
+        let shared = handle.shared();
+        let mut renewed: Option<Lease> = None;
+        req.extensions_mut().insert(IdempotencyInfo { id, attempt });
+        req.extensions_mut().insert(handle.clone());
+        tracing::Span::current().record("attempt", attempt);
+        let started = Instant::now();
+        // `call` itself may panic, before any future exists. The future is boxed (in
+        // `CatchUnwind`) before the `match`: a `match` keeps its scrutinee until its end,
+        // across the awaits of its arms, and this work's state would hold it there twice.
+        let called = catch_unwind(AssertUnwindSafe(|| inner.call(req))).map(CatchUnwind::new);
+        let ran = match called {
+            Err(panic) => Ran::Panicked(panic),
+            // Dropped at the end of this arm, before the outcome is stored.
+            Ok(mut work) => {
+                // Most handlers answer on their first poll: then there is no heartbeat to
+                // start. Otherwise the heartbeat drives the rest (`run_with_heartbeat`
+                // starts its timer only at its first poll of the work, so nothing is lost
+                // by polling once before it).
+                let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut work).poll(cx)));
+                let polled = first.await;
+                let output = match polled {
+                    Poll::Ready(output) => output,
+                    Poll::Pending if shared.config.heartbeat => {
+                        let granted = handle.lease().clone();
+                        let beating =
+                            shared
+                                .idem
+                                .run_with_heartbeat(granted, OnLost::Finish, &mut work);
+                        match beating.await {
+                            Ok((latest, output)) => {
+                                renewed = Some(latest);
+                                output
+                            }
+                            // `Finish` never gives the work up; were it to, the work still
+                            // ends here.
+                            Err(_) => (&mut work).await,
+                        }
+                    }
+                    Poll::Pending => (&mut work).await,
+                };
+                metrics::histogram!("idem_http_handler_duration_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                match output {
+                    Ok(Ok(response)) => Ran::Answered(response),
+                    Ok(Err(e)) => Ran::Failed(e),
+                    Err(panic) => Ran::Panicked(panic),
+                }
+            }
+        };
+
+        // Step 4, store: the handler's response stored (or found stored by the handler) and
+        // sent; after an error or a panic, the key released.
+        let lease = renewed.as_ref().unwrap_or(handle.lease());
+        let response = match ran {
+            Ran::Answered(response) => response,
+            Ran::Failed(e) => {
+                release(&shared.idem, lease, "the service returned an error").await;
+                shared.observe(Outcome::NotStored);
+                return Err(e);
+            }
+            Ran::Panicked(panic) => {
+                release(&shared.idem, lease, "the service panicked").await;
+                shared.observe(Outcome::NotStored);
+                resume_unwind(panic)
+            }
+        };
+        let config = &shared.config;
+        let (mut parts, body) = response.into_parts();
+        Ok(match buffer(body, config.max_response_body).await {
+            Buffer::Broken(read, e) => {
+                // The body broke off: nothing complete to store. The client sees the same
+                // break it would have seen without the layer.
+                release(&shared.idem, lease, "the response body failed").await;
+                shared.observe(Outcome::NotStored);
+                Response::from_parts(parts, ResponseBody::new(Broken::new(read, e)))
+            }
+            Buffer::Oversize(read, rest) => {
+                let limit = config.max_response_body;
+                tracing::warn!(limit, "response too large to store; sent unstored");
+                if config.unstored == Unstored::Release {
+                    release(&shared.idem, lease, "a response too large to store").await;
+                }
+                shared.observe(Outcome::NotStored);
+                Response::from_parts(parts, ResponseBody::new(Prefixed::new(read, rest)))
+            }
+            Buffer::Whole(bytes, trailers) => {
+                match keep(shared, lease, &handle, &parts, bytes.clone()).await {
+                    // The first response advertises its expiry too, as replays do.
+                    Kept::Stored => {
+                        insert_expires(&mut parts.headers, shared.idem.config().retention)
+                    }
+                    Kept::Unstored => {}
+                    Kept::Unrecorded => return Ok(not_recorded(config).into_response()),
+                }
+                Response::from_parts(parts, ResponseBody::buffered(bytes, trailers))
+            }
+        })
+    }
 }
 
 /// What the store's `begin` decided.
@@ -285,11 +377,11 @@ enum Decision {
     FailOpen,
 }
 
-/// Step 2, decide: claims the key, or answers from the store.
-async fn decide(shared: &Shared, id: &RecordId, fingerprint: Fingerprint) -> Decision {
+/// Step 2, decide: what the store's `begin` answered means for the request.
+fn decide(shared: &Shared, begun: Result<Begin, Error>) -> Decision {
     let config = &shared.config;
     let answer = |outcome, problem| Decision::Answer(refuse(shared, outcome, problem));
-    match shared.idem.begin(id, fingerprint).await {
+    match begun {
         Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => Decision::Run(lease),
         Ok(Begin::Replay(replay)) => {
             shared.observe(Outcome::Replayed);
@@ -432,7 +524,12 @@ where
     }
     let mut body = std::pin::pin!(body);
     let mut read = Chunks::default();
-    while let Some(frame) = body.frame().await {
+    // A body that says it has ended (its declared length read) is not polled for its end:
+    // a server's request body would answer that only once the connection has read on.
+    while !body.is_end_stream() {
+        let Some(frame) = body.frame().await else {
+            break;
+        };
         match frame {
             Ok(frame) => {
                 // Trailers of a request are not part of what it asks for.
@@ -552,129 +649,12 @@ enum Ran<R, E> {
     Panicked(Panic),
 }
 
-/// Step 3, run: the service under the lease, renewed by the engine's heartbeat
-/// ([`Idem::run_with_heartbeat`] with [`OnLost::Finish`]: a handler whose lease is lost
-/// still runs to its end, and storing its outcome then finds the lease lost). Returns the
-/// latest lease and how the handler ended.
-async fn run<S, ReqBody>(
-    shared: &Shared,
-    inner: &mut S,
-    mut req: Request<RequestBody<ReqBody>>,
-    lease: Lease,
-    handle: &LeaseHandle,
-) -> (Lease, Ran<S::Response, S::Error>)
-where
-    S: Service<Request<RequestBody<ReqBody>>>,
-{
-    req.extensions_mut().insert(IdempotencyInfo {
-        id: lease.id().clone(),
-        attempt: lease.attempt(),
-    });
-    req.extensions_mut().insert(handle.clone());
-    tracing::Span::current().record("attempt", lease.attempt());
-    let started = Instant::now();
-    // `call` itself may panic, before any future exists.
-    let future = match catch_unwind(AssertUnwindSafe(|| inner.call(req))) {
-        Ok(future) => future,
-        Err(panic) => return (lease, Ran::Panicked(panic)),
-    };
-    let mut work = CatchUnwind::new(future);
-    let (lease, output) = if shared.config.heartbeat {
-        match shared
-            .idem
-            .run_with_heartbeat(lease.clone(), OnLost::Finish, &mut work)
-            .await
-        {
-            Ok(done) => done,
-            // `Finish` never gives the work up; were it to, the work still ends here.
-            Err(_) => (lease, work.await),
-        }
-    } else {
-        (lease, work.await)
-    };
-    metrics::histogram!("idem_http_handler_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
-    let ran = match output {
-        Ok(Ok(response)) => Ran::Answered(response),
-        Ok(Err(e)) => Ran::Failed(e),
-        Err(panic) => Ran::Panicked(panic),
-    };
-    (lease, ran)
-}
-
-/// Step 4, store: the handler's response stored (or found stored by the handler) and
-/// sent; after an error or a panic, the key released.
-async fn store<ResBody, E>(
-    shared: &Shared,
-    lease: Lease,
-    handle: &LeaseHandle,
-    ran: Ran<Response<ResBody>, E>,
-) -> Result<Response<ResponseBody>, E>
-where
-    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
-{
-    match ran {
-        Ran::Answered(response) => Ok(settle(shared, lease, handle, response).await),
-        Ran::Failed(e) => {
-            release(&shared.idem, &lease, "the service returned an error").await;
-            shared.observe(Outcome::NotStored);
-            Err(e)
-        }
-        Ran::Panicked(panic) => {
-            release(&shared.idem, &lease, "the service panicked").await;
-            shared.observe(Outcome::NotStored);
-            resume_unwind(panic)
-        }
-    }
-}
-
 /// Releases the key after a run whose response is not stored. A failure is logged: the key
 /// then stays held until its lease expires, which refuses retries with 409 meanwhile and
 /// never runs the work twice at once.
 async fn release(idem: &Idem, lease: &Lease, why: &str) {
     if let Err(e) = idem.release(lease).await {
         tracing::warn!(error = %e, "could not release the key after {why}");
-    }
-}
-
-/// Reads the service's response, stores it when it should be, and returns what to send.
-async fn settle<ResBody>(
-    shared: &Shared,
-    lease: Lease,
-    handle: &LeaseHandle,
-    response: Response<ResBody>,
-) -> Response<ResponseBody>
-where
-    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
-{
-    let config = &shared.config;
-    let (mut parts, body) = response.into_parts();
-    match buffer(body, config.max_response_body).await {
-        Buffer::Broken(read, e) => {
-            // The body broke off: nothing complete to store. The client sees the same
-            // break it would have seen without the layer.
-            release(&shared.idem, &lease, "the response body failed").await;
-            shared.observe(Outcome::NotStored);
-            Response::from_parts(parts, ResponseBody::new(Broken::new(read, e)))
-        }
-        Buffer::Oversize(read, rest) => {
-            let limit = config.max_response_body;
-            tracing::warn!(limit, "response too large to store; sent unstored");
-            if config.unstored == Unstored::Release {
-                release(&shared.idem, &lease, "a response too large to store").await;
-            }
-            shared.observe(Outcome::NotStored);
-            Response::from_parts(parts, ResponseBody::new(Prefixed::new(read, rest)))
-        }
-        Buffer::Whole(bytes, trailers) => {
-            match keep(shared, lease, handle, &parts, bytes.clone()).await {
-                // The first response advertises its expiry too, as replays do.
-                Kept::Stored => insert_expires(&mut parts.headers, shared.idem.config().retention),
-                Kept::Unstored => {}
-                Kept::Unrecorded => return not_recorded(config).into_response(),
-            }
-            Response::from_parts(parts, ResponseBody::buffered(bytes, trailers))
-        }
     }
 }
 
@@ -701,6 +681,10 @@ where
         return Buffer::Oversize(read.into_bytes(), body);
     }
     loop {
+        // Ended (as `read_body` asks): no frame follows, trailers included.
+        if body.is_end_stream() {
+            return Buffer::Whole(read.into_bytes(), trailers);
+        }
         match body.frame().await {
             None => return Buffer::Whole(read.into_bytes(), trailers),
             Some(Ok(frame)) => match frame.into_data() {
@@ -734,7 +718,7 @@ enum Kept {
 /// Stores a whole response when it should be, unless the handler did already.
 async fn keep(
     shared: &Shared,
-    lease: Lease,
+    lease: &Lease,
     handle: &LeaseHandle,
     parts: &http::response::Parts,
     bytes: Bytes,
@@ -754,36 +738,15 @@ async fn keep(
     }
     if !(config.store_status)(parts.status) {
         let why = "a response whose status is not stored";
-        release(&shared.idem, &lease, why).await;
+        release(&shared.idem, lease, why).await;
         shared.observe(Outcome::NotStored);
         return Kept::Unstored;
     }
-    let kept = match shared.idem.complete(&lease, stored).await {
+    let kept = match shared.idem.complete(lease, stored).await {
         Ok(()) => Kept::Stored,
-        Err(e) => {
-            // Built again rather than cloned up front: only a failed write needs it twice.
-            let stored = config.to_stored(parts.status, &parts.headers, bytes);
-            match e {
-                // The record already holds this very response: the handler completed it
-                // in its transaction without saying so.
-                Error::LeaseLost if holds(&shared.idem, &lease, &stored).await => Kept::Stored,
-                Error::LeaseLost => {
-                    // Another request took the key over after this lease expired (or an
-                    // operator evicted it): nothing of ours can be stored, and this
-                    // response is the truth for this request.
-                    tracing::warn!("lease lost before the response was stored");
-                    Kept::Unstored
-                }
-                e => {
-                    tracing::warn!(error = %e, "storing the response failed; retrying");
-                    if store_later(shared, lease, stored).await {
-                        Kept::Stored
-                    } else {
-                        Kept::Unrecorded
-                    }
-                }
-            }
-        }
+        // Boxed: the state of this rare path (a read of the record, a task that retries)
+        // would otherwise be part of every request's future.
+        Err(e) => Box::pin(not_completed(shared, lease, parts, bytes, e)).await,
     };
     shared.observe(match kept {
         Kept::Stored => Outcome::Executed,
@@ -791,6 +754,38 @@ async fn keep(
         Kept::Unrecorded => Outcome::StoreError,
     });
     kept
+}
+
+/// What became of a whole response whose `complete` failed with `e`.
+async fn not_completed(
+    shared: &Shared,
+    lease: &Lease,
+    parts: &http::response::Parts,
+    bytes: Bytes,
+    e: Error,
+) -> Kept {
+    // Built again rather than cloned up front: only a failed write needs it twice.
+    let stored = shared.config.to_stored(parts.status, &parts.headers, bytes);
+    match e {
+        // The record already holds this very response: the handler completed it in its
+        // transaction without saying so.
+        Error::LeaseLost if holds(&shared.idem, lease, &stored).await => Kept::Stored,
+        Error::LeaseLost => {
+            // Another request took the key over after this lease expired (or an operator
+            // evicted it): nothing of ours can be stored, and this response is the truth
+            // for this request.
+            tracing::warn!("lease lost before the response was stored");
+            Kept::Unstored
+        }
+        e => {
+            tracing::warn!(error = %e, "storing the response failed; retrying");
+            if store_later(shared, lease.clone(), stored).await {
+                Kept::Stored
+            } else {
+                Kept::Unrecorded
+            }
+        }
+    }
 }
 
 /// The answer when the handler ran but its outcome is not recorded (yet).
