@@ -49,7 +49,9 @@ impl<E> Future for ResponseFuture<E> {
         };
         let out = std::task::ready!(inner.as_mut().poll(cx));
         if let Ok(response) = &out {
-            tracing::Span::current().record("status", response.status().as_u16());
+            // This request's own span, even when a filter disabled it (then nothing is
+            // recorded, rather than the field of whatever span the caller has open).
+            this.span.record("status", response.status().as_u16());
         }
         Poll::Ready(out)
     }

@@ -262,7 +262,8 @@ where
         let attempt = lease.attempt();
         // The handle keeps the lease as granted, and the layer uses that one too (a renewal
         // below is kept in `renewed`); `IdempotencyInfo` takes the id admission made. Both
-        // moved: no copy of the key per request.
+        // moved: no copy of the key for a handler that answers at its first poll (one
+        // that waits lends the heartbeat a clone of the lease).
         let retention = shared.idem.config().retention;
         // The handle takes this work's share of the layer's state (one reference count
         // less to bump on a line every request of every thread touches); used from it below.
@@ -524,8 +525,8 @@ where
     }
     let mut body = std::pin::pin!(body);
     let mut read = Chunks::default();
-    // A body that says it has ended (its declared length read) is not polled for its end:
-    // a server's request body would answer that only once the connection has read on.
+    // A body that says it has ended (its declared length read) is not polled again for
+    // its end: one poll less per request.
     while !body.is_end_stream() {
         let Some(frame) = body.frame().await else {
             break;
