@@ -454,8 +454,7 @@ impl Shard {
         match self.records.find_entry(hash, |s| s.is(id)) {
             Ok(entry) if entry.get().expires_at() <= now => {
                 let (slot, _) = entry.remove();
-                self.expiry.remove(&(slot.expires_at(), hash));
-                usage.forget(cost(&slot));
+                Self::unindexed(&mut self.expiry, hash, &slot, usage);
                 None
             }
             Ok(entry) => Some(entry.into_mut()),
@@ -467,12 +466,18 @@ impl Shard {
         match self.records.find_entry(hash, |s| s.is(id)) {
             Ok(entry) => {
                 let (slot, _) = entry.remove();
-                self.expiry.remove(&(slot.expires_at(), hash));
-                usage.forget(cost(&slot));
+                Self::unindexed(&mut self.expiry, hash, &slot, usage);
                 true
             }
             Err(_) => false,
         }
+    }
+
+    /// The expiry index and counts after `slot`, the record of `hash`, left the table. On
+    /// the index alone, so that it may run while the table is still borrowed (`live`).
+    fn unindexed(expiry: &mut BTreeSet<(u64, u64)>, hash: u64, slot: &Slot, usage: &Usage) {
+        expiry.remove(&(slot.expires_at(), hash));
+        usage.forget(cost(slot));
     }
 
     /// Adds a record whose key is absent, already counted by [`Usage::reserve`].
