@@ -80,7 +80,7 @@ mod error;
 mod fingerprint;
 mod key;
 mod memory;
-mod orphan;
+pub mod orphan;
 mod record;
 mod store;
 pub mod telemetry;

@@ -1,4 +1,4 @@
-//! Claims whose answer never reached the caller.
+//! Claims whose answer never reached the caller, given back once the store answers again.
 //!
 //! A `begin` that fails as unavailable (it timed out per [`crate::Config::store_timeout`],
 //! or its connection dropped) may still land: a paused server runs it when it resumes. The
@@ -35,14 +35,22 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// after it was sent (a server paused for longer than the lease runs it when it resumes).
 const MIN_WINDOW: Duration = Duration::from_secs(60);
 
-/// Gives back claims whose `begin` failed as unavailable (see the [module](self)).
+/// Gives back claims whose `begin` failed as unavailable (see the [module](self)). Clones
+/// share one bound on the releases under way.
 #[derive(Debug, Clone)]
-pub(crate) struct Orphans {
+pub struct Orphans {
     pending: Arc<Semaphore>,
 }
 
+impl Default for Orphans {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Orphans {
-    pub(crate) fn new() -> Self {
+    /// A new set of releases under way, none yet.
+    pub fn new() -> Self {
         Self {
             pending: Arc::new(Semaphore::new(MAX_PENDING)),
         }
@@ -52,8 +60,8 @@ impl Orphans {
     /// backoff until the store answers, each try bounded by `call_timeout`, for `lease` (at
     /// least a minute) at most: a claim not given back by then has expired by itself or was
     /// never made. Never blocks; does nothing outside a Tokio runtime or when
-    /// [`MAX_PENDING`] releases are already under way.
-    pub(crate) fn release_later(
+    /// 1,024 releases are already under way.
+    pub fn release_later(
         &self,
         store: Arc<dyn Store>,
         id: &RecordId,

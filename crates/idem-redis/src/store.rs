@@ -351,6 +351,123 @@ impl RedisStore {
         })
     }
 
+    /// What the record of `req.id` answers `req`, read without writing anything: a replay or a
+    /// mismatch of a completed record, or in flight (or a mismatch) under another token's
+    /// live lease. `None` when the key is absent, its lease ran out, or `req`'s own token
+    /// holds it: then only a claim can answer. One round trip (`GET` and `PTTL`, pipelined).
+    ///
+    /// For a store that claims keys elsewhere (the tiered store claims in PostgreSQL and
+    /// then writes the granted lease here with [`RedisStore::hold_granted`]): a read that
+    /// times out leaves nothing behind when it lands late, where a claim would.
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Corrupt`] when the value is not a record.
+    pub async fn peek(&self, req: &BeginRequest<'_>) -> Result<Option<Begin>, Error> {
+        let key = self.record_key(req.id);
+        let (record, pttl): (Option<Vec<u8>>, i64) = call!(self, |conn, _resent| {
+            let mut conn = conn;
+            redis::pipe()
+                .get(&key)
+                .pttl(&key)
+                .query_async(&mut conn)
+                .await
+                .map_err(classify)
+        })?;
+        let Some(record) = record else {
+            return Ok(None);
+        };
+        let record = Bytes::from(record);
+        let fingerprint = req.fingerprint.as_bytes().as_slice();
+        match codec::decode_head(&record, pttl, 0) {
+            Some(Head::Completed {
+                fingerprint: f,
+                expires_at,
+                ..
+            }) => {
+                if f != fingerprint {
+                    return Ok(Some(Begin::Mismatch));
+                }
+                let expires_in = match expires_at {
+                    Some(at) => codec::expires_in(at),
+                    None => codec::millis(pttl),
+                };
+                Ok(Some(Begin::Replay(Replay {
+                    completion: codec::decode_completion_in(&record, &record)?,
+                    expires_in,
+                })))
+            }
+            Some(Head::InProgress {
+                fingerprint: f,
+                token,
+                lease_left_ms,
+                ..
+            }) => Ok(
+                if token == req.token.as_bytes().as_slice() || lease_left_ms <= 0 {
+                    None
+                } else if f != fingerprint {
+                    Some(Begin::Mismatch)
+                } else {
+                    Some(Begin::InFlight {
+                        retry_after: codec::millis(lease_left_ms),
+                    })
+                },
+            ),
+            // A key that vanished between the two commands, or expired under them.
+            None if pttl < 0 && record.first() == Some(&b'P') => Ok(None),
+            None => Err(Error::corrupt(STORE, "not a record")),
+        }
+    }
+
+    /// Writes `lease`'s in-progress record (with `fingerprint`, kept no longer than the
+    /// lease) into an absent key: a claim granted elsewhere, made visible here so that
+    /// [`RedisStore::peek`] answers in flight for it. `SET .. NX PX`: a key that holds
+    /// anything (a completion that landed first, an older holder's record) is left as it
+    /// is. Returns whether the record was written.
+    ///
+    /// # Errors
+    ///
+    /// Store errors. After an [`Error::Unavailable`] the write may still land: give it back
+    /// with [`Store::release`] (fenced by the lease's token) once Redis answers.
+    pub async fn hold_granted(
+        &self,
+        lease: &Lease,
+        fingerprint: &Fingerprint,
+    ) -> Result<bool, Error> {
+        let key = self.record_key(lease.id());
+        let record = codec::in_progress(&lease.token(), 0, fingerprint, lease.attempt());
+        let ttl_ms = millis(lease.remaining()).max(1);
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            // A re-sent SET NX finds its own record and writes nothing: the same outcome.
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(record.as_slice())
+                .arg("NX")
+                .arg("PX")
+                .arg(ttl_ms)
+                .query_async::<Option<String>>(&mut conn)
+                .await
+                .map(|ok| ok.is_some())
+                .map_err(classify)
+        })
+    }
+
+    /// Sends `PING`, bounded by [`RedisConfig::call_timeout`]: whether Redis answers.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when it does not.
+    pub async fn ping(&self) -> Result<(), Error> {
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            redis::cmd("PING")
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(classify)
+        })
+    }
+
     /// The scheme that selects Redis Cluster in a URL.
     pub const CLUSTER_SCHEME: &'static str = CLUSTER_SCHEME;
 
