@@ -519,4 +519,189 @@ mod tiered {
             .await
             .expect("drop the test schema");
     }
+
+    // --- Redis answers only from what PostgreSQL granted ------------------------------------
+
+    /// A begin of `id` for the request whose fingerprint is `fp`.
+    async fn begin_as(store: &dyn Store, id: &RecordId, fp: Fingerprint) -> Begin {
+        store
+            .begin(BeginRequest {
+                id,
+                fingerprint: fp,
+                token: FencingToken::random(),
+                lease: LONG,
+                retention: KEEP,
+            })
+            .await
+            .expect("begin")
+    }
+
+    /// The pid of a throwaway server, as it reports it.
+    fn redis_pid(server: &idem_redis::testing::RedisServer) -> String {
+        let info = server.cli(&["info", "server"]).expect("INFO server");
+        info.lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .expect("process_id in INFO server")
+            .trim()
+            .to_owned()
+    }
+
+    /// A process stopped with `SIGSTOP`, resumed with `SIGCONT` when dropped (so that a
+    /// failing test does not leave it stopped, and its server's drop waiting for it).
+    struct Stopped(String);
+
+    impl Stopped {
+        fn stop(pid: String) -> Self {
+            let status = std::process::Command::new("kill")
+                .args(["-STOP", &pid])
+                .status()
+                .expect("run kill");
+            assert!(status.success(), "kill -STOP {pid}");
+            Self(pid)
+        }
+    }
+
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("kill")
+                .args(["-CONT", &self.0])
+                .status();
+        }
+    }
+
+    /// Asserts that Redis holds no record in progress for `id` (none nobody holds, and none
+    /// PostgreSQL did not grant).
+    async fn assert_no_claim_in_redis(store: &TieredStore, id: &RecordId) {
+        let state = store
+            .redis()
+            .get(id)
+            .await
+            .expect("redis get")
+            .map(|r| r.state);
+        assert!(
+            !matches!(state, Some(RecordState::InProgress { .. })),
+            "Redis holds a claim for {id}: {state:?}"
+        );
+    }
+
+    /// Redis lost a committed key and then stalled longer than its call timeout. Begins sent
+    /// meanwhile are answered by PostgreSQL alone; when Redis resumes, what they sent must not
+    /// turn into claims that answer the committed request's retries with 409 or 422.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_redis_never_refuses_the_retry_of_a_committed_request() {
+        let Some(server) = throwaway(&[]) else {
+            return;
+        };
+        let Some(pg) = pg_tier().await else { return };
+        let redis = RedisStore::builder(server.url())
+            .with_prefix(format!("idem-stall-{}:", uuid::Uuid::new_v4().simple()))
+            .with_timeouts(Duration::from_secs(1), Duration::from_millis(500))
+            .with_call_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .expect("connect");
+        let store = TieredStore::new(redis, pg);
+        // The committed request's fingerprint is fp(), which assert_replays sends.
+        let (paid, other) = (fp(), Fingerprint::of_bytes(b"401 EUR"));
+        let id = id("k4");
+        let lease = match begin_as(&store, &id, paid).await {
+            Begin::Acquired(lease) => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        };
+        store
+            .complete(&lease, &charged("pay_k4"), KEEP)
+            .await
+            .expect("complete");
+
+        server.cli(&["FLUSHALL"]).expect("FLUSHALL");
+        let stopped = Stopped::stop(redis_pid(&server));
+        // Answered by PostgreSQL alone: the other body is refused, the committed one replayed.
+        let during = async {
+            assert!(matches!(
+                begin_as(&store, &id, other).await,
+                Begin::Mismatch
+            ));
+            assert_replays(&store, &id, &charged("pay_k4"), "during the stall").await;
+        };
+        let stalled = timeout(Duration::from_secs(20), during).await;
+        sleep(Duration::from_secs(2)).await;
+        drop(stopped);
+        stalled.expect("PostgreSQL answers while Redis is stalled");
+
+        // Every retry of the committed request from the resume on is its replay.
+        let resumed = tokio::time::Instant::now();
+        while resumed.elapsed() < Duration::from_secs(3) {
+            assert_replays(
+                &store,
+                &id,
+                &charged("pay_k4"),
+                "after the resume (a begin sent during the stall claimed the key)",
+            )
+            .await;
+            sleep(Duration::from_millis(50)).await;
+        }
+        assert_no_claim_in_redis(&store, &id).await;
+    }
+
+    /// The committed key is missing from Redis, and a request with another body is waiting
+    /// for PostgreSQL (slow: the records table is locked). Meanwhile the committed request's
+    /// retry must not be refused on the strength of that request's claim: it waits for
+    /// PostgreSQL too, and is replayed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_postgres_has_not_granted_never_refuses_the_committed_request() {
+        let Some(server) = throwaway(&[]) else {
+            return;
+        };
+        let Some(pg) = pg_tier().await else { return };
+        let store = Arc::new(TieredStore::new(redis_tier(&server.url()).await, pg));
+        let paid = Fingerprint::of_bytes(b"500 EUR");
+        let other = Fingerprint::of_bytes(b"999 EUR");
+        let id = id("k5");
+        let lease = match begin_as(&*store, &id, paid).await {
+            Begin::Acquired(lease) => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        };
+        store
+            .complete(&lease, &charged("pay_k5"), KEEP)
+            .await
+            .expect("complete");
+        server.cli(&["FLUSHALL"]).expect("FLUSHALL");
+
+        // PostgreSQL made slow: every statement on the records table waits for this lock.
+        let mut lock = store.pg().pool().begin().await.expect("tx");
+        sqlx::query(&format!(
+            "LOCK TABLE \"{}\".records IN ACCESS EXCLUSIVE MODE",
+            store.pg().schema()
+        ))
+        .execute(&mut *lock)
+        .await
+        .expect("lock the records table");
+
+        let stranger = {
+            let (store, id) = (store.clone(), id.clone());
+            tokio::spawn(async move { begin_as(&*store, &id, other).await })
+        };
+        sleep(Duration::from_millis(300)).await;
+        let retry = {
+            let (store, id) = (store.clone(), id.clone());
+            tokio::spawn(async move { begin_as(&*store, &id, paid).await })
+        };
+        sleep(Duration::from_millis(300)).await;
+        assert!(
+            !retry.is_finished(),
+            "the retry was answered without PostgreSQL: {:?}",
+            retry.await
+        );
+        lock.rollback().await.expect("unlock");
+
+        match retry.await.expect("retry task") {
+            Begin::Replay(r) => assert_eq!(r.completion, charged("pay_k5")),
+            other => panic!("the committed request's retry got {other:?}"),
+        }
+        assert!(matches!(
+            stranger.await.expect("stranger task"),
+            Begin::Mismatch
+        ));
+        assert_no_claim_in_redis(&store, &id).await;
+    }
 }

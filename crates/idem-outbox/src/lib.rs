@@ -14,9 +14,14 @@
 //! fencing token with a guarded update in PostgreSQL, and only the current holder's matches.
 //!
 //! Why it holds: a retry reaches the work only after `begin` granted it a lease, and
-//! [`TieredStore`] grants a lease only when PostgreSQL grants it too. Redis can say "in
-//! flight", "replay" or "mismatch" on its own, but never "run": Redis only ever holds
-//! completions that PostgreSQL committed first, so its replays are the committed ones.
+//! [`TieredStore`] grants a lease only when PostgreSQL grants it. Redis only ever holds what
+//! PostgreSQL granted or committed: `begin` reads Redis without writing, asks PostgreSQL
+//! when Redis has no answer, and writes a lease into Redis only after PostgreSQL granted it;
+//! completions reach Redis only after they committed. So Redis's replays are the committed
+//! ones, and its "in flight" and "mismatch" answers rest on a lease or a completion
+//! PostgreSQL holds: a retry of a committed request is never refused because Redis lost the
+//! key and another request claimed it there first, or because a claim sent to a stalled
+//! Redis landed late.
 //!
 //! A completion whose body Redis cannot hold whole (over its body limit, with a policy that
 //! would refuse it or drop the body) is never written into Redis: its retries are replayed
@@ -28,9 +33,19 @@
 //! |---|---|
 //! | retry of a completed key (Redis has it) | 1 Redis |
 //! | duplicate while in flight | 1 Redis |
-//! | first request for a key | 1 Redis + 1 PostgreSQL (`begin`), then the business transaction with 2 more statements (complete + outbox row), then 1 Redis (`publish`) |
+//! | first request for a key | 1 Redis (read) + 1 PostgreSQL (`begin`) + 1 Redis (the granted lease), then the business transaction with 2 more statements (complete + outbox row), then 1 Redis (`publish`) |
 //! | retry after Redis lost the completion | 1 Redis + 1 PostgreSQL + 1 Redis (the repair) |
 //! | any request while Redis is down | 1 PostgreSQL (PostgreSQL alone answers) |
+//!
+//! **Faults, as a client sees them.** Redis flushed or failed over: retries of committed
+//! keys are replayed from PostgreSQL (and written back into Redis); nothing runs twice.
+//! Redis down or stalled: the calls that were waiting on it answer after
+//! [`idem_redis::RedisConfig::call_timeout`] at most; from the first call that failed on,
+//! PostgreSQL answers alone (replays, in flight, mismatch, new keys), logged once, until a
+//! probe finds Redis back (every half second; logged with the count of requests answered
+//! without it). PostgreSQL down or restarting: `begin` fails as unavailable (503 from the
+//! middleware) rather than let Redis decide alone; completions that were committed are
+//! still replayed from Redis.
 //!
 //! Plus, per completion, the relay's share of a batch: one claiming `SELECT ... FOR UPDATE
 //! SKIP LOCKED`, one Redis script per row (pipelined), one `DELETE`.

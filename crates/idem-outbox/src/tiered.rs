@@ -1,19 +1,23 @@
 //! [`TieredStore`]: Redis first, PostgreSQL as the arbiter.
 
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::orphan::Orphans;
 use idem_core::telemetry::KeyHash;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, RecordState, Replay, Result,
-    Scope, Stats, Store, Watch,
+    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
+    RecordState, Replay, Result, Scope, Stats, Store, Watch,
 };
 use idem_postgres::{map_error, PgStore};
 
 use crate::statements::Statements;
 use idem_redis::{Applied, OversizeBody, RedisStore};
 use sqlx::PgConnection;
+use tokio::time::Instant;
 
 /// The name in errors and metrics.
 pub const STORE: &str = "tiered";
@@ -31,18 +35,28 @@ pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
 
 /// A [`Store`] with Redis as the fast path and PostgreSQL as the source of truth.
 ///
-/// - `begin` asks Redis first. A replay, an in-flight answer or a mismatch from Redis is the
-///   answer (one Redis round trip). When Redis grants the lease, PostgreSQL is asked too,
-///   with the same token, and its answer wins: a completion committed there (which Redis
-///   may have lost to a flush, a failover or eviction) is replayed and written back into
-///   Redis, and a lease held there by another worker is in flight. When Redis is
-///   unavailable, PostgreSQL alone answers.
+/// Redis only ever holds what PostgreSQL granted or committed: a lease PostgreSQL granted,
+/// or a completion it committed. So an answer that refuses or holds a request always rests
+/// on PostgreSQL's decision, even when Redis lost keys (a flush, a failover, eviction) or
+/// stalled.
+///
+/// - `begin` reads Redis first, without writing ([`RedisStore::peek`]): a replay, a mismatch
+///   or an in-flight answer there is the answer (one Redis round trip). Otherwise (the key
+///   is absent from Redis, or its lease ran out) PostgreSQL decides; a lease it grants is
+///   then written into Redis ([`RedisStore::hold_granted`]), so that duplicates are answered
+///   in flight by Redis, and a completion it replays is written back into Redis. A read
+///   that times out leaves nothing behind, even if it reaches Redis later.
 /// - `complete` ([`TieredStore::complete_in`] inside the business transaction) writes the
 ///   completed record and an outbox row in one PostgreSQL transaction; after the commit the
 ///   completion is written into Redis at once ([`TieredStore::publish`]), and in any case by
 ///   the relay ([`crate::Relay`]), at least once.
 /// - `release` and `extend` act on PostgreSQL (whose answer counts) and then on Redis.
 /// - `watch` (a waiter for another worker's result) listens to both tiers.
+/// - While Redis does not answer, PostgreSQL answers alone and Redis is left out of every
+///   call until a probe finds it back (one `PING` every half second): the outage is logged
+///   once when it starts and once when it ends, with the count of begins answered without
+///   Redis. A Redis write that timed out may still land when Redis resumes: the lease it
+///   wrote is given back (fenced by its token) as soon as Redis answers.
 ///
 /// See the [crate docs](crate) for the exact guarantee and its cost.
 #[derive(Debug, Clone)]
@@ -50,6 +64,21 @@ pub struct TieredStore {
     redis: RedisStore,
     pg: PgStore,
     sql: Arc<Statements>,
+    outage: Arc<Outage>,
+    orphans: Orphans,
+}
+
+/// How often a probe asks whether Redis answers again, during an outage.
+const PROBE_EVERY: Duration = Duration::from_millis(500);
+
+/// Whether Redis answers, as the store last saw it, and what happened meanwhile.
+#[derive(Debug, Default)]
+struct Outage {
+    /// Set from the first Redis call that failed as unavailable until a probe's `PING`
+    /// is answered.
+    down: AtomicBool,
+    /// Begins answered by PostgreSQL alone during the current outage.
+    without_redis: AtomicU64,
 }
 
 impl TieredStore {
@@ -57,7 +86,13 @@ impl TieredStore {
     /// first: it creates the records table and the outbox table.
     pub fn new(redis: RedisStore, pg: PgStore) -> Self {
         let sql = Arc::new(Statements::new(pg.quoted_schema()));
-        Self { redis, pg, sql }
+        Self {
+            redis,
+            pg,
+            sql,
+            outage: Arc::default(),
+            orphans: Orphans::new(),
+        }
     }
 
     /// Applies idem-postgres's migrations and the outbox's in the PostgreSQL tier's schema
@@ -141,7 +176,14 @@ impl TieredStore {
         completion: &Completion,
         retention: Duration,
     ) -> Result<Applied> {
-        let applied = self.apply(lease.id(), lease, completion, retention).await;
+        if self.redis_down() {
+            // The relay writes it; a lease record Redis may still hold is given back.
+            self.release_redis_later(lease);
+            return Err(Error::unavailable(STORE, "Redis is unavailable"));
+        }
+        let applied = self
+            .apply(lease.id(), lease.token(), completion, retention)
+            .await;
         self.let_go_unless_applied(lease, &applied).await;
         applied
     }
@@ -151,20 +193,20 @@ impl TieredStore {
     /// Otherwise retries would see it in flight until it expired; without it they go on to
     /// PostgreSQL, which replays the committed response.
     async fn let_go_unless_applied(&self, lease: &Lease, applied: &Result<Applied, Error>) {
-        if matches!(applied, Ok(Applied::Written | Applied::AlreadyCompleted)) {
-            return;
-        }
-        if let Err(e) = self.redis.release(lease).await {
-            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not released");
+        match applied {
+            Ok(Applied::Written | Applied::AlreadyCompleted) => {}
+            // The write may still land; the release must come after it.
+            Err(e) if e.is_retryable() => self.release_redis_later(lease),
+            _ => self.release_redis(lease).await,
         }
     }
 
-    /// Writes a committed completion into Redis over `lease`'s in-progress record there, or
-    /// into an absent key.
+    /// Writes a committed completion into Redis over the in-progress record of the lease
+    /// whose token is `token`, or into an absent key.
     async fn apply(
         &self,
         id: &RecordId,
-        lease: &Lease,
+        token: FencingToken,
         completion: &Completion,
         ttl: Duration,
     ) -> Result<Applied> {
@@ -177,8 +219,10 @@ impl TieredStore {
         // The common case: Redis still holds the lease, whose record supplies the
         // fingerprint and attempt: one Redis round trip.
         let applied = self
-            .redis
-            .apply_completion(id, None, lease.token(), completion, ttl)
+            .redis_call(
+                self.redis
+                    .apply_completion(id, None, token, completion, ttl),
+            )
             .await?;
         if applied != Applied::Absent {
             return Ok(applied);
@@ -194,65 +238,137 @@ impl TieredStore {
         else {
             return Ok(Applied::Absent);
         };
-        self.redis
-            .apply_completion(
-                id,
-                Some((&record.fingerprint, record.attempt)),
-                lease.token(),
-                completion,
-                record.expires_in,
-            )
+        self.redis_call(self.redis.apply_completion(
+            id,
+            Some((&record.fingerprint, record.attempt)),
+            token,
+            completion,
+            record.expires_in,
+        ))
+        .await
+    }
+
+    /// Makes a lease PostgreSQL granted visible in Redis, so duplicates get their in-flight
+    /// answer there. Best effort: without it they ask PostgreSQL.
+    async fn hold_in_redis(&self, lease: &Lease, fingerprint: &Fingerprint) {
+        if self.redis_down() {
+            return;
+        }
+        match self
+            .redis_call(self.redis.hold_granted(lease, fingerprint))
             .await
-    }
-
-    /// PostgreSQL's answer to a `begin` that Redis granted.
-    async fn arbitrate(&self, req: &BeginRequest<'_>, redis_lease: Lease) -> Result<Begin> {
-        let answer = match self.pg.begin(req.clone()).await {
-            Ok(answer) => answer,
+        {
+            Ok(_) => {}
+            // The SET may land later: give the lease back once Redis answers.
+            Err(e) if e.is_retryable() => self.release_redis_later(lease),
             Err(e) => {
-                // Without the arbiter nothing may run: give the Redis lease back.
-                let _ = self.redis.release(&redis_lease).await;
-                return Err(e);
-            }
-        };
-        match answer {
-            Begin::Acquired(pg_lease) | Begin::TookOver(pg_lease) => {
-                // The same token holds both leases, and PostgreSQL's decides: Redis's may
-                // have run out while this call waited on a row lock, which is harmless (a
-                // caller taking the key over in Redis then meets this lease in PostgreSQL).
-                // After such a wait, Redis's lease is renewed to match, best effort.
-                if redis_lease.remaining() < pg_lease.remaining() / 2 {
-                    let _ = self.redis.extend(&redis_lease, req.lease).await;
-                }
-                Ok(if pg_lease.attempt() == 1 {
-                    Begin::Acquired(pg_lease)
-                } else {
-                    Begin::TookOver(pg_lease)
-                })
-            }
-            Begin::Replay(replay) => {
-                // Redis had lost the completion: write it back, fenced by our Redis lease.
-                self.repair(&redis_lease, &replay).await;
-                Ok(Begin::Replay(replay))
-            }
-            other @ (Begin::InFlight { .. } | Begin::Mismatch) => {
-                // Another worker holds the key in PostgreSQL (Redis lost its lease), or the
-                // key belongs to another request: our Redis lease must not linger.
-                let _ = self.redis.release(&redis_lease).await;
-                Ok(other)
+                tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "granted lease not written into Redis");
             }
         }
     }
 
-    async fn repair(&self, redis_lease: &Lease, replay: &Replay) {
-        let id = redis_lease.id();
-        let result = self
-            .apply(id, redis_lease, &replay.completion, replay.expires_in)
-            .await;
-        self.let_go_unless_applied(redis_lease, &result).await;
-        if let Err(e) = result {
-            tracing::warn!(key_hash = %KeyHash::of(id), error = %e, "could not write a replayed completion back into Redis");
+    /// Writes a completion PostgreSQL replayed back into Redis (which had lost it), so the
+    /// next retry is answered there. Best effort.
+    async fn repair(&self, req: &BeginRequest<'_>, replay: &Replay) {
+        if self.redis_down() {
+            return;
         }
+        let id = req.id;
+        let result = self
+            .apply(id, req.token, &replay.completion, replay.expires_in)
+            .await;
+        if let Err(e) = result {
+            tracing::debug!(key_hash = %KeyHash::of(id), error = %e, "could not write a replayed completion back into Redis");
+        }
+    }
+
+    /// Gives back the Redis record of `lease`, fenced by its token; best effort.
+    async fn release_redis(&self, lease: &Lease) {
+        if self.redis_down() {
+            self.release_redis_later(lease);
+            return;
+        }
+        match self.redis_call(self.redis.release(lease)).await {
+            Ok(()) | Err(Error::LeaseLost) => {}
+            Err(e) if e.is_retryable() => self.release_redis_later(lease),
+            Err(e) => {
+                tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not released");
+            }
+        }
+    }
+
+    /// Gives back the Redis record of `lease` in the background, once Redis answers: a
+    /// write of it that timed out may land when Redis resumes, and nobody would hold it.
+    fn release_redis_later(&self, lease: &Lease) {
+        let redis: Arc<dyn Store> = Arc::new(self.redis.clone());
+        let call_timeout = self.redis.config().call_timeout;
+        self.orphans.release_later(
+            redis,
+            lease.id(),
+            lease.token(),
+            lease.remaining(),
+            call_timeout,
+        );
+    }
+
+    /// Whether Redis is left out of calls (an outage is under way).
+    fn redis_down(&self) -> bool {
+        self.outage.down.load(Ordering::Acquire)
+    }
+
+    /// Runs one Redis call, and notes an outage when it fails as unavailable.
+    async fn redis_call<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        let result = call.await;
+        if let Err(e) = &result {
+            if e.is_retryable() {
+                self.redis_unavailable(e);
+            }
+        }
+        result
+    }
+
+    /// Starts an outage (once): logs it and spawns the probe that ends it.
+    fn redis_unavailable(&self, error: &Error) {
+        if self.outage.down.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(%error, "Redis unavailable: PostgreSQL answers alone until Redis is back");
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Nothing can probe: the next call tries Redis again.
+            self.outage.down.store(false, Ordering::Release);
+            return;
+        };
+        let (redis, outage) = (self.redis.clone(), self.outage.clone());
+        runtime.spawn(async move {
+            let started = Instant::now();
+            loop {
+                tokio::time::sleep(PROBE_EVERY).await;
+                if redis.ping().await.is_ok() {
+                    break;
+                }
+            }
+            outage.down.store(false, Ordering::Release);
+            let without_redis = outage.without_redis.swap(0, Ordering::AcqRel);
+            tracing::warn!(
+                outage = ?started.elapsed(),
+                begins_without_redis = without_redis,
+                "Redis is back: {without_redis} begins were answered by PostgreSQL alone"
+            );
+        });
+    }
+
+    /// PostgreSQL's answer to `req`, after Redis had none (or was left out), made visible
+    /// in Redis.
+    async fn decide(&self, req: BeginRequest<'_>) -> Result<Begin> {
+        let answer = self.pg.begin(req.clone()).await?;
+        match &answer {
+            Begin::Acquired(lease) | Begin::TookOver(lease) => {
+                self.hold_in_redis(lease, &req.fingerprint).await;
+            }
+            Begin::Replay(replay) => self.repair(&req, replay).await,
+            Begin::InFlight { .. } | Begin::Mismatch => {}
+        }
+        Ok(answer)
     }
 }
 
@@ -263,23 +379,17 @@ impl Store for TieredStore {
     }
 
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
-        // In Redis an in-progress record lives only as long as its lease: PostgreSQL keeps
-        // the attempt count and the fingerprint past it, and a Redis record left behind (a
-        // release that failed, a begin cancelled half-way) must not answer in flight or
-        // mismatch for a whole retention.
-        let fast = BeginRequest {
-            retention: Duration::ZERO,
-            ..req.clone()
-        };
-        match self.redis.begin(fast).await {
-            Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => {
-                self.arbitrate(&req, lease).await
-            }
-            Ok(answer) => Ok(answer),
+        if self.redis_down() {
+            self.outage.without_redis.fetch_add(1, Ordering::Relaxed);
+            return self.decide(req).await;
+        }
+        match self.redis_call(self.redis.peek(&req)).await {
+            Ok(Some(answer)) => Ok(answer),
+            Ok(None) => self.decide(req).await,
             Err(e) if e.is_retryable() => {
-                // Redis is down: the arbiter alone still keeps every guarantee.
-                tracing::warn!(error = %e, "Redis unavailable: begin answered by PostgreSQL alone");
-                self.pg.begin(req).await
+                // Redis is down or stalled: the arbiter alone keeps every guarantee.
+                self.outage.without_redis.fetch_add(1, Ordering::Relaxed);
+                self.decide(req).await
             }
             Err(e) => Err(e),
         }
@@ -297,17 +407,17 @@ impl Store for TieredStore {
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.pg.release(lease).await?;
-        if let Err(e) = self.redis.release(lease).await {
-            // The Redis lease expires on its own; until then retries see in flight.
-            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not released");
-        }
+        self.release_redis(lease).await;
         Ok(())
     }
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         let renewed = self.pg.extend(lease, by).await?;
-        if let Err(e) = self.redis.extend(lease, by).await {
-            tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not extended");
+        if !self.redis_down() {
+            if let Err(e) = self.redis_call(self.redis.extend(lease, by)).await {
+                // Without it, duplicates are answered by PostgreSQL once Redis's lease ends.
+                tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not extended");
+            }
         }
         Ok(renewed)
     }
