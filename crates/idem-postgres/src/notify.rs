@@ -200,22 +200,57 @@ impl Notifier {
 }
 
 /// Takes the waiters' shared lock on `payload` on the listening connection, without waiting.
-async fn hold(listener: &mut PgListener, payload: &str) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1, hashtext($2))")
-        .bind(LOCK_CLASS)
-        .bind(payload)
-        .fetch_one(listener)
-        .await
+/// `None` when the connection is no longer the session `pid` (see [`on_session`]).
+async fn hold(
+    listener: &mut PgListener,
+    pid: i32,
+    payload: &str,
+) -> Result<Option<bool>, sqlx::Error> {
+    on_session(
+        listener,
+        pid,
+        "pg_try_advisory_lock_shared($1, hashtext($2))",
+        payload,
+    )
+    .await
 }
 
-/// Lets the waiters' shared lock on `payload` go.
-async fn let_go(listener: &mut PgListener, payload: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_advisory_unlock_shared($1, hashtext($2))")
-        .bind(LOCK_CLASS)
-        .bind(payload)
-        .execute(listener)
-        .await
-        .map(drop)
+/// Lets the waiters' shared lock on `payload` go. `None` when the connection is no longer
+/// the session `pid` (see [`on_session`]).
+async fn let_go(
+    listener: &mut PgListener,
+    pid: i32,
+    payload: &str,
+) -> Result<Option<bool>, sqlx::Error> {
+    on_session(
+        listener,
+        pid,
+        "pg_advisory_unlock_shared($1, hashtext($2))",
+        payload,
+    )
+    .await
+}
+
+/// Runs the lock function `call` on `payload`, only in the session `pid` that holds the
+/// waiters' locks. sqlx's listener makes a lost connection again by itself on the next
+/// statement, and a new session holds none of the locks: an unlock there would make
+/// PostgreSQL warn "you don't own a lock of type ShareLock", and a lock taken there would
+/// sit beside locks that are gone. So the call is skipped and the answer is `None`, which
+/// the caller takes as the connection lost.
+async fn on_session(
+    listener: &mut PgListener,
+    pid: i32,
+    call: &str,
+    payload: &str,
+) -> Result<Option<bool>, sqlx::Error> {
+    sqlx::query_scalar(&format!(
+        "SELECT CASE WHEN pg_backend_pid() = $3 THEN {call} END"
+    ))
+    .bind(LOCK_CLASS)
+    .bind(payload)
+    .bind(pid)
+    .fetch_one(listener)
+    .await
 }
 
 /// Why [`serve`] returned.
@@ -304,6 +339,14 @@ async fn serve(
     stopped: &mut oneshot::Receiver<()>,
     again: bool,
 ) -> Ended {
+    // The session the locks below are taken in.
+    let pid: i32 = match sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *listener)
+        .await
+    {
+        Ok(pid) => pid,
+        Err(e) => return Ended::Lost(Some(e)),
+    };
     // The payloads whose lock this connection holds (once each).
     let mut held: HashSet<String> = HashSet::new();
     // Waiters from before a lost connection: their locks went with it. Take them again, then
@@ -313,11 +356,12 @@ async fn serve(
         if held.len() >= MAX_WATCHED {
             break;
         }
-        match hold(listener, payload).await {
-            Ok(true) => {
+        match hold(listener, pid, payload).await {
+            Ok(Some(true)) => {
                 held.insert(payload.clone());
             }
-            Ok(false) => {}
+            Ok(Some(false)) => {}
+            Ok(None) => return Ended::Lost(None),
             Err(e) => return Ended::Lost(Some(e)),
         }
     }
@@ -339,12 +383,13 @@ async fn serve(
                         // Full, or the waiter gave up meanwhile (its Idle follows).
                         Held::No
                     } else {
-                        match hold(listener, &payload).await {
-                            Ok(true) => {
+                        match hold(listener, pid, &payload).await {
+                            Ok(Some(true)) => {
                                 held.insert(payload);
                                 Held::Yes
                             }
-                            Ok(false) => Held::Busy,
+                            Ok(Some(false)) => Held::Busy,
+                            Ok(None) => return Ended::Lost(None),
                             Err(e) => return Ended::Lost(Some(e)),
                         }
                     };
@@ -354,8 +399,10 @@ async fn serve(
                 Some(Command::Idle(payload)) => {
                     // A waiter that came since the last one left keeps the lock.
                     if !watchers.is_watched(&payload) && held.remove(&payload) {
-                        if let Err(e) = let_go(listener, &payload).await {
-                            return Ended::Lost(Some(e));
+                        match let_go(listener, pid, &payload).await {
+                            Ok(Some(_)) => {}
+                            Ok(None) => return Ended::Lost(None),
+                            Err(e) => return Ended::Lost(Some(e)),
                         }
                     }
                 }
