@@ -89,6 +89,62 @@ mod postgres {
         }
     }
 
+    /// After a restart the waiters' advisory locks are taken again on a new session, and
+    /// none is let go in a session that does not hold it (PostgreSQL would warn "you don't
+    /// own a lock of type ShareLock"): watches made before the restart and dropped after it,
+    /// and new ones, leave nothing in the server's log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiters_locks_survive_a_restart_without_warnings() {
+        if !pg::available() {
+            return;
+        }
+        let server = pg::PgServer::start(&[], &[]).expect("start a throwaway PostgreSQL");
+        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+        let store = PgStore::connect(&url).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        let scope = Scope::new(harness::unique_name("locks")).unwrap();
+        let id = |n: &str| RecordId::new(scope.clone(), Key::new(n).unwrap());
+        for mode in ["fast", "immediate"] {
+            // Waiters come and go all through the restart: their locks are taken and let go
+            // while the listening connection is lost and made again.
+            let churn = {
+                let (store, scope) = (store.clone(), scope.clone());
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let mut n = 0u32;
+                    while started.elapsed() < Duration::from_secs(3) {
+                        n += 1;
+                        let id =
+                            RecordId::new(scope.clone(), Key::new(format!("w{}", n % 8)).unwrap());
+                        let watch = store.watch(&id).await;
+                        sleep(Duration::from_millis(2)).await;
+                        drop(watch);
+                    }
+                })
+            };
+            sleep(Duration::from_millis(300)).await;
+            server.restart(mode).expect("restart");
+            churn.await.expect("churn");
+            let again = timeout(LONG, async {
+                loop {
+                    if let Some(watch) = store.watch(&id("again")).await {
+                        break watch;
+                    }
+                    sleep(Duration::from_millis(100)).await;
+                }
+            })
+            .await
+            .expect("the waiters' locks are taken again after the restart");
+            drop(again);
+            sleep(Duration::from_millis(300)).await;
+        }
+        let log = std::fs::read_to_string(server.data_dir().join("server.log")).expect("log");
+        assert!(
+            !log.contains("you don't own a lock"),
+            "a waiters' lock was let go in a session that did not hold it:\n{log}"
+        );
+    }
+
     /// Begins a new key and completes it.
     async fn acquire_and_complete(store: &PgStore, id: &RecordId) -> Result<(), Error> {
         let begun = store
