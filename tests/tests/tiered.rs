@@ -705,3 +705,43 @@ mod tiered {
         assert_no_claim_in_redis(&store, &id).await;
     }
 }
+
+/// The tiered store with a 3-primary Redis Cluster as its Redis tier: the conformance suite.
+mod tiered_cluster {
+    use std::sync::{Arc, OnceLock};
+    use std::time::Duration;
+
+    use idem_core::Store;
+    use idem_outbox::TieredStore;
+    use idem_redis::testing::{self, RedisCluster};
+    use idem_redis::RedisStore;
+    use idem_testkit::postgres as pg;
+
+    /// One cluster for the whole test binary (its servers stop when this process exits).
+    fn cluster() -> Option<&'static RedisCluster> {
+        static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+        if !testing::available() {
+            return None;
+        }
+        Some(CLUSTER.get_or_init(|| RedisCluster::start(3).expect("start a 3-primary cluster")))
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let url = tokio::task::spawn_blocking(|| cluster().map(RedisCluster::url))
+            .await
+            .expect("cluster start")?;
+        let redis = RedisStore::builder(url)
+            .with_prefix(format!("idem-tiered-{}:", uuid::Uuid::new_v4().simple()))
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
+            .with_call_timeout(Duration::from_secs(15))
+            .connect()
+            .await
+            .expect("connect to the cluster");
+        assert!(redis.is_cluster());
+        let pg = pg::fresh_store(8).await?;
+        idem_outbox::migrate(&pg).await.expect("migrate");
+        Some(Arc::new(TieredStore::new(redis, pg)))
+    }
+
+    idem_testkit::conformance_suite!(store);
+}
