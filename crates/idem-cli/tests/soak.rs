@@ -1,0 +1,985 @@
+//! A seeded fault soak of the tiered store, checked from the database.
+//!
+//! Two `idem serve` processes and one `idem-relay run` share a `tiered:redis://..|postgres://..`
+//! store on a throwaway Redis (no persistence) and a throwaway PostgreSQL. Clients pay under a
+//! few dozen keys (duplicates, concurrent retries, slow handlers, clients that give up, and
+//! now and then another body under a key already paid) while a seeded schedule of faults
+//! runs: `kill -9` and restart of a server or the relay, Redis `FLUSHALL`, Redis `SIGSTOP`
+//! for 2-5 s then `SIGCONT`, PostgreSQL restarted `fast` or `immediate`. Then the faults stop,
+//! everything runs again, a settle period passes (a lease and a margin), and every key's own
+//! body is retried until it is answered. Every answer and `idem_demo.payments` are then
+//! checked (see [`check`]): one payment per key, every 2xx to a key's own body carries that
+//! payment's id, no 422 to a key's own body, no 2xx to another body, no 5xx but 503, no 409
+//! to a paid key once settled, no panic in any process.
+//!
+//! The seed comes from `IDEM_SOAK_SEED` (default 31) and the length of the fault phase from
+//! `IDEM_SOAK_SECS` (default 40 s, what CI runs); both are printed, with the schedule, so a
+//! failure can be replayed. The `idem-relay` run is the one next to `idem` in the target
+//! directory (`cargo test --workspace` builds it). A long run:
+//!
+//! ```sh
+//! cargo build -p idem-outbox --bin idem-relay
+//! IDEM_SOAK_SECS=300 IDEM_SOAK_SEED=7 cargo test -p idem-cli --test soak -- --nocapture
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use idem_testkit::postgres::PgServer;
+use idem_testkit::redis::RedisServer;
+
+const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+
+/// Keys paid during a run; each is paid by an owner of its own, so `idem_demo.payments`
+/// counts the payments of one key by its owner.
+const KEYS: usize = 40;
+/// Client tasks sending requests during the fault phase.
+const CLIENTS: usize = 16;
+/// The servers' lease (`idem serve --lease`): what a `kill -9` mid-handler leaves behind.
+const LEASE: Duration = Duration::from_secs(5);
+/// The quiet time between the last fault and the final phase: every lease a fault left
+/// behind has expired by then.
+const SETTLE: Duration = Duration::from_secs(8);
+/// How long the final phase may retry one key's own body before the run fails.
+const FINAL_LIMIT: Duration = Duration::from_secs(60);
+/// How long a client that does not give up waits for an answer: past Redis's response
+/// timeout (2 s), a demo delay and a PostgreSQL restart.
+const PATIENCE: Duration = Duration::from_secs(10);
+/// The most requests one client makes, whatever the clock says.
+const MAX_ROUNDS: usize = 20_000;
+
+mod tiered {
+    /// The soak on the tiered store; see the file's documentation.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn soak_under_random_faults_keeps_every_answer_right() {
+        if !idem_testkit::redis::available() || !idem_testkit::postgres::available() {
+            return;
+        }
+        super::soak(super::Settings::from_env()).await;
+    }
+}
+
+/// What a run is made of: the seed and the length of its fault phase.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    seed: u64,
+    faults_for: Duration,
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        Self {
+            seed: env_number("IDEM_SOAK_SEED", 31),
+            faults_for: Duration::from_secs(env_number("IDEM_SOAK_SECS", 40)),
+        }
+    }
+}
+
+/// The whole number in the variable `name`, or `default` when it is not set.
+fn env_number(name: &str, default: u64) -> u64 {
+    match std::env::var(name) {
+        Err(_) => default,
+        Ok(text) => text.trim().parse().unwrap_or_else(|_| {
+            panic!("{name} must be a whole number, not {text:?}: unset it for {default}")
+        }),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The schedule of faults.
+
+/// One fault, with how long it lasts.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// `kill -9` of `idem serve` number `server`, started again after `down`.
+    KillServer { server: usize, down: Duration },
+    /// `kill -9` of the relay, started again after `down`.
+    KillRelay { down: Duration },
+    /// `FLUSHALL`: Redis forgets every record.
+    FlushRedis,
+    /// `SIGSTOP` to Redis, `SIGCONT` after `stalled`.
+    StopRedis { stalled: Duration },
+    /// `FLUSHALL` then at once `SIGSTOP`, `SIGCONT` after `stalled`: a Redis that lost its
+    /// records (a failover) and stalls before any retry could repair them.
+    FlushAndStopRedis { stalled: Duration },
+    /// `pg_ctl restart -m fast`: sessions end with an error.
+    RestartPostgresFast,
+    /// `pg_ctl restart -m immediate`: the server dies and recovers.
+    RestartPostgresImmediate,
+}
+
+impl Fault {
+    /// Every kind, in the order [`Fault::draw`] numbers them.
+    const KINDS: usize = 7;
+
+    /// A fault of kind `kind` (0 to [`Fault::KINDS`] - 1), its details drawn from `rng`.
+    fn draw(kind: usize, rng: &mut fastrand::Rng) -> Self {
+        let millis = |rng: &mut fastrand::Rng, from, to| Duration::from_millis(rng.u64(from..to));
+        match kind {
+            0 => Self::KillServer {
+                server: rng.usize(0..2),
+                down: millis(rng, 200, 1500),
+            },
+            1 => Self::KillRelay {
+                down: millis(rng, 200, 2000),
+            },
+            2 => Self::FlushRedis,
+            3 => Self::StopRedis {
+                stalled: millis(rng, 2000, 5000),
+            },
+            4 => Self::FlushAndStopRedis {
+                stalled: millis(rng, 2000, 5000),
+            },
+            5 => Self::RestartPostgresFast,
+            _ => Self::RestartPostgresImmediate,
+        }
+    }
+
+    /// The name the summary counts it under.
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::KillServer { .. } => "kill -9 idem serve",
+            Self::KillRelay { .. } => "kill -9 idem-relay",
+            Self::FlushRedis => "Redis FLUSHALL",
+            Self::StopRedis { .. } => "Redis SIGSTOP",
+            Self::FlushAndStopRedis { .. } => "Redis FLUSHALL and SIGSTOP",
+            Self::RestartPostgresFast => "PostgreSQL restart fast",
+            Self::RestartPostgresImmediate => "PostgreSQL restart immediate",
+        }
+    }
+
+    /// About how long it takes, for planning (a restart takes longer).
+    fn planned(&self) -> Duration {
+        match *self {
+            Self::KillServer { down, .. } | Self::KillRelay { down } => down,
+            Self::StopRedis { stalled } | Self::FlushAndStopRedis { stalled } => stalled,
+            Self::FlushRedis => Duration::ZERO,
+            Self::RestartPostgresFast | Self::RestartPostgresImmediate => Duration::from_secs(1),
+        }
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::KillServer { server, down } => {
+                write!(f, "kill -9 idem serve #{server}, down {down:?}")
+            }
+            Self::KillRelay { down } => write!(f, "kill -9 idem-relay, down {down:?}"),
+            Self::StopRedis { stalled } => write!(f, "Redis SIGSTOP for {stalled:?}"),
+            Self::FlushAndStopRedis { stalled } => {
+                write!(f, "Redis FLUSHALL and SIGSTOP for {stalled:?}")
+            }
+            other => f.write_str(other.kind()),
+        }
+    }
+}
+
+/// The faults of a run, in order, each after a pause of its own.
+#[derive(Debug)]
+struct Schedule {
+    steps: Vec<(Duration, Fault)>,
+}
+
+impl Schedule {
+    /// Faults drawn from `seed` until about `length` is planned: every kind once first (in
+    /// a random order), so a short run meets each, then kinds at random; pauses of 1-3 s.
+    fn random(seed: u64, length: Duration) -> Self {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut first: Vec<usize> = (0..Fault::KINDS).collect();
+        rng.shuffle(&mut first);
+        let mut steps = Vec::new();
+        let mut planned = Duration::ZERO;
+        loop {
+            let kind = first.pop().unwrap_or_else(|| rng.usize(0..Fault::KINDS));
+            let fault = Fault::draw(kind, &mut rng);
+            let pause = Duration::from_millis(rng.u64(1000..3000));
+            planned += pause + fault.planned();
+            if planned > length {
+                return Self { steps };
+            }
+            steps.push((pause, fault));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The processes and servers of a run.
+
+/// One `idem serve` or `idem-relay run`, started again with the same command after a
+/// `kill -9`. Its standard error goes to `<dir>/<name>.log`, kept across restarts; its
+/// standard output to `<dir>/<name>.out`, anew at each start. Killed when dropped.
+#[derive(Debug)]
+struct Process {
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Process {
+    fn new(name: &str, program: &Path, args: &[&str], dir: &Path) -> Self {
+        Self {
+            name: name.to_owned(),
+            program: program.to_owned(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            dir: dir.to_owned(),
+            child: None,
+        }
+    }
+
+    fn start(&mut self) {
+        let out = std::fs::File::create(self.dir.join(format!("{}.out", self.name)))
+            .expect("create the standard output file");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("open the log file");
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .env_remove("IDEM_STORE")
+            .env_remove("IDEM_PREFIX")
+            .env_remove("IDEM_SCHEMA")
+            .env_remove("IDEM_DATABASE_URL")
+            .env_remove("IDEM_REDIS_URL")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.program.display()));
+        self.child = Some(child);
+    }
+
+    /// `kill -9`, as a crash: no shutdown code runs.
+    fn kill_9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The URL `idem serve` printed at this start, once it did (within 30 s).
+    fn url(&mut self) -> String {
+        let started = Instant::now();
+        let out = self.dir.join(format!("{}.out", self.name));
+        loop {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            if let Some(url) = text.split_whitespace().find(|w| w.starts_with("http://")) {
+                return url.to_owned();
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .is_none_or(|c| c.try_wait().ok().flatten().is_some());
+            if exited || started.elapsed() > Duration::from_secs(30) {
+                panic!(
+                    "{} printed no URL (exited: {exited}); its log:\n{}",
+                    self.name,
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join(format!("{}.log", self.name))
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill_9();
+    }
+}
+
+/// The base URLs clients send to: one per `idem serve`, `None` while it is down.
+#[derive(Debug, Clone, Default)]
+struct Bases(Arc<Mutex<Vec<Option<String>>>>);
+
+impl Bases {
+    fn set(&self, server: usize, base: Option<String>) {
+        let mut bases = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if bases.len() <= server {
+            bases.resize(server + 1, None);
+        }
+        bases[server] = base;
+    }
+
+    /// A server that is up, drawn with `rng`.
+    fn pick(&self, rng: &mut fastrand::Rng) -> Option<String> {
+        let bases = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let up: Vec<&String> = bases.iter().flatten().collect();
+        (!up.is_empty()).then(|| up[rng.usize(0..up.len())].clone())
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to `pid`.
+fn signal(pid: u32, signal: &str) {
+    let sent = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(sent, "kill -{signal} {pid} failed");
+}
+
+/// A Redis stopped with `SIGSTOP`: continued when dropped, so that a failing run never
+/// leaves a stopped server behind (its watchdog could not stop it).
+struct Stopped(u32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+/// Everything a run starts: Redis, PostgreSQL, two `idem serve` and the relay, with a
+/// directory for their logs.
+struct Servers {
+    redis: RedisServer,
+    redis_pid: u32,
+    postgres: PgServer,
+    serve: Vec<Process>,
+    relay: Process,
+    bases: Bases,
+    dir: PathBuf,
+    started: Instant,
+}
+
+impl Servers {
+    fn start(dir: &Path, started: Instant) -> Self {
+        let redis = RedisServer::start().expect("start a throwaway redis-server");
+        let info = redis.cli(&["info", "server"]).expect("redis-cli info");
+        let redis_pid = info
+            .lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .and_then(|pid| pid.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no process_id in INFO: {info}"));
+        let postgres = PgServer::start(&[], &[]).expect("start a throwaway PostgreSQL");
+        let store = format!(
+            "tiered:{}|postgres://postgres@127.0.0.1:{}/postgres",
+            redis.url(),
+            postgres.port()
+        );
+
+        let migrate = Command::new(IDEM)
+            .args(["migrate", "--store", &store])
+            .env_remove("IDEM_STORE")
+            .output()
+            .expect("run idem migrate");
+        assert!(
+            migrate.status.success(),
+            "idem migrate: {}",
+            String::from_utf8_lossy(&migrate.stderr)
+        );
+
+        let lease = LEASE.as_secs().to_string();
+        let serve_args = [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            &store,
+            "--lease",
+            &lease,
+        ];
+        let bases = Bases::default();
+        let mut serve = Vec::new();
+        for n in 0..2 {
+            let mut process =
+                Process::new(&format!("serve-{n}"), Path::new(IDEM), &serve_args, dir);
+            process.start();
+            bases.set(n, Some(process.url()));
+            serve.push(process);
+        }
+        let relay_bin = Path::new(IDEM).with_file_name("idem-relay");
+        assert!(
+            relay_bin.is_file(),
+            "{} is missing: build it with `cargo build -p idem-outbox --bin idem-relay` \
+             (`cargo test --workspace` does)",
+            relay_bin.display()
+        );
+        let mut relay = Process::new("relay", &relay_bin, &["run", "--store", &store], dir);
+        relay.start();
+        Self {
+            redis,
+            redis_pid,
+            postgres,
+            serve,
+            relay,
+            bases,
+            dir: dir.to_owned(),
+            started,
+        }
+    }
+
+    /// Runs the faults of `schedule` in order, counting them in `done`.
+    fn run(&mut self, schedule: &Schedule, done: &mut BTreeMap<&'static str, usize>) {
+        for (pause, fault) in &schedule.steps {
+            std::thread::sleep(*pause);
+            println!("[{:>6.1?}] {fault}", self.started.elapsed());
+            self.inflict(*fault);
+            *done.entry(fault.kind()).or_default() += 1;
+        }
+    }
+
+    /// Inflicts `fault` and undoes it: when this returns, everything runs again.
+    fn inflict(&mut self, fault: Fault) {
+        match fault {
+            Fault::KillServer { server, down } => {
+                self.bases.set(server, None);
+                self.serve[server].kill_9();
+                std::thread::sleep(down);
+                self.serve[server].start();
+                let url = self.serve[server].url();
+                self.bases.set(server, Some(url));
+            }
+            Fault::KillRelay { down } => {
+                self.relay.kill_9();
+                std::thread::sleep(down);
+                self.relay.start();
+            }
+            Fault::FlushRedis => {
+                self.redis.cli(&["FLUSHALL"]).expect("FLUSHALL");
+            }
+            Fault::StopRedis { stalled } => self.stop_redis(stalled),
+            Fault::FlushAndStopRedis { stalled } => {
+                self.redis.cli(&["FLUSHALL"]).expect("FLUSHALL");
+                self.stop_redis(stalled);
+            }
+            Fault::RestartPostgresFast => self.restart_postgres("fast"),
+            Fault::RestartPostgresImmediate => self.restart_postgres("immediate"),
+        }
+    }
+
+    fn stop_redis(&self, stalled: Duration) {
+        signal(self.redis_pid, "STOP");
+        let stopped = Stopped(self.redis_pid);
+        std::thread::sleep(stalled);
+        drop(stopped);
+    }
+
+    fn restart_postgres(&self, mode: &str) {
+        if let Err(e) = self.postgres.restart(mode) {
+            panic!("PostgreSQL did not come back after a {mode} restart: {e}");
+        }
+    }
+
+    /// The payments' ids in `idem_demo.payments`, by key.
+    async fn payments(&self) -> HashMap<usize, Vec<String>> {
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{}/postgres",
+            self.postgres.port()
+        );
+        let pool = sqlx::PgPool::connect(&url)
+            .await
+            .expect("connect to PostgreSQL");
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT owner, id FROM idem_demo.payments ORDER BY seq")
+                .fetch_all(&pool)
+                .await
+                .expect("read idem_demo.payments");
+        let mut by_key: HashMap<usize, Vec<String>> = HashMap::new();
+        for (owner, id) in rows {
+            let key = Key::of_owner(&owner)
+                .unwrap_or_else(|| panic!("a payment of an owner of no key: {owner}"));
+            by_key.entry(key.0).or_default().push(id);
+        }
+        by_key
+    }
+
+    /// The lines of every process's log that say it panicked.
+    fn panics(&self) -> Vec<String> {
+        self.serve
+            .iter()
+            .chain([&self.relay])
+            .flat_map(|p| {
+                p.log()
+                    .lines()
+                    .filter(|l| l.contains("panicked"))
+                    .map(|l| format!("{}: {l}", p.name))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// How many lines of every process's log hold `text`.
+    fn log_lines(&self, text: &str) -> usize {
+        self.serve
+            .iter()
+            .chain([&self.relay])
+            .map(|p| p.log().lines().filter(|l| l.contains(text)).count())
+            .sum()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Clients.
+
+/// Key number `n`: the idempotency key `order-<n>`, paid by the owner `soak-<n>` with its
+/// own body (`amount` 100 + n in EUR); its other body is the same amount in USD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Key(usize);
+
+impl Key {
+    fn auth(self) -> String {
+        format!("Bearer soak-{}", self.0)
+    }
+
+    fn of_owner(owner: &str) -> Option<Key> {
+        owner.strip_prefix("soak-")?.parse().ok().map(Key)
+    }
+
+    fn body(self, body: Body) -> String {
+        let currency = match body {
+            Body::Own => "EUR",
+            Body::Other => "USD",
+        };
+        format!(
+            r#"{{"amount": {}, "currency": "{currency}"}}"#,
+            100 + self.0
+        )
+    }
+}
+
+/// Which body a request carries under its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Body {
+    /// The key's own: the one it is paid with.
+    Own,
+    /// Another body, sent only once the own body was answered 2xx.
+    Other,
+}
+
+/// When an answer came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    /// While faults ran.
+    Faults,
+    /// After the faults and the settle period.
+    Final,
+}
+
+/// One request and what it got: its status, or `None` for no answer (a connection refused
+/// or broken, or a client that gave up); on a 2xx, the payment id in the body.
+#[derive(Debug, Clone)]
+struct Answer {
+    at: Duration,
+    key: Key,
+    body: Body,
+    phase: Phase,
+    status: Option<u16>,
+    payment: Option<String>,
+}
+
+impl fmt::Display for Answer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self
+            .status
+            .map_or("no answer".to_owned(), |s| s.to_string());
+        write!(
+            f,
+            "[{:>6.1?}] order-{} {:?} body, {:?} phase: {status}",
+            self.at, self.key.0, self.body, self.phase
+        )?;
+        if let Some(payment) = &self.payment {
+            write!(f, " ({payment})")?;
+        }
+        Ok(())
+    }
+}
+
+/// What the clients share: where to send, what came back, which keys were paid.
+#[derive(Clone)]
+struct Clients {
+    http: Client<HttpConnector, Full<Bytes>>,
+    bases: Bases,
+    answers: Arc<Mutex<Vec<Answer>>>,
+    paid: Arc<Vec<AtomicBool>>,
+    stop: Arc<AtomicBool>,
+    started: Instant,
+}
+
+impl Clients {
+    /// Pays `key` with `body` on a server drawn with `rng`, waiting up to `patience`; the
+    /// answer is recorded.
+    async fn pay(
+        &self,
+        rng: &mut fastrand::Rng,
+        key: Key,
+        body: Body,
+        delay: Option<Duration>,
+        patience: Duration,
+        phase: Phase,
+    ) -> Answer {
+        let (status, payment) = match self.bases.pick(rng) {
+            None => (None, None),
+            Some(base) => {
+                let request = request(&base, key, body, delay);
+                match tokio::time::timeout(patience, send(&self.http, request)).await {
+                    Ok(Ok(reply)) => reply,
+                    Ok(Err(_)) | Err(_) => (None, None),
+                }
+            }
+        };
+        let answer = Answer {
+            at: self.started.elapsed(),
+            key,
+            body,
+            phase,
+            status,
+            payment,
+        };
+        if body == Body::Own && status.is_some_and(|s| (200..300).contains(&s)) {
+            self.paid[key.0].store(true, Ordering::SeqCst);
+        }
+        self.answers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(answer.clone());
+        answer
+    }
+
+    /// One client of the fault phase: [`MAX_ROUNDS`] rounds at most, until told to stop or
+    /// `until` passes, whichever comes first.
+    async fn run(self, seed: u64, until: Instant) {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        for _ in 0..MAX_ROUNDS {
+            if self.stop.load(Ordering::SeqCst) || Instant::now() > until {
+                return;
+            }
+            let key = Key(rng.usize(0..KEYS));
+            let faults = Phase::Faults;
+            match rng.u8(0..10) {
+                // A plain request, or a retry of one.
+                0..=2 => {
+                    self.pay(&mut rng, key, Body::Own, None, PATIENCE, faults)
+                        .await;
+                }
+                // A slow handler.
+                3 | 4 => {
+                    let delay = Duration::from_millis(rng.u64(200..1500));
+                    self.pay(&mut rng, key, Body::Own, Some(delay), PATIENCE, faults)
+                        .await;
+                }
+                // A client that gives up before the slow handler is done.
+                5 => {
+                    let delay = Duration::from_millis(rng.u64(800..1500));
+                    let patience = Duration::from_millis(rng.u64(100..600));
+                    self.pay(&mut rng, key, Body::Own, Some(delay), patience, faults)
+                        .await;
+                }
+                // Concurrent retries of one request.
+                6 | 7 => {
+                    let mut retries = tokio::task::JoinSet::new();
+                    for _ in 0..rng.usize(2..5) {
+                        let (clients, mut rng) = (self.clone(), rng.fork());
+                        retries.spawn(async move {
+                            clients
+                                .pay(&mut rng, key, Body::Own, None, PATIENCE, faults)
+                                .await
+                        });
+                    }
+                    retries.join_all().await;
+                }
+                // Another body under a key already paid (else its own body).
+                _ => {
+                    let body = if self.paid[key.0].load(Ordering::SeqCst) {
+                        Body::Other
+                    } else {
+                        Body::Own
+                    };
+                    self.pay(&mut rng, key, body, None, PATIENCE, faults).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(rng.u64(10..100))).await;
+        }
+    }
+
+    /// The final phase for `key`: its own body, again until a 2xx or [`FINAL_LIMIT`].
+    async fn settle(self, key: Key, seed: u64) {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let limit = Instant::now() + FINAL_LIMIT;
+        while Instant::now() < limit {
+            let answer = self
+                .pay(&mut rng, key, Body::Own, None, PATIENCE, Phase::Final)
+                .await;
+            if answer.status.is_some_and(|s| (200..300).contains(&s)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+type Request = hyper::Request<Full<Bytes>>;
+
+/// `POST <base>/payments` of `key` with `body`, the handler held for `delay`.
+fn request(base: &str, key: Key, body: Body, delay: Option<Duration>) -> Request {
+    let mut request = hyper::Request::post(format!("{base}/payments"))
+        .header("authorization", key.auth())
+        .header("content-type", "application/json")
+        .header("idempotency-key", format!("order-{}", key.0));
+    if let Some(delay) = delay {
+        request = request.header("x-demo-delay-ms", delay.as_millis().to_string());
+    }
+    request
+        .body(Full::new(Bytes::from(key.body(body))))
+        .expect("a valid request")
+}
+
+/// Sends `request`: its status and, on a 2xx, the payment id its body names.
+async fn send(
+    http: &Client<HttpConnector, Full<Bytes>>,
+    request: Request,
+) -> Result<(Option<u16>, Option<String>), String> {
+    let response = http.request(request).await.map_err(|e| e.to_string())?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    let payment = status
+        .is_success()
+        .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
+        .flatten()
+        .and_then(|json| json["id"].as_str().map(str::to_owned));
+    Ok((Some(status.as_u16()), payment))
+}
+
+// ---------------------------------------------------------------------------------------
+// The checker.
+
+/// What a run found: the broken rules, each with its examples (empty when all held).
+#[derive(Debug, Default)]
+struct Violations(BTreeMap<&'static str, Vec<String>>);
+
+impl Violations {
+    fn add(&mut self, rule: &'static str, example: String) {
+        self.0.entry(rule).or_default().push(example);
+    }
+}
+
+impl fmt::Display for Violations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (rule, examples) in &self.0 {
+            writeln!(f, "{rule}: {} times, first ones:", examples.len())?;
+            for example in examples.iter().take(8) {
+                writeln!(f, "    {example}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks every answer against `payments` (the payments' ids by key, from the database);
+/// `paid_before_final` holds the keys that had a payment when the final phase began, and
+/// `panics` the lines of the logs that say a process panicked.
+fn check(
+    answers: &[Answer],
+    payments: &HashMap<usize, Vec<String>>,
+    paid_before_final: &[usize],
+    panics: &[String],
+) -> Violations {
+    let mut found = Violations::default();
+    let ok = |status: u16| (200..300).contains(&status);
+    for n in 0..KEYS {
+        let ids = payments.get(&n).map_or(&[][..], Vec::as_slice);
+        if ids.len() != 1 {
+            found.add(
+                "not exactly one payment per key",
+                format!("order-{n}: {ids:?}"),
+            );
+        }
+        let settled = answers
+            .iter()
+            .any(|a| a.key.0 == n && a.phase == Phase::Final && a.status.is_some_and(ok));
+        if !settled {
+            found.add(
+                "a key's own body never answered 2xx in the final phase",
+                format!("order-{n}"),
+            );
+        }
+    }
+    for answer in answers {
+        let Some(status) = answer.status else {
+            continue;
+        };
+        let paid = payments.get(&answer.key.0).and_then(|ids| ids.first());
+        match answer.body {
+            Body::Own if ok(status) && answer.payment.as_ref() != paid => found.add(
+                "a 2xx to a key's own body names another payment than the database",
+                format!("{answer}; the database: {paid:?}"),
+            ),
+            Body::Own if status == 422 => found.add("422 to a key's own body", answer.to_string()),
+            Body::Own
+                if status == 409
+                    && answer.phase == Phase::Final
+                    && paid_before_final.contains(&answer.key.0) =>
+            {
+                found.add(
+                    "409 to a paid key after the settle period",
+                    answer.to_string(),
+                )
+            }
+            Body::Other if ok(status) => found.add("2xx to another body", answer.to_string()),
+            _ if status >= 500 && status != 503 => {
+                found.add("a 5xx other than 503", answer.to_string())
+            }
+            _ if !ok(status) && ![409, 422, 503].contains(&status) => {
+                found.add("an unexpected status", answer.to_string())
+            }
+            _ => {}
+        }
+    }
+    for line in panics {
+        found.add("a process panicked", line.clone());
+    }
+    found
+}
+
+/// The answers counted by phase, body and status.
+fn summary(answers: &[Answer]) -> String {
+    let mut counts: BTreeMap<(Phase, Body, String), usize> = BTreeMap::new();
+    for a in answers {
+        let status = a.status.map_or("no answer".to_owned(), |s| s.to_string());
+        *counts.entry((a.phase, a.body, status)).or_default() += 1;
+    }
+    let mut text = format!("{} requests\n", answers.len());
+    for ((phase, body, status), n) in counts {
+        text.push_str(&format!(
+            "  {phase:?} phase, {body:?} body, {status}: {n}\n"
+        ));
+    }
+    // Allowed while faults run, but a sign of a wrong answer: 409 to a key's own body
+    // after that body was answered 2xx.
+    let mut paid = [false; KEYS];
+    let mut conflicts = 0;
+    for a in answers.iter().filter(|a| a.body == Body::Own) {
+        match a.status {
+            Some(409) if paid[a.key.0] => conflicts += 1,
+            Some(s) if (200..300).contains(&s) => paid[a.key.0] = true,
+            _ => {}
+        }
+    }
+    text.push_str(&format!(
+        "  409 to a key's own body once paid: {conflicts}\n"
+    ));
+    text
+}
+
+// ---------------------------------------------------------------------------------------
+// The run.
+
+async fn soak(settings: Settings) {
+    let Settings { seed, faults_for } = settings;
+    println!(
+        "soak: seed {seed} (IDEM_SOAK_SEED), faults for {faults_for:?} (IDEM_SOAK_SECS); \
+         replay with IDEM_SOAK_SEED={seed} IDEM_SOAK_SECS={}",
+        faults_for.as_secs()
+    );
+    let schedule = Schedule::random(seed, faults_for);
+    println!("soak: {} faults planned", schedule.steps.len());
+
+    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem-soak-"));
+    std::fs::create_dir_all(&dir).expect("create the log directory");
+    let started = Instant::now();
+    let servers = tokio::task::spawn_blocking({
+        let dir = dir.clone();
+        move || Servers::start(&dir, started)
+    })
+    .await
+    .expect("start the servers");
+
+    let clients = Clients {
+        http: Client::builder(TokioExecutor::new()).build_http(),
+        bases: servers.bases.clone(),
+        answers: Arc::default(),
+        paid: Arc::new((0..KEYS).map(|_| AtomicBool::new(false)).collect()),
+        stop: Arc::default(),
+        started,
+    };
+
+    // The fault phase: the schedule on a thread of its own (every fault is a blocking
+    // command or sleep), the clients beside it until it is done.
+    // The clients stop with the faults, or a minute after they should have ended.
+    let until = Instant::now() + faults_for + Duration::from_secs(60);
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..CLIENTS {
+        tasks.spawn(clients.clone().run(seed.wrapping_add(1 + n as u64), until));
+    }
+    let (servers, faults) = tokio::task::spawn_blocking(move || {
+        let mut servers = servers;
+        let mut faults = BTreeMap::new();
+        servers.run(&schedule, &mut faults);
+        (servers, faults)
+    })
+    .await
+    .expect("the faults run to their end");
+    clients.stop.store(true, Ordering::SeqCst);
+    tasks.join_all().await;
+
+    // Nothing fails any more: let every lease a fault left behind expire, then retry every
+    // key's own body until it is answered.
+    println!("[{:>6.1?}] faults over, settling", started.elapsed());
+    tokio::time::sleep(SETTLE).await;
+    let paid_before_final: Vec<usize> = servers.payments().await.into_keys().collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..KEYS {
+        let seed = seed.wrapping_mul(31).wrapping_add(n as u64);
+        tasks.spawn(clients.clone().settle(Key(n), seed));
+    }
+    tasks.join_all().await;
+    println!("[{:>6.1?}] final phase over", started.elapsed());
+
+    let answers = clients
+        .answers
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    let payments = servers.payments().await;
+    let violations = check(&answers, &payments, &paid_before_final, &servers.panics());
+
+    let mut report = format!("soak, seed {seed}, {faults_for:?} of faults:\n");
+    for (kind, n) in &faults {
+        report.push_str(&format!("  {kind}: {n}\n"));
+    }
+    report.push_str(&summary(&answers));
+    report.push_str(&format!(
+        "  payments: {}; log lines \"Redis unavailable\": {}\n",
+        payments.values().map(Vec::len).sum::<usize>(),
+        servers.log_lines("Redis unavailable")
+    ));
+    println!("{report}");
+    let _ = std::io::stdout().flush();
+    if !violations.0.is_empty() {
+        // Keep the logs and every answer for a look; the servers' own directories go.
+        let lines: Vec<String> = answers.iter().map(Answer::to_string).collect();
+        let _ = std::fs::write(dir.join("answers.txt"), lines.join("\n"));
+        panic!(
+            "the soak broke these rules (seed {seed}; logs in {}):\n{violations}",
+            servers.dir.display()
+        );
+    }
+    drop(servers);
+    let _ = std::fs::remove_dir_all(&dir);
+}
