@@ -983,3 +983,64 @@ async fn soak(settings: Settings) {
     drop(servers);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The checker on made-up runs: a clean run breaks no rule, and each broken rule is named.
+#[test]
+fn the_checker_names_each_broken_rule() {
+    let answer = |key: usize, body, phase, status: u16, payment: Option<&str>| Answer {
+        at: Duration::ZERO,
+        key: Key(key),
+        body,
+        phase,
+        status: Some(status),
+        payment: payment.map(str::to_owned),
+    };
+    let payments: HashMap<usize, Vec<String>> =
+        (0..KEYS).map(|n| (n, vec![format!("pay_{n}")])).collect();
+    let clean: Vec<Answer> = (0..KEYS)
+        .map(|n| answer(n, Body::Own, Phase::Final, 201, Some(&format!("pay_{n}"))))
+        .collect();
+    let rules = |extra: Answer, payments: &HashMap<usize, Vec<String>>, panics: &[String]| {
+        let mut answers = clean.clone();
+        answers.push(extra);
+        let found = check(&answers, payments, &[1], panics);
+        found.0.into_keys().collect::<Vec<_>>()
+    };
+    let fine = answer(1, Body::Own, Phase::Faults, 409, None);
+    assert_eq!(rules(fine.clone(), &payments, &[]), Vec::<&str>::new());
+
+    let mut twice = payments.clone();
+    twice.insert(3, vec!["pay_3".into(), "pay_x".into()]);
+    assert_eq!(
+        rules(fine.clone(), &twice, &[]),
+        ["not exactly one payment per key"]
+    );
+    let other_id = answer(1, Body::Own, Phase::Faults, 201, Some("pay_x"));
+    assert_eq!(
+        rules(other_id, &payments, &[]),
+        ["a 2xx to a key's own body names another payment than the database"]
+    );
+    let mismatch = answer(1, Body::Own, Phase::Faults, 422, None);
+    assert_eq!(rules(mismatch, &payments, &[]), ["422 to a key's own body"]);
+    let late_conflict = answer(1, Body::Own, Phase::Final, 409, None);
+    assert_eq!(
+        rules(late_conflict, &payments, &[]),
+        ["409 to a paid key after the settle period"]
+    );
+    let other_paid = answer(1, Body::Other, Phase::Faults, 201, Some("pay_y"));
+    assert_eq!(rules(other_paid, &payments, &[]), ["2xx to another body"]);
+    let error = answer(1, Body::Other, Phase::Faults, 500, None);
+    assert_eq!(rules(error, &payments, &[]), ["a 5xx other than 503"]);
+    let odd = answer(1, Body::Own, Phase::Faults, 400, None);
+    assert_eq!(rules(odd, &payments, &[]), ["an unexpected status"]);
+    let panicked = ["serve-0: thread 'main' panicked".to_owned()];
+    assert_eq!(
+        rules(fine.clone(), &payments, &panicked),
+        ["a process panicked"]
+    );
+    let found = check(&clean[1..], &payments, &[], &[]);
+    assert_eq!(
+        found.0.into_keys().collect::<Vec<_>>(),
+        ["a key's own body never answered 2xx in the final phase"]
+    );
+}
