@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, Method, StatusCode};
+use http::{HeaderName, HeaderValue, Method, StatusCode};
 use idem_core::JsonSelection;
 
 /// What to do with a guarded request that carries no idempotency key.
@@ -155,6 +155,9 @@ pub struct Config {
     pub in_flight_retry_after: Duration,
     /// A guarded request without a principal. Default: [`Anonymous::Refuse`] (401).
     pub anonymous: Anonymous,
+    /// The `WWW-Authenticate` challenge of the 401 answered to a request without a
+    /// principal: name the scheme your scope extractor reads. Default: `Bearer`.
+    pub challenge: HeaderValue,
     /// How long the layer keeps trying to store a response when the store fails after the
     /// handler ran, before it gives up on sending it (see the crate docs, "When storing the
     /// response fails"). Default: 2 s.
@@ -192,6 +195,7 @@ impl Default for Config {
             store_retry_after: Duration::from_secs(1),
             in_flight_retry_after: Duration::from_secs(1),
             anonymous: Anonymous::Refuse,
+            challenge: HeaderValue::from_static("Bearer"),
             store_response_within: Duration::from_secs(2),
             heartbeat: true,
         }
@@ -215,6 +219,7 @@ impl fmt::Debug for Config {
             .field("store_retry_after", &self.store_retry_after)
             .field("in_flight_retry_after", &self.in_flight_retry_after)
             .field("anonymous", &self.anonymous)
+            .field("challenge", &self.challenge)
             .field("store_response_within", &self.store_response_within)
             .field("heartbeat", &self.heartbeat)
             .finish()

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 
 use crate::body::ResponseBody;
@@ -19,6 +19,8 @@ pub(crate) struct Problem {
     pub(crate) title: &'static str,
     pub(crate) detail: String,
     pub(crate) retry_after: Option<Duration>,
+    /// The `WWW-Authenticate` challenge of a 401 (RFC 9110 section 11.6.1 requires one).
+    pub(crate) challenge: Option<HeaderValue>,
 }
 
 pub(crate) const KIND_KEY_MISSING: &str = "idempotency-key-missing";
@@ -46,7 +48,13 @@ impl Problem {
             title,
             detail: detail.into(),
             retry_after: None,
+            challenge: None,
         }
+    }
+
+    pub(crate) fn challenge(mut self, challenge: HeaderValue) -> Self {
+        self.challenge = Some(challenge);
+        self
     }
 
     pub(crate) fn retry_after(mut self, after: Duration) -> Self {
@@ -70,6 +78,9 @@ impl Problem {
             response
                 .headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+        }
+        if let Some(challenge) = self.challenge {
+            response.headers_mut().insert(WWW_AUTHENTICATE, challenge);
         }
         response
     }

@@ -204,5 +204,5 @@ pub use error::{problem_json, PROBLEM_JSON};
 pub use future::ResponseFuture;
 pub use handle::LeaseHandle;
 pub use layer::{bearer_scope, IdempotencyLayer, ObserverFn, ScopeFn};
-pub use outcome::{IdempotencyInfo, Outcome};
+pub use outcome::{IdempotencyInfo, KeepInFlight, Outcome};
 pub use service::{IdempotencyService, EXPIRES, REPLAYED};

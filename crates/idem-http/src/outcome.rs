@@ -96,6 +96,30 @@ pub struct IdempotencyInfo {
     pub attempt: u32,
 }
 
+/// A response extension the inner service sets when the layer must neither store its
+/// response nor release the key: the work's outcome is unknown (a request was sent on and
+/// its answer lost), so a retry must not run it again at once. The key stays in flight
+/// until its lease ends; retries get 409 meanwhile, and after the lease a retry takes the
+/// key over with [`IdempotencyInfo::attempt`] above 1. A reverse proxy sets it on the 502 or
+/// 504 it answers when the upstream connection broke after the request was sent.
+///
+/// ```
+/// let mut response = http::Response::new("upstream timed out");
+/// *response.status_mut() = http::StatusCode::GATEWAY_TIMEOUT;
+/// response.extensions_mut().insert(idem_http::KeepInFlight::Always);
+/// # let _ = response;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeepInFlight {
+    /// This response is sent unstored and the key is left in flight.
+    Always,
+    /// The response is handled as usual, unless its body breaks off before its end: then
+    /// the key is left in flight rather than released (the layer releases it by default,
+    /// since a handler's body that fails usually means the work failed).
+    IfBodyBreaks,
+}
+
 #[cfg(test)]
 mod tests {
     use super::Outcome;

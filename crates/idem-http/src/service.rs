@@ -32,7 +32,7 @@ use crate::error::{self, Problem};
 use crate::future::{CatchUnwind, Detach, Panic, ResponseFuture};
 use crate::handle::LeaseHandle;
 use crate::layer::Shared;
-use crate::outcome::{IdempotencyInfo, Outcome};
+use crate::outcome::{IdempotencyInfo, KeepInFlight, Outcome};
 
 /// The header set on every replayed response.
 pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -220,13 +220,16 @@ fn admit(shared: &Shared, parts: &Parts) -> Admission {
         Some(scope) => scope,
         None if config.anonymous == Anonymous::Shared => Scope::global(),
         None => {
-            return rejected(Problem::new(
-                StatusCode::UNAUTHORIZED,
-                error::KIND_NO_PRINCIPAL,
-                "Caller unknown",
-                "idempotency keys are kept per caller, and this request names none: \
+            return rejected(
+                Problem::new(
+                    StatusCode::UNAUTHORIZED,
+                    error::KIND_NO_PRINCIPAL,
+                    "Caller unknown",
+                    "idempotency keys are kept per caller, and this request names none: \
                  authenticate, then retry with the same key",
-            ));
+                )
+                .challenge(config.challenge.clone()),
+            );
         }
     };
     Admission::Guard(RecordId::new(scope, key))
@@ -336,11 +339,20 @@ where
         };
         let config = &shared.config;
         let (mut parts, body) = response.into_parts();
+        let keep_in_flight = parts.extensions.get::<KeepInFlight>().copied();
+        if keep_in_flight == Some(KeepInFlight::Always) {
+            // The outcome is unknown: neither stored nor released, the key stays in flight
+            // until its lease ends.
+            shared.observe(Outcome::NotStored);
+            return Ok(Response::from_parts(parts, ResponseBody::new(body)));
+        }
         Ok(match buffer(body, config.max_response_body).await {
             Buffer::Broken(read, e) => {
                 // The body broke off: nothing complete to store. The client sees the same
                 // break it would have seen without the layer.
-                release(&shared.idem, lease, "the response body failed").await;
+                if keep_in_flight.is_none() {
+                    release(&shared.idem, lease, "the response body failed").await;
+                }
                 shared.observe(Outcome::NotStored);
                 Response::from_parts(parts, ResponseBody::new(Broken::new(read, e)))
             }

@@ -508,6 +508,7 @@ async fn a_request_without_a_principal_is_refused_with_401_unless_the_route_shar
         anonymous.problem_type(),
         "urn:idem:problem:principal-missing"
     );
+    assert_eq!(anonymous.header("www-authenticate"), Some("Bearer"));
     assert_eq!(runs.get(), 0, "the handler ran for an anonymous caller");
     assert_eq!(outcomes.count(Outcome::Rejected), 1);
     let named = server.post("/pay", &as_alice, "{}").await;
@@ -587,5 +588,121 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
             httpdate::parse_http_date(reply.header("idempotency-expires").unwrap()).unwrap();
         let left = expires.duration_since(SystemTime::now()).unwrap();
         assert!(left > Duration::from_secs(23 * 3600) && left <= Duration::from_secs(24 * 3600));
+    }
+}
+
+#[tokio::test]
+async fn a_key_in_structured_field_string_form_is_the_same_key_as_the_plain_token() {
+    let PayServer { server, runs, .. } =
+        serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
+    let auth = ("authorization", "Bearer alice");
+    let plain = server
+        .post("/pay", &[("idempotency-key", "order-7"), JSON, auth], "{}")
+        .await;
+    assert_eq!(plain.status, StatusCode::CREATED);
+    let quoted = server
+        .post(
+            "/pay",
+            &[("idempotency-key", "\"order-7\""), JSON, auth],
+            "{}",
+        )
+        .await;
+    assert!(quoted.replayed(), "the quoted form is another key");
+    quoted.assert_replay_of(&plain);
+    // And the other way round: a key first sent quoted is replayed to its plain form.
+    let first = server
+        .post(
+            "/pay",
+            &[("idempotency-key", "\"order-8\""), JSON, auth],
+            "{}",
+        )
+        .await;
+    let second = server
+        .post("/pay", &[("idempotency-key", "order-8"), JSON, auth], "{}")
+        .await;
+    second.assert_replay_of(&first);
+    assert_eq!(runs.get(), 2);
+}
+
+/// `POST /unknown`: answers 504 marked [`idem_http::KeepInFlight::Always`], or, with body
+/// `broken`, a 200 whose body breaks off, marked [`idem_http::KeepInFlight::IfBodyBreaks`].
+fn unknown_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
+    let runs = runs.clone();
+    Router::new()
+        .route(
+            "/unknown",
+            post(move |body: String| {
+                let runs = runs.clone();
+                async move {
+                    runs.next();
+                    if body == "broken" {
+                        let frames = futures_util::stream::iter([
+                            Ok::<_, std::io::Error>(Frame::data(Bytes::from("part"))),
+                            Err(std::io::Error::other("upstream reset")),
+                        ]);
+                        let mut response = axum::response::Response::new(axum::body::Body::new(
+                            StreamBody::new(frames),
+                        ));
+                        response
+                            .extensions_mut()
+                            .insert(idem_http::KeepInFlight::IfBodyBreaks);
+                        return response;
+                    }
+                    let mut response =
+                        axum::response::Response::new(axum::body::Body::from("lost"));
+                    *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+                    response
+                        .extensions_mut()
+                        .insert(idem_http::KeepInFlight::Always);
+                    response
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+#[tokio::test]
+async fn a_response_marked_keep_in_flight_leaves_the_key_held_until_its_lease_ends() {
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let idem = Idem::new(MemoryStore::new())
+        .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
+    let server = serve(unknown_app(
+        &runs,
+        layer_with(idem, Config::default(), &outcomes),
+    ))
+    .await;
+    for body in ["lost", "broken"] {
+        let key = format!("unknown-{body}");
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("authorization", "Bearer alice"),
+        ];
+        let send = || async {
+            if body == "lost" {
+                let reply = server.post("/unknown", &headers, body).await;
+                assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT);
+                return;
+            }
+            // The body breaks off: the client sees the break (the head and the cut may reach
+            // it together, or the head not at all).
+            let mut req = http::Request::post(format!("{}/unknown", server.base));
+            for (n, v) in headers {
+                req = req.header(n, v);
+            }
+            let req = req.body(Full::new(Bytes::from(body)).boxed()).unwrap();
+            if let Ok(response) = server.client.request(req).await {
+                assert!(response.into_body().collect().await.is_err());
+            }
+        };
+        send().await;
+        // Neither stored nor released: retries get 409 while the lease lasts.
+        let retry = server.post("/unknown", &headers, body).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(runs.get(), if body == "lost" { 1 } else { 3 });
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        // After the lease, a retry takes the key over and runs again.
+        send().await;
+        assert_eq!(runs.get(), if body == "lost" { 2 } else { 4 });
     }
 }
