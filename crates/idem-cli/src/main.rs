@@ -19,6 +19,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 mod ledger;
 mod ops;
+mod proxy;
 mod serve;
 mod store;
 
@@ -79,6 +80,8 @@ fn init_logs(format: &str, default: &str) {
 enum Command {
     /// Run the demo payments API behind the idempotency middleware.
     Serve(ServeArgs),
+    /// Run the idempotency gateway in front of any HTTP service.
+    Proxy(Box<proxy::ProxyArgs>),
     /// Show one record: state, lease holder and time left, attempts, expiry, stored response.
     Inspect(RecordArgs),
     /// Delete one record whatever its state, so that the key runs again. On a tiered store:
@@ -336,7 +339,7 @@ fn main() -> ExitCode {
     };
     let default_level = match cli.command {
         // sqlx reports every statement at info: its warnings are enough.
-        Command::Serve(_) => "info,sqlx=warn",
+        Command::Serve(_) | Command::Proxy(_) => "info,sqlx=warn",
         _ => "warn",
     };
     // With --json, stderr holds JSON lines only: the logs as well as an error.
@@ -419,6 +422,7 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             serve::run(listener, backend, &options, shutdown_signal()).await?;
             Ok(Done::ok("idem demo: stopped\n".into()))
         }
+        Command::Proxy(args) => proxy::run(*args).await,
         Command::Inspect(args) => {
             let (opened, id) = open_for_record(&args).await?;
             ops::inspect(opened.store().as_ref(), &id, json)

@@ -1,0 +1,597 @@
+//! The routes file (`idem proxy --config FILE`): TOML, every field checked, and an error
+//! that names the file, the line, the field and what is expected.
+//!
+//! ```toml
+//! [upstream]
+//! url = "http://127.0.0.1:3000"
+//! timeout_secs = 30
+//! host = "keep"                  # or "upstream"
+//!
+//! [defaults]                     # for every route; flags override these
+//! lease_secs = 30
+//!
+//! [[route]]
+//! path = "/payments"
+//! methods = ["POST"]
+//! scope_header = "X-Api-Key"
+//! fingerprint_headers = ["X-Currency"]
+//! ignore_json = ["/sent_at"]
+//! store_status = ["2xx", "4xx"]
+//! ```
+
+use std::path::Path;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use idem_core::JsonSelection;
+use idem_http::{Anonymous, MissingKey};
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+
+use crate::forward::{HostHeader, UpstreamConfig};
+use crate::route::Route;
+use crate::ProxyError;
+
+/// The whole file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyFile {
+    /// `[upstream]`: where requests go.
+    #[serde(default)]
+    pub upstream: UpstreamSpec,
+    /// `[defaults]`: settings for every route, under the route's own.
+    #[serde(default)]
+    pub defaults: RouteSpec,
+    /// `[[route]]`: the guarded routes, first match wins. None: one route, `/`.
+    #[serde(default, rename = "route")]
+    pub routes: Vec<RouteSpec>,
+}
+
+/// `[upstream]`; every field optional (the flags give them too).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamSpec {
+    /// `url`: `http://` or `https://`, host, port, optional path prefix.
+    pub url: Option<String>,
+    /// `timeout_secs`: how long the upstream has to answer (default 30).
+    pub timeout_secs: Option<Secs>,
+    /// `ca_file`: a PEM file of extra certificate authorities.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// `host`: `"keep"` (the client's `Host`, the default) or `"upstream"`.
+    pub host: Option<HostSpec>,
+}
+
+/// `host = "keep" | "upstream"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostSpec {
+    /// The client's `Host`.
+    Keep,
+    /// The upstream's host and port.
+    Upstream,
+}
+
+/// A route's settings (`[[route]]`, or `[defaults]`); an absent field takes the value of
+/// `[defaults]`, then of the flags, then the built-in default written beside it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSpec {
+    /// `path`: the path prefix, by whole segments (default `/`).
+    pub path: Option<PathPrefix>,
+    /// `methods`: the guarded methods (default `["POST", "PATCH"]`).
+    pub methods: Option<Vec<MethodName>>,
+    /// `key_header` (default `Idempotency-Key`).
+    pub key_header: Option<Header>,
+    /// `missing_key`: `"reject"` (400, the default) or `"pass"` (sent on unguarded).
+    pub missing_key: Option<MissingKeySpec>,
+    /// `scope_header`: the header whose hashed value scopes the keys (default
+    /// `Authorization`).
+    pub scope_header: Option<Header>,
+    /// `anonymous`: `"refuse"` (401, the default) or `"shared"` (one scope for every
+    /// caller without the scope header).
+    pub anonymous: Option<AnonymousSpec>,
+    /// `fingerprint_headers`: request headers that take part in the fingerprint (default
+    /// none).
+    pub fingerprint_headers: Option<Vec<Header>>,
+    /// `ignore_json`: JSON pointers left out of the fingerprint (default none).
+    pub ignore_json: Option<Vec<JsonPointer>>,
+    /// `lease_secs` (default 30).
+    pub lease_secs: Option<Secs>,
+    /// `retention_secs` (default 86400).
+    pub retention_secs: Option<Secs>,
+    /// `wait_ms`: wait this long for an in-flight request's response instead of 409
+    /// (default: answer 409 at once).
+    pub wait_ms: Option<u64>,
+    /// `max_request_body` in bytes (default 1 MiB).
+    pub max_request_body: Option<usize>,
+    /// `max_response_body` in bytes (default 1 MiB).
+    pub max_response_body: Option<usize>,
+    /// `store_status`: statuses stored, as classes (`"2xx"`) or codes (`"303"`); default:
+    /// 2xx and the final 4xx (not 401, 403, 408, 409, 423, 425, 429).
+    pub store_status: Option<Vec<StatusSpec>>,
+    /// `release_unknown`: release the key when the outcome is unknown (default `false`).
+    pub release_unknown: Option<bool>,
+}
+
+/// `missing_key = "reject" | "pass"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MissingKeySpec {
+    /// 400.
+    Reject,
+    /// Sent on unguarded.
+    Pass,
+}
+
+/// `anonymous = "refuse" | "shared"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AnonymousSpec {
+    /// 401.
+    Refuse,
+    /// One shared scope.
+    Shared,
+}
+
+/// Builds a newtype read from a TOML string with `$parse`, whose error says what is
+/// expected.
+macro_rules! parsed_string {
+    ($(#[$doc:meta])* $name:ident($inner:ty), $parse:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct $name(pub $inner);
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let text = String::deserialize(d)?;
+                let parse: fn(&str) -> Result<$inner, String> = $parse;
+                parse(&text).map($name).map_err(de::Error::custom)
+            }
+        }
+    };
+}
+
+parsed_string!(
+    /// An HTTP method in capitals.
+    MethodName(Method),
+    |text| {
+        if !text.is_empty() && text.bytes().all(|b| b.is_ascii_uppercase()) {
+            Method::from_bytes(text.as_bytes()).map_err(|e| e.to_string())
+        } else {
+            Err(format!("expected an HTTP method in capitals such as \"POST\", not {text:?}"))
+        }
+    }
+);
+
+parsed_string!(
+    /// A header name.
+    Header(HeaderName),
+    |text| HeaderName::from_bytes(text.as_bytes())
+        .map_err(|_| format!("expected a header name such as \"X-Api-Key\", not {text:?}"))
+);
+
+parsed_string!(
+    /// A path prefix, starting with `/`.
+    PathPrefix(String),
+    |text| if text.starts_with('/') && !text.contains(['?', '#']) {
+        Ok(text.to_owned())
+    } else {
+        Err(format!("expected a path starting with / (no query), such as \"/payments\", not {text:?}"))
+    }
+);
+
+parsed_string!(
+    /// A JSON pointer (RFC 6901): empty, or starting with `/`.
+    JsonPointer(String),
+    |text| if text.is_empty() || text.starts_with('/') {
+        Ok(text.to_owned())
+    } else {
+        Err(format!("expected a JSON pointer such as \"/sent_at\", not {text:?}"))
+    }
+);
+
+parsed_string!(
+    /// A status class (`"2xx"`) or code (`"303"`).
+    StatusSpec(StatusRange),
+    |text| {
+        let expected = || format!("expected a status class such as \"2xx\" or a code such as \"303\", not {text:?}");
+        match text.as_bytes() {
+            [class @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => Ok(StatusRange::Class(class - b'0')),
+            _ => text
+                .parse::<u16>()
+                .ok()
+                .and_then(|code| StatusCode::from_u16(code).ok())
+                .filter(|code| (100..600).contains(&code.as_u16()))
+                .map(StatusRange::Code)
+                .ok_or_else(expected),
+        }
+    }
+);
+
+/// Statuses named in `store_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusRange {
+    /// Every status of a class: 2 for 2xx.
+    Class(u8),
+    /// One status.
+    Code(StatusCode),
+}
+
+impl StatusRange {
+    fn contains(self, status: StatusCode) -> bool {
+        match self {
+            Self::Class(class) => status.as_u16() / 100 == u16::from(class),
+            Self::Code(code) => code == status,
+        }
+    }
+}
+
+/// A number of seconds above zero, fractions allowed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Secs(pub Duration);
+
+impl<'de> Deserialize<'de> for Secs {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Number {
+            Int(u64),
+            Float(f64),
+        }
+        let expected = "expected a number of seconds above zero, such as 30 or 0.5";
+        let secs = match Number::deserialize(d).map_err(|_| de::Error::custom(expected))? {
+            Number::Int(n) => n as f64,
+            Number::Float(f) => f,
+        };
+        Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .map(Secs)
+            .ok_or_else(|| de::Error::custom(expected))
+    }
+}
+
+impl ProxyFile {
+    /// Reads and checks `path`.
+    ///
+    /// # Errors
+    ///
+    /// [`ProxyError::Config`] naming the file, the line, the field and what is expected.
+    pub fn read(path: &Path) -> Result<Self, ProxyError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ProxyError::Config(format!(
+                "cannot read the config file {}: {e}",
+                path.display()
+            ))
+        })?;
+        Self::parse(&path.display().to_string(), &text)
+    }
+
+    /// Checks the text of a file named `name`.
+    ///
+    /// # Errors
+    ///
+    /// As [`ProxyFile::read`].
+    pub fn parse(name: &str, text: &str) -> Result<Self, ProxyError> {
+        toml::from_str(text).map_err(|e: toml::de::Error| {
+            let message = e.message().trim_end();
+            let Some(span) = e.span() else {
+                return ProxyError::Config(format!("{name}: {message}"));
+            };
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+            let column = before[line_start..].chars().count() + 1;
+            // The field: the key this line assigns, when the error is in its value.
+            let line_text = text[line_start..].lines().next().unwrap_or("");
+            let field = line_text
+                .split_once('=')
+                .map(|(key, _)| key.trim())
+                .filter(|key| !key.is_empty() && span.start > line_start + key.len());
+            match field {
+                Some(field) => ProxyError::Config(format!(
+                    "{name}, line {line}, column {column}, field `{field}`: {message}"
+                )),
+                None => {
+                    ProxyError::Config(format!("{name}, line {line}, column {column}: {message}"))
+                }
+            }
+        })
+    }
+}
+
+/// Everything a proxy runs with: the upstream and its routes.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Settings {
+    /// Where requests go.
+    pub upstream: UpstreamConfig,
+    /// The guarded routes, first match wins.
+    pub routes: Vec<Route>,
+}
+
+impl Settings {
+    /// The settings of `file` with `flags` over its `[defaults]` (and its `[upstream]`),
+    /// under each route's own fields. `flags.path` and `flags.methods` name the single
+    /// route used when the file has none.
+    ///
+    /// # Errors
+    ///
+    /// [`ProxyError::Config`] when no upstream URL is given, or it is not one.
+    pub fn resolve(
+        file: &ProxyFile,
+        flags: &RouteSpec,
+        upstream: &UpstreamSpec,
+    ) -> Result<Self, ProxyError> {
+        let url = upstream
+            .url
+            .as_ref()
+            .or(file.upstream.url.as_ref())
+            .ok_or_else(|| {
+                ProxyError::Config(
+                    "no upstream: give --upstream URL (or `url` under [upstream] in --config)"
+                        .into(),
+                )
+            })?;
+        let mut up = UpstreamConfig::new(url)?;
+        if let Some(Secs(t)) = upstream.timeout_secs.or(file.upstream.timeout_secs) {
+            up.timeout = t;
+        }
+        up.ca_file = upstream
+            .ca_file
+            .clone()
+            .or_else(|| file.upstream.ca_file.clone());
+        if let Some(host) = upstream.host.or(file.upstream.host) {
+            up.host = match host {
+                HostSpec::Keep => HostHeader::Keep,
+                HostSpec::Upstream => HostHeader::Upstream,
+            };
+        }
+        let base = flags.over(&file.defaults);
+        let routes = if file.routes.is_empty() {
+            vec![base.to_route()]
+        } else {
+            file.routes
+                .iter()
+                .map(|r| r.over(&base).to_route())
+                .collect()
+        };
+        Ok(Self {
+            upstream: up,
+            routes,
+        })
+    }
+}
+
+impl RouteSpec {
+    /// These settings, with `under`'s where these have none.
+    pub fn over(&self, under: &RouteSpec) -> RouteSpec {
+        macro_rules! pick {
+            ($($field:ident),*) => { RouteSpec { $($field: self.$field.clone().or_else(|| under.$field.clone())),* } };
+        }
+        pick!(
+            path,
+            methods,
+            key_header,
+            missing_key,
+            scope_header,
+            anonymous,
+            fingerprint_headers,
+            ignore_json,
+            lease_secs,
+            retention_secs,
+            wait_ms,
+            max_request_body,
+            max_response_body,
+            store_status,
+            release_unknown
+        )
+    }
+
+    /// The route these settings describe; an absent field takes its built-in default.
+    pub fn to_route(&self) -> Route {
+        let mut route = Route::default();
+        if let Some(PathPrefix(path)) = &self.path {
+            route.path.clone_from(path);
+        }
+        let mut http = route.http;
+        if let Some(methods) = &self.methods {
+            http = http.with_methods(methods.iter().map(|m| m.0.clone()));
+        }
+        if let Some(Header(name)) = &self.key_header {
+            http = http.with_header(name.clone());
+        }
+        if let Some(missing) = self.missing_key {
+            http = http.with_missing_key(match missing {
+                MissingKeySpec::Reject => MissingKey::Reject,
+                MissingKeySpec::Pass => MissingKey::PassThrough,
+            });
+        }
+        if let Some(Header(name)) = &self.scope_header {
+            route.scope_header = name.clone();
+        }
+        if let Some(anonymous) = self.anonymous {
+            http = http.with_anonymous(match anonymous {
+                AnonymousSpec::Refuse => Anonymous::Refuse,
+                AnonymousSpec::Shared => Anonymous::Shared,
+            });
+        }
+        // The 401's challenge names the scope header's scheme when it is `Authorization`.
+        if route.scope_header != http::header::AUTHORIZATION {
+            if let Ok(value) =
+                http::HeaderValue::from_str(&format!("ApiKey header=\"{}\"", route.scope_header))
+            {
+                http = http.with_challenge(value);
+            }
+        }
+        if let Some(headers) = &self.fingerprint_headers {
+            http = http.with_fingerprint_headers(headers.iter().map(|h| h.0.clone()));
+        }
+        if let Some(pointers) = &self.ignore_json {
+            http = http.with_json_selection(JsonSelection::Except(
+                pointers.iter().map(|p| p.0.clone()).collect(),
+            ));
+        }
+        if let Some(limit) = self.max_request_body {
+            http = http.with_max_request_body(limit);
+        }
+        if let Some(limit) = self.max_response_body {
+            http = http.with_max_response_body(limit);
+        }
+        if let Some(statuses) = &self.store_status {
+            let ranges: Vec<StatusRange> = statuses.iter().map(|s| s.0).collect();
+            http = http.with_store_status(move |status| ranges.iter().any(|r| r.contains(status)));
+        }
+        route.http = http;
+        if let Some(Secs(lease)) = self.lease_secs {
+            route.engine = route.engine.with_lease(lease);
+        }
+        if let Some(Secs(retention)) = self.retention_secs {
+            route.engine = route.engine.with_retention(retention);
+        }
+        if let Some(ms) = self.wait_ms {
+            route.engine.wait = Some(Duration::from_millis(ms));
+        }
+        if let Some(release) = self.release_unknown {
+            route.release_unknown = release;
+        }
+        route
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+[upstream]
+url = "http://127.0.0.1:3000"
+timeout_secs = 2.5
+host = "upstream"
+
+[defaults]
+lease_secs = 10
+
+[[route]]
+path = "/payments"
+methods = ["POST"]
+scope_header = "X-Api-Key"
+fingerprint_headers = ["X-Currency"]
+ignore_json = ["/sent_at"]
+store_status = ["2xx", "404"]
+
+[[route]]
+path = "/orders"
+lease_secs = 60
+missing_key = "pass"
+anonymous = "shared"
+"#;
+
+    #[test]
+    fn the_example_file_resolves_to_its_routes() {
+        let file = ProxyFile::parse("proxy.toml", EXAMPLE).unwrap();
+        let settings =
+            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        assert_eq!(settings.upstream.timeout, Duration::from_millis(2500));
+        assert_eq!(settings.upstream.host, HostHeader::Upstream);
+        let [payments, orders] = &settings.routes[..] else {
+            panic!("two routes expected: {:?}", settings.routes);
+        };
+        assert_eq!(payments.path, "/payments");
+        assert_eq!(payments.http.methods, [Method::POST]);
+        assert_eq!(payments.scope_header, "x-api-key");
+        assert_eq!(payments.engine.lease, Duration::from_secs(10));
+        assert!((payments.http.store_status)(StatusCode::NOT_FOUND));
+        assert!(!(payments.http.store_status)(StatusCode::BAD_REQUEST));
+        assert_eq!(orders.engine.lease, Duration::from_secs(60));
+        assert_eq!(orders.http.missing_key, MissingKey::PassThrough);
+        assert_eq!(orders.http.anonymous, Anonymous::Shared);
+        assert_eq!(orders.http.methods, [Method::POST, Method::PATCH]);
+    }
+
+    #[test]
+    fn flags_override_the_files_defaults_and_routes_override_flags() {
+        let file = ProxyFile::parse("proxy.toml", EXAMPLE).unwrap();
+        let flags = RouteSpec {
+            lease_secs: Some(Secs(Duration::from_secs(5))),
+            ..RouteSpec::default()
+        };
+        let upstream = UpstreamSpec {
+            url: Some("http://127.0.0.1:4000".into()),
+            ..UpstreamSpec::default()
+        };
+        let settings = Settings::resolve(&file, &flags, &upstream).unwrap();
+        assert_eq!(settings.upstream.url, "http://127.0.0.1:4000/");
+        assert_eq!(settings.routes[0].engine.lease, Duration::from_secs(5));
+        assert_eq!(settings.routes[1].engine.lease, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_bad_file_names_the_line_the_field_and_what_is_expected() {
+        let cases = [
+            (
+                "[[route]]\npath = \"/p\"\nmethods = [\"post\"]\n",
+                "line 3",
+                "methods",
+                "capitals",
+            ),
+            (
+                "[[route]]\npaht = \"/p\"\n",
+                "line 2",
+                "paht",
+                "unknown field",
+            ),
+            (
+                "[upstream]\ntimeout_secs = 0\n",
+                "line 2",
+                "timeout_secs",
+                "above zero",
+            ),
+            (
+                "[[route]]\npath = \"payments\"\n",
+                "line 2",
+                "path",
+                "starting with /",
+            ),
+            (
+                "[[route]]\nstore_status = [\"6xx\"]\n",
+                "line 2",
+                "store_status",
+                "2xx",
+            ),
+            (
+                "[[route]]\nscope_header = \"X Api\"\n",
+                "line 2",
+                "scope_header",
+                "header name",
+            ),
+            (
+                "[[route]]\nmissing_key = \"maybe\"\n",
+                "line 2",
+                "missing_key",
+                "reject",
+            ),
+        ];
+        for (text, line, field, expected) in cases {
+            let e = ProxyFile::parse("proxy.toml", text)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("proxy.toml, "), "{e}");
+            assert!(e.contains(line), "{text}: {e}");
+            assert!(e.contains(field), "{text}: {e}");
+            assert!(e.contains(expected), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn no_upstream_is_an_error_naming_both_ways_to_give_one() {
+        let e = Settings::resolve(
+            &ProxyFile::default(),
+            &RouteSpec::default(),
+            &UpstreamSpec::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--upstream") && e.contains("[upstream]"), "{e}");
+    }
+}

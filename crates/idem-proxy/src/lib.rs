@@ -1,0 +1,65 @@
+//! # idem-proxy
+//!
+//! An idempotency gateway: a reverse proxy that puts idem's whole `Idempotency-Key`
+//! promise in front of any HTTP service, in any language, with no change to the service.
+//! It is the tower middleware of `idem-http` ([`idem_http::IdempotencyLayer`]) wrapped
+//! around a service that forwards to the upstream ([`Forward`]): the guarded path is the
+//! layer's, with nothing written twice. The `idem proxy` command runs it.
+//!
+//! - **Routes** ([`Route`]): which methods and paths are guarded (POST and PATCH on every
+//!   path by default), the key header, the scope (a request header, `Authorization` by
+//!   default, hashed), the fingerprint, limits, statuses stored. Other requests pass
+//!   through, untouched but for the hop-by-hop headers.
+//! - **Forwarding** (RFC 9110): hop-by-hop headers and those a `Connection` header names
+//!   are dropped; `Forwarded`, `X-Forwarded-For`, `-Proto` and `-Host` added; `Host` kept
+//!   or set to the upstream's ([`HostHeader`]). A guarded request carries its
+//!   `Idempotency-Key` and an `Idempotency-Attempt` header ([`ATTEMPT`]).
+//! - **Unknown outcomes are never guessed**: nothing sent (connection refused) is a 502
+//!   and the key is released; a connection lost or a timeout after the request was sent is
+//!   a 502 or 504 and the key stays in flight until its lease ends
+//!   ([`idem_http::KeepInFlight`]); an upstream 5xx is passed on and not stored.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use idem_core::MemoryStore;
+//! use idem_proxy::{serve, Proxy, Route, UpstreamConfig};
+//!
+//! let upstream = UpstreamConfig::new("http://127.0.0.1:3000")?;
+//! let proxy = Proxy::new(Arc::new(MemoryStore::new()), &upstream, vec![Route::default()])?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! serve(listener, proxy, std::future::pending(), std::time::Duration::from_secs(30)).await;
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+
+mod config;
+mod forward;
+mod route;
+mod server;
+
+pub use config::{
+    AnonymousSpec, Header, HostSpec, JsonPointer, MethodName, MissingKeySpec, PathPrefix,
+    ProxyFile, RouteSpec, Secs, Settings, StatusRange, StatusSpec, UpstreamSpec,
+};
+pub use forward::{Forward, HostHeader, Peer, ProxyBody, UpstreamConfig, ATTEMPT};
+pub use route::{header_scope, Proxy, Route};
+pub use server::{serve, serve_admin, Drained};
+
+/// Why a proxy could not be set up.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ProxyError {
+    /// A setting is wrong: the message names it and what is expected.
+    Config(String),
+}
+
+impl std::fmt::Display for ProxyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Config(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for ProxyError {}

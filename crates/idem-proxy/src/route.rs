@@ -1,0 +1,214 @@
+//! [`Route`]: which requests are guarded, and how; [`Proxy`]: the service that picks a
+//! route for each request and sends it on.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::AUTHORIZATION;
+use http::request::Parts;
+use http::{HeaderName, Method, Request, Response};
+use http_body::Body;
+use http_body_util::BodyExt;
+use idem_core::{BoxError, Idem, Scope, Store};
+use idem_http::{IdempotencyLayer, IdempotencyService};
+use tower::{Layer, ServiceExt};
+
+use crate::forward::{Forward, ProxyBody, UpstreamConfig};
+use crate::ProxyError;
+
+/// One guarded route: the requests whose path starts with [`Route::path`] and whose method
+/// is one of the layer's [`idem_http::Config::methods`] run under the idempotency layer with
+/// these settings. Every other request is passed through untouched (but for the
+/// hop-by-hop and `Forwarded` headers).
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct Route {
+    /// The path prefix, matched by whole segments: `/payments` matches `/payments` and
+    /// `/payments/7`, not `/paymentsx`. Default: `/`, every path.
+    pub path: String,
+    /// The layer's settings: methods guarded (default POST and PATCH), key header, missing
+    /// key, anonymous callers, fingerprint, body limits, statuses stored.
+    pub http: idem_http::Config,
+    /// The engine's settings: lease, retention, wait for an in-flight request.
+    pub engine: idem_core::Config,
+    /// The request header whose value scopes the keys, hashed (SHA-256) so that no
+    /// credential is ever stored. Default: `Authorization`.
+    pub scope_header: HeaderName,
+    /// Whether a request whose outcome is unknown (sent, and the upstream's answer lost)
+    /// releases its key rather than leaving it in flight until its lease ends. Default:
+    /// `false`.
+    pub release_unknown: bool,
+}
+
+impl Default for Route {
+    fn default() -> Self {
+        Self {
+            path: "/".to_owned(),
+            http: idem_http::Config::default(),
+            engine: idem_core::Config::default(),
+            scope_header: AUTHORIZATION,
+            release_unknown: false,
+        }
+    }
+}
+
+impl fmt::Debug for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Route")
+            .field("path", &self.path)
+            .field("http", &self.http)
+            .field("engine", &self.engine)
+            .field("scope_header", &self.scope_header)
+            .field("release_unknown", &self.release_unknown)
+            .finish()
+    }
+}
+
+impl Route {
+    /// Whether `path` is under this route's prefix, by whole segments.
+    pub fn matches(&self, path: &str) -> bool {
+        let prefix = self.path.trim_end_matches('/');
+        match path.strip_prefix(prefix) {
+            Some(rest) => rest.is_empty() || rest.starts_with('/') || prefix.is_empty(),
+            None => false,
+        }
+    }
+}
+
+/// The scope of a request from the value of `header`: `<header>:<SHA-256 hex>`, or `None`
+/// when the header is absent or empty.
+pub fn header_scope(header: &HeaderName, parts: &Parts) -> Option<Scope> {
+    let value = parts.headers.get(header)?.as_bytes();
+    if value.iter().all(u8::is_ascii_whitespace) {
+        return None;
+    }
+    let digest = idem_core::Fingerprint::of_bytes(value).to_hex();
+    Scope::new(format!("{header}:{digest}")).ok()
+}
+
+/// The reverse proxy as a service: each request goes to the first [`Route`] whose path and
+/// methods match it, through the idempotency layer, and on to the upstream; a request no
+/// route guards goes straight to the upstream.
+#[derive(Clone)]
+pub struct Proxy {
+    routes: Arc<[Guarded]>,
+    forward: Forward,
+}
+
+#[derive(Clone)]
+struct Guarded {
+    route: Route,
+    service: IdempotencyService<Forward>,
+}
+
+impl fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let routes: Vec<&Route> = self.routes.iter().map(|g| &g.route).collect();
+        f.debug_struct("Proxy")
+            .field("routes", &routes)
+            .field("forward", &self.forward)
+            .finish()
+    }
+}
+
+impl Proxy {
+    /// A proxy to `upstream` guarding `routes` (in order: the first that matches a request
+    /// takes it), with every key in `store`.
+    ///
+    /// # Errors
+    ///
+    /// [`ProxyError::Config`] when the upstream's TLS settings cannot be loaded.
+    pub fn new(
+        store: Arc<dyn Store>,
+        upstream: &UpstreamConfig,
+        routes: Vec<Route>,
+    ) -> Result<Self, ProxyError> {
+        let forward = Forward::new(upstream)?;
+        let routes = routes
+            .into_iter()
+            .map(|route| {
+                let idem = Idem::from_arc(store.clone()).with_config(route.engine.clone());
+                let header = route.scope_header.clone();
+                let layer = IdempotencyLayer::new(idem)
+                    .with_config(route.http.clone())
+                    .with_scope(move |parts: &Parts| header_scope(&header, parts));
+                let inner = forward.clone().with_release_unknown(route.release_unknown);
+                Guarded {
+                    service: layer.layer(inner),
+                    route,
+                }
+            })
+            .collect();
+        Ok(Self { routes, forward })
+    }
+
+    /// Answers one request: guarded by its route, or passed through.
+    pub async fn handle<B>(&self, req: Request<B>) -> Response<ProxyBody>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let guarded = self.routes.iter().find(|g| {
+            g.route.matches(req.uri().path()) && g.route.http.methods.contains(req.method())
+        });
+        let answered: Result<Response<ProxyBody>, Infallible> = match guarded {
+            Some(g) => g
+                .service
+                .clone()
+                .oneshot(req)
+                .await
+                .map(|response| response.map(BodyExt::boxed_unsync)),
+            None => self.forward.clone().oneshot(req).await,
+        };
+        match answered {
+            Ok(response) => response,
+            Err(never) => match never {},
+        }
+    }
+
+    /// Whether `method` on `path` would be guarded.
+    pub fn guards(&self, method: &Method, path: &str) -> bool {
+        self.routes
+            .iter()
+            .any(|g| g.route.matches(path) && g.route.http.methods.contains(method))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_match_by_whole_segments() {
+        let route = |path: &str| Route {
+            path: path.to_owned(),
+            ..Route::default()
+        };
+        assert!(route("/").matches("/anything/at/all"));
+        assert!(route("/payments").matches("/payments"));
+        assert!(route("/payments/").matches("/payments/7"));
+        assert!(route("/payments").matches("/payments/7"));
+        assert!(!route("/payments").matches("/paymentsx"));
+        assert!(!route("/payments").matches("/pay"));
+    }
+
+    #[test]
+    fn scopes_are_hashed_header_values() {
+        let parts = |auth: Option<&str>| {
+            let mut req = Request::builder().uri("/");
+            if let Some(auth) = auth {
+                req = req.header("authorization", auth);
+            }
+            req.body(()).unwrap().into_parts().0
+        };
+        let alice = header_scope(&AUTHORIZATION, &parts(Some("Bearer alice"))).unwrap();
+        assert!(alice.as_str().starts_with("authorization:"));
+        assert!(!alice.as_str().contains("alice"));
+        let bob = header_scope(&AUTHORIZATION, &parts(Some("Bearer bob"))).unwrap();
+        assert_ne!(alice, bob);
+        assert_eq!(header_scope(&AUTHORIZATION, &parts(None)), None);
+        assert_eq!(header_scope(&AUTHORIZATION, &parts(Some(" "))), None);
+    }
+}
