@@ -1,0 +1,750 @@
+//! `idem proxy` as a user runs it: real processes in front of a real upstream (a Python
+//! standard-library service, `tests/upstream.py`, that counts its side effects per key).
+//! The cases that do not depend on the store run on the memory store; the concurrency case
+//! through two proxies on one store runs on every shared store, in modules named after
+//! them (`redis`, `redis_cluster`, `postgres`, `tiered`); `scripts/test` provides the URLs.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::StatusCode;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idem");
+const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
+
+/// A child process, killed (SIGKILL) and reaped when dropped.
+struct Proc {
+    child: Option<Child>,
+    /// The URL or port it printed.
+    printed: String,
+}
+
+impl Proc {
+    /// Spawns `command` and waits for a line of its stdout holding `marker`.
+    fn spawn(mut command: Command, marker: &str) -> Proc {
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let marker = marker.to_owned();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Some(Ok(line)) = lines.next() {
+                if line.contains(&marker) {
+                    let _ = tx.send(line);
+                    break;
+                }
+            }
+            // Keep reading, so that the child never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let mut proc = Proc {
+            child: Some(child),
+            printed: String::new(),
+        };
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => proc.printed = line,
+            Err(_) => {
+                let mut child = proc.child.take().unwrap();
+                let _ = child.kill();
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "{command:?} did not start; stderr: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+        proc
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL, as a crash: no shutdown code runs.
+    fn kill_9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// SIGTERM, then its exit status (within 30 s).
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let mut child = self.child.take().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit 30 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The Python upstream on `port` (0: a free one); its base URL is `Upstream::url`.
+struct Upstream {
+    /// Held: the process is killed when the test ends.
+    _process: Proc,
+    url: String,
+}
+
+fn upstream_on(port: u16) -> Upstream {
+    let mut command = Command::new("python3");
+    command.arg(UPSTREAM_PY).arg(port.to_string());
+    let proc = Proc::spawn(command, "listening on");
+    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
+    Upstream {
+        _process: proc,
+        url: format!("http://127.0.0.1:{port}"),
+    }
+}
+
+fn upstream() -> Upstream {
+    upstream_on(0)
+}
+
+/// `idem proxy --upstream <upstream> --store <store> <extra>` on a free port; its base URL
+/// is `Proc::printed`.
+fn proxy(upstream: &str, store: &str, extra: &[&str]) -> Proc {
+    let mut command = Command::new(BIN);
+    command
+        .args([
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--store",
+            store,
+        ])
+        .args(["--migrate"])
+        .args(extra)
+        .env_remove("IDEM_STORE");
+    let mut proc = Proc::spawn(command, "listening on http://");
+    let url = proc
+        .printed
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap()
+        .trim_end_matches(',')
+        .to_owned();
+    proc.printed = url;
+    proc
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Reply {
+    status: StatusCode,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {self:?}"))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+    fn problem_type(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        self.json()["type"].as_str().unwrap().to_owned()
+    }
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn call(
+    client: &HttpClient,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut req = hyper::Request::builder().method(method).uri(url);
+    for (n, v) in headers {
+        req = req.header(*n, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+    let response = client.request(req).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// `POST <proxy>/charge` as alice with `key`, the upstream taking `delay_ms`.
+async fn charge(client: &HttpClient, proxy: &str, key: &str, delay_ms: u64) -> Reply {
+    let delay = delay_ms.to_string();
+    let headers = [
+        ("authorization", "Bearer alice"),
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+        ("x-delay-ms", delay.as_str()),
+    ];
+    call(
+        client,
+        "POST",
+        &format!("{proxy}/charge"),
+        &headers,
+        r#"{"amount": 1250}"#,
+    )
+    .await
+}
+
+/// How many times `key` ran upstream, and the `Idempotency-Attempt` of each run.
+async fn runs(client: &HttpClient, upstream: &Upstream, key: &str) -> (u64, Vec<String>) {
+    let doc = call(
+        client,
+        "GET",
+        &format!("{}/count?key={key}", upstream.url),
+        &[],
+        "",
+    )
+    .await
+    .json();
+    let attempts = doc["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap_or("").to_owned())
+        .collect();
+    (doc["runs"].as_u64().unwrap(), attempts)
+}
+
+/// 50 concurrent duplicates, half through each proxy: one upstream execution, every other
+/// answer a byte-identical replay or a 409; then every retry a byte-identical replay.
+async fn concurrent_duplicates_run_once(upstream: &Upstream, proxies: [&str; 2]) {
+    let client = client();
+    let key = format!("race-{}", uuid::Uuid::new_v4().simple());
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let client = client.clone();
+        let proxy = proxies[i % 2].to_owned();
+        let key = key.clone();
+        tasks.push(tokio::spawn(async move {
+            charge(&client, &proxy, &key, 400).await
+        }));
+    }
+    let mut replies = Vec::new();
+    for task in tasks {
+        replies.push(task.await.unwrap());
+    }
+    let created: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED)
+        .collect();
+    assert!(!created.is_empty(), "{replies:?}");
+    for reply in &replies {
+        assert!(
+            reply.status == StatusCode::CREATED || reply.status == StatusCode::CONFLICT,
+            "{reply:?}"
+        );
+    }
+    assert_eq!(
+        runs(&client, upstream, &key).await,
+        (1, vec!["1".to_owned()])
+    );
+    let first = created
+        .iter()
+        .find(|r| !r.replayed())
+        .expect("the executed answer");
+    // Every retry, through either proxy, is the first answer byte for byte.
+    for proxy in proxies {
+        let retry = charge(&client, proxy, &key, 0).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!((retry.status, &retry.body), (first.status, &first.body));
+        for name in ["content-type", "location"] {
+            assert_eq!(retry.header(name), first.header(name), "{name}");
+        }
+        // Not in the replay allowlist: sent with the first response only.
+        assert_eq!(retry.header("x-charge-serial"), None);
+    }
+    for replay in created.iter().filter(|r| r.replayed()) {
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(runs(&client, upstream, &key).await.0, 1);
+}
+
+mod memory {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_duplicates_run_once_and_replay_byte_for_byte() {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", &[]);
+        concurrent_duplicates_run_once(&up, [&p.printed, &p.printed]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_disconnects_gets_the_stored_response_on_retry() {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", &[]);
+        let client = client();
+        // The client gives up after 300 ms; the upstream takes 1 s.
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(300),
+            charge(&client, &p.printed, "gone-1", 1000),
+        )
+        .await;
+        assert!(gave_up.is_err());
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let retry = charge(&client, &p.printed, "gone-1", 0).await;
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(runs(&client, &up, "gone-1").await.0, 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upstream_refusing_connections_is_a_502_and_the_key_is_released() {
+        let port = idem_testkit::harness::free_port();
+        let url = format!("http://127.0.0.1:{port}");
+        let p = proxy(&url, "memory", &[]);
+        let client = client();
+        let refused = charge(&client, &p.printed, "refused-1", 0).await;
+        assert_eq!(refused.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            refused.problem_type(),
+            "urn:idem:problem:upstream-unreachable"
+        );
+        // The upstream comes back: the retry runs, once.
+        let up = upstream_on(port);
+        let retry = charge(&client, &p.printed, "refused-1", 0).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(!retry.replayed());
+        assert_eq!(
+            runs(&client, &up, "refused-1").await,
+            (1, vec!["1".to_owned()])
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upstream_timing_out_after_receiving_leaves_the_key_in_flight() {
+        let up = upstream();
+        let p = proxy(
+            &up.url,
+            "memory",
+            &["--upstream-timeout", "0.5", "--lease", "30"],
+        );
+        let client = client();
+        let headers = [
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "hang-1"),
+        ];
+        let url = format!("{}/hang", p.printed);
+        let first = call(&client, "POST", &url, &headers, "{}").await;
+        assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(first.problem_type(), "urn:idem:problem:upstream-timeout");
+        // The upstream may have acted: the key is neither stored nor released.
+        let retry = call(&client, "POST", &url, &headers, "{}").await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+        assert_eq!(runs(&client, &up, "hang-1").await.0, 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upstream_500_is_passed_on_and_not_stored() {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", &[]);
+        let client = client();
+        let headers = [
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "five-1"),
+        ];
+        let url = format!("{}/status/500", p.printed);
+        for n in 1..=2 {
+            let reply = call(&client, "POST", &url, &headers, "{}").await;
+            assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert!(!reply.replayed());
+            assert_eq!(runs(&client, &up, "five-1").await.0, n);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mismatches_and_missing_principals_never_reach_the_upstream() {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", &[]);
+        let client = client();
+        let first = charge(&client, &p.printed, "mm-1", 0).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let other_body = [
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "mm-1"),
+            ("content-type", "application/json"),
+        ];
+        let url = format!("{}/charge", p.printed);
+        let mismatch = call(&client, "POST", &url, &other_body, r#"{"amount": 9999}"#).await;
+        assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(
+            mismatch.problem_type(),
+            "urn:idem:problem:idempotency-key-reused"
+        );
+        let anonymous = call(&client, "POST", &url, &[("idempotency-key", "mm-2")], "{}").await;
+        assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            anonymous.problem_type(),
+            "urn:idem:problem:principal-missing"
+        );
+        assert!(anonymous.header("www-authenticate").is_some());
+        assert_eq!(runs(&client, &up, "mm-1").await.0, 1);
+        assert_eq!(runs(&client, &up, "mm-2").await.0, 0);
+        // Keys are scoped by the hashed Authorization: bob's mm-1 is his own.
+        let bob = [("authorization", "Bearer bob"), ("idempotency-key", "mm-1")];
+        let reply = call(&client, "POST", &url, &bob, r#"{"amount": 1250}"#).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        assert!(!reply.replayed());
+        assert_eq!(runs(&client, &up, "mm-1").await.0, 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pass_through_requests_are_forwarded_untouched() {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", &[]);
+        let client = client();
+        let url = format!("{}/echo/a%20b?x=1&y=%2F", p.printed);
+        let headers = [
+            ("x-custom", "kept"),
+            ("authorization", "Bearer alice"),
+            ("connection", "x-hop"),
+            ("x-hop", "dropped"),
+            ("x-forwarded-for", "10.1.2.3"),
+        ];
+        let reply = call(&client, "PUT", &url, &headers, "raw \u{1} body").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.header("x-upstream"), Some("python"));
+        assert!(!reply.replayed());
+        let doc = reply.json();
+        assert_eq!(doc["method"], "PUT");
+        assert_eq!(doc["target"], "/echo/a%20b?x=1&y=%2F");
+        assert_eq!(doc["body"], "raw \u{1} body");
+        let got: Vec<(String, String)> = doc["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| {
+                (
+                    h[0].as_str().unwrap().to_owned(),
+                    h[1].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        let get = |name: &str| got.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
+        assert_eq!(get("x-custom"), Some("kept"));
+        assert_eq!(get("authorization"), Some("Bearer alice"));
+        assert_eq!(
+            get("x-hop"),
+            None,
+            "a header named in Connection was forwarded"
+        );
+        assert_eq!(get("x-forwarded-for"), Some("10.1.2.3, 127.0.0.1"));
+        assert_eq!(get("x-forwarded-proto"), Some("http"));
+        let host = p.printed.trim_start_matches("http://");
+        assert_eq!(get("host"), Some(host), "the client's Host is kept");
+        assert_eq!(get("x-forwarded-host"), Some(host));
+        assert!(get("forwarded").unwrap().contains("for=127.0.0.1"));
+        assert_eq!(get("idempotency-attempt"), None);
+
+        // A streamed response arrives whole, chunk by chunk.
+        let stream = call(&client, "GET", &format!("{}/stream", p.printed), &[], "").await;
+        let parts: String = (0..5).map(|i| format!("part {i}\n")).collect();
+        assert_eq!(stream.body, parts.as_bytes());
+
+        // A guarded request carries its key and attempt upstream.
+        let guarded = charge(&client, &p.printed, "attempt-1", 0).await;
+        assert_eq!(guarded.json()["attempt"], "1");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sigterm_under_load_answers_every_request_in_flight() {
+        let up = upstream();
+        let mut p = proxy(&up.url, "memory", &["--shutdown-timeout", "10"]);
+        let client = client();
+        let mut tasks = Vec::new();
+        for i in 0..10 {
+            let client = client.clone();
+            let base = p.printed.clone();
+            tasks.push(tokio::spawn(async move {
+                charge(&client, &base, &format!("drain-{i}"), 1000).await
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let status = tokio::task::spawn_blocking(move || p.terminate())
+            .await
+            .unwrap();
+        for task in tasks {
+            let reply = task.await.unwrap();
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        }
+        assert!(status.success(), "{status:?}");
+    }
+}
+
+/// A unique Redis key prefix or PostgreSQL schema for one test.
+fn unique(prefix: &str) -> String {
+    idem_testkit::harness::unique_name(prefix)
+}
+
+/// Two proxies on `store` with `extra` flags, and the upstream they share.
+fn two_proxies(store: &str, extra: &[&str]) -> (Upstream, Proc, Proc) {
+    let up = upstream();
+    let a = proxy(&up.url, store, extra);
+    let b = proxy(&up.url, store, extra);
+    (up, a, b)
+}
+
+mod redis {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_duplicates_through_two_proxies_run_once() {
+        let Some(url) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        let prefix = unique("idem_proxy_");
+        let (up, a, b) = two_proxies(&url, &["--prefix", &prefix]);
+        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_proxy_leaves_its_key_to_the_lease_then_attempt_2_runs_once() {
+        let Some(url) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        let prefix = unique("idem_proxy_");
+        let (up, mut a, b) = two_proxies(&url, &["--prefix", &prefix, "--lease", "2"]);
+        let client = client();
+        let slow = {
+            let client = client.clone();
+            let base = a.printed.clone();
+            tokio::spawn(async move {
+                let url = format!("{base}/charge");
+                let headers = [
+                    ("authorization", "Bearer alice"),
+                    ("idempotency-key", "crash-1"),
+                    ("x-delay-ms", "3000"),
+                ];
+                let mut req = hyper::Request::post(url);
+                for (n, v) in headers {
+                    req = req.header(n, v);
+                }
+                client
+                    .request(req.body(Full::new(Bytes::from("{}"))).unwrap())
+                    .await
+                    .is_ok()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(runs(&client, &up, "crash-1").await.0, 1);
+        a.kill_9();
+        assert!(!slow.await.unwrap(), "the killed proxy answered");
+        let retry = || async {
+            let headers = [
+                ("authorization", "Bearer alice"),
+                ("idempotency-key", "crash-1"),
+            ];
+            call(
+                &client,
+                "POST",
+                &format!("{}/charge", b.printed),
+                &headers,
+                "{}",
+            )
+            .await
+        };
+        assert_eq!(retry().await.status, StatusCode::CONFLICT);
+        // 409 until the lease ends (2 s after its last renewal), then one run, attempt 2.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let taken_over = loop {
+            let reply = retry().await;
+            if reply.status != StatusCode::CONFLICT {
+                break reply;
+            }
+            assert!(Instant::now() < deadline, "still 409 after 10 s");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(taken_over.status, StatusCode::CREATED, "{taken_over:?}");
+        assert_eq!(taken_over.json()["attempt"], "2");
+        assert_eq!(
+            runs(&client, &up, "crash-1").await,
+            (2, vec!["1".to_owned(), "2".to_owned()])
+        );
+        assert!(retry().await.replayed());
+    }
+}
+
+mod redis_cluster {
+    use super::*;
+    use idem_testkit::redis::{self as testing, RedisCluster};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_duplicates_through_two_proxies_run_once() {
+        if !testing::available() {
+            return;
+        }
+        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+            .await
+            .unwrap()
+            .expect("start a 3-primary cluster");
+        let (up, a, b) = two_proxies(&cluster.url(), &[]);
+        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
+    }
+}
+
+mod postgres {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_duplicates_through_two_proxies_run_once() {
+        let Some(url) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        let schema = unique("idem_proxy_");
+        let (up, a, b) = two_proxies(&url, &["--schema", &schema]);
+        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
+    }
+}
+
+mod tiered {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_duplicates_through_two_proxies_run_once() {
+        let (Some(redis), Some(pg)) = (
+            idem_testkit::harness::redis_url(),
+            idem_testkit::harness::database_url(),
+        ) else {
+            return;
+        };
+        let name = unique("idem_proxy_");
+        let store = format!("tiered:{redis}|{pg}");
+        let (up, a, b) = two_proxies(&store, &["--schema", &name, "--prefix", &name]);
+        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
+    }
+}
+
+mod express {
+    //! The README's Express example (`examples/express`), installed with `npm ci` from its
+    //! committed lock file, behind `idem proxy`.
+
+    use super::*;
+
+    const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/express");
+
+    /// `npm ci` in the example, once; `false` (or a failure with
+    /// `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
+    fn install() -> bool {
+        let found = |tool: &str| {
+            Command::new(tool)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !idem_testkit::harness::present(
+            found("node") && found("npm"),
+            "Node.js 18+ with npm (`apt-get install nodejs npm`, or https://nodejs.org)",
+        ) {
+            return false;
+        }
+        let out = Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund", "--ignore-scripts"])
+            .current_dir(EXAMPLE)
+            .output()
+            .expect("run npm ci");
+        assert!(
+            out.status.success(),
+            "npm ci in examples/express failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        true
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_express_example_charges_once_behind_the_proxy() {
+        if !tokio::task::spawn_blocking(install).await.unwrap() {
+            return;
+        }
+        let mut node = Command::new("node");
+        node.arg("server.js").current_dir(EXAMPLE).env("PORT", "0");
+        let service = Proc::spawn(node, "listening on http://");
+        let url = service
+            .printed
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap()
+            .to_owned();
+        let p = proxy(&url, "memory", &[]);
+        let client = client();
+        let headers = [
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "order-1"),
+            ("content-type", "application/json"),
+            ("x-delay-ms", "300"),
+        ];
+        let pay = format!("{}/payments", p.printed);
+        let body = r#"{"amount": 1250, "currency": "EUR"}"#;
+        let mut tasks = Vec::new();
+        for _ in 0..10 {
+            let (client, pay) = (client.clone(), pay.clone());
+            tasks.push(tokio::spawn(async move {
+                call(&client, "POST", &pay, &headers, body).await
+            }));
+        }
+        for task in tasks {
+            let reply = task.await.unwrap();
+            assert!(
+                reply.status == StatusCode::CREATED || reply.status == StatusCode::CONFLICT,
+                "{reply:?}"
+            );
+        }
+        let first = call(&client, "POST", &pay, &headers, body).await;
+        assert!(first.replayed(), "{first:?}");
+        assert_eq!(first.json()["idempotencyKey"], "order-1");
+        assert_eq!(first.json()["attempt"], 1);
+        let listed = call(
+            &client,
+            "GET",
+            &pay,
+            &[("authorization", "Bearer alice")],
+            "",
+        )
+        .await;
+        assert_eq!(listed.json()["count"], 1, "{listed:?}");
+    }
+}

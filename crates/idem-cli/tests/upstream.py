@@ -1,0 +1,129 @@
+"""A Python standard-library upstream for the `idem proxy` tests: it counts its side effects.
+
+Prints `listening on PORT` once it accepts connections (port 0 picks a free one: pass it as
+the first argument).
+
+- `POST|PATCH /charge...`: one side effect, counted per `Idempotency-Key` with the
+  `Idempotency-Attempt` it came with, at once (before any delay); waits `X-Delay-Ms`, then
+  answers 201 with a JSON document holding a fresh number (so two executions never answer
+  alike).
+- `POST /status/NNN`: a counted side effect answered with status NNN.
+- `POST /hang`: a counted side effect that never answers (the proxy's timeout fires).
+- `GET /count?key=K`: how many times key K ran, and with which attempts, as JSON.
+- `* /echo...`: the request as JSON (method, target, headers, body in latin-1), for
+  pass-through checks.
+- `GET /stream`: a chunked response in five parts, 100 ms apart.
+"""
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+LOCK = threading.Lock()
+RUNS = {}  # key -> [attempt, ...]
+SERIAL = [0]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def body(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def reply(self, status, doc, headers=()):
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def side_effect(self):
+        key = self.headers.get("Idempotency-Key", "")
+        attempt = self.headers.get("Idempotency-Attempt", "")
+        with LOCK:
+            RUNS.setdefault(key, []).append(attempt)
+            SERIAL[0] += 1
+            return SERIAL[0]
+
+    def do_GET(self):
+        url = urlsplit(self.path)
+        if url.path == "/count":
+            key = parse_qs(url.query).get("key", [""])[0]
+            with LOCK:
+                attempts = list(RUNS.get(key, []))
+            return self.reply(200, {"runs": len(attempts), "attempts": attempts})
+        if url.path == "/stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(5):
+                chunk = f"part {i}\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                time.sleep(0.1)
+            self.wfile.write(b"0\r\n\r\n")
+            return None
+        return self.other()
+
+    def do_POST(self):
+        url = urlsplit(self.path)
+        body = self.body()
+        if url.path.startswith("/echo"):
+            return self.echo(body)
+        serial = self.side_effect()
+        if url.path.startswith("/status/"):
+            return self.reply(int(url.path.rsplit("/", 1)[1]), {"serial": serial})
+        if url.path == "/hang":
+            time.sleep(3600)
+            return None
+        delay = int(self.headers.get("X-Delay-Ms") or 0)
+        time.sleep(delay / 1000)
+        return self.reply(
+            201,
+            {"charge": serial, "attempt": self.headers.get("Idempotency-Attempt"),
+             "body": body.decode("latin-1")},
+            [("Location", f"/charges/{serial}"), ("X-Charge-Serial", str(serial))],
+        )
+
+    do_PATCH = do_POST
+
+    def other(self):
+        url = urlsplit(self.path)
+        if url.path.startswith("/echo"):
+            return self.echo(self.body())
+        return self.reply(404, {"error": "no such route"})
+
+    do_PUT = other
+    do_DELETE = other
+
+    def echo(self, body):
+        headers = [[name.lower(), value] for name, value in self.headers.items()]
+        self.reply(200, {
+            "method": self.command,
+            "target": self.path,
+            "headers": headers,
+            "body": body.decode("latin-1"),
+        }, [("X-Upstream", "python")])
+
+
+def main():
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    print(f"listening on {server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
