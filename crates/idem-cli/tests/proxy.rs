@@ -489,6 +489,73 @@ mod memory {
         assert_eq!(guarded.json()["attempt"], "1");
     }
 
+    #[test]
+    fn check_config_validates_without_starting_and_names_the_line_of_a_bad_field() {
+        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_proxy_cfg_"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.toml");
+        std::fs::write(
+            &good,
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\npath = \"/payments\"\nmethods = [\"POST\"]\nscope_header = \"X-Api-Key\"\n",
+        )
+        .unwrap();
+        let out = Command::new(BIN)
+            .args(["proxy", "--check-config", "--config"])
+            .arg(&good)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        assert!(
+            stdout.contains("config OK") && stdout.contains("route POST /payments"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("scope x-api-key"), "{stdout}");
+
+        let bad = dir.join("bad.toml");
+        std::fs::write(
+            &bad,
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\nlease_sec = 5\n",
+        )
+        .unwrap();
+        let out = Command::new(BIN)
+            .args(["proxy", "--check-config", "--config"])
+            .arg(&bad)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("bad.toml, line 5"), "{stderr}");
+        assert!(
+            stderr.contains("lease_sec") && stderr.contains("lease_secs"),
+            "{stderr}"
+        );
+
+        // No upstream anywhere.
+        let out = Command::new(BIN)
+            .args(["proxy", "--check-config"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--upstream"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn http2_clients_over_cleartext_are_guarded_alike() {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", &[]);
+        let h2: HttpClient = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+        let first = charge(&h2, &p.printed, "h2-1", 0).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let retry = charge(&client(), &p.printed, "h2-1", 0).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(runs(&client(), &up, "h2-1").await.0, 1);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sigterm_under_load_answers_every_request_in_flight() {
         let up = upstream();
@@ -604,6 +671,92 @@ mod redis {
             (2, vec!["1".to_owned(), "2".to_owned()])
         );
         assert!(retry().await.replayed());
+    }
+}
+
+mod admin {
+    use super::*;
+    use idem_testkit::redis::{self as testing, RedisServer};
+
+    /// `/readyz` says ready only while the store answers; `/livez` and `/metrics` answer
+    /// all along.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readyz_follows_the_store_and_metrics_count_the_upstream() {
+        if !testing::available() {
+            return;
+        }
+        let mut redis = tokio::task::spawn_blocking(RedisServer::start)
+            .await
+            .unwrap()
+            .expect("start redis-server");
+        let up = upstream();
+        let admin_port = idem_testkit::harness::free_port().to_string();
+        let admin_addr = format!("127.0.0.1:{admin_port}");
+        let p = proxy(&up.url, &redis.url(), &["--admin-listen", &admin_addr]);
+        let client = client();
+        let admin = |path: &str| format!("http://{admin_addr}{path}");
+        assert_eq!(
+            call(&client, "GET", &admin("/livez"), &[], "").await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            call(&client, "GET", &admin("/readyz"), &[], "")
+                .await
+                .status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            charge(&client, &p.printed, "adm-1", 0).await.status,
+            StatusCode::CREATED
+        );
+        let metrics = call(&client, "GET", &admin("/metrics"), &[], "").await;
+        let text = String::from_utf8_lossy(&metrics.body);
+        assert!(
+            text.contains("idem_proxy_upstream_duration_seconds"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idem_http_requests_total{outcome=\"executed\"} 1"),
+            "{text}"
+        );
+
+        let mut redis = tokio::task::spawn_blocking(move || {
+            redis.stop();
+            redis
+        })
+        .await
+        .unwrap();
+        let down = call(&client, "GET", &admin("/readyz"), &[], "").await;
+        assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE, "{down:?}");
+        assert_eq!(down.problem_type(), "urn:idem:problem:store-unavailable");
+        assert_eq!(
+            call(&client, "GET", &admin("/livez"), &[], "").await.status,
+            StatusCode::OK
+        );
+        // Fail closed: a guarded request is refused, and never reaches the upstream.
+        let refused = charge(&client, &p.printed, "adm-2", 0).await;
+        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(runs(&client, &up, "adm-2").await.0, 0);
+
+        // Held until the test ends: dropping it stops the server.
+        let _redis = tokio::task::spawn_blocking(move || {
+            redis.start_again().unwrap();
+            redis
+        })
+        .await
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ready = call(&client, "GET", &admin("/readyz"), &[], "").await;
+            if ready.status == StatusCode::OK {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not ready 10 s after the store returned: {ready:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
