@@ -128,6 +128,45 @@ struct StoreArg {
 }
 
 impl StoreArg {
+    /// Opens the store of a long-running command (`serve`, `proxy`): migrated first with
+    /// `migrate`, started while a tiered store's Redis is down, and on PostgreSQL and tiered
+    /// stores purged of expired records every `purge_every` (never when zero) for as long
+    /// as the returned handle lives.
+    async fn open_serving(
+        &self,
+        migrate: bool,
+        purge_every: Duration,
+    ) -> Result<
+        (
+            StoreUrl,
+            store::Opened,
+            Option<idemkit::postgres::PurgeHandle>,
+        ),
+        CliError,
+    > {
+        let url = store::parse(&self.store)?;
+        let schema_mode = if migrate {
+            store::SchemaMode::Migrate
+        } else {
+            store::SchemaMode::Require
+        };
+        let options = store::Options {
+            without_redis: true,
+            ..self.options(schema_mode)
+        };
+        let opened = store::open_with(&url, &options).await?;
+        // Expired records are deleted in the background; Redis expires its own, the memory
+        // store sweeps as it writes.
+        let purge =
+            match opened.pg() {
+                Some(pg) if !purge_every.is_zero() => Some(pg.spawn_purge(
+                    idemkit::postgres::PurgeConfig::default().with_interval(purge_every),
+                )),
+                _ => None,
+            };
+        Ok((url, opened, purge))
+    }
+
     fn options(&self, schema_mode: store::SchemaMode) -> store::Options {
         store::Options {
             prefix: self.prefix.clone(),
@@ -379,25 +418,10 @@ fn main() -> ExitCode {
 async fn run(command: Command, json: bool) -> Result<Done, CliError> {
     match command {
         Command::Serve(args) => {
-            let url = store::parse(&args.store.store)?;
-            let schema_mode = if args.migrate {
-                store::SchemaMode::Migrate
-            } else {
-                store::SchemaMode::Require
-            };
-            let options = store::Options {
-                without_redis: true,
-                ..args.store.options(schema_mode)
-            };
-            let opened = store::open_with(&url, &options).await?;
-            // Expired records are deleted in the background while the demo runs; Redis
-            // expires its own, the memory store sweeps as it writes.
-            let _purge = match opened.pg() {
-                Some(pg) if !args.purge_every.is_zero() => Some(pg.spawn_purge(
-                    idemkit::postgres::PurgeConfig::default().with_interval(args.purge_every),
-                )),
-                _ => None,
-            };
+            let (url, opened, _purge) = args
+                .store
+                .open_serving(args.migrate, args.purge_every)
+                .await?;
             let backend = ledger::Backend::open(&url, opened).await?;
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await

@@ -15,7 +15,7 @@ use idem_proxy::{
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
-use crate::{listen_error, parse_listen, parse_secs, store, CliError, Done, StoreArg};
+use crate::{listen_error, parse_listen, parse_secs, CliError, Done, StoreArg};
 
 /// `idem proxy`'s flags. Route settings given here are the defaults of every route of
 /// `--config`, over the file's `[defaults]` and under each route's own.
@@ -195,23 +195,10 @@ pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     if args.check_config {
         return Ok(Done::ok(format!("config OK\n{}", describe(&settings))));
     }
-    let url = store::parse(&args.store.store)?;
-    let schema_mode = if args.migrate {
-        store::SchemaMode::Migrate
-    } else {
-        store::SchemaMode::Require
-    };
-    let options = store::Options {
-        without_redis: true,
-        ..args.store.options(schema_mode)
-    };
-    let opened = store::open_with(&url, &options).await?;
-    let _purge = match opened.pg() {
-        Some(pg) if !args.purge_every.is_zero() => Some(pg.spawn_purge(
-            idemkit::postgres::PurgeConfig::default().with_interval(args.purge_every),
-        )),
-        _ => None,
-    };
+    let (url, opened, _purge) = args
+        .store
+        .open_serving(args.migrate, args.purge_every)
+        .await?;
     let store = opened.store();
     let proxy = Proxy::new(store.clone(), &settings.upstream, settings.routes.clone())
         .map_err(|e| CliError::Usage(e.to_string()))?;
