@@ -20,6 +20,9 @@
 //!   `--store` says);
 //! - `middleware`: requests/s of a trivial axum handler, bare and behind the idem-http layer
 //!   on the in-memory store, over loopback HTTP (whatever `--store` says);
+//! - `proxy`: `idem proxy` in this process in front of a minimal hyper upstream: direct,
+//!   pass-through, and guarded new keys and replays on the memory store and on `--store`,
+//!   at concurrency 1 and `--concurrency` (see `proxy.rs`);
 //! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
 //!   `klauthed-data` crates' Redis stores, in interleaved rounds (see `compare.rs`).
 //! - `wait`: how soon a waiter (`Config::wait`) answers after the holder's completion, with
@@ -47,6 +50,7 @@ mod footprint;
 mod middleware;
 mod pg_floor;
 mod phases;
+mod proxy;
 mod redis_floor;
 mod relay;
 mod report;
@@ -88,7 +92,8 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     race_callers: usize,
     /// Phases to run, comma-separated: lifecycle, replay, race, inflight, memory (the
-    /// in-memory store's footprint), middleware, relay (the tiered store's outbox relay:
+    /// in-memory store's footprint), middleware, proxy (`idem proxy` against a minimal
+    /// upstream, guarded on the memory store and on `--store`), relay (the tiered store's outbox relay:
     /// `--store tiered:...` only), wait, compare (alone, on a `redis://` store).
     #[arg(
         long,
@@ -136,7 +141,7 @@ struct Args {
     json: bool,
 }
 
-const PHASES: [&str; 9] = [
+const PHASES: [&str; 10] = [
     "compare",
     "memory",
     "lifecycle",
@@ -144,6 +149,7 @@ const PHASES: [&str; 9] = [
     "race",
     "inflight",
     "middleware",
+    "proxy",
     "relay",
     "wait",
 ];
@@ -557,6 +563,12 @@ async fn measure(
     }
     if wants("wait") {
         reports.extend(wait::run(&bench, args.wait_keys.max(1), c).await?);
+    }
+    if wants("proxy") {
+        let store = bench.store.clone();
+        let (http, measured) = proxy::run(store, &args.store, n, args.c1_keys, c).await?;
+        reports.extend(http);
+        figures.extend(measured);
     }
     if wants("middleware") {
         let http = middleware::run(n, c).await?;

@@ -26,7 +26,8 @@ use crate::report::PhaseReport;
 const BODY: &str =
     r#"{"customer":"cus_42","amount":1250,"currency":"EUR","lines":[{"sku":"sku-1","qty":2}]}"#;
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+/// The benchmark's pooled HTTP/1.1 client.
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Starts the app on a loopback port and returns its `POST` URL.
 async fn serve(app: Router) -> Result<String, String> {
@@ -53,7 +54,7 @@ fn app() -> Router {
 }
 
 /// Sends `n` POSTs from `concurrency` callers, each with `Idempotency-Key: <keys>-<i>`.
-async fn hammer(
+pub(crate) async fn hammer(
     name: &str,
     client: &HttpClient,
     url: &str,
