@@ -426,10 +426,7 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| listen_error(args.listen, &e))?;
-            let exporter = PrometheusBuilder::new()
-                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
-                .and_then(|builder| builder.install_recorder())
-                .map_err(|e| CliError::Io(std::io::Error::other(format!("metrics: {e}"))))?;
+            let exporter = install_exporter()?;
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
                 lease: args.lease,
@@ -587,6 +584,14 @@ fn parse_secs(text: &str) -> Result<Duration, String> {
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| format!("a number of seconds above zero expected, not {text:?}"))
+}
+
+/// Installs the Prometheus recorder of a long-running command, with idem's latency buckets.
+fn install_exporter() -> Result<metrics_exporter_prometheus::PrometheusHandle, CliError> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
+        .and_then(|builder| builder.install_recorder())
+        .map_err(|e| CliError::Io(std::io::Error::other(format!("metrics: {e}"))))
 }
 
 /// A failed bind is the machine's state, not bad input: it exits 3 and names the fix.

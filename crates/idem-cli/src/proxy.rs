@@ -8,12 +8,10 @@ use std::time::Duration;
 
 use clap::Args;
 use http::{HeaderName, Method};
-use idem_core::telemetry::LATENCY_BUCKETS;
 use idem_proxy::{
     AnonymousSpec, Drained, Header, HostSpec, MethodName, MissingKeySpec, PathPrefix, Proxy,
     ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
 };
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 use crate::{listen_error, parse_listen, parse_secs, CliError, Done, StoreArg};
 
@@ -205,10 +203,7 @@ pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| listen_error(args.listen, &e))?;
-    let exporter = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
-        .and_then(|builder| builder.install_recorder())
-        .map_err(|e| CliError::Io(std::io::Error::other(format!("metrics: {e}"))))?;
+    let exporter = crate::install_exporter()?;
     let admin = match args.admin_listen {
         Some(addr) => {
             let admin = tokio::net::TcpListener::bind(addr)
