@@ -91,6 +91,10 @@
 //! hop-by-hop headers are sent with the first response only, unless listed. Response
 //! trailers are never stored.
 //!
+//! An inner service that cannot know its outcome (a proxy whose upstream connection broke
+//! after the request was sent) marks its response with [`KeepInFlight`]: the layer then
+//! neither stores it nor releases the key, which stays in flight until its lease ends.
+//!
 //! A response body larger than [`Config::max_response_body`] is sent as it streams but not
 //! stored; the key is then left to its lease ([`Unstored::KeepLease`], the default:
 //! retries get 409 until the lease expires, then run the handler again) or released
