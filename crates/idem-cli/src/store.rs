@@ -37,9 +37,12 @@ pub struct Options {
     pub schema: Option<String>,
     /// What to do with PostgreSQL's schema.
     pub schema_mode: SchemaMode,
-    /// On a tiered store, start while Redis is out of reach (PostgreSQL answers alone until
-    /// it returns) instead of failing: for `idem serve`, so that a restart during a Redis
-    /// outage does not crash-loop.
+    /// Start while Redis is out of reach instead of failing: for `idem serve`, so that a
+    /// restart during a Redis outage does not crash-loop. On a tiered store PostgreSQL
+    /// answers alone until Redis returns; on a plain Redis store requests get 503 (fail
+    /// closed) until it answers. This also marks the store as one a service runs on: only
+    /// such a store warns that Redis persists nothing (an operator's command reading
+    /// records is no reason to).
     pub without_redis: bool,
 }
 
@@ -101,10 +104,17 @@ impl Opened {
 pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliError> {
     match url {
         StoreUrl::Memory => Ok(Opened::Memory(Arc::new(MemoryStore::new()))),
-        StoreUrl::Redis(redis) => match open_redis(redis, options, false).await {
-            Ok(store) => Ok(Opened::Redis(store)),
-            Err(e) => Err(failure(url, redis, e).await),
-        },
+        StoreUrl::Redis(redis) => {
+            let opened = if options.without_redis {
+                open_redis_or_wait(redis, options, false).await
+            } else {
+                open_redis(redis, options, false).await
+            };
+            match opened {
+                Ok(store) => Ok(Opened::Redis(store)),
+                Err(e) => Err(failure(url, redis, e).await),
+            }
+        }
         StoreUrl::Postgres(postgres) => {
             let pg = match open_pg(postgres, options).await {
                 Ok(pg) => pg,
@@ -120,7 +130,7 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
             };
             ready_schema(url, &pg, options, true).await?;
             let opened = if options.without_redis {
-                open_redis_or_wait(redis, options).await
+                open_redis_or_wait(redis, options, true).await
             } else {
                 open_redis(redis, options, true).await
             };
@@ -135,10 +145,11 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
     }
 }
 
-/// The builder of a Redis store; `tiered` for the Redis of a tiered store, which needs no
-/// persistence (PostgreSQL is the arbiter), so the store does not warn about it.
+/// The builder of a Redis store. It warns that Redis persists nothing only for a store a
+/// service runs on ([`Options::without_redis`]), and never for the Redis of a tiered store
+/// (`tiered`), which needs no persistence: PostgreSQL is the arbiter.
 fn redis_builder(url: &str, options: &Options, tiered: bool) -> RedisStoreBuilder {
-    let builder = RedisStore::builder(url).with_persistence_check(!tiered);
+    let builder = RedisStore::builder(url).with_persistence_check(options.without_redis && !tiered);
     match &options.prefix {
         Some(prefix) => builder.with_prefix(prefix.clone()),
         None => builder,
@@ -149,17 +160,26 @@ async fn open_redis(url: &str, options: &Options, tiered: bool) -> Result<RedisS
     redis_builder(url, options, tiered).connect().await
 }
 
-/// [`open_redis`] for a tiered store, or the store built without Redis when it is out of
-/// reach, said in the log.
-async fn open_redis_or_wait(url: &str, options: &Options) -> Result<RedisStore, Error> {
+/// [`open_redis`], or the store built without Redis when it is out of reach, said in the
+/// log in one line (and `Redis reachable` once it answers).
+async fn open_redis_or_wait(
+    url: &str,
+    options: &Options,
+    tiered: bool,
+) -> Result<RedisStore, Error> {
     let name = idem_core::url::redact(url);
-    let (redis, answered) = redis_builder(url, options, true)
+    let (redis, answered) = redis_builder(url, options, tiered)
         .connect_or_wait(&name)
         .await?;
-    if !answered {
+    if !answered && tiered {
         tracing::warn!(
             redis = %name,
             "Redis unreachable at start: PostgreSQL answers alone until it returns"
+        );
+    } else if !answered {
+        tracing::warn!(
+            redis = %name,
+            "Redis unreachable at start: guarded requests get 503 until it answers"
         );
     }
     Ok(redis)

@@ -1009,6 +1009,66 @@ mod redis_persistence {
                 "{store}: {log}"
             );
         }
+        // An operator's command starts no store: reading a record is no moment to warn.
+        let (code, _, err) = super::run(&["stats", "--store", &bare.url()]);
+        assert_eq!(code, 0, "{err}");
+        assert!(!err.contains("REDIS PERSISTS NOTHING"), "{err}");
+    }
+}
+
+mod redis_outage {
+    //! `idem serve` on a plain Redis store started while that Redis is stopped: it starts,
+    //! answers 503 (fail closed: no payment runs unguarded), says so in one log line, and
+    //! takes payments as soon as Redis answers.
+
+    use idem_redis::testing::{self, RedisServer};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_starts_while_redis_is_down_and_answers_503_until_it_returns() {
+        if !testing::available() {
+            return;
+        }
+        let mut redis = RedisServer::start().expect("start redis-server");
+        redis.stop();
+        let mut served = super::spawn_serve_on(&redis.url());
+        let client = super::client();
+        let (_, auth) = super::payer("outage");
+        let url = format!("{}/payments", served.base);
+        let order = r#"{"amount": 300, "currency": "EUR"}"#;
+        let headers = super::payment(&auth, "order-1", &[]);
+        let refused = super::call(&client, "POST", &url, &headers, order).await;
+        assert_eq!(
+            refused.status,
+            super::StatusCode::SERVICE_UNAVAILABLE,
+            "{:?}",
+            refused.body
+        );
+        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 0);
+
+        redis.start_again().expect("restart redis-server");
+        // The store reconnects on its next call; allow it a few tries.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let paid = loop {
+            let reply = super::call(&client, "POST", &url, &headers, order).await;
+            if reply.status != super::StatusCode::SERVICE_UNAVAILABLE
+                || std::time::Instant::now() > deadline
+            {
+                break reply;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        };
+        assert_eq!(paid.status, super::StatusCode::CREATED, "{:?}", paid.body);
+        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 1);
+
+        let mut child = served.child.take().unwrap();
+        child.kill().unwrap();
+        let out = child.wait_with_output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            log.matches("Redis unreachable at start").count(),
+            1,
+            "{log}"
+        );
     }
 }
 

@@ -71,6 +71,12 @@ pub struct ConnectOptions {
     pub purge_interval: Option<Duration>,
     /// The capacity of the memory store (`memory`). Default: [`MemoryCapacity::default`].
     pub memory_capacity: MemoryCapacity,
+    /// Whether opening a PostgreSQL or tiered store applies idem's migrations (creating its
+    /// schema and tables, which needs the right to create them; safe from many instances
+    /// at once). `false`: nothing is created, and a database whose idem tables are missing
+    /// or older than this build is an error that says to migrate first (`idem migrate`, or
+    /// `PgStore::migrate`). Default: `true`.
+    pub migrate: bool,
 }
 
 impl Default for ConnectOptions {
@@ -78,6 +84,7 @@ impl Default for ConnectOptions {
         Self {
             purge_interval: Some(Duration::from_secs(60)),
             memory_capacity: MemoryCapacity::default(),
+            migrate: true,
         }
     }
 }
@@ -92,13 +99,29 @@ impl Default for ConnectOptions {
 /// | `postgres://user@host/db`, `postgresql://...` | PostgreSQL, schema `idem`, migrated on connect | `postgres` |
 /// | `tiered:<redis URL>\|<postgres URL>` | the tiered store: Redis first, PostgreSQL the arbiter (migrated on connect) | `outbox` |
 ///
-/// with the default [`ConnectOptions`]: expired records of PostgreSQL and of the memory
-/// store are purged in the background every 60 s while the store is in use.
+/// with the default [`ConnectOptions`]: PostgreSQL is migrated (idem's schema and tables
+/// are created or updated; [`ConnectOptions::migrate`] `false` only checks them), and
+/// expired records of PostgreSQL and of the memory store are purged in the background
+/// every 60 s while the store is in use.
+///
+/// The store is shared (`Arc<dyn Store>`): hand it to the engine with [`Idem::from_arc`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemkit::Error> {
+/// use idemkit::Idem;
+///
+/// let url = "memory"; // or "redis://127.0.0.1:6379", "postgres://app@127.0.0.1/app", ...
+/// let idem = Idem::from_arc(idemkit::connect(url).await?);
+/// # drop(idem);
+/// # Ok(()) }
+/// ```
 ///
 /// # Errors
 ///
-/// [`Error::Invalid`] for a URL no compiled-in backend takes; the backend's own errors
-/// ([`Error::Unavailable`] when its server cannot be reached).
+/// [`Error::Invalid`] for a URL no compiled-in backend takes (naming the cargo feature to
+/// turn on); the backend's own errors ([`Error::Unavailable`] when its server cannot be
+/// reached); with [`ConnectOptions::migrate`] off, [`Error::Invalid`] when idem's tables
+/// are missing or outdated.
 pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
     connect_url(&StoreUrl::parse(url)?).await
 }
@@ -154,11 +177,17 @@ pub async fn connect_url_with(
             Ok(store)
         }
         #[cfg(feature = "redis")]
-        StoreUrl::Redis(url) => Ok(Arc::new(idem_redis::RedisStore::connect(url).await?)),
+        StoreUrl::Redis(url) => Ok(Arc::new(
+            redis_or_wait(idem_redis::RedisStore::builder(url), url, false).await?,
+        )),
         #[cfg(feature = "postgres")]
         StoreUrl::Postgres(url) => {
             let store = idem_postgres::PgStore::connect(url).await?;
-            store.migrate().await?;
+            if options.migrate {
+                store.migrate().await?;
+            } else {
+                require_migrated(&store, store.pending_migrations().await?)?;
+            }
             let store = Arc::new(store);
             if let Some(every) = purge {
                 purge_while_used(&store, &store, every);
@@ -168,12 +197,16 @@ pub async fn connect_url_with(
         #[cfg(feature = "outbox")]
         StoreUrl::Tiered { redis, postgres } => {
             // PostgreSQL is the arbiter: a Redis that persists nothing loses no record.
-            let redis = idem_redis::RedisStore::builder(redis)
-                .with_persistence_check(false)
-                .connect()
-                .await?;
+            let builder = idem_redis::RedisStore::builder(redis).with_persistence_check(false);
+            let redis = redis_or_wait(builder, redis, true).await?;
             let pg = idem_postgres::PgStore::connect(postgres).await?;
-            idem_outbox::migrate(&pg).await?;
+            if options.migrate {
+                idem_outbox::migrate(&pg).await?;
+            } else {
+                let mut pending = pg.pending_migrations().await?;
+                pending.extend(pg.pending_migrations_with(idem_outbox::migrator()).await?);
+                require_migrated(&pg, pending)?;
+            }
             let store = Arc::new(idem_outbox::TieredStore::new(redis, pg.clone()));
             if let Some(every) = purge {
                 purge_while_used(&store, &pg, every);
@@ -181,11 +214,66 @@ pub async fn connect_url_with(
             Ok(store)
         }
         #[allow(unreachable_patterns)]
-        other => Err(Error::Invalid(format!(
-            "no store for {other} in this build; compiled in: {}",
-            compiled_in().join(", ")
-        ))),
+        other => Err(not_compiled_in(other)),
     }
+}
+
+/// Connects to Redis; when it is out of reach (nothing listens, no answer), builds the store
+/// anyway and says so in one log line: a service started during a Redis outage starts,
+/// its calls answer [`Error::Unavailable`] (the middleware's 503) until Redis answers, and
+/// `Redis reachable` is logged then. A Redis that refuses us (a wrong password, a
+/// certificate from another authority) is an error. On a tiered store (`tiered`)
+/// PostgreSQL answers alone meanwhile.
+#[cfg(feature = "redis")]
+async fn redis_or_wait(
+    builder: idem_redis::RedisStoreBuilder,
+    url: &str,
+    tiered: bool,
+) -> Result<idem_redis::RedisStore, Error> {
+    let name = idem_core::url::redact(url);
+    let (store, answered) = builder.connect_or_wait(&name).await?;
+    if !answered {
+        let meanwhile = if tiered {
+            "PostgreSQL answers alone until it returns"
+        } else {
+            "calls fail as unavailable until it answers"
+        };
+        tracing::warn!(redis = %name, "Redis unreachable at start: {meanwhile}");
+    }
+    Ok(store)
+}
+
+/// The error for a URL whose backend this build leaves out: it names the cargo feature.
+fn not_compiled_in(url: &StoreUrl) -> Error {
+    let compiled = compiled_in().join(", ");
+    let feature = match url {
+        StoreUrl::Redis(_) => "redis",
+        StoreUrl::Postgres(_) => "postgres",
+        StoreUrl::Tiered { .. } => "outbox",
+        _ => {
+            return Error::Invalid(format!(
+                "no store for {url} in this build; compiled in: {compiled}"
+            ))
+        }
+    };
+    Error::Invalid(format!(
+        "no store for {url} in this build: turn on idemkit's `{feature}` feature \
+         (idemkit = {{ version = \"0.1\", features = [\"{feature}\"] }}); compiled in: {compiled}"
+    ))
+}
+
+/// Refuses a PostgreSQL schema with `pending` migrations, naming how to apply them.
+#[cfg(feature = "postgres")]
+fn require_migrated(pg: &idem_postgres::PgStore, pending: Vec<i64>) -> Result<(), Error> {
+    if pending.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "idem's tables in schema {:?} are missing or outdated (migrations {pending:?} not \
+         applied): run `idem migrate --store <url>`, call `PgStore::migrate`, or connect \
+         with `ConnectOptions::default().with_migrate(true)`",
+        pg.schema()
+    )))
 }
 
 /// Sweeps the memory store's expired records every `every`, until the store is dropped.
@@ -285,6 +373,22 @@ mod tests {
         let weak = Arc::downgrade(&store);
         drop(store);
         assert!(weak.upgrade().is_none(), "the sweep keeps the store alive");
+    }
+
+    #[cfg(not(feature = "redis"))]
+    #[tokio::test]
+    async fn a_backend_left_out_names_its_feature() {
+        let err = super::connect("redis://127.0.0.1:6379")
+            .await
+            .err()
+            .unwrap();
+        let text = err.to_string();
+        assert!(text.contains("`redis` feature"), "{text}");
+        let err = super::connect("tiered:redis://h|postgres://u@h/d")
+            .await
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("`outbox` feature"), "{err}");
     }
 
     #[tokio::test]
