@@ -21,11 +21,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
+use axum::http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, LOCATION};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::{middleware, Json, Router};
 use idem_core::{Error, Idem, Scope};
 use idem_http::{Config, IdempotencyLayer, LeaseHandle, MissingKey};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -76,14 +76,26 @@ pub fn app(backend: Backend, options: &Options) -> Router {
     config.wait = options.wait;
     let idem = Idem::from_arc(store).with_config(config);
     let layer = IdempotencyLayer::new(idem)
-        .with_config(Config::default().with_missing_key(MissingKey::Reject))
+        .with_config(
+            Config::default()
+                .with_missing_key(MissingKey::Reject)
+                // A method the path does not take (405) says nothing about the request's
+                // outcome: the key is released, not kept for a refusal.
+                .with_store_status(|status| {
+                    status != StatusCode::METHOD_NOT_ALLOWED
+                        && idem_http::default_store_status(status)
+                }),
+        )
         .with_scope(|parts| caller(&parts.headers).and_then(|name| Scope::new(name).ok()));
 
     // Only the payment routes are guarded: /metrics stays readable when the store is down.
     let payments = Router::new()
         .route("/payments", get(list_payments).post(create_payment))
         .route("/payments/{id}", get(get_payment))
-        .layer(layer);
+        .layer(layer)
+        // Before the key is claimed: the demo headers are not part of the fingerprint, so
+        // a refusal of a bad one must not be stored and replayed once it is fixed.
+        .layer(middleware::from_fn(check_demo_headers));
     Router::new()
         .route("/metrics", get(metrics))
         .merge(payments)
@@ -95,7 +107,49 @@ pub fn app(backend: Backend, options: &Options) -> Router {
                 "no such route",
             )
         })
+        .layer(middleware::map_response(method_not_allowed_as_problem))
         .with_state(demo)
+}
+
+/// Refuses a request whose demo delay headers are not whole milliseconds up to a minute,
+/// with 400, before the idempotency layer sees it.
+async fn check_demo_headers(request: axum::extract::Request, next: middleware::Next) -> Response {
+    for name in [DELAY_HEADER, AFTER_COMMIT_HEADER] {
+        if let Err(detail) = demo_delay(request.headers(), name) {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-delay",
+                "Invalid delay",
+                detail,
+            );
+        }
+    }
+    next.run(request).await
+}
+
+/// axum answers a method a route does not take with an empty 405: give it a problem+json
+/// body like every other refusal, keeping its `Allow` header.
+async fn method_not_allowed_as_problem(response: Response) -> Response {
+    if response.status() != StatusCode::METHOD_NOT_ALLOWED
+        || response.headers().contains_key(CONTENT_TYPE)
+    {
+        return response;
+    }
+    let allow = response.headers().get(ALLOW).cloned();
+    let detail = match allow.as_ref().and_then(|a| a.to_str().ok()) {
+        Some(allowed) => format!("this path takes {allowed}"),
+        None => "this path does not take this method".to_owned(),
+    };
+    let mut problem = problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        detail,
+    );
+    if let Some(allow) = allow {
+        problem.headers_mut().insert(ALLOW, allow);
+    }
+    problem
 }
 
 /// Serves the demo on `listener` until `shutdown` resolves, printing the URL first.

@@ -1016,6 +1016,48 @@ mod redis_persistence {
     }
 }
 
+mod memory {
+    //! `idem serve` on the memory store: what the demo stores under a key.
+
+    /// Refusals that are not final for the request are not stored: a bad demo header (not
+    /// part of the fingerprint) and a method the path does not take; the 405 is
+    /// problem+json like every other refusal.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_demo_stores_only_what_is_final_for_the_request() {
+        let served = super::spawn_serve();
+        let client = super::client();
+        let (_, auth) = super::payer("final");
+        let url = format!("{}/payments", served.base);
+        let order = r#"{"amount": 300, "currency": "EUR"}"#;
+
+        let bad = super::payment(&auth, "order-1", &[("x-demo-delay-ms", "soon")]);
+        let refused = super::call(&client, "POST", &url, &bad, order).await;
+        assert_eq!(refused.status, 400, "{:?}", refused.body);
+        assert_eq!(refused.headers["content-type"], "application/problem+json");
+        // The header fixed: the payment runs, rather than the 400 being replayed.
+        let fixed = super::payment(&auth, "order-1", &[]);
+        let paid = super::call(&client, "POST", &url, &fixed, order).await;
+        assert_eq!(paid.status, 201, "{:?}", paid.body);
+        assert!(paid.headers.get("idempotent-replayed").is_none());
+
+        let one = format!("{url}/pay_0000000000000000");
+        let patch = super::payment(&auth, "order-2", &[]);
+        let not_allowed = super::call(&client, "PATCH", &one, &patch, order).await;
+        assert_eq!(not_allowed.status, 405);
+        assert_eq!(
+            not_allowed.headers["content-type"],
+            "application/problem+json"
+        );
+        assert!(not_allowed.headers.contains_key("allow"));
+        assert_eq!(not_allowed.json()["status"], 405);
+        // The same key on the right route runs: no 405 was stored under it (that would
+        // answer 422, another request under the same key).
+        let paid = super::call(&client, "POST", &url, &patch, order).await;
+        assert_eq!(paid.status, 201, "{:?}", paid.body);
+        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 2);
+    }
+}
+
 mod redis_outage {
     //! `idem serve` on a plain Redis store started while that Redis is stopped: it starts,
     //! answers 503 (fail closed: no payment runs unguarded), says so in one log line, and
