@@ -560,18 +560,9 @@ async fn shutdown_signal() {
     let _ = writeln!(std::io::stderr(), "idem demo: shutting down");
 }
 
-/// `--listen`: a socket address, with a hint for the common bare port.
+/// `--listen`: a socket address or a host name and port, with a hint for a bare port.
 fn parse_listen(text: &str) -> Result<SocketAddr, String> {
-    text.trim().parse().map_err(|_| {
-        if text.trim().parse::<u16>().is_ok() {
-            format!(
-                "HOST:PORT expected, e.g. --listen 127.0.0.1:{}",
-                text.trim()
-            )
-        } else {
-            format!("HOST:PORT expected (e.g. 127.0.0.1:8080 or [::1]:8080), not {text:?}")
-        }
-    })
+    idem_core::reach::listen_address("--listen", text)
 }
 
 /// `--timeout`: seconds, fractions allowed, above zero.
@@ -629,6 +620,7 @@ mod tests {
             "{err}"
         );
         assert!(parse_listen("localhost").unwrap_err().contains("HOST:PORT"));
+        assert_eq!(parse_listen("localhost:8080").unwrap().port(), 8080);
     }
 
     #[tokio::test]

@@ -21,7 +21,7 @@ pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<Str
         .get(id)
         .await
         .map_err(|e| unreadable(id, e))?
-        .ok_or_else(|| CliError::NotFound(format!("no record for {}", describe(id))))?;
+        .ok_or_else(|| CliError::NotFound(absent(id)))?;
     Ok(if json {
         let mut doc = record_json(&record).to_string();
         doc.push('\n');
@@ -38,10 +38,7 @@ pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<Str
 /// [`CliError::NotFound`] when there was none; store errors.
 pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<String, CliError> {
     if !store.evict(id).await? {
-        return Err(CliError::NotFound(format!(
-            "no record for {}",
-            describe(id)
-        )));
+        return Err(CliError::NotFound(absent(id)));
     }
     Ok(if json {
         format!(
@@ -632,6 +629,19 @@ fn unreadable(id: &RecordId, e: Error) -> CliError {
         )),
         _ => CliError::Store(e),
     }
+}
+
+/// The answer for a record that is not there; in the global scope it adds that `idem
+/// serve` keys its records by caller, the usual reason a key is not found there.
+fn absent(id: &RecordId) -> String {
+    let mut text = format!("no record for {}", describe(id));
+    if id.scope().as_str().is_empty() {
+        text.push_str(
+            "; `idem serve` keeps keys per caller: give the caller's name, e.g. --scope alice \
+             for `Authorization: Bearer alice` (`idem stats` counts records in every scope)",
+        );
+    }
+    text
 }
 
 fn describe(id: &RecordId) -> String {

@@ -6,10 +6,7 @@
 //! `idem serve` opens its store migrated; the operator commands open theirs without changing
 //! the schema unless asked ([`SchemaMode`], `idem migrate`).
 
-use std::io::{Read as _, Write as _};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::time::Duration;
 
 use idem_core::url::StoreUrl;
 use idem_core::{Error, MemoryStore, Store};
@@ -266,7 +263,7 @@ async fn failure(url: &StoreUrl, half: &str, e: Error) -> CliError {
     if matches!(e, Error::Invalid(_)) {
         return plain_failure(url, e);
     }
-    match diagnose(half, &e).await {
+    match idem_core::reach::explain(half, &e).await {
         Some(hint) => CliError::Open(format!("cannot open store {url}: {hint}")),
         None => plain_failure(url, e),
     }
@@ -282,170 +279,6 @@ fn plain_failure(url: &StoreUrl, e: Error) -> CliError {
     }
 }
 
-/// What is wrong with reaching `url`'s server, found by looking at the error's causes and,
-/// when they say nothing clear, at what answers on the port.
-async fn diagnose(url: &str, e: &Error) -> Option<String> {
-    let (host, port) = host_port(url)?;
-    let addr = format!("{host}:{port}");
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(cause) = source {
-        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::ConnectionRefused {
-                return Some(refused(&addr));
-            }
-        }
-        source = cause.source();
-    }
-    // The driver's error does not say (a pool that timed out retrying hides the refusals):
-    // ask the port itself, off the runtime's threads.
-    let expected = if url.starts_with("postgres") {
-        Protocol::Postgres
-    } else {
-        Protocol::Redis
-    };
-    let target = addr.clone();
-    let reach = tokio::task::spawn_blocking(move || probe(&target))
-        .await
-        .unwrap_or(Reach::Unknown);
-    match reach {
-        Reach::Refused => Some(refused(&addr)),
-        Reach::NoAnswer => Some(format!(
-            "no answer from {addr} (timed out): check the host and port, and that no firewall \
-             drops the connection"
-        )),
-        Reach::Speaks(found) if found != expected => Some(format!(
-            "{addr} speaks {} and this URL expects {}: {}",
-            found.name(),
-            expected.name(),
-            found.fix(&addr)
-        )),
-        Reach::Silent => Some(format!(
-            "{addr} accepts connections but answered nothing in time (timed out): check that \
-             this port is {}'s, and that the server is not stalled",
-            expected.name()
-        )),
-        Reach::Speaks(_) | Reach::Unknown => None,
-    }
-}
-
-/// What a probe of a port found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Reach {
-    /// Nothing listens there.
-    Refused,
-    /// No connection within the probe's time.
-    NoAnswer,
-    /// A server of this protocol.
-    Speaks(Protocol),
-    /// Something accepts connections and answers neither probe.
-    Silent,
-    /// A server that does not tell (or the address does not resolve).
-    Unknown,
-}
-
-fn refused(addr: &str) -> String {
-    format!(
-        "nothing listens at {addr} (connection refused): start the server, or check the host \
-         and port in the URL"
-    )
-}
-
-/// The protocols a probe tells apart.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Protocol {
-    Redis,
-    Postgres,
-    Http,
-}
-
-impl Protocol {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Redis => "Redis",
-            Self::Postgres => "PostgreSQL",
-            Self::Http => "HTTP",
-        }
-    }
-
-    fn fix(self, addr: &str) -> String {
-        match self {
-            Self::Redis => format!("use redis://{addr}"),
-            Self::Postgres => format!("use postgres://USER@{addr}/DB"),
-            Self::Http => "that is a web server, not a store: check the port".to_owned(),
-        }
-    }
-}
-
-/// Asks `addr` what it speaks: a PostgreSQL `SSLRequest` (answered `S` or `N` by PostgreSQL
-/// alone), then, on a new connection, an inline `PING` (answered by Redis with `+PONG` or an
-/// error, by an HTTP server with a status line). Each exchange is bounded by 1 s. Runs only
-/// once opening failed, to explain why.
-fn probe(addr: &str) -> Reach {
-    let Some(socket) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
-        return Reach::Unknown;
-    };
-    let limit = Duration::from_secs(1);
-    let exchange = |request: &[u8]| -> Result<Vec<u8>, Reach> {
-        let mut stream =
-            TcpStream::connect_timeout(&socket, limit).map_err(|e| match e.kind() {
-                std::io::ErrorKind::ConnectionRefused => Reach::Refused,
-                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Reach::NoAnswer,
-                _ => Reach::Unknown,
-            })?;
-        let mut reply = [0; 16];
-        let n = stream
-            .set_read_timeout(Some(limit))
-            .and_then(|()| stream.write_all(request))
-            .and_then(|()| stream.read(&mut reply))
-            .unwrap_or(0);
-        Ok(reply[..n].to_vec())
-    };
-    // SSLRequest: length 8, code 80877103.
-    let first = match exchange(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f]) {
-        Err(reach) => return reach,
-        Ok(reply) if reply == b"N" || reply == b"S" => return Reach::Speaks(Protocol::Postgres),
-        Ok(reply) => reply,
-    };
-    match exchange(b"PING\r\n\r\n") {
-        Err(reach) => reach,
-        Ok(reply) if reply.is_empty() && first.is_empty() => Reach::Silent,
-        Ok(reply) if reply.starts_with(b"HTTP/") => Reach::Speaks(Protocol::Http),
-        Ok(reply) if reply.starts_with(b"+") || reply.starts_with(b"-") => {
-            Reach::Speaks(Protocol::Redis)
-        }
-        Ok(reply) if reply.first() == Some(&b'E') => Reach::Speaks(Protocol::Postgres),
-        Ok(_) => Reach::Unknown,
-    }
-}
-
-/// The first host and port of a store URL (`scheme://[user[:password]@]host[:port][,...][/...]`),
-/// with the scheme's default port.
-fn host_port(url: &str) -> Option<(String, u16)> {
-    let (scheme, rest) = url.split_once("://")?;
-    let default = if scheme.starts_with("postgres") {
-        5432
-    } else if scheme.starts_with("redis") {
-        6379
-    } else {
-        return None;
-    };
-    let authority = rest.split(['/', '?', '#']).next()?;
-    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let first = hosts.split(',').next()?;
-    let (host, port) = if let Some(v6) = first.strip_prefix('[') {
-        let (host, after) = v6.split_once(']')?;
-        (host, after.strip_prefix(':'))
-    } else {
-        match first.rsplit_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (first, None),
-        }
-    };
-    let host = if host.is_empty() { "localhost" } else { host };
-    let port = port.map_or(Some(default), |p| p.parse().ok())?;
-    Some((host.to_owned(), port))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,23 +292,6 @@ mod tests {
             };
             assert!(!msg.contains("hunter2"), "{msg}");
         }
-    }
-
-    #[test]
-    fn hosts_and_ports_of_urls() {
-        let hp = |url| host_port(url).map(|(h, p)| format!("{h}:{p}"));
-        assert_eq!(hp("redis://127.0.0.1").as_deref(), Some("127.0.0.1:6379"));
-        assert_eq!(
-            hp("postgres://u:p@db:5433/x?sslmode=require").as_deref(),
-            Some("db:5433")
-        );
-        assert_eq!(
-            hp("redis+cluster://a:p@h1:7000,h2:7001").as_deref(),
-            Some("h1:7000")
-        );
-        assert_eq!(hp("redis://[::1]:6380/0").as_deref(), Some("::1:6380"));
-        assert_eq!(hp("unix:///tmp/redis.sock"), None);
-        assert_eq!(hp("redis://h:notaport"), None);
     }
 
     #[tokio::test]

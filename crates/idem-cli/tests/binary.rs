@@ -1559,6 +1559,55 @@ mod errors {
         assert_eq!(super::json(&err)["error"]["kind"], "unsupported");
     }
 
+    /// A fake AMQP broker on a free port: it answers any greeting with AMQP's protocol
+    /// header, as RabbitMQ does.
+    fn fake_amqp() -> u16 {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for mut stream in listener.incoming().flatten() {
+                let mut greeting = [0; 64];
+                let _ = stream.read(&mut greeting);
+                let _ = stream.write_all(b"AMQP\x00\x00\x09\x01");
+            }
+        });
+        port
+    }
+
+    #[test]
+    fn a_new_users_mistakes_are_named_with_their_fix() {
+        // A host name in --listen is resolved (the store error comes next, not --listen's).
+        let (code, _, err) = super::run(&["serve", "--listen", "localhost:0", "--store", "x:"]);
+        assert_eq!(code, 2, "{err}");
+        assert!(!err.contains("--listen"), "{err}");
+
+        // A PostgreSQL URL at a broker's port.
+        let amqp = fake_amqp();
+        let url = format!("postgres://postgres@127.0.0.1:{amqp}/test");
+        let (code, _, err) = super::run(&["stats", "--store", &url]);
+        assert_eq!(code, 3, "{err}");
+        assert!(
+            err.contains("speaks AMQP (RabbitMQ) and this URL expects PostgreSQL"),
+            "{err}"
+        );
+
+        let Some(redis) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        // The demo keys records by caller: a key looked up in the global scope says so.
+        let (code, _, err) = super::run(&["inspect", "order-1", "--store", &redis]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("--scope alice"), "{err}");
+
+        // TLS asked of a plain-text Redis.
+        let plain = redis.replacen("redis://", "rediss://", 1);
+        let (code, _, err) = super::run(&["stats", "--store", &plain]);
+        assert_eq!(code, 3, "{err}");
+        assert!(err.contains("without TLS"), "{err}");
+        assert!(err.contains("use redis://"), "{err}");
+    }
+
     #[test]
     fn the_store_and_its_names_come_from_the_shared_variables() {
         let Some(redis) = idem_testkit::harness::redis_url() else {

@@ -81,6 +81,7 @@ mod fingerprint;
 mod key;
 mod memory;
 pub mod orphan;
+pub mod reach;
 mod record;
 mod store;
 pub mod telemetry;

@@ -120,7 +120,10 @@ impl StoreArgs {
         }
         let Some((postgres, name)) = old_database else {
             return Err(Failure::Input(
-                "no store: pass --store tiered:REDIS_URL|POSTGRES_URL or set IDEM_STORE".into(),
+                "no store: pass --store (or set IDEM_STORE): `run` takes the tiered store, \
+                 tiered:REDIS_URL|POSTGRES_URL; `dead list` and `dead retry` a postgres:// URL \
+                 is enough"
+                    .into(),
             ));
         };
         warn(format!(
@@ -170,7 +173,7 @@ struct RunArgs {
     backoff_cap_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9187; port 0 picks
     /// a free port, printed on standard output).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = parse_metrics_listen)]
     metrics_listen: Option<SocketAddr>,
     /// Log level: error, warn, info, debug or trace (`RUST_LOG`, when set, filters instead,
     /// with the same syntax as every tracing-subscriber program).
@@ -267,10 +270,35 @@ fn exporter() -> Result<PrometheusHandle, Failure> {
         .map_err(|e| Failure::Store(format!("metrics recorder: {e}")))
 }
 
+/// `--metrics-listen`: a socket address or a host name and port, with a hint for a bare
+/// port.
+fn parse_metrics_listen(text: &str) -> Result<SocketAddr, String> {
+    idem_core::reach::listen_address("--metrics-listen", text)
+}
+
+/// The failure to open the store at `url`: what is wrong and what to do when the error or a
+/// probe of the port tells (nothing listens, another protocol there), else the error as the
+/// driver tells it; never the URL's password.
+async fn open_failure(url: &str, e: Error) -> Failure {
+    if matches!(e, Error::Invalid(_)) {
+        return Failure::from(e);
+    }
+    let name = idem_core::url::redact(url);
+    match idem_core::reach::explain(url, &e).await {
+        Some(hint) => Failure::Store(format!("cannot open store {name}: {hint}")),
+        None => Failure::Store(format!(
+            "cannot open store {name}: {}",
+            idem_core::url::scrub(&e.to_string(), url)
+        )),
+    }
+}
+
 /// Opens PostgreSQL in the schema asked for.
 async fn pg_store(url: &str, schema: &str) -> Result<PgStore, Failure> {
-    let store = PgStore::connect(url).await?;
-    Ok(store.with_schema(schema)?)
+    match PgStore::connect(url).await {
+        Ok(store) => Ok(store.with_schema(schema)?),
+        Err(e) => Err(open_failure(url, e).await),
+    }
 }
 
 /// Prints a deprecation warning on stderr (before any log subscriber exists).
@@ -288,7 +316,11 @@ async fn redis_store(url: &str, prefix: Option<&String>) -> Result<RedisStore, F
         builder = builder.with_prefix(prefix.clone());
     }
     let redacted = idem_core::url::redact(url);
-    match builder.connect_or_wait(&redacted).await? {
+    let opened = match builder.connect_or_wait(&redacted).await {
+        Ok(opened) => opened,
+        Err(e) => return Err(open_failure(url, e).await),
+    };
+    match opened {
         (redis, true) => Ok(redis),
         (redis, false) => {
             tracing::warn!(

@@ -1,0 +1,268 @@
+//! Why a store's server cannot be reached, and what to do about it: the explanations the
+//! `idem` and `idem-relay` binaries give when opening a store fails (nothing listens, no
+//! answer, another protocol on that port, TLS asked of a server without it).
+
+use std::io::{Read as _, Write as _};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::Error;
+
+/// What is wrong with reaching `url`'s server after opening a store failed with `e`, said
+/// with its fix: found by looking at the error's causes and, when they say nothing clear, at
+/// what answers on the port (a probe of at most two short exchanges, off the runtime's
+/// threads). `None` when neither tells more than `e` itself.
+pub async fn explain(url: &str, e: &Error) -> Option<String> {
+    let (host, port) = host_port(url)?;
+    let addr = format!("{host}:{port}");
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return Some(refused(&addr));
+            }
+        }
+        source = cause.source();
+    }
+    // The driver's error does not say (a pool that timed out retrying hides the refusals):
+    // ask the port itself, off the runtime's threads.
+    let expected = if url.starts_with("postgres") {
+        Protocol::Postgres
+    } else {
+        Protocol::Redis
+    };
+    let tls = url.starts_with("rediss");
+    let target = addr.clone();
+    let reach = tokio::task::spawn_blocking(move || probe(&target))
+        .await
+        .unwrap_or(Reach::Unknown);
+    match reach {
+        Reach::Refused => Some(refused(&addr)),
+        Reach::NoAnswer => Some(format!(
+            "no answer from {addr} (timed out): check the host and port, and that no firewall \
+             drops the connection"
+        )),
+        // A TLS handshake to a plain-text Redis gets no TLS answer: the connection times out.
+        Reach::Speaks(Protocol::Redis) if tls => Some(format!(
+            "{addr} speaks Redis without TLS and this rediss:// URL asks for TLS: use \
+             redis://{addr}, or the server's TLS port (its tls-port setting)"
+        )),
+        Reach::Speaks(found) if found != expected => Some(format!(
+            "{addr} speaks {} and this URL expects {}: {}",
+            found.name(),
+            expected.name(),
+            found.fix(&addr)
+        )),
+        Reach::Silent => Some(format!(
+            "{addr} accepts connections but answered nothing in time (timed out): check that \
+             this port is {}'s, and that the server is not stalled",
+            expected.name()
+        )),
+        Reach::Speaks(_) | Reach::Unknown => None,
+    }
+}
+
+/// Reads the address of a binary's listening flag (`--listen`, `--metrics-listen`):
+/// `IP:PORT`, `[IPv6]:PORT`, or `HOST:PORT` with a host name, resolved now to its first
+/// address (`localhost:8080`). The error says what to write, with `flag` in its example:
+/// a bare port is not taken, since which interface to open is worth writing down.
+///
+/// # Errors
+///
+/// A message for the user when `text` is none of those, or its host name does not resolve.
+pub fn listen_address(flag: &str, text: &str) -> Result<std::net::SocketAddr, String> {
+    let text = text.trim();
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    if text.parse::<u16>().is_ok() {
+        return Err(format!(
+            "HOST:PORT expected, e.g. {flag} 127.0.0.1:{text} (this machine only) or \
+             0.0.0.0:{text} (every interface)"
+        ));
+    }
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Err(format!(
+            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
+        ));
+    };
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(format!(
+            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
+        ));
+    }
+    match text.to_socket_addrs().map(|mut addrs| addrs.next()) {
+        Ok(Some(addr)) => Ok(addr),
+        Ok(None) | Err(_) => Err(format!(
+            "the host name {host:?} does not resolve: write an IP address, e.g. {flag} \
+             127.0.0.1:{port}"
+        )),
+    }
+}
+
+/// What a probe of a port found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reach {
+    /// Nothing listens there.
+    Refused,
+    /// No connection within the probe's time.
+    NoAnswer,
+    /// A server of this protocol.
+    Speaks(Protocol),
+    /// Something accepts connections and answers neither probe.
+    Silent,
+    /// A server that does not tell (or the address does not resolve).
+    Unknown,
+}
+
+fn refused(addr: &str) -> String {
+    format!(
+        "nothing listens at {addr} (connection refused): start the server, or check the host \
+         and port in the URL"
+    )
+}
+
+/// The protocols a probe tells apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Redis,
+    Postgres,
+    Http,
+    Amqp,
+    Nats,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Redis => "Redis",
+            Self::Postgres => "PostgreSQL",
+            Self::Http => "HTTP",
+            Self::Amqp => "AMQP (RabbitMQ)",
+            Self::Nats => "NATS",
+        }
+    }
+
+    fn fix(self, addr: &str) -> String {
+        match self {
+            Self::Redis => format!("use redis://{addr}"),
+            Self::Postgres => format!("use postgres://USER@{addr}/DB"),
+            Self::Http => "that is a web server, not a store: check the port".to_owned(),
+            Self::Amqp | Self::Nats => {
+                "that is a message broker, not a store: check the port".to_owned()
+            }
+        }
+    }
+}
+
+/// Asks `addr` what it speaks: a PostgreSQL `SSLRequest` (answered `S` or `N` by PostgreSQL
+/// alone), then, on a new connection, an inline `PING` (answered by Redis with `+PONG` or an
+/// error, by an HTTP server with a status line). Each exchange is bounded by 1 s. Runs only
+/// once opening failed, to explain why.
+fn probe(addr: &str) -> Reach {
+    let Some(socket) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return Reach::Unknown;
+    };
+    let limit = Duration::from_secs(1);
+    let exchange = |request: &[u8]| -> Result<Vec<u8>, Reach> {
+        let mut stream =
+            TcpStream::connect_timeout(&socket, limit).map_err(|e| match e.kind() {
+                std::io::ErrorKind::ConnectionRefused => Reach::Refused,
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Reach::NoAnswer,
+                _ => Reach::Unknown,
+            })?;
+        let mut reply = [0; 16];
+        let n = stream
+            .set_read_timeout(Some(limit))
+            .and_then(|()| stream.write_all(request))
+            .and_then(|()| stream.read(&mut reply))
+            .unwrap_or(0);
+        Ok(reply[..n].to_vec())
+    };
+    // SSLRequest: length 8, code 80877103.
+    let first = match exchange(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f]) {
+        Err(reach) => return reach,
+        Ok(reply) if reply == b"N" || reply == b"S" => return Reach::Speaks(Protocol::Postgres),
+        // An AMQP server answers any other greeting with its own protocol header; a NATS
+        // server speaks first, with INFO.
+        Ok(reply) if reply.starts_with(b"AMQP") => return Reach::Speaks(Protocol::Amqp),
+        Ok(reply) if reply.starts_with(b"INFO ") => return Reach::Speaks(Protocol::Nats),
+        Ok(reply) => reply,
+    };
+    match exchange(b"PING\r\n\r\n") {
+        Err(reach) => reach,
+        Ok(reply) if reply.is_empty() && first.is_empty() => Reach::Silent,
+        Ok(reply) if reply.starts_with(b"HTTP/") => Reach::Speaks(Protocol::Http),
+        Ok(reply) if reply.starts_with(b"+") || reply.starts_with(b"-") => {
+            Reach::Speaks(Protocol::Redis)
+        }
+        Ok(reply) if reply.first() == Some(&b'E') => Reach::Speaks(Protocol::Postgres),
+        Ok(_) => Reach::Unknown,
+    }
+}
+
+/// The first host and port of a store URL (`scheme://[user[:password]@]host[:port][,...][/...]`),
+/// with the scheme's default port.
+fn host_port(url: &str) -> Option<(String, u16)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let default = if scheme.starts_with("postgres") {
+        5432
+    } else if scheme.starts_with("redis") {
+        6379
+    } else {
+        return None;
+    };
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let first = hosts.split(',').next()?;
+    let (host, port) = if let Some(v6) = first.strip_prefix('[') {
+        let (host, after) = v6.split_once(']')?;
+        (host, after.strip_prefix(':'))
+    } else {
+        match first.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (first, None),
+        }
+    };
+    let host = if host.is_empty() { "localhost" } else { host };
+    let port = port.map_or(Some(default), |p| p.parse().ok())?;
+    Some((host.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses_take_ips_and_host_names_and_say_what_to_write() {
+        assert_eq!(
+            listen_address("--listen", "127.0.0.1:0"),
+            Ok("127.0.0.1:0".parse().unwrap())
+        );
+        let local = listen_address("--listen", "localhost:8080").unwrap();
+        assert!(local.ip().is_loopback() && local.port() == 8080, "{local}");
+        let err = listen_address("--metrics-listen", "9187").unwrap_err();
+        assert!(err.contains("--metrics-listen 127.0.0.1:9187"), "{err}");
+        let err = listen_address("--listen", "localhost").unwrap_err();
+        assert!(err.contains("HOST:PORT"), "{err}");
+        let err = listen_address("--listen", "no-such-host.invalid:80").unwrap_err();
+        assert!(err.contains("does not resolve"), "{err}");
+    }
+
+    #[test]
+    fn hosts_and_ports_of_urls() {
+        let hp = |url| host_port(url).map(|(h, p)| format!("{h}:{p}"));
+        assert_eq!(hp("redis://127.0.0.1").as_deref(), Some("127.0.0.1:6379"));
+        assert_eq!(
+            hp("postgres://u:p@db:5433/x?sslmode=require").as_deref(),
+            Some("db:5433")
+        );
+        assert_eq!(
+            hp("redis+cluster://a:p@h1:7000,h2:7001").as_deref(),
+            Some("h1:7000")
+        );
+        assert_eq!(hp("redis://[::1]:6380/0").as_deref(), Some("::1:6380"));
+        assert_eq!(hp("unix:///tmp/redis.sock"), None);
+        assert_eq!(hp("redis://h:notaport"), None);
+    }
+}
