@@ -1058,6 +1058,36 @@ mod memory {
     }
 }
 
+mod redis_password {
+    //! A Redis that refuses the password: that refusal is the one thing said.
+
+    use idem_redis::testing::{self, RedisServer};
+
+    #[test]
+    fn a_wrong_password_is_said_without_a_maxmemory_warning_first() {
+        if !testing::available() {
+            return;
+        }
+        let server = RedisServer::start().expect("start redis-server");
+        // The password set once the server is up (its readiness check needs none).
+        let mut conn = redis::Client::open(server.url())
+            .and_then(|client| client.get_connection())
+            .expect("connect to redis-server");
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("requirepass")
+            .arg("right")
+            .query::<()>(&mut conn)
+            .expect("set a password");
+        let url = server.url().replacen("redis://", "redis://:wrong@", 1);
+        let (code, _, err) = super::run(&["stats", "--store", &url]);
+        assert_eq!(code, 3, "{err}");
+        assert!(!err.contains("maxmemory"), "{err}");
+        assert!(err.to_lowercase().contains("pass"), "{err}");
+        assert!(!err.contains(":wrong@"), "{err}");
+    }
+}
+
 mod redis_outage {
     //! `idem serve` on a plain Redis store started while that Redis is stopped: it starts,
     //! answers 503 (fail closed: no payment runs unguarded), says so in one log line, and

@@ -838,8 +838,12 @@ async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Err
     let policies = match conn.eviction_policies().await {
         Ok(policies) => policies,
         Err(e) => {
+            // A server that refuses us (a wrong password, none given) is the error to
+            // report, not a check to skip with a warning first.
+            let refused = e.kind() == redis::ErrorKind::AuthenticationFailed
+                || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"));
             let e = classify(e);
-            if e.is_retryable() {
+            if e.is_retryable() || refused {
                 return Err(e);
             }
             // INFO may be disabled (managed services rename it): the check cannot be made.
