@@ -31,7 +31,7 @@ fn block_after(marker: &str) -> String {
 
 #[test]
 fn the_readme_quotes_each_example_as_it_is() {
-    for name in ["quickstart", "axum_payments"] {
+    for name in ["first_request", "axum_payments"] {
         let path = format!("examples/examples/{name}.rs");
         let file = std::fs::read_to_string(
             concat!(env!("CARGO_MANIFEST_DIR"), "/..").to_owned() + "/" + &path,
@@ -100,7 +100,9 @@ fn example(name: &str) -> Command {
 
 #[test]
 fn the_quick_start_runs_once_and_replays() {
-    let out = example("quickstart").output().expect("run the quickstart");
+    let out = example("first_request")
+        .output()
+        .expect("run the first_request example");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

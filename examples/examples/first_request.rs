@@ -1,5 +1,5 @@
 //! The README's quick start: one request under an idempotency key, then its retry.
-//! Run it: cargo run -p idem-examples --example quickstart
+//! Run it: cargo run -p idem-examples --example first_request
 use idemkit::{Begin, Fingerprint, Idem, Key, MemoryStore, RecordId, Response, Scope};
 
 #[tokio::main]
