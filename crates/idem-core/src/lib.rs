@@ -75,7 +75,6 @@
 
 mod clock;
 mod engine;
-mod entropy;
 mod error;
 mod fingerprint;
 mod key;

@@ -20,13 +20,9 @@ use crate::key::RecordId;
 pub struct FencingToken(Uuid);
 
 impl FencingToken {
-    /// A fresh random token: a version 4 UUID from the operating system's CSPRNG (drawn a
-    /// few tokens at a time per thread, and never shared with a forked child).
+    /// A fresh random token: a version 4 UUID from the operating system's CSPRNG.
     pub fn random() -> Self {
-        match crate::entropy::token_bytes() {
-            Some(bytes) => Self(uuid::Builder::from_random_bytes(bytes).into_uuid()),
-            None => Self(Uuid::new_v4()),
-        }
+        Self(Uuid::new_v4())
     }
 
     /// Wraps a token read back from a store.
@@ -369,6 +365,16 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn tokens_are_fresh_version_4_uuids() {
+        let token = FencingToken::random();
+        assert_eq!(token.as_uuid().get_version_num(), 4);
+        assert_eq!(token.as_uuid().get_variant(), uuid::Variant::RFC4122);
+        let drawn: std::collections::HashSet<_> =
+            (0..1000).map(|_| FencingToken::random()).collect();
+        assert_eq!(drawn.len(), 1000);
+    }
 
     proptest! {
         #[test]
