@@ -1,18 +1,15 @@
 //! Request and message fingerprints: SHA-256 over chosen parts, with JSON in its RFC 8785
 //! canonical form.
 //!
-//! ## Versions
+//! ## Version
 //!
-//! Every digest starts with a version tag, so that two ways of hashing never agree by
-//! accident. A change of the tag changes every fingerprint: a retry of a request recorded
-//! under the previous version answers [`crate::Begin::Mismatch`] until that record expires
-//! (its retention), so roll a version change out when a mismatch on in-flight retries is
-//! acceptable, or wait out the retention with the old version running.
-//!
-//! | tag | canonical JSON |
-//! |---|---|
-//! | `idem-fp-v1` | keys sorted by UTF-8 bytes, numbers as `serde_json` writes them (`1250` and `1250.0` differ) |
-//! | `idem-fp-v2` (current) | RFC 8785 (JCS): numbers as IEEE 754 doubles in their shortest round-trip form (ECMAScript `Number.prototype.toString`, so `1250`, `1250.0` and `1.25e3` agree), keys sorted by UTF-16 code units, strings escaped per JCS |
+//! Every digest starts with the version tag `idem-fp-v2`, so that two ways of hashing never
+//! agree by accident. Its canonical JSON is RFC 8785 (JCS): numbers as IEEE 754 doubles in
+//! their shortest round-trip form (ECMAScript `Number.prototype.toString`, so `1250`,
+//! `1250.0` and `1.25e3` agree), keys sorted by UTF-16 code units, strings escaped per JCS.
+//! A change of the tag would change every fingerprint: a retry of a request recorded under
+//! the previous one would answer [`crate::Begin::Mismatch`] until that record expires (its
+//! retention).
 
 mod canonical;
 
@@ -298,6 +295,63 @@ mod tests {
         assert_eq!(f.to_hex(), PINNED);
     }
 
+    /// Fingerprints are stored with their records: these were computed before the canonical
+    /// writer last changed, and no change may alter them.
+    #[test]
+    fn fingerprints_are_fixed() {
+        let all = JsonSelection::All;
+        let only = JsonSelection::Only(vec!["/o/id".into(), "/missing".into()]);
+        let except = JsonSelection::Except(vec!["/sent_at".into()]);
+        let cases: [(&str, &JsonSelection, &str); 6] = [
+            (
+                r#"{"amount": 1250, "currency": "EUR"}"#,
+                &all,
+                "eaf16fd4b52ef1e7a11cb287131539fd781b23b36e9004d336fdf56a92c56e5e",
+            ),
+            (
+                r#"{"z":[1e30,4.50,-0,9007199254740993,0.000001,-3e-7],"\u20ac":"€","\ud83d\ude00":1,"\ufb33":2,"a":{"b":"x\ty\u007f","a":null}}"#,
+                &all,
+                "689348be0b2e89a14262e205cdbd00938d97e8ccfc6ce065a9e2cedb9042c970",
+            ),
+            (
+                r#"[true,false,null,"\u001f\/",{"a":1,"a":2},[],{}]"#,
+                &all,
+                "abd55e4de52e6dd16f49dfe5259f7d30337078b22051a3391d95fdbe5f1a1923",
+            ),
+            (
+                r#"{"o":{"id":7,"k":[1.0]},"sent_at":"t","n":1.5}"#,
+                &except,
+                "7254ac5ad8e600d2d2e4861a3e2ae974a2fdf4ec98fd4ec488694b7ce101ac97",
+            ),
+            (
+                r#"{"o":{"id":7,"k":[1.0]},"sent_at":"t","n":1.5}"#,
+                &only,
+                "38d319a1ef8fecd74599b0e4a1044f3a7053c92c524835399eb5289c53a36df4",
+            ),
+            (
+                "18446744073709551615",
+                &all,
+                "f15dc5d9292ba09d68f4c3eaeb638d84a925abf81b7dbbfde8447b4689c96ac0",
+            ),
+        ];
+        let mut got: Vec<String> = cases
+            .iter()
+            .map(|(body, selection, _)| {
+                Fingerprint::builder()
+                    .text("method", "POST")
+                    .text("path", "/payments")
+                    .json("body", body.as_bytes(), selection)
+                    .unwrap()
+                    .finish()
+                    .to_hex()
+            })
+            .collect();
+        got.push(Fingerprint::of_bytes(b"raw \xff bytes").to_hex());
+        let mut expected: Vec<&str> = cases.iter().map(|(_, _, hex)| *hex).collect();
+        expected.push("5e183fe0585fe0e5beeb8cdd1b69e2c895733881d4a8248151882ae87f554452");
+        assert_eq!(got, expected);
+    }
+
     /// The canonical form by the streaming path, checked against the `Value` path.
     fn canonical(json: &str) -> String {
         let streamed = canonical::canonicalize(json.as_bytes()).unwrap();
@@ -444,56 +498,29 @@ mod tests {
             .is_err());
     }
 
-    /// The `Value`-tree writer that `canonical` replaced, kept as the oracle it must match
-    /// byte for byte (stored fingerprints depend on it).
-    fn reference(value: &Value, out: &mut Vec<u8>) {
-        fn scalar<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
-            serde_json::to_writer(&mut *out, value).unwrap();
-        }
-        match value {
-            Value::Object(map) => {
-                let mut entries: Vec<_> = map.iter().collect();
-                entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
-                out.push(b'{');
-                for (i, (k, v)) in entries.into_iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    scalar(k.as_str(), out);
-                    out.push(b':');
-                    reference(v, out);
-                }
-                out.push(b'}');
-            }
-            Value::Array(items) => {
-                out.push(b'[');
-                for (i, v) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    reference(v, out);
-                }
-                out.push(b']');
-            }
-            Value::Number(n) => {
-                let double = n.as_f64().unwrap_or_default();
-                out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
-            }
-            scalar_value => scalar(scalar_value, out),
-        }
-    }
-
-    /// What the code before the streaming canonicaliser answered for `body`: the canonical
-    /// bytes, or the parser's error message.
-    fn by_reference(body: &[u8]) -> Result<Vec<u8>, String> {
-        let value: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-        let mut out = Vec::new();
-        reference(&value, &mut out);
-        Ok(out)
-    }
-
     fn streamed(body: &[u8]) -> Result<Vec<u8>, String> {
         canonical::canonicalize(body).map_err(|e| e.to_string())
+    }
+
+    /// What `serde_json` makes of `body`: nothing, or its error message.
+    fn parsed(body: &[u8]) -> Result<(), String> {
+        serde_json::from_slice::<Value>(body)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    /// `value` with every number replaced by the double it denotes.
+    fn as_doubles(value: &Value) -> Value {
+        match value {
+            Value::Number(n) => Value::from(n.as_f64().unwrap_or_default()),
+            Value::Array(items) => Value::Array(items.iter().map(as_doubles).collect()),
+            Value::Object(map) => Value::Object(
+                map.iter()
+                    .map(|(k, v)| (k.clone(), as_doubles(v)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
     }
 
     /// A JSON text as a client may write it: duplicate keys, escapes or none, any number
@@ -509,6 +536,32 @@ mod tests {
     }
 
     impl Text {
+        /// The same document written another way: escapes and whitespace the other way
+        /// round, numbers in exponent notation, and the members of an object in reverse
+        /// order when no key is given twice (else the last one given would change).
+        fn rewritten(&self) -> Text {
+            match self {
+                Text::Number(n) => Text::Number(format!("{:e}", n.parse::<f64>().unwrap())),
+                Text::String(s, escaped) => Text::String(s.clone(), !escaped),
+                Text::Array(items, spaced) => {
+                    Text::Array(items.iter().map(Text::rewritten).collect(), !spaced)
+                }
+                Text::Object(members, spaced) => {
+                    let mut members: Vec<_> = members
+                        .iter()
+                        .map(|(k, escaped, v)| (k.clone(), !escaped, v.rewritten()))
+                        .collect();
+                    let keys: std::collections::HashSet<_> =
+                        members.iter().map(|(k, _, _)| k).collect();
+                    if keys.len() == members.len() {
+                        members.reverse();
+                    }
+                    Text::Object(members, !spaced)
+                }
+                other => other.clone(),
+            }
+        }
+
         fn write(&self, out: &mut String) {
             match self {
                 Text::Null => out.push_str("null"),
@@ -668,24 +721,36 @@ mod tests {
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(4096))]
 
-            /// On any document, the streamed canonical form is the `Value`-tree writer's,
-            /// byte for byte; and through `json_value` too.
+            /// Member order, whitespace, escapes and number notation change nothing: the
+            /// canonical form depends only on what the document means.
             #[test]
-            fn streaming_matches_the_tree_writer(t in texts()) {
+            fn only_the_meaning_counts(t in texts()) {
                 let text = text_of(&t);
-                let expected = by_reference(text.as_bytes());
-                prop_assert!(expected.is_ok(), "{text}: {expected:?}");
-                prop_assert_eq!(streamed(text.as_bytes()), expected.clone(), "{}", text);
-                let value: Value = serde_json::from_str(&text).unwrap();
-                let mut out = Vec::new();
-                write_canonical(&value, &mut out);
-                prop_assert_eq!(Ok(out), expected);
+                let c = streamed(text.as_bytes());
+                prop_assert!(c.is_ok(), "{text}: {c:?}");
+                let other = text_of(&t.rewritten());
+                prop_assert_eq!(streamed(other.as_bytes()), c, "{} against {}", text, other);
             }
 
-            /// Broken documents (bytes replaced, cut short, extended) give the same answer:
-            /// the same canonical bytes, or the same error.
+            /// The canonical form is valid JSON holding the same document (every number the
+            /// double it denotes), and its own canonical form; a parsed `Value` gives it too.
             #[test]
-            fn broken_documents_fail_alike(
+            fn the_canonical_form_keeps_the_document(t in texts()) {
+                let text = text_of(&t);
+                let c = streamed(text.as_bytes()).unwrap();
+                let value: Value = serde_json::from_str(&text).unwrap();
+                let back: Value = serde_json::from_slice(&c).unwrap();
+                prop_assert_eq!(as_doubles(&back), as_doubles(&value), "{}", text);
+                prop_assert_eq!(streamed(&c), Ok(c.clone()));
+                let mut out = Vec::new();
+                write_canonical(&value, &mut out);
+                prop_assert_eq!(out, c);
+            }
+
+            /// Broken documents (bytes replaced, cut short, extended) get the parser's own
+            /// answer: accepted when it accepts them, else its error.
+            #[test]
+            fn broken_documents_get_the_parsers_errors(
                 t in texts(),
                 edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
                 cut in any::<prop::sample::Index>(),
@@ -701,7 +766,7 @@ mod tests {
                     1 => bytes.extend_from_slice(b" x"),
                     _ => {}
                 }
-                prop_assert_eq!(streamed(&bytes), by_reference(&bytes));
+                prop_assert_eq!(streamed(&bytes).map(drop), parsed(&bytes));
             }
 
             #[test]
@@ -720,11 +785,14 @@ mod tests {
     fn deep_nesting_is_refused_not_overflowed() {
         for depth in [1, 100, 127, 128, 129, 200, 100_000] {
             let arrays = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
-            assert_eq!(streamed(arrays.as_bytes()), by_reference(arrays.as_bytes()));
+            assert_eq!(
+                streamed(arrays.as_bytes()).map(drop),
+                parsed(arrays.as_bytes())
+            );
             let objects = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
             assert_eq!(
-                streamed(objects.as_bytes()),
-                by_reference(objects.as_bytes())
+                streamed(objects.as_bytes()).map(drop),
+                parsed(objects.as_bytes())
             );
         }
         let deep = "[".repeat(100_000);
@@ -754,9 +822,9 @@ mod tests {
             b"{\"a\":1,\"a\":}",
         ];
         for body in cases {
-            let expected = by_reference(body);
+            let expected = parsed(body);
             assert!(expected.is_err(), "{body:?}");
-            assert_eq!(streamed(body), expected, "{body:?}");
+            assert_eq!(streamed(body).map(drop), expected, "{body:?}");
         }
     }
 

@@ -14,8 +14,9 @@
 //! `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's
 //! `Number.prototype.toString`, which the RFC prescribes), except integers up to 2^53,
 //! whose form is their digits, written by `itoa`; strings are escaped by `serde_json`.
-//! The tests hold this module to the RFC's vectors and, on random documents, to the
-//! `Value`-tree writer it replaced.
+//! The tests hold this module to the RFC's own examples and, on random documents, to the
+//! properties of a canonical form (member order, whitespace, escapes and number notation
+//! change nothing; the form parses back to the same document and is its own form).
 //!
 //! What the parser accepts, rejects and how it reports it is `serde_json`'s own
 //! (`from_slice` calls the same parser the same way): the same errors, the same recursion
