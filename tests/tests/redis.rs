@@ -1,6 +1,8 @@
 //! The Redis backend: the conformance suite on one server (`redis`, against
 //! `IDEM_TEST_REDIS_URL`) and on a 3-primary Redis Cluster this test binary starts
-//! (`redis_cluster`), and the Redis-specific tests: memory per record, script cache loss
+//! (`redis_cluster`); the same on Valkey 9.1, which takes the compare-and-set path
+//! (`valkey`, `valkey_cluster`), and on a Valkey whose users may not run scripts
+//! (`valkey_noscripts`); and the Redis-specific tests: memory per record, script cache loss
 //! and server restarts under load, `WAIT` against a real replica, eviction-policy and OOM
 //! handling, and a race counting executions.
 //!
@@ -119,4 +121,151 @@ mod redis_cluster {
     }
 
     mod specific;
+}
+
+mod valkey {
+    //! One Valkey server, started by this test binary: every transition a plain command.
+    use std::sync::OnceLock;
+
+    use idem_redis::testing::{valkey, RedisServer};
+    use idem_redis::Scripting;
+
+    use super::*;
+
+    fn server() -> Option<&'static RedisServer> {
+        static SERVER: OnceLock<Option<RedisServer>> = OnceLock::new();
+        SERVER.get_or_init(|| valkey::throwaway(&[])).as_ref()
+    }
+
+    pub(crate) async fn url() -> Option<String> {
+        tokio::task::spawn_blocking(|| server().map(RedisServer::url))
+            .await
+            .expect("valkey start")
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let url = url().await?;
+        Some(Arc::new(
+            builder(&url)
+                .with_scripting(Scripting::NoScripts)
+                .connect()
+                .await
+                .expect("connect to valkey without scripts"),
+        ))
+    }
+
+    async fn unreachable() -> Arc<dyn Store> {
+        let port = idem_testkit::harness::free_port();
+        closed_port_store(format!("redis://127.0.0.1:{port}")).await
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
+
+    /// Pub/sub: a waiter answers within milliseconds of a completion made without scripts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::waiter_is_notified(store).await;
+    }
+}
+
+mod valkey_noscripts {
+    //! A Valkey whose default user may not run scripts (an ACL without `@scripting`), as
+    //! managed services configure it: the store's default `Scripting::Auto` sends none.
+    use std::sync::OnceLock;
+
+    use idem_redis::testing::{valkey, RedisServer};
+
+    use super::*;
+
+    fn server() -> Option<&'static RedisServer> {
+        static SERVER: OnceLock<Option<RedisServer>> = OnceLock::new();
+        SERVER
+            .get_or_init(|| {
+                let server = valkey::throwaway(&[])?;
+                server
+                    .cli(&["ACL", "SETUSER", "default", "-@scripting"])
+                    .expect("take scripting from the default user");
+                Some(server)
+            })
+            .as_ref()
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let url = tokio::task::spawn_blocking(|| server().map(RedisServer::url))
+            .await
+            .expect("valkey start")?;
+        Some(Arc::new(
+            builder(&url).connect().await.expect("connect to valkey"),
+        ))
+    }
+
+    async fn unreachable() -> Arc<dyn Store> {
+        let port = idem_testkit::harness::free_port();
+        closed_port_store(format!("redis://127.0.0.1:{port}")).await
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
+
+    /// The server refuses scripts indeed, so the suite above ran without any.
+    #[tokio::test]
+    async fn scripts_are_refused() {
+        let Some(server) = tokio::task::spawn_blocking(server).await.unwrap() else {
+            return;
+        };
+        let client = ::redis::Client::open(server.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let refused = ::redis::cmd("EVAL")
+            .arg("return 1")
+            .arg(0)
+            .query_async::<i64>(&mut conn)
+            .await
+            .expect_err("EVAL ran");
+        assert!(refused.to_string().contains("no permissions"), "{refused}");
+    }
+}
+
+mod valkey_cluster {
+    //! A 3-primary Valkey cluster started by this test binary.
+    use std::sync::OnceLock;
+
+    use idem_redis::testing::{valkey, RedisCluster};
+    use idem_redis::Scripting;
+
+    use super::*;
+
+    fn cluster() -> Option<&'static RedisCluster> {
+        static CLUSTER: OnceLock<Option<RedisCluster>> = OnceLock::new();
+        CLUSTER.get_or_init(|| valkey::cluster(3)).as_ref()
+    }
+
+    async fn store() -> Option<Arc<dyn Store>> {
+        let url = tokio::task::spawn_blocking(|| cluster().map(RedisCluster::url))
+            .await
+            .expect("cluster start")?;
+        let store = builder(&url)
+            .with_scripting(Scripting::NoScripts)
+            .connect()
+            .await
+            .expect("connect to the valkey cluster");
+        assert!(store.is_cluster());
+        Some(Arc::new(store))
+    }
+
+    async fn unreachable() -> Arc<dyn Store> {
+        let (a, b) = (
+            idem_testkit::harness::free_port(),
+            idem_testkit::harness::free_port(),
+        );
+        closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
+    }
+
+    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
+
+    /// Sharded pub/sub without scripts: `SPUBLISH` behind the completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiter_is_notified() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::waiter_is_notified(store).await;
+    }
 }

@@ -91,6 +91,15 @@ pub(crate) fn in_progress(
 
 const MAX_U48: u64 = (1 << 48) - 1;
 
+/// The margin (ms) of an in-progress record of [`IN_PROGRESS_LEN`] bytes.
+pub(crate) fn margin_ms(record: &[u8]) -> u64 {
+    u64::try_from(read_u48(&record[17..23])).unwrap_or(0)
+}
+
+/// What a release writes on a server without a compare-and-delete (Valkey 8.1): a value
+/// that lives a millisecond and reads as absent.
+pub(crate) const RELEASED: &[u8] = b"R";
+
 /// A completion as the `complete` script takes it.
 #[derive(Debug)]
 pub(crate) struct EncodedCompletion {

@@ -51,6 +51,9 @@ pub struct RedisConfig {
     /// save points), so that a restart forgets every record. Default: `true`. Off for the
     /// Redis of a tiered store, which needs no persistence: PostgreSQL is its arbiter.
     pub persistence_check: bool,
+    /// Whether the store may use Lua scripts, or the servers' compare-and-set commands.
+    /// Default: [`Scripting::Auto`].
+    pub scripting: Scripting,
 }
 
 impl Default for RedisConfig {
@@ -65,8 +68,30 @@ impl Default for RedisConfig {
             eviction: EvictionCheck::default(),
             durability: None,
             persistence_check: true,
+            scripting: Scripting::default(),
         }
     }
+}
+
+/// How the store makes its fenced transitions (complete, release, extend, a takeover):
+/// with the servers' compare-and-set commands, or with Lua scripts.
+///
+/// The commands are `SET .. IFEQ` and a compare-and-delete: Valkey 8.1 and newer (`SET ..
+/// IFEQ`; `DELIFEQ` from Valkey 9.0), Redis 8.4 and newer (`SET .. IFEQ` and `DELEX`). The
+/// store reads each primary's name and version (`INFO server`) when it connects, and again
+/// when a command is refused by a node (a failover or resharding to an older server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Scripting {
+    /// The commands where every primary has them, Lua scripts otherwise. The default.
+    #[default]
+    Auto,
+    /// Lua scripts on every server.
+    Scripts,
+    /// The commands only: no `EVAL`, `EVALSHA` or `FCALL` is ever sent (for services that
+    /// disable scripting). Connecting to a server without the commands fails with
+    /// [`idem_core::Error::Backend`], naming the versions that have them.
+    NoScripts,
 }
 
 /// The largest body a completed record keeps as it is, and what happens to a bigger one.

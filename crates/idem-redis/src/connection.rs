@@ -224,8 +224,19 @@ impl Conn {
     /// The `maxmemory_policy` line of `INFO memory` of every primary (one for a standalone
     /// server). An empty list when the server does not report it.
     pub(crate) async fn eviction_policies(&mut self) -> Result<Vec<String>, redis::RedisError> {
+        let texts = self.info("memory").await?;
+        Ok(texts
+            .iter()
+            .flat_map(|text| text.lines())
+            .filter_map(|line| line.strip_prefix("maxmemory_policy:"))
+            .map(|policy| policy.trim().to_owned())
+            .collect())
+    }
+
+    /// `INFO <section>` of every primary (one text for a standalone server).
+    pub(crate) async fn info(&mut self, section: &str) -> Result<Vec<String>, redis::RedisError> {
         let mut info = redis::cmd("INFO");
-        info.arg("memory");
+        info.arg(section);
         let reply = match self {
             Self::Standalone(manager) => info.query_async::<Value>(manager).await?,
             Self::Cluster(cluster) => {
@@ -239,12 +250,7 @@ impl Conn {
         };
         let mut texts = Vec::new();
         collect_text(reply, &mut texts);
-        Ok(texts
-            .iter()
-            .flat_map(|text| text.lines())
-            .filter_map(|line| line.strip_prefix("maxmemory_policy:"))
-            .map(|policy| policy.trim().to_owned())
-            .collect())
+        Ok(texts)
     }
 }
 

@@ -223,7 +223,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 
+mod caps;
 mod codec;
+mod commands;
 mod config;
 mod connection;
 mod error;
@@ -236,7 +238,7 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
+pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
 pub use error::{EvictionPolicyError, ReplicationError};
 pub use reach::is_unreachable;
 pub use stats::{Finding, Problem, Scan, ScanCounts};

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -18,8 +19,9 @@ use redis::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
+use crate::caps::{self, Path, Server};
 use crate::codec::{self, Head};
-use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig};
+use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
 use crate::connection::{
     pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME, RECONNECT_MAX_DELAY,
 };
@@ -32,6 +34,10 @@ use crate::STORE;
 /// Durations sent to Redis are capped at 2^40 ms (about 34 years), far below what would
 /// overflow its expiry arithmetic or the Lua number type.
 const MAX_MS: u64 = 1 << 40;
+
+/// How many compare-and-set rounds a call makes, each finding the record changed since it
+/// was read, before it answers [`Error::Unavailable`].
+pub(crate) const CAS_ROUNDS: usize = 8;
 
 /// Runs one store call, bounded by [`RedisConfig::call_timeout`]: `$body` with a connection
 /// in `$conn`. When the connection fails under it (refused, dropped, reset), `$body` runs
@@ -50,7 +56,9 @@ macro_rules! call {
                         Err(e) => Err(e),
                     };
                     match result {
-                        Err(e) if !$resent && connection_failed(&e) => $resent = true,
+                        Err(e) if !$resent && (connection_failed(&e) || $store.refused(&e)) => {
+                            $resent = true
+                        }
                         other => break other,
                     }
                 }
@@ -103,6 +111,12 @@ struct Inner {
     checked: OnceCell<()>,
     /// Waiters' pub/sub: classic on one server, sharded on a cluster.
     notifier: Waiters,
+    /// The [`Path`] of the transitions (its `to_u8`), 0 until the servers were read (and
+    /// again when a node refuses a command, so that they are read again).
+    path: AtomicU8,
+    /// The margin (ms) of the last in-progress record this store wrote: the guess of the
+    /// record a lease holds, for the compare-and-set path (`commands.rs`).
+    margin_hint: AtomicU64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -160,6 +174,12 @@ impl RedisStoreBuilder {
     /// persists nothing); turn it off for the Redis of a tiered store.
     pub fn with_persistence_check(mut self, check: bool) -> Self {
         self.config.persistence_check = check;
+        self
+    }
+
+    /// Sets [`RedisConfig::scripting`]. Default: [`Scripting::Auto`].
+    pub fn with_scripting(mut self, scripting: Scripting) -> Self {
+        self.config.scripting = scripting;
         self
     }
 
@@ -246,6 +266,8 @@ impl RedisStoreBuilder {
                 config,
                 checked: OnceCell::new(),
                 notifier,
+                path: AtomicU8::new(0),
+                margin_hint: AtomicU64::new(u64::MAX),
             }),
         })
     }
@@ -340,13 +362,22 @@ impl RedisStore {
             let mut conn = conn;
             // Idempotent by construction: a re-send after a dropped connection needs no
             // marker.
-            match scripts::run(scripts::APPLY.on(self.is_cluster()), &cmd, &mut conn).await {
-                Ok(Value::Int(1)) => Ok(Applied::Written),
-                Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
-                Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
-                Ok(Value::Int(4)) => Ok(Applied::Absent),
-                Ok(other) => Err(unexpected("apply", &other)),
-                Err(e) => Err(e),
+            match self.path() {
+                Path::Commands(_) => {
+                    self.apply_commands(&mut conn, &key, identity, token, &encoded, ttl)
+                        .await
+                }
+                Path::Scripts => {
+                    match scripts::run(scripts::APPLY.on(self.is_cluster()), &cmd, &mut conn).await
+                    {
+                        Ok(Value::Int(1)) => Ok(Applied::Written),
+                        Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
+                        Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
+                        Ok(Value::Int(4)) => Ok(Applied::Absent),
+                        Ok(other) => Err(unexpected("apply", &other)),
+                        Err(e) => Err(e),
+                    }
+                }
             }
         })
     }
@@ -471,7 +502,8 @@ impl RedisStore {
     /// The scheme that selects Redis Cluster in a URL.
     pub const CLUSTER_SCHEME: &'static str = CLUSTER_SCHEME;
 
-    /// A connection, after the eviction-policy check has passed once.
+    /// A connection, after the eviction-policy check has passed once and the servers'
+    /// commands were read ([`RedisStore::path`]).
     pub(crate) async fn ready(&self) -> Result<Conn, Error> {
         let mut conn = self.inner.connection.get().await?;
         if self.inner.config.eviction != EvictionCheck::Skip {
@@ -480,7 +512,69 @@ impl RedisStore {
                 .get_or_try_init(|| check_eviction(&mut conn, &self.inner.config))
                 .await?;
         }
+        if self.inner.path.load(Ordering::Relaxed) == 0 {
+            let path = self.detect(&mut conn).await?;
+            self.inner.path.store(path.to_u8(), Ordering::Relaxed);
+        }
         Ok(conn)
+    }
+
+    /// The margin (ms) of the last in-progress record this store wrote.
+    pub(crate) fn margin_hint(&self) -> u64 {
+        self.inner.margin_hint.load(Ordering::Relaxed)
+    }
+
+    /// How the transitions are made: read from the servers by [`RedisStore::ready`].
+    pub(crate) fn path(&self) -> Path {
+        Path::from_u8(self.inner.path.load(Ordering::Relaxed)).unwrap_or(Path::Scripts)
+    }
+
+    /// Reads every primary's name and version (`INFO server`) and chooses the path per
+    /// [`RedisConfig::scripting`]; logs it.
+    async fn detect(&self, conn: &mut Conn) -> Result<Path, Error> {
+        let scripting = self.inner.config.scripting;
+        let servers: Option<Vec<Server>> = match conn.info("server").await {
+            Ok(texts) => texts.iter().map(|t| Server::parse(t)).collect(),
+            Err(e) => {
+                let e = classify(e);
+                if e.is_retryable() {
+                    return Err(e);
+                }
+                // INFO may be disabled (managed services rename it).
+                tracing::warn!(error = %e, "could not read the redis servers' versions");
+                None
+            }
+        };
+        let path = caps::choose(servers.as_deref(), scripting)?;
+        let servers: Vec<String> = servers.iter().flatten().map(ToString::to_string).collect();
+        tracing::info!(
+            servers = %servers.join(", "),
+            path = ?path,
+            ?scripting,
+            "redis transitions: {}",
+            match path {
+                Path::Scripts => "Lua scripts",
+                Path::Commands(_) => "compare-and-set commands, no scripts",
+            }
+        );
+        Ok(path)
+    }
+
+    /// Whether `error` is a node refusing a compare-and-set command (a failover or a
+    /// resharding onto an older server): the servers are read again before the next call.
+    fn refused(&self, error: &Error) -> bool {
+        let Error::Backend { source, .. } = error else {
+            return false;
+        };
+        let refused = matches!(self.path(), Path::Commands(_))
+            && source
+                .downcast_ref::<redis::RedisError>()
+                .and_then(redis::RedisError::detail)
+                .is_some_and(|d| d.contains("syntax error") || d.contains("unknown command"));
+        if refused {
+            self.inner.path.store(0, Ordering::Relaxed);
+        }
+        refused
     }
 
     /// Bounds a whole call by [`RedisConfig::call_timeout`], counted from its first poll.
@@ -537,13 +631,13 @@ impl RedisStore {
 
     /// `begin`'s fast path: one plain `SET key <in-progress record> NX GET PX <lease +
     /// retention>`, one command and one round trip. An absent key is acquired by the `SET`
-    /// itself; otherwise the record it hands back decides the common cases without a
-    /// script: a completed record is replayed (it carries its own expiry), and a record of
-    /// another fingerprint is a mismatch. A record in progress needs the server's clock (its
-    /// lease deadline is the key's expiry minus its margin), so `begin.lua` decides it in
-    /// one atomic step: in flight, a takeover, or the caller's own lease sent again. A
-    /// completed record of the previous layout, which holds no expiry, is replayed with its
-    /// key's `PTTL`, one more round trip.
+    /// itself; otherwise the record it hands back decides the common cases: a completed
+    /// record is replayed (it carries its own expiry), and a record of another fingerprint
+    /// is a mismatch. A record in progress needs the server's clock (its lease deadline is
+    /// the key's expiry minus its margin): with scripts, `begin.lua` decides it in one
+    /// atomic step; with the compare-and-set commands, its `PTTL` decides (in flight, or
+    /// the caller's own lease sent again), and a takeover of an expired lease is a `SET ..
+    /// IFEQ <the record read> GET`, whose answer is decided again when the record changed.
     async fn begin_once(
         &self,
         mut conn: Conn,
@@ -553,58 +647,140 @@ impl RedisStore {
         let sent_at = Instant::now();
         let lease_ms = millis(req.lease).max(1);
         let margin_ms = millis(req.retention);
+        self.inner.margin_hint.store(margin_ms, Ordering::Relaxed);
+        let fingerprint = req.fingerprint.as_bytes().as_slice();
+        let set = |record: &[u8], ifeq: Option<&[u8]>| {
+            let mut cmd = redis::Cmd::with_capacity(9, key.len() + 2 * record.len() + 40);
+            cmd.arg("SET").arg(key).arg(record);
+            match ifeq {
+                Some(expected) => cmd.arg("IFEQ").arg(expected),
+                None => cmd.arg("NX"),
+            };
+            cmd.arg("GET").arg("PX").arg(lease_ms + margin_ms);
+            cmd
+        };
         let record = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
-        // Sized up front, so that building it never reallocates.
-        let mut set = redis::Cmd::with_capacity(7, 3 + key.len() + record.len() + 2 + 3 + 2 + 20);
-        set.arg("SET")
-            .arg(key)
-            .arg(record.as_slice())
-            .arg("NX")
-            .arg("GET")
-            .arg("PX")
-            .arg(lease_ms + margin_ms);
-        let reply = conn.req_packed_command(&set).await;
-        let old = match reply.and_then(Value::extract_error).map_err(classify)? {
-            Value::Nil => {
+        // What the last `SET` compared with (`None`: NX), and the attempt it wrote.
+        let mut sent: (Option<Bytes>, u32) = (None, 1);
+        let mut reply = conn.req_packed_command(&set(&record, None)).await;
+        for _ in 0..CAS_ROUNDS {
+            let old = match (
+                reply.and_then(Value::extract_error).map_err(classify)?,
+                sent,
+            ) {
+                (Value::Nil, (None, attempt)) => {
+                    let lease = Lease::new(
+                        req.id.clone(),
+                        req.token,
+                        attempt,
+                        Duration::from_millis(lease_ms),
+                        sent_at,
+                    )
+                    .with_fingerprint(req.fingerprint);
+                    return self.hold(conn, key, lease).await;
+                }
+                (Value::BulkString(old), (Some(expected), attempt)) if old == expected => {
+                    let lease = Lease::new(
+                        req.id.clone(),
+                        req.token,
+                        attempt,
+                        Duration::from_millis(lease_ms),
+                        sent_at,
+                    )
+                    .with_fingerprint(req.fingerprint);
+                    return self.hold(conn, key, lease).await;
+                }
+                // The record compared with is gone: start over.
+                (Value::Nil, (Some(_), _)) => {
+                    sent = (None, 1);
+                    reply = conn.req_packed_command(&set(&record, None)).await;
+                    continue;
+                }
+                (Value::BulkString(old), _) => Bytes::from(old),
+                (other, _) => return Err(unexpected("SET NX GET", &other)),
+            };
+            if old.as_ref() == codec::RELEASED {
+                // Released on a server without a compare-and-delete: as good as absent.
+                reply = conn
+                    .req_packed_command(&set(&record, Some(codec::RELEASED)))
+                    .await;
+                sent = (Some(old), 1);
+                continue;
+            }
+            let pttl = match (codec::decode_head(&old, 0, 0), self.path()) {
+                (
+                    Some(
+                        Head::Completed { fingerprint: f, .. }
+                        | Head::InProgress { fingerprint: f, .. },
+                    ),
+                    _,
+                ) if f != fingerprint => return Ok(Begin::Mismatch),
+                (Some(Head::Completed { expires_at, .. }), _) => {
+                    let expires_in = match expires_at {
+                        Some(at) => codec::expires_in(at),
+                        None => codec::millis(self.pttl(&mut conn, key).await?),
+                    };
+                    return Ok(Begin::Replay(Replay {
+                        completion: codec::decode_completion_in(&old, &old)?,
+                        expires_in,
+                    }));
+                }
+                (Some(Head::InProgress { .. }), Path::Scripts) => {
+                    return self.begin_script(conn, key, req).await
+                }
+                (Some(Head::InProgress { .. }), Path::Commands(_)) => {
+                    self.pttl(&mut conn, key).await?
+                }
+                (None, _) => return Err(Error::corrupt(STORE, "not a record")),
+            };
+            let Some(Head::InProgress {
+                token,
+                attempt,
+                lease_left_ms,
+                ..
+            }) = codec::decode_head(&old, pttl, 0)
+            else {
+                return Err(Error::corrupt(
+                    STORE,
+                    "in-progress record without an expiry",
+                ));
+            };
+            if token == req.token.as_bytes() {
+                // The same attempt asking again (its reply was lost): its own lease back.
                 let lease = Lease::new(
                     req.id.clone(),
                     req.token,
-                    1,
-                    Duration::from_millis(lease_ms),
+                    attempt,
+                    codec::millis(lease_left_ms),
                     sent_at,
                 )
                 .with_fingerprint(req.fingerprint);
                 return self.hold(conn, key, lease).await;
             }
-            Value::BulkString(old) => Bytes::from(old),
-            other => return Err(unexpected("SET NX GET", &other)),
-        };
-        let fingerprint = req.fingerprint.as_bytes().as_slice();
-        // The clock arguments only matter for a record in progress, which the script decides.
-        match codec::decode_head(&old, 0, 0) {
-            Some(
-                Head::Completed { fingerprint: f, .. } | Head::InProgress { fingerprint: f, .. },
-            ) if f != fingerprint => Ok(Begin::Mismatch),
-            Some(Head::Completed { expires_at, .. }) => {
-                let expires_in = match expires_at {
-                    Some(at) => codec::expires_in(at),
-                    None => {
-                        let pttl: i64 = redis::cmd("PTTL")
-                            .arg(key)
-                            .query_async(&mut conn)
-                            .await
-                            .map_err(classify)?;
-                        codec::millis(pttl)
-                    }
-                };
-                Ok(Begin::Replay(Replay {
-                    completion: codec::decode_completion_in(&old, &old)?,
-                    expires_in,
-                }))
+            if lease_left_ms > 0 {
+                return Ok(Begin::InFlight {
+                    retry_after: codec::millis(lease_left_ms),
+                });
             }
-            Some(Head::InProgress { .. }) => self.begin_script(conn, key, req).await,
-            None => Err(Error::corrupt(STORE, "not a record")),
+            // The holder's lease expired: take it over if the record is still the one read.
+            let attempt = attempt.saturating_add(1);
+            let taken = codec::in_progress(&req.token, margin_ms, &req.fingerprint, attempt);
+            reply = conn.req_packed_command(&set(&taken, Some(&old))).await;
+            sent = (Some(old), attempt);
         }
+        Err(Error::unavailable(
+            STORE,
+            "the record kept changing under a takeover; try again",
+        ))
+    }
+
+    /// The key's `PTTL`.
+    async fn pttl(&self, conn: &mut Conn, key: &str) -> Result<i64, Error> {
+        redis::cmd("PTTL")
+            .arg(key)
+            .query_async(conn)
+            .await
+            .map_err(classify)
     }
 
     /// `begin.lua`: the whole begin rule in one atomic step, for what the fast path cannot
@@ -656,7 +832,10 @@ impl RedisStore {
         if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
             // The lease may not survive a failover: give it back rather than let the work
             // run on it. A failed release leaves it to expire.
-            let _ = self.release_once(conn, key, &lease, false).await;
+            let _ = match self.path() {
+                Path::Scripts => self.release_once(conn, key, &lease, false).await,
+                Path::Commands(_) => self.release_commands(&mut conn, key, &lease, false).await,
+            };
             return Err(Error::unavailable(
                 STORE,
                 ReplicationError {
@@ -733,7 +912,12 @@ impl RedisStore {
                 tracing::debug!(error = %e, "could not wake the waiters of a completed record");
             }
         }
-        if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
+        self.after_complete(&mut conn, key).await
+    }
+
+    /// Waits for replicas after a completion when durability is on.
+    pub(crate) async fn after_complete(&self, conn: &mut Conn, key: &str) -> Result<(), Error> {
+        if let Some((acked, wanted)) = self.replicate(conn, key).await? {
             return Err(Error::unavailable(
                 STORE,
                 ReplicationError {
@@ -886,7 +1070,7 @@ async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Err
     Ok(())
 }
 
-fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
 }
 
@@ -935,30 +1119,51 @@ impl Store for RedisStore {
     async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
         let key = self.record_key(lease.id());
-        call!(self, |conn, resent| {
-            self.complete_once(conn, &key, lease, &encoded, ttl, resent)
-                .await
+        call!(self, |conn, resent| match self.path() {
+            Path::Scripts => {
+                self.complete_once(conn, &key, lease, &encoded, ttl, resent)
+                    .await
+            }
+            Path::Commands(_) => {
+                let mut conn = conn;
+                self.complete_commands(&mut conn, &key, lease, &encoded, ttl, resent)
+                    .await
+            }
         })
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
         let key = self.record_key(lease.id());
-        call!(self, |conn, resent| self
-            .release_once(conn, &key, lease, resent)
-            .await)
+        call!(self, |conn, resent| match self.path() {
+            Path::Scripts => self.release_once(conn, &key, lease, resent).await,
+            Path::Commands(_) => {
+                let mut conn = conn;
+                self.release_commands(&mut conn, &key, lease, resent).await
+            }
+        })
     }
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
         let key = self.record_key(lease.id());
         // Extending twice to the same `by` from now is what one extend does.
-        call!(self, |conn, _resent| self
-            .extend_once(conn, &key, lease, by)
-            .await)
+        call!(self, |conn, _resent| match self.path() {
+            Path::Scripts => self.extend_once(conn, &key, lease, by).await,
+            Path::Commands(_) => {
+                let mut conn = conn;
+                self.extend_commands(&mut conn, &key, lease, by).await
+            }
+        })
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let key = self.record_key(id);
-        call!(self, |conn, _resent| self.get_once(conn, &key, id).await)
+        call!(self, |conn, _resent| match self.path() {
+            Path::Scripts => self.get_once(conn, &key, id).await,
+            Path::Commands(_) => {
+                let mut conn = conn;
+                self.get_commands(&mut conn, &key, id).await
+            }
+        })
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {

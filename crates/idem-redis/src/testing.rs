@@ -5,6 +5,7 @@
 pub use idem_testkit::redis::{
     available, binaries_available, throwaway, RedisCluster, RedisServer,
 };
+pub use idem_testkit::valkey;
 
 /// The script `name` (`begin`, `complete`, `release`, `extend`, `get`, `apply`) exactly as the
 /// store sends it, for tests that call a script directly.

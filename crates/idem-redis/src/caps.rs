@@ -1,0 +1,206 @@
+//! What the servers can do: whether every primary has the compare-and-set commands, read
+//! from the name and version in its `INFO server`.
+
+use idem_core::Error;
+
+use crate::config::Scripting;
+use crate::STORE;
+
+/// The versions that have the commands, for the message refusing a server without them.
+const VERSIONS: &str = "Valkey 8.1 or newer (SET IFEQ; DELIFEQ from 9.0) or Redis 8.4 or \
+                        newer (SET IFEQ and DELEX)";
+
+/// How a record held by a lease is deleted without a script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// `DELIFEQ key value` (Valkey 9.0+).
+    DelIfEq,
+    /// `DELEX key IFEQ value` (Redis 8.4+).
+    DelEx,
+    /// `SET key <released> IFEQ value PX 1`: a one-byte value that lives a millisecond
+    /// and reads as absent (Valkey 8.1, or primaries of both kinds).
+    SetReleased,
+}
+
+/// How the store makes its fenced transitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// Lua scripts.
+    Scripts,
+    /// Plain commands: `SET .. IFEQ`, and a release of this kind.
+    Commands(Release),
+}
+
+impl Path {
+    /// As stored in the store's atomic (0 is "not read yet").
+    pub(crate) fn to_u8(self) -> u8 {
+        match self {
+            Self::Scripts => 1,
+            Self::Commands(Release::DelIfEq) => 2,
+            Self::Commands(Release::DelEx) => 3,
+            Self::Commands(Release::SetReleased) => 4,
+        }
+    }
+
+    /// The path [`Path::to_u8`] stored; `None` for 0.
+    pub(crate) fn from_u8(n: u8) -> Option<Self> {
+        Some(match n {
+            1 => Self::Scripts,
+            2 => Self::Commands(Release::DelIfEq),
+            3 => Self::Commands(Release::DelEx),
+            4 => Self::Commands(Release::SetReleased),
+            _ => return None,
+        })
+    }
+}
+
+/// A server's kind and version, from its `INFO server`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Server {
+    valkey: bool,
+    version: (u32, u32, u32),
+}
+
+impl Server {
+    /// Reads `server_name` and `valkey_version` (Valkey, which reports an older
+    /// `redis_version` for compatibility) or `redis_version`.
+    pub(crate) fn parse(info: &str) -> Option<Self> {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        let valkey = field("server_name") == Some("valkey");
+        let text = if valkey {
+            field("valkey_version")?
+        } else {
+            field("redis_version")?
+        };
+        let mut parts = text.split('.').map(|p| p.parse::<u32>().ok());
+        let mut next = || parts.next().flatten();
+        Some(Self {
+            valkey,
+            version: (next()?, next().unwrap_or(0), next().unwrap_or(0)),
+        })
+    }
+
+    /// How this server releases without a script; `None` when it lacks `SET .. IFEQ`.
+    fn release(self) -> Option<Release> {
+        let (major, minor, _) = self.version;
+        match (self.valkey, major, minor) {
+            (true, 9.., _) => Some(Release::DelIfEq),
+            (true, 8, 1..) => Some(Release::SetReleased),
+            (false, 9.., _) | (false, 8, 4..) => Some(Release::DelEx),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (major, minor, patch) = self.version;
+        let name = if self.valkey { "valkey" } else { "redis" };
+        write!(f, "{name} {major}.{minor}.{patch}")
+    }
+}
+
+/// The path for primaries `servers` (`None` when one did not say what it is) under
+/// `scripting`.
+///
+/// # Errors
+///
+/// [`Error::Backend`] with [`Scripting::NoScripts`] when a primary lacks the commands.
+pub(crate) fn choose(servers: Option<&[Server]>, scripting: Scripting) -> Result<Path, Error> {
+    let releases: Option<Vec<Release>> =
+        servers.and_then(|all| all.iter().map(|s| s.release()).collect());
+    let path = match releases.as_deref() {
+        _ if scripting == Scripting::Scripts => Path::Scripts,
+        Some([first, rest @ ..]) => Path::Commands(if rest.iter().all(|r| r == first) {
+            *first
+        } else {
+            // Primaries of different kinds share SET .. IFEQ alone.
+            Release::SetReleased
+        }),
+        _ => Path::Scripts,
+    };
+    if path == Path::Scripts && scripting == Scripting::NoScripts {
+        let found = match servers {
+            Some(all) => all
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            None => "a server that does not report its name and version (INFO server)".into(),
+        };
+        return Err(Error::backend(
+            STORE,
+            format!(
+                "Scripting::NoScripts needs the compare-and-set commands on every primary, \
+                 which {VERSIONS} have; found {found}: upgrade the servers, or allow Lua \
+                 scripts with Scripting::Auto"
+            ),
+        ));
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(info: &str) -> Server {
+        Server::parse(info).unwrap()
+    }
+
+    #[test]
+    fn versions_choose_the_path() {
+        let valkey91 = server(
+            "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:9.1.2\r\n",
+        );
+        let valkey81 = server("server_name:valkey\nvalkey_version:8.1.0\n");
+        let valkey80 = server("server_name:valkey\nvalkey_version:8.0.2\n");
+        let redis70 = server("redis_version:7.0.15\n");
+        let redis84 = server("redis_version:8.4.0\n");
+        assert_eq!(valkey91.to_string(), "valkey 9.1.2");
+        let auto = |s: &[Server]| choose(Some(s), Scripting::Auto).unwrap();
+        assert_eq!(auto(&[valkey91]), Path::Commands(Release::DelIfEq));
+        assert_eq!(auto(&[valkey81]), Path::Commands(Release::SetReleased));
+        assert_eq!(auto(&[redis84]), Path::Commands(Release::DelEx));
+        assert_eq!(auto(&[valkey80]), Path::Scripts);
+        assert_eq!(auto(&[redis70]), Path::Scripts);
+        assert_eq!(
+            auto(&[valkey91, valkey91]),
+            Path::Commands(Release::DelIfEq)
+        );
+        assert_eq!(
+            auto(&[valkey91, redis84]),
+            Path::Commands(Release::SetReleased)
+        );
+        assert_eq!(auto(&[valkey91, redis70]), Path::Scripts);
+        assert_eq!(choose(None, Scripting::Auto).unwrap(), Path::Scripts);
+        assert_eq!(
+            choose(Some(&[valkey91]), Scripting::Scripts).unwrap(),
+            Path::Scripts
+        );
+        let Err(Error::Backend { source, .. }) =
+            choose(Some(&[valkey91, redis70]), Scripting::NoScripts)
+        else {
+            panic!("a Redis 7.0 primary accepted without scripts");
+        };
+        let message = source.to_string();
+        assert!(message.contains("redis 7.0.15"), "{message}");
+        assert!(
+            message.contains("Valkey 8.1") && message.contains("Redis 8.4"),
+            "{message}"
+        );
+        for path in [
+            Path::Scripts,
+            Path::Commands(Release::DelIfEq),
+            Path::Commands(Release::DelEx),
+            Path::Commands(Release::SetReleased),
+        ] {
+            assert_eq!(Path::from_u8(path.to_u8()), Some(path));
+        }
+        assert_eq!(Path::from_u8(0), None);
+    }
+}
