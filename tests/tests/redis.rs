@@ -167,6 +167,34 @@ mod valkey {
         let Some(store) = store().await else { return };
         idem_testkit::cases::waiter_is_notified(store).await;
     }
+
+    /// A restart of the server under load: `Unavailable` while it is down, and every
+    /// call started after it is back succeeds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn server_restart() {
+        let Some(server) = tokio::task::spawn_blocking(|| valkey::throwaway(&[]))
+            .await
+            .unwrap()
+        else {
+            return;
+        };
+        super::redis::specific::restart(server).await;
+    }
+
+    /// 2000 keys, 24 concurrent callers each: the work runs once per key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn race_exactly_once_per_key() {
+        let Some(url) = url().await else { return };
+        let store: Arc<dyn Store> = Arc::new(builder(&url).connect().await.unwrap());
+        super::redis::specific::race(store, 2000, 24).await;
+    }
+
+    /// An instance on scripts and one on the commands, racing over the same keys.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_instances_on_both_paths() {
+        let Some(url) = url().await else { return };
+        super::redis::specific::two_instances(&url).await;
+    }
 }
 
 mod valkey_noscripts {
@@ -267,5 +295,12 @@ mod valkey_cluster {
     async fn waiter_is_notified() {
         let Some(store) = store().await else { return };
         idem_testkit::cases::waiter_is_notified(store).await;
+    }
+
+    /// Thousands of callers racing over keys on all three primaries: once per key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn race_across_primaries() {
+        let Some(store) = store().await else { return };
+        super::redis::specific::race(store, 1000, 16).await;
     }
 }

@@ -1,12 +1,34 @@
 //! # idem-redis
 //!
-//! The Redis backend of idem: [`RedisStore`] implements [`idem_core::Store`] on Redis 7,
-//! one server or Redis Cluster. Each transition is one atomic step: the common ones
-//! (acquiring a new key, replaying a completed one) one plain `SET .. NX GET`, the ones that
-//! need a compare (completing, releasing and extending a lease) one Lua script. A `begin`
-//! that finds a record in progress (in flight, the same attempt sent again, a takeover of
-//! an expired lease) sends `begin.lua` after its `SET`. Lease deadlines come from the server's clock; every write
-//! that ends or extends a lease checks its fencing token.
+//! The Redis backend of idem: [`RedisStore`] implements [`idem_core::Store`] on Redis 7+
+//! or Valkey, one server or a cluster. Each transition is one atomic step: the common ones
+//! (acquiring a new key, replaying a completed one) one plain `SET .. NX GET`; the ones that
+//! need a compare (completing, releasing and extending a lease, taking over an expired one)
+//! one compare-and-set command on servers that have them, one Lua script on the others
+//! (see [Which path](#which-path)). Lease deadlines come from the server's clock; every
+//! write that ends or extends a lease checks its fencing token.
+//!
+//! ## Which path
+//!
+//! When it connects, the store reads every primary's name and version (`INFO server`; again
+//! whenever a node refuses a command, as after a failover onto an older server) and logs
+//! what it chose, per [`RedisConfig::scripting`] ([`Scripting::Auto`] by default):
+//!
+//! | servers | complete, extend, takeover | release | scripts sent |
+//! |---|---|---|---|
+//! | Valkey 9.0+ | `SET .. IFEQ <held record> GET PX` | `DELIFEQ` | none |
+//! | Redis 8.4+ | `SET .. IFEQ <held record> GET PX` | `DELEX .. IFEQ` | none |
+//! | Valkey 8.1, or primaries of both kinds | `SET .. IFEQ <held record> GET PX` | `SET .. IFEQ` to a released value living 1 ms | none |
+//! | Redis 7.x, Valkey 7.2–8.0, a server hiding `INFO` | Lua scripts | `release.lua` | the scripts below |
+//!
+//! The compare is with the whole in-progress record the lease holds, rebuilt from the lease
+//! (token, fingerprint, attempt) and the margin of the store's `begin`s; when it differs,
+//! the `GET` of the same command hands back what is there, and the command goes once more
+//! when that is still the lease's record. A `begin` that finds a record in progress reads
+//! its `PTTL` (the deadline is the key's expiry minus the record's margin) and takes an
+//! expired lease over with `SET .. IFEQ <the record read>`. Waiters are counted with
+//! `PUBSUB NUMSUB` (`SHARDNUMSUB` on a cluster) pipelined behind the write and woken with
+//! `PUBLISH` (`SPUBLISH`) when there are any.
 //!
 //! ## Quick start
 //!

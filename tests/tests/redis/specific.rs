@@ -247,9 +247,14 @@ async fn script_flush_under_load() {
 /// again once it is back, on the same store (no rebuild), the very first call included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_restart() {
-    let Some(mut server) = throwaway(&[]) else {
+    let Some(server) = throwaway(&[]) else {
         return;
     };
+    restart(server).await;
+}
+
+/// [`server_restart`] on `server` (a Redis or a Valkey).
+pub(crate) async fn restart(mut server: RedisServer) {
     let store: Arc<dyn Store> = Arc::new(builder(&server.url()).connect().await.unwrap());
     let before = new_id("before");
     acquire(&*store, &before).await;
@@ -733,10 +738,31 @@ async fn race_exactly_once_per_key() {
     race(store, 2000, 24).await;
 }
 
+/// Both the store's paths on one server against each other (a rolling upgrade onto a
+/// server with the compare-and-set commands): two instances, one forced to scripts, race
+/// over the same keys and the work still runs once per key.
+pub(crate) async fn two_instances(url: &str) {
+    let prefix = format!("idem-test-{}:", uuid::Uuid::new_v4().simple());
+    let commands = builder(url).with_prefix(prefix.clone());
+    let scripts = builder(url)
+        .with_prefix(prefix)
+        .with_scripting(idem_redis::Scripting::Scripts);
+    let both: [Arc<dyn Store>; 2] = [
+        Arc::new(commands.connect().await.unwrap()),
+        Arc::new(scripts.connect().await.unwrap()),
+    ];
+    race_on(&both, 500, 8).await;
+}
+
 /// The race on any store: `keys` keys with `callers` concurrent callers each. Keys are
 /// raced `KEYS_AT_ONCE` at a time (all callers of a key at once), so the connection is
 /// not asked to queue every call of the test at the same moment.
 pub async fn race(store: Arc<dyn Store>, keys: usize, callers: usize) {
+    race_on(&[store], keys, callers).await;
+}
+
+/// [`race`] with the callers of each key spread over `stores` (instances sharing keys).
+pub async fn race_on(stores: &[Arc<dyn Store>], keys: usize, callers: usize) {
     const KEYS_AT_ONCE: usize = 64;
     let scope = Scope::new(format!("race-{}", uuid::Uuid::new_v4().simple())).unwrap();
     let runs: Arc<Vec<AtomicUsize>> = Arc::new((0..keys).map(|_| AtomicUsize::new(0)).collect());
@@ -747,7 +773,8 @@ pub async fn race(store: Arc<dyn Store>, keys: usize, callers: usize) {
         let permit = slots.clone().acquire_owned().await.unwrap();
         let mut key_callers = tokio::task::JoinSet::new();
         for caller in 0..callers {
-            let (store, runs, scope) = (store.clone(), runs.clone(), scope.clone());
+            let store = stores[caller % stores.len()].clone();
+            let (runs, scope) = (runs.clone(), scope.clone());
             key_callers.spawn(async move {
                 let id = RecordId::new(scope, Key::new(format!("key-{k}")).unwrap());
                 let expected = format!("charged {k}");
