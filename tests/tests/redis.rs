@@ -41,6 +41,39 @@ async fn closed_port_store(url: String) -> Arc<dyn Store> {
     )
 }
 
+/// A store on one server nothing listens on.
+async fn unreachable_one() -> Arc<dyn Store> {
+    let port = idem_testkit::harness::free_port();
+    closed_port_store(format!("redis://127.0.0.1:{port}")).await
+}
+
+/// A store on a cluster whose nodes nothing listens on.
+async fn unreachable_cluster() -> Arc<dyn Store> {
+    let (a, b) = (
+        idem_testkit::harness::free_port(),
+        idem_testkit::harness::free_port(),
+    );
+    closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
+}
+
+/// A store on the cluster `cluster` starts on first use, with `scripting`; `None` when its
+/// servers are missing.
+async fn cluster_store(
+    cluster: fn() -> Option<&'static idem_redis::testing::RedisCluster>,
+    scripting: idem_redis::Scripting,
+) -> Option<Arc<dyn Store>> {
+    let url = tokio::task::spawn_blocking(move || cluster().map(|c| c.url()))
+        .await
+        .expect("cluster start")?;
+    let store = builder(&url)
+        .with_scripting(scripting)
+        .connect()
+        .await
+        .expect("connect to the cluster");
+    assert!(store.is_cluster());
+    Some(Arc::new(store))
+}
+
 mod redis {
     //! One server: `IDEM_TEST_REDIS_URL`, and throwaway servers for the Redis-only tests.
     use super::*;
@@ -56,8 +89,7 @@ mod redis {
     }
 
     async fn unreachable() -> Arc<dyn Store> {
-        let port = idem_testkit::harness::free_port();
-        closed_port_store(format!("redis://127.0.0.1:{port}")).await
+        unreachable_one().await
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
@@ -91,23 +123,11 @@ mod redis_cluster {
     }
 
     async fn store() -> Option<Arc<dyn Store>> {
-        let url = tokio::task::spawn_blocking(|| cluster().map(RedisCluster::url))
-            .await
-            .expect("cluster start")?;
-        let store = builder(&url)
-            .connect()
-            .await
-            .expect("connect to the cluster");
-        assert!(store.is_cluster());
-        Some(Arc::new(store))
+        cluster_store(cluster, idem_redis::Scripting::Auto).await
     }
 
     async fn unreachable() -> Arc<dyn Store> {
-        let (a, b) = (
-            idem_testkit::harness::free_port(),
-            idem_testkit::harness::free_port(),
-        );
-        closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
+        unreachable_cluster().await
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
@@ -155,8 +175,7 @@ mod valkey {
     }
 
     async fn unreachable() -> Arc<dyn Store> {
-        let port = idem_testkit::harness::free_port();
-        closed_port_store(format!("redis://127.0.0.1:{port}")).await
+        unreachable_one().await
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
@@ -229,8 +248,7 @@ mod valkey_noscripts {
     }
 
     async fn unreachable() -> Arc<dyn Store> {
-        let port = idem_testkit::harness::free_port();
-        closed_port_store(format!("redis://127.0.0.1:{port}")).await
+        unreachable_one().await
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
@@ -268,24 +286,11 @@ mod valkey_cluster {
     }
 
     async fn store() -> Option<Arc<dyn Store>> {
-        let url = tokio::task::spawn_blocking(|| cluster().map(RedisCluster::url))
-            .await
-            .expect("cluster start")?;
-        let store = builder(&url)
-            .with_scripting(Scripting::NoScripts)
-            .connect()
-            .await
-            .expect("connect to the valkey cluster");
-        assert!(store.is_cluster());
-        Some(Arc::new(store))
+        cluster_store(cluster, Scripting::NoScripts).await
     }
 
     async fn unreachable() -> Arc<dyn Store> {
-        let (a, b) = (
-            idem_testkit::harness::free_port(),
-            idem_testkit::harness::free_port(),
-        );
-        closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
+        unreachable_cluster().await
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);

@@ -659,6 +659,16 @@ impl RedisStore {
             cmd.arg("GET").arg("PX").arg(lease_ms + margin_ms);
             cmd
         };
+        let granted = |attempt| {
+            Lease::new(
+                req.id.clone(),
+                req.token,
+                attempt,
+                Duration::from_millis(lease_ms),
+                sent_at,
+            )
+            .with_fingerprint(req.fingerprint)
+        };
         let record = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
         // What the last `SET` compared with (`None`: NX), and the attempt it wrote.
         let mut sent: (Option<Bytes>, u32) = (None, 1);
@@ -668,27 +678,12 @@ impl RedisStore {
                 reply.and_then(Value::extract_error).map_err(classify)?,
                 sent,
             ) {
+                // Written: the key was absent, or still the record compared with.
                 (Value::Nil, (None, attempt)) => {
-                    let lease = Lease::new(
-                        req.id.clone(),
-                        req.token,
-                        attempt,
-                        Duration::from_millis(lease_ms),
-                        sent_at,
-                    )
-                    .with_fingerprint(req.fingerprint);
-                    return self.hold(conn, key, lease).await;
+                    return self.hold(conn, key, granted(attempt)).await
                 }
                 (Value::BulkString(old), (Some(expected), attempt)) if old == expected => {
-                    let lease = Lease::new(
-                        req.id.clone(),
-                        req.token,
-                        attempt,
-                        Duration::from_millis(lease_ms),
-                        sent_at,
-                    )
-                    .with_fingerprint(req.fingerprint);
-                    return self.hold(conn, key, lease).await;
+                    return self.hold(conn, key, granted(attempt)).await
                 }
                 // The record compared with is gone: start over.
                 (Value::Nil, (Some(_), _)) => {
@@ -901,17 +896,7 @@ impl RedisStore {
             Value::Int(0) => return Err(Error::LeaseLost),
             other => return Err(unexpected("complete", &other)),
         }
-        if waiters > 0 {
-            // Wake the record's waiters; should this fail, they fall back to polling.
-            if let Err(e) = redis::cmd("PUBLISH")
-                .arg(key)
-                .arg("")
-                .query_async::<i64>(&mut conn)
-                .await
-            {
-                tracing::debug!(error = %e, "could not wake the waiters of a completed record");
-            }
-        }
+        self.wake(&mut conn, key, waiters).await;
         self.after_complete(&mut conn, key).await
     }
 
