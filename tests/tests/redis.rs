@@ -208,6 +208,14 @@ mod valkey {
         super::redis::specific::race(store, 2000, 24).await;
     }
 
+    /// Calls sent again after a dropped connection count once, without scripts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn resent_calls_count_once() {
+        let Some(url) = url().await else { return };
+        let store = builder(&url).connect().await.unwrap();
+        super::redis::specific::resent_calls_on(&store).await;
+    }
+
     /// An instance on scripts and one on the commands, racing over the same keys.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_instances_on_both_paths() {

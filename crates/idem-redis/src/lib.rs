@@ -19,16 +19,17 @@
 //! | Valkey 9.0+ | `SET .. IFEQ <held record> GET PX` | `DELIFEQ` | none |
 //! | Redis 8.4+ | `SET .. IFEQ <held record> GET PX` | `DELEX .. IFEQ` | none |
 //! | Valkey 8.1, or primaries of both kinds | `SET .. IFEQ <held record> GET PX` | `SET .. IFEQ` to a released value living 1 ms | none |
-//! | Redis 7.x, Valkey 7.2–8.0, a server hiding `INFO` | Lua scripts | `release.lua` | the scripts below |
+//! | Redis 7.x, Valkey 7.2–8.0, a server hiding `INFO` | `set_if.lua` | `end_if.lua` | these two ([`lua`]) |
 //!
 //! The compare is with the whole in-progress record the lease holds, rebuilt from the lease
 //! (token, fingerprint, attempt) and the margin of the store's `begin`s; when it differs,
-//! the `GET` of the same command hands back what is there, and the command goes once more
-//! when that is still the lease's record. A `begin` that finds a record in progress reads
-//! its `PTTL` (the deadline is the key's expiry minus the record's margin) and takes an
-//! expired lease over with `SET .. IFEQ <the record read>`. Waiters are counted with
-//! `PUBSUB NUMSUB` (`SHARDNUMSUB` on a cluster) pipelined behind the write and woken with
-//! `PUBLISH` (`SPUBLISH`) when there are any.
+//! the same command hands back what is there, and goes once more when that is still the
+//! lease's record. A `begin` that finds a record in progress reads its `PTTL` (the deadline
+//! is the key's expiry minus the record's margin) and takes an expired lease over with a
+//! compare-and-set of the record read. A heartbeat on the commands' path is the record set
+//! again with its new expiry, which a server out of memory refuses (the script's
+//! `PEXPIRE` runs). The scripts are sent through redis-rs's `Script::invoke_async`, which
+//! loads them again after a restart, a failover or `SCRIPT FLUSH`.
 //!
 //! ## Quick start
 //!
@@ -66,15 +67,13 @@
 //! a server and connects on the first call. Every call is bounded: a connection attempt by
 //! [`RedisConfig::connect_timeout`] (1 s), each command by
 //! [`RedisConfig::response_timeout`] (2 s), a whole call by [`RedisConfig::call_timeout`]
-//! (4 s); an unreachable Redis answers `Unavailable` within that, never hangs. The call's
-//! own timer is armed only when a call waits a second time: a call answered in one round
-//! trip, nearly every call, pays only for redis-rs's timer around its command.
+//! (4 s); an unreachable Redis answers `Unavailable` within that, never hangs.
 //!
 //! When the connection fails under a call (refused, reset, dropped), the call is sent once
-//! more on a fresh connection, marked as re-sent. Each script answers a re-sent call as if
-//! only one had run: `begin` carries the same fencing token and gets its own lease back;
-//! `complete` accepts a record that already holds exactly its completion; `release`
-//! accepts a record already gone. So the first call after a server restart succeeds, and a
+//! more on a fresh connection, marked as re-sent, and answered as if only one had run:
+//! `begin` carries the same fencing token and gets its own lease back; `complete` accepts
+//! a record that already holds exactly its completion; `release` accepts a record already
+//! gone. So the first call after a server restart succeeds, and a
 //! lost reply does not turn into a false lease-lost.
 //!
 //! ## Keys and records
@@ -129,56 +128,20 @@
 //! limit), keep status and headers only, or refuse the completion with
 //! [`idem_core::Error::Invalid`].
 //!
-//! ## The commands and scripts
+//! ## Deadlines
 //!
-//! `begin` is one plain command in the common cases: `SET <key> <in-progress record> NX GET
-//! PX <lease + retention>`, and nothing else. An absent key is acquired by the `SET` itself.
-//! Otherwise the `SET` writes nothing and hands back the record, which decides: completed,
-//! a replay (the record holds its expiry); another fingerprint, a mismatch. A record in
-//! progress needs the server's clock (its lease deadline is the key's expiry minus the
-//! record's margin), so `begin.lua` decides it in one atomic step: in flight, the caller's
-//! own lease back (the same attempt sent twice), or a takeover of a lease whose deadline
-//! has passed.
+//! `evict` is a plain `DEL`; `get` a `GET` and a `PTTL` in one round trip; `stats`, an
+//! operator's tool, `SCAN`s every primary for the prefix (and scope) and reads each key's
+//! type and value, a pipelined page at a time ([`RedisStore::scan`]: counts by state,
+//! corrupt and foreign keys, and the stuck ones).
 //!
-//! The scripts: one file per script in the workspace's `lua/` folder, each opening with its
-//! contract (`KEYS` / `ARGV` / Returns; all shown in [`lua`]), embedded with `include_str!`,
-//! loaded once per process as a [`redis::Script`] and sent as `EVALSHA` (a command built
-//! once, so the body is not copied twice), and on `NOSCRIPT` (a restart, a failover,
-//! `SCRIPT FLUSH`) loaded and sent again (repeated a few times should the cache be emptied
-//! again in between). Every script touches only `KEYS[1]`, and reads and checks everything
-//! before its first write.
-//!
-//! | script | does | shebang |
-//! |---|---|---|
-//! | `begin.lua` | the whole begin rule, sent when the fast path finds a record in progress: in flight, the same attempt's lease back, or a takeover of a lease whose deadline passed | `#!lua`: a writer, refused under OOM before it runs |
-//! | `complete.lua` | replace the in-progress record held by the token with the completion: one `GETRANGE` of the record's first 17 bytes and one `SET` of the record the client sent whole (its lease carries the fingerprint), or the fingerprint and attempt carried over | `#!lua` |
-//! | `release.lua` | delete the in-progress record held by the token | `#!lua flags=allow-oom`: only frees memory |
-//! | `extend.lua` | move the deadline of the record held by the token: its expiry by as much, or its margin when the deadline moves back | `#!lua flags=allow-oom`: grows nothing |
-//! | `apply.lua` | write a completion committed by the tiered store's arbiter, unless the key is completed or held by another lease | `#!lua` |
-//! | `get.lua` | read a record, its time to live and the server's clock | `#!lua flags=no-writes` |
-//!
-//! `evict` is a plain `DEL`; `stats`, an operator's tool, `SCAN`s every primary for the
-//! prefix (and scope) and reads each key's type and value, a pipelined page at a time
-//! ([`RedisStore::scan`]: counts by state, corrupt and foreign keys, and the stuck ones).
-//!
-//! Deadlines are expiries: set with `PX` / `PEXPIRE` and read back with `PTTL`, both by the
-//! server's clock; no application instance's clock decides anything. In a cluster each
-//! record lives on one primary, whose clock decides; a failover to a replica with a skewed
-//! clock shifts live deadlines by the skew. The one reading of an instance's clock is the
-//! expiry a completed record carries, for [`idem_core::Replay::expires_in`] alone: the
-//! writer's clock plus the retention, rounded down to the second, read back against the
-//! reader's clock. The key's own expiry (by the server's clock) is what removes the record;
-//! instances whose clocks are apart by a few seconds report expiries apart by as much.
-//!
-//! ### Upgrading from a version that wrote the previous layout
-//!
-//! Completed records now carry their expiry (tags `C`, `Z`, `H`). This version reads every
-//! record the previous ones wrote (`c`, `z`, `h`, and in-progress `p`), so it can be rolled
-//! out over a live keyspace. The previous versions do not read the new completed records:
-//! an old instance that meets one answers [`idem_core::Error::Corrupt`] for that key (the
-//! HTTP layer's 500) and leaves the record as it is. Finish a rollout before traffic mixes
-//! for long, or drain the old instances first; once every instance runs this version, no old
-//! reader is left.
+//! Deadlines are expiries: set with `PX` and read back with `PTTL`, both by the server's
+//! clock; no application instance's clock decides anything. In a cluster each record lives
+//! on one primary, whose clock decides; a failover to a replica with a skewed clock shifts
+//! live deadlines by the skew. The one reading of an instance's clock is the expiry a
+//! completed record carries, for [`idem_core::Replay::expires_in`] alone: the writer's clock
+//! plus the retention, rounded down to the second, read back against the reader's clock.
+//! The key's own expiry (by the server's clock) is what removes the record.
 //!
 //! ## Errors
 //!
@@ -221,33 +184,34 @@
 //! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken by
 //! pub/sub: the channel of a record is its key, the store subscribes to it on a subscribing
 //! connection of its own (one per store, shared by its waiters, made again when lost), and
-//! `complete.lua`, `release.lua` and `apply.lua` publish on it after their write, only when
-//! a subscriber is counted. A completion nobody waits for costs one dictionary lookup
-//! inside the script: nothing is published, replicated or written to the AOF.
+//! every write that completes, releases or applies a record counts the channel's
+//! subscribers in the same round trip (`PUBSUB NUMSUB` pipelined behind the command, or
+//! inside the script) and publishes only when there are some: a completion nobody waits
+//! for publishes, replicates and appends nothing.
 //!
 //! - One server: `SUBSCRIBE`, counted with `PUBSUB NUMSUB`, sent with `PUBLISH`.
-//! - Redis Cluster: sharded pub/sub (Redis 7.0). A classic `PUBLISH` there is broadcast to
-//!   every node and `PUBSUB NUMSUB` counts only the node's own subscribers, so the store
-//!   subscribes with `SSUBSCRIBE` on the primary that owns the record's slot (a RESP3
-//!   cluster connection of its own, which follows the slot map), and the scripts count with
-//!   `PUBSUB SHARDNUMSUB` and send with `SPUBLISH` on that node. When the slot moves (a
-//!   failover, a resharding) the subscriptions are made again on its new primary, then the
-//!   waiters look at their records.
+//! - A cluster: sharded pub/sub. A classic `PUBLISH` there is broadcast to every node and
+//!   `PUBSUB NUMSUB` counts only the node's own subscribers, so the store subscribes with
+//!   `SSUBSCRIBE` on the primary that owns the record's slot (a RESP3 cluster connection of
+//!   its own, which follows the slot map), and counts with `PUBSUB SHARDNUMSUB` and sends
+//!   with `SPUBLISH` on that node. When the slot moves (a failover, a resharding) the
+//!   subscriptions are made again on its new primary, then the waiters look at their
+//!   records.
 //!
 //! A notification lost meanwhile costs the waiter its safety-net poll
 //! ([`idem_core::Config::safety_poll`]).
 //!
 //! ## Testing
 //!
-//! With the `testing` feature, the `testing` module starts throwaway `redis-server` processes (one
-//! server, a replica, a cluster) for tests. The conformance suite of `idem-testkit` runs
-//! against one server and a 3-primary cluster in the workspace's `tests` package.
+//! With the `testing` feature, the `testing` module starts throwaway `redis-server` and
+//! `valkey-server` processes (one server, a replica, a cluster) for tests. The conformance
+//! suite of `idem-testkit` runs against Redis 7.0 and Valkey 9.1, each as one server and a
+//! 3-primary cluster, in the workspace's `tests` package.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 
 mod caps;
 mod codec;
-mod commands;
 mod config;
 mod connection;
 mod error;
@@ -259,6 +223,7 @@ mod stats;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod transitions;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
 pub use error::{EvictionPolicyError, ReplicationError};
@@ -269,16 +234,9 @@ pub use store::{Applied, RedisStore, RedisStoreBuilder};
 /// The store's name in errors and metrics.
 const STORE: &str = "redis";
 
-/// The Lua scripts, as they are in the workspace's `lua/redis/` folder. Each opens with its
-/// contract; `complete`, `release`, `extend` and `apply` are sent with `prelude.lua` (their
-/// shared lease check) placed after their first line, or at their `--@prelude` line
-/// (`complete`'s, after its common path).
+/// The Lua scripts, as they are in the workspace's `lua/redis/` folder, each opening with
+/// its contract: sent only to servers without the compare-and-set commands.
 pub mod lua {
-    #![doc = concat!("## begin.lua\n\n```lua\n", include_str!("../lua/begin.lua"), "```\n")]
-    #![doc = concat!("## complete.lua\n\n```lua\n", include_str!("../lua/complete.lua"), "```\n")]
-    #![doc = concat!("## release.lua\n\n```lua\n", include_str!("../lua/release.lua"), "```\n")]
-    #![doc = concat!("## extend.lua\n\n```lua\n", include_str!("../lua/extend.lua"), "```\n")]
-    #![doc = concat!("## get.lua\n\n```lua\n", include_str!("../lua/get.lua"), "```\n")]
-    #![doc = concat!("## apply.lua\n\n```lua\n", include_str!("../lua/apply.lua"), "```\n")]
-    #![doc = concat!("## prelude.lua\n\n```lua\n", include_str!("../lua/prelude.lua"), "```\n")]
+    #![doc = concat!("## set_if.lua\n\n```lua\n", include_str!("../lua/set_if.lua"), "```\n")]
+    #![doc = concat!("## end_if.lua\n\n```lua\n", include_str!("../lua/end_if.lua"), "```\n")]
 }

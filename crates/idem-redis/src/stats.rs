@@ -303,16 +303,15 @@ impl Scan {
             }
             if !strings.is_empty() {
                 let mut read = redis::pipe();
-                read.ignore_errors().cmd("TIME");
+                read.ignore_errors();
                 for key in &strings {
                     read.cmd("GETRANGE").arg(key).arg(0).arg(READ - 1);
                     read.cmd("PTTL").arg(key);
                 }
                 let replies = conn
-                    .pipeline_on_node(&node, read, 1 + 2 * strings.len())
+                    .pipeline_on_node(&node, read, 2 * strings.len())
                     .await?;
-                let now = server_millis(&replies[0])?;
-                for (key, pair) in strings.iter().zip(replies[1..].chunks(2)) {
+                for (key, pair) in strings.iter().zip(replies.chunks(2)) {
                     page.keys += 1;
                     let (value, pttl) = match pair {
                         // Gone between the two round trips (GETRANGE of a missing key is
@@ -339,8 +338,11 @@ impl Scan {
                     } else {
                         value
                     };
-                    if let Some(problem) = self.count(&mut page, key, Bytes::from(value), pttl, now)
-                    {
+                    if value.as_slice() == codec::RELEASED {
+                        // Released a moment ago (Valkey 8.1): as good as absent.
+                        continue;
+                    }
+                    if let Some(problem) = self.count(&mut page, key, Bytes::from(value), pttl) {
                         found.push(((*key).clone(), problem));
                     }
                 }
@@ -376,14 +378,7 @@ impl Scan {
     }
 
     /// Counts one string; answers its problem when it is stuck, corrupt or foreign.
-    fn count(
-        &self,
-        page: &mut ScanCounts,
-        key: &[u8],
-        value: Bytes,
-        pttl: i64,
-        now: i64,
-    ) -> Option<Problem> {
+    fn count(&self, page: &mut ScanCounts, key: &[u8], value: Bytes, pttl: i64) -> Option<Problem> {
         let id = match record_id(&self.store.config().prefix, key) {
             Ok(id) => id,
             Err(why) => {
@@ -391,7 +386,7 @@ impl Scan {
                 return Some(Problem::Foreign(why.to_owned()));
             }
         };
-        let record = match codec::decode_record(&id, value.clone(), pttl, now) {
+        let record = match codec::decode_record(&id, value.clone(), pttl) {
             Ok(record) => record,
             Err(Error::Corrupt { detail, .. }) => {
                 page.corrupt += 1;
@@ -406,10 +401,8 @@ impl Scan {
         match &record.state {
             RecordState::InProgress { .. } => {
                 // The signed lease time left, by the server's clock: the key's PTTL minus the
-                // margin its record holds (a record of the previous layout: its deadline
-                // minus `now`). `decode_record` just decoded this head, so it is one.
-                let Some(Head::InProgress { lease_left_ms, .. }) =
-                    codec::decode_head(&value, pttl, now)
+                // margin its record holds. `decode_record` just decoded this head.
+                let Some(Head::InProgress { lease_left_ms, .. }) = codec::decode_head(&value, pttl)
                 else {
                     return None;
                 };
@@ -474,13 +467,6 @@ pub(crate) async fn stats(
     let mut scan = store.scan(scope, stuck_after);
     while scan.step().await? {}
     Ok(scan.counts.stats)
-}
-
-/// `TIME` as Unix milliseconds.
-fn server_millis(reply: &Value) -> Result<i64, Error> {
-    let (secs, micros): (i64, i64) =
-        redis::from_redis_value_ref(reply).map_err(|_| unexpected("TIME", reply))?;
-    Ok(secs * 1000 + micros / 1000)
 }
 
 /// The `SCAN MATCH` pattern of the store's keys: `<prefix>{????????}<scope length>:<scope>*`

@@ -2,10 +2,8 @@
 
 use std::fmt;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,13 +20,11 @@ use tokio::time::Instant;
 use crate::caps::{self, Path, Server};
 use crate::codec::{self, Head};
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
-use crate::connection::{
-    pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME, RECONNECT_MAX_DELAY,
-};
+use crate::connection::{pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME};
 use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
 use crate::key;
 use crate::notify::{Notifier, ShardNotifier, Waiters};
-use crate::scripts;
+use crate::transitions::Answer;
 use crate::STORE;
 
 /// Durations sent to Redis are capped at 2^40 ms (about 34 years), far below what would
@@ -331,54 +327,13 @@ impl RedisStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<Applied, Error> {
-        let (fingerprint, attempt): (&[u8], Vec<u8>) = match identity {
-            Some((fp, attempt)) => {
-                let mut compact = Vec::with_capacity(5);
-                codec::put_attempt(&mut compact, attempt);
-                (fp.as_bytes().as_slice(), compact)
-            }
-            None => (&[], Vec::new()),
-        };
-        let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
-        // The tag, then the expiry (the script puts the fingerprint between them).
-        let mut tag = [0; 5];
-        tag[0] = encoded.tag[0];
-        tag[1..].copy_from_slice(&codec::expires_at(ttl).to_be_bytes());
         let key = self.record_key(id);
-        let mut cmd = scripts::evalsha(
-            scripts::APPLY.on(self.is_cluster()),
-            &key,
-            7,
-            80 + encoded.meta.len() + encoded.body.len(),
-        );
-        cmd.arg(token.as_bytes().as_slice())
-            .arg(tag.as_slice())
-            .arg(fingerprint)
-            .arg(attempt.as_slice())
-            .arg(encoded.meta.as_slice())
-            .arg(encoded.body.as_ref())
-            .arg(millis(ttl).max(1));
+        // Applying twice is applying once: a re-send after a dropped connection needs no
+        // marker.
         call!(self, |conn, _resent| {
             let mut conn = conn;
-            // Idempotent by construction: a re-send after a dropped connection needs no
-            // marker.
-            match self.path() {
-                Path::Commands(_) => {
-                    self.apply_commands(&mut conn, &key, identity, token, &encoded, ttl)
-                        .await
-                }
-                Path::Scripts => {
-                    match scripts::run(scripts::APPLY.on(self.is_cluster()), &cmd, &mut conn).await
-                    {
-                        Ok(Value::Int(1)) => Ok(Applied::Written),
-                        Ok(Value::Int(2)) => Ok(Applied::AlreadyCompleted),
-                        Ok(Value::Int(3)) => Ok(Applied::HeldByAnotherLease),
-                        Ok(Value::Int(4)) => Ok(Applied::Absent),
-                        Ok(other) => Err(unexpected("apply", &other)),
-                        Err(e) => Err(e),
-                    }
-                }
-            }
+            self.apply_on(&mut conn, &key, identity, token, completion, ttl)
+                .await
         })
     }
 
@@ -577,46 +532,15 @@ impl RedisStore {
         refused
     }
 
-    /// Bounds a whole call by [`RedisConfig::call_timeout`], counted from its first poll.
-    ///
-    /// The timer is armed only when the call waits a second time. Nearly every call waits
-    /// once (for the one round trip of its command) and is answered by the wake-up that
-    /// follows, so it never pays for registering and clearing a timer: redis-rs already
-    /// runs one per command. The first wait is always one redis-rs bounds by a timer of
-    /// its own (the response timeout around a command, the connection timeout and the
-    /// backoff pause of a reconnection, the cluster client's whole-request timeout, which is
-    /// the call's). When the first three are shorter than the call's timeout, as by default,
-    /// the call wakes again before its deadline and arms the timer then; otherwise the timer
-    /// is armed at the first wait.
+    /// Bounds a whole call by [`RedisConfig::call_timeout`].
     async fn bounded<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        let config = &self.inner.config;
-        let limit = config.call_timeout;
-        let deadline = Instant::now() + limit;
-        let first_wait = config
-            .response_timeout
-            .max(config.connect_timeout)
-            .max(RECONNECT_MAX_DELAY);
-        let mut waited = first_wait >= limit;
-        let mut call = std::pin::pin!(call);
-        let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(result) = call.as_mut().poll(cx) {
-                return Poll::Ready(result);
-            }
-            if !waited {
-                waited = true;
-                return Poll::Pending;
-            }
-            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            match timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(Error::unavailable(
-                    STORE,
-                    format!("no answer within {limit:?}"),
-                ))),
-                Poll::Pending => Poll::Pending,
-            }
+        let limit = self.inner.config.call_timeout;
+        tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+            Err(Error::unavailable(
+                STORE,
+                format!("no answer within {limit:?}"),
+            ))
         })
-        .await
     }
 
     /// Waits for replicas after a write when durability is on; `Ok(None)` when enough
@@ -629,15 +553,14 @@ impl RedisStore {
         Ok((acked < d.replicas).then_some((acked, d.replicas)))
     }
 
-    /// `begin`'s fast path: one plain `SET key <in-progress record> NX GET PX <lease +
-    /// retention>`, one command and one round trip. An absent key is acquired by the `SET`
-    /// itself; otherwise the record it hands back decides the common cases: a completed
-    /// record is replayed (it carries its own expiry), and a record of another fingerprint
-    /// is a mismatch. A record in progress needs the server's clock (its lease deadline is
-    /// the key's expiry minus its margin): with scripts, `begin.lua` decides it in one
-    /// atomic step; with the compare-and-set commands, its `PTTL` decides (in flight, or
-    /// the caller's own lease sent again), and a takeover of an expired lease is a `SET ..
-    /// IFEQ <the record read> GET`, whose answer is decided again when the record changed.
+    /// `begin`: one plain `SET key <in-progress record> NX GET PX <lease + retention>`, one
+    /// round trip in the common cases. An absent key is acquired by the `SET` itself;
+    /// otherwise the record it hands back decides: a completed record is replayed (it
+    /// carries its own expiry), a record of another fingerprint is a mismatch. A record in
+    /// progress needs the server's clock: its key's `PTTL` minus its margin is the lease
+    /// time left, which tells in flight, or the caller's own lease sent again; an expired
+    /// lease is taken over with a compare-and-set of the record read, whose answer is
+    /// decided again when the record changed in between.
     async fn begin_once(
         &self,
         mut conn: Conn,
@@ -648,125 +571,97 @@ impl RedisStore {
         let lease_ms = millis(req.lease).max(1);
         let margin_ms = millis(req.retention);
         self.inner.margin_hint.store(margin_ms, Ordering::Relaxed);
-        let fingerprint = req.fingerprint.as_bytes().as_slice();
-        let set = |record: &[u8], ifeq: Option<&[u8]>| {
-            let mut cmd = redis::Cmd::with_capacity(9, key.len() + 2 * record.len() + 40);
-            cmd.arg("SET").arg(key).arg(record);
-            match ifeq {
-                Some(expected) => cmd.arg("IFEQ").arg(expected),
-                None => cmd.arg("NX"),
-            };
-            cmd.arg("GET").arg("PX").arg(lease_ms + margin_ms);
-            cmd
+        let granted = |attempt, remaining| {
+            Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
+                .with_fingerprint(req.fingerprint)
         };
-        let granted = |attempt| {
-            Lease::new(
-                req.id.clone(),
-                req.token,
-                attempt,
-                Duration::from_millis(lease_ms),
-                sent_at,
-            )
-            .with_fingerprint(req.fingerprint)
-        };
-        let record = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
-        // What the last `SET` compared with (`None`: NX), and the attempt it wrote.
-        let mut sent: (Option<Bytes>, u32) = (None, 1);
-        let mut reply = conn.req_packed_command(&set(&record, None)).await;
+        let full = Duration::from_millis(lease_ms);
+        let first = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
+        let mut set = redis::Cmd::with_capacity(7, key.len() + first.len() + 30);
+        set.arg("SET")
+            .arg(key)
+            .arg(first.as_slice())
+            .arg("NX")
+            .arg("GET");
+        set.arg("PX").arg(lease_ms + margin_ms);
+        let mut found = self.set_nx(&mut conn, &set).await?;
         for _ in 0..CAS_ROUNDS {
-            let old = match (
-                reply.and_then(Value::extract_error).map_err(classify)?,
-                sent,
-            ) {
-                // Written: the key was absent, or still the record compared with.
-                (Value::Nil, (None, attempt)) => {
-                    return self.hold(conn, key, granted(attempt)).await
-                }
-                (Value::BulkString(old), (Some(expected), attempt)) if old == expected => {
-                    return self.hold(conn, key, granted(attempt)).await
-                }
-                // The record compared with is gone: start over.
-                (Value::Nil, (Some(_), _)) => {
-                    sent = (None, 1);
-                    reply = conn.req_packed_command(&set(&record, None)).await;
-                    continue;
-                }
-                (Value::BulkString(old), _) => Bytes::from(old),
-                (other, _) => return Err(unexpected("SET NX GET", &other)),
+            let Some(old) = found else {
+                return self.hold(conn, key, granted(1, full)).await;
             };
-            if old.as_ref() == codec::RELEASED {
+            // What to write over `old`, and the attempt it is.
+            let (write, attempt) = if old.as_ref() == codec::RELEASED {
                 // Released on a server without a compare-and-delete: as good as absent.
-                reply = conn
-                    .req_packed_command(&set(&record, Some(codec::RELEASED)))
-                    .await;
-                sent = (Some(old), 1);
-                continue;
-            }
-            let pttl = match (codec::decode_head(&old, 0, 0), self.path()) {
-                (
+                (first, 1)
+            } else {
+                match codec::decode_head(&old, 0) {
                     Some(
                         Head::Completed { fingerprint: f, .. }
                         | Head::InProgress { fingerprint: f, .. },
-                    ),
-                    _,
-                ) if f != fingerprint => return Ok(Begin::Mismatch),
-                (Some(Head::Completed { expires_at, .. }), _) => {
-                    let expires_in = match expires_at {
-                        Some(at) => codec::expires_in(at),
-                        None => codec::millis(self.pttl(&mut conn, key).await?),
-                    };
-                    return Ok(Begin::Replay(Replay {
-                        completion: codec::decode_completion_in(&old, &old)?,
-                        expires_in,
-                    }));
+                    ) if f != req.fingerprint.as_bytes() => return Ok(Begin::Mismatch),
+                    Some(Head::Completed { expires_at, .. }) => {
+                        return Ok(Begin::Replay(Replay {
+                            completion: codec::decode_completion_in(&old, &old)?,
+                            expires_in: codec::expires_in(expires_at),
+                        }))
+                    }
+                    Some(Head::InProgress { .. }) => {}
+                    None => return Err(Error::corrupt(STORE, "not a record")),
                 }
-                (Some(Head::InProgress { .. }), Path::Scripts) => {
-                    return self.begin_script(conn, key, req).await
-                }
-                (Some(Head::InProgress { .. }), Path::Commands(_)) => {
-                    self.pttl(&mut conn, key).await?
-                }
-                (None, _) => return Err(Error::corrupt(STORE, "not a record")),
-            };
-            let Some(Head::InProgress {
-                token,
-                attempt,
-                lease_left_ms,
-                ..
-            }) = codec::decode_head(&old, pttl, 0)
-            else {
-                return Err(Error::corrupt(
-                    STORE,
-                    "in-progress record without an expiry",
-                ));
-            };
-            if token == req.token.as_bytes() {
-                // The same attempt asking again (its reply was lost): its own lease back.
-                let lease = Lease::new(
-                    req.id.clone(),
-                    req.token,
+                let pttl = self.pttl(&mut conn, key).await?;
+                let Some(Head::InProgress {
+                    token,
                     attempt,
-                    codec::millis(lease_left_ms),
-                    sent_at,
-                )
-                .with_fingerprint(req.fingerprint);
-                return self.hold(conn, key, lease).await;
-            }
-            if lease_left_ms > 0 {
-                return Ok(Begin::InFlight {
-                    retry_after: codec::millis(lease_left_ms),
-                });
-            }
-            // The holder's lease expired: take it over if the record is still the one read.
-            let attempt = attempt.saturating_add(1);
-            let taken = codec::in_progress(&req.token, margin_ms, &req.fingerprint, attempt);
-            reply = conn.req_packed_command(&set(&taken, Some(&old))).await;
-            sent = (Some(old), attempt);
+                    lease_left_ms,
+                    ..
+                }) = codec::decode_head(&old, pttl)
+                else {
+                    return Err(Error::corrupt(
+                        STORE,
+                        "in-progress record without an expiry",
+                    ));
+                };
+                if token == req.token.as_bytes() {
+                    // The same attempt asking again (its reply was lost): its own lease back.
+                    let left = codec::millis(lease_left_ms);
+                    return self.hold(conn, key, granted(attempt, left)).await;
+                }
+                if lease_left_ms > 0 {
+                    return Ok(Begin::InFlight {
+                        retry_after: codec::millis(lease_left_ms),
+                    });
+                }
+                // The holder's lease expired: take it over if the record is still `old`.
+                let attempt = attempt.saturating_add(1);
+                let taken = codec::in_progress(&req.token, margin_ms, &req.fingerprint, attempt);
+                (taken, attempt)
+            };
+            let ms = lease_ms + margin_ms;
+            found = match self
+                .set_if(&mut conn, key, &old, &write, ms, false)
+                .await?
+                .0
+            {
+                Answer::Matched => return self.hold(conn, key, granted(attempt, full)).await,
+                // Gone meanwhile: start over.
+                Answer::Found(None) | Answer::Unknown => self.set_nx(&mut conn, &set).await?,
+                Answer::Found(Some(other)) => Some(other),
+            };
         }
         Err(Error::unavailable(
             STORE,
             "the record kept changing under a takeover; try again",
         ))
+    }
+
+    /// Sends a `SET .. NX GET`: `None` when it wrote, else the value the key holds.
+    async fn set_nx(&self, conn: &mut Conn, set: &redis::Cmd) -> Result<Option<Bytes>, Error> {
+        let reply = conn.req_packed_command(set).await;
+        match reply.and_then(Value::extract_error).map_err(classify)? {
+            Value::Nil => Ok(None),
+            Value::BulkString(old) => Ok(Some(Bytes::from(old))),
+            other => Err(unexpected("SET NX GET", &other)),
+        }
     }
 
     /// The key's `PTTL`.
@@ -778,59 +673,13 @@ impl RedisStore {
             .map_err(classify)
     }
 
-    /// `begin.lua`: the whole begin rule in one atomic step, for what the fast path cannot
-    /// decide alone (a record in progress: in flight, the same token, a takeover).
-    async fn begin_script(
-        &self,
-        mut conn: Conn,
-        key: &str,
-        req: &BeginRequest<'_>,
-    ) -> Result<Begin, Error> {
-        let sent_at = Instant::now();
-        let mut cmd = scripts::evalsha(&scripts::BEGIN, key, 4, 80);
-        cmd.arg(req.fingerprint.as_bytes().as_slice())
-            .arg(req.token.as_bytes().as_slice())
-            .arg(millis(req.lease).max(1))
-            .arg(millis(req.retention));
-        let reply = scripts::run(&scripts::BEGIN, &cmd, &mut conn).await?;
-        let bad = || unexpected("begin", &reply);
-        let items = as_array(&reply).ok_or_else(bad)?;
-        match (int_at(items, 0), items.len()) {
-            (Some(1), 3) => {
-                let attempt = int_at(items, 1)
-                    .and_then(|a| u32::try_from(a).ok())
-                    .ok_or_else(bad)?;
-                let remaining = codec::millis(int_at(items, 2).ok_or_else(bad)?);
-                let lease = Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
-                    .with_fingerprint(req.fingerprint);
-                self.hold(conn, key, lease).await
-            }
-            (Some(2), 3) => {
-                let expires_in = codec::millis(int_at(items, 1).ok_or_else(bad)?);
-                let record = Bytes::copy_from_slice(bytes_at(items, 2).ok_or_else(bad)?);
-                Ok(Begin::Replay(Replay {
-                    completion: codec::decode_completion_in(&record, &record)?,
-                    expires_in,
-                }))
-            }
-            (Some(3), 2) => Ok(Begin::InFlight {
-                retry_after: codec::millis(int_at(items, 1).ok_or_else(bad)?),
-            }),
-            (Some(4), 1) => Ok(Begin::Mismatch),
-            _ => Err(bad()),
-        }
-    }
-
     /// Hands a lease to the caller: `Acquired` for attempt 1, `TookOver` after, once enough
     /// replicas hold it when durability is on (otherwise it is given back).
     async fn hold(&self, mut conn: Conn, key: &str, lease: Lease) -> Result<Begin, Error> {
         if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
             // The lease may not survive a failover: give it back rather than let the work
             // run on it. A failed release leaves it to expire.
-            let _ = match self.path() {
-                Path::Scripts => self.release_once(conn, key, &lease, false).await,
-                Path::Commands(_) => self.release_commands(&mut conn, key, &lease, false).await,
-            };
+            let _ = self.release_on(&mut conn, key, &lease, false).await;
             return Err(Error::unavailable(
                 STORE,
                 ReplicationError {
@@ -848,58 +697,6 @@ impl RedisStore {
         })
     }
 
-    async fn complete_once(
-        &self,
-        mut conn: Conn,
-        key: &str,
-        lease: &Lease,
-        encoded: &codec::EncodedCompletion,
-        retention: Duration,
-        resent: bool,
-    ) -> Result<(), Error> {
-        // With the lease's fingerprint, the record goes whole and the script only compares
-        // the first 17 bytes of the one in Redis ('w'); without, it carries them over ('c').
-        let record = codec::Completed {
-            encoded,
-            identity: lease.fingerprint().map(|fp| (fp, lease.attempt())),
-            expires_at: codec::expires_at(retention),
-        };
-        let mode = match (record.identity.is_some(), resent) {
-            (true, false) => "w",
-            (true, true) => "W",
-            (false, false) => "c",
-            (false, true) => "C",
-        };
-        let mut head = [b'P'; 17];
-        head[1..].copy_from_slice(lease.token().as_bytes());
-        let script = scripts::COMPLETE.on(self.is_cluster());
-        let mut cmd = scripts::evalsha(script, key, 4, 17 + record.len() + 20 + 1);
-        cmd.arg(head.as_slice())
-            .arg(&record)
-            .arg(millis(retention).max(1))
-            .arg(mode);
-        // On one server the waiters are counted by a plain `PUBSUB NUMSUB` behind the
-        // script, in the same round trip (complete.lua says why); a cluster's script counts
-        // them on the key's node itself.
-        let (reply, waiters) = if self.is_cluster() {
-            (scripts::run(script, &cmd, &mut conn).await?, 0)
-        } else {
-            let mut numsub = redis::Cmd::with_capacity(3, 6 + 6 + key.len());
-            numsub.arg("PUBSUB").arg("NUMSUB").arg(key);
-            let mut pipe = redis::Pipeline::with_capacity(2);
-            pipe.add_command(cmd).add_command(numsub);
-            let (reply, counts) = scripts::run_then(script, &pipe, &mut conn).await?;
-            (reply, subscribers(&counts))
-        };
-        match reply {
-            Value::Int(1) => {}
-            Value::Int(0) => return Err(Error::LeaseLost),
-            other => return Err(unexpected("complete", &other)),
-        }
-        self.wake(&mut conn, key, waiters).await;
-        self.after_complete(&mut conn, key).await
-    }
-
     /// Waits for replicas after a completion when durability is on.
     pub(crate) async fn after_complete(&self, conn: &mut Conn, key: &str) -> Result<(), Error> {
         if let Some((acked, wanted)) = self.replicate(conn, key).await? {
@@ -914,69 +711,6 @@ impl RedisStore {
             ));
         }
         Ok(())
-    }
-
-    async fn release_once(
-        &self,
-        mut conn: Conn,
-        key: &str,
-        lease: &Lease,
-        resent: bool,
-    ) -> Result<(), Error> {
-        let mut cmd = scripts::evalsha(scripts::RELEASE.on(self.is_cluster()), key, 2, 20);
-        cmd.arg(lease.token().as_bytes().as_slice())
-            .arg(if resent { "1" } else { "0" });
-        let reply = scripts::run(scripts::RELEASE.on(self.is_cluster()), &cmd, &mut conn).await?;
-        match reply {
-            Value::Int(1) => Ok(()),
-            Value::Int(0) => Err(Error::LeaseLost),
-            other => Err(unexpected("release", &other)),
-        }
-    }
-
-    async fn extend_once(
-        &self,
-        mut conn: Conn,
-        key: &str,
-        lease: &Lease,
-        by: Duration,
-    ) -> Result<Lease, Error> {
-        let sent_at = Instant::now();
-        let by_ms = millis(by);
-        let mut cmd = scripts::evalsha(&scripts::EXTEND, key, 2, 40);
-        cmd.arg(lease.token().as_bytes().as_slice()).arg(by_ms);
-        let reply = scripts::run(&scripts::EXTEND, &cmd, &mut conn).await?;
-        let bad = || unexpected("extend", &reply);
-        let items = as_array(&reply).ok_or_else(bad)?;
-        match (int_at(items, 0), items.len()) {
-            (Some(0), 1) => Err(Error::LeaseLost),
-            (Some(1), 3) => {
-                let attempt = int_at(items, 1)
-                    .and_then(|a| u32::try_from(a).ok())
-                    .ok_or_else(bad)?;
-                Ok(lease.renewed(attempt, Duration::from_millis(by_ms), sent_at))
-            }
-            _ => Err(bad()),
-        }
-    }
-
-    async fn get_once(
-        &self,
-        mut conn: Conn,
-        key: &str,
-        id: &RecordId,
-    ) -> Result<Option<Record>, Error> {
-        let cmd = scripts::evalsha(&scripts::GET, key, 0, 0);
-        let reply = scripts::run(&scripts::GET, &cmd, &mut conn).await?;
-        let bad = || unexpected("get", &reply);
-        let items = as_array(&reply).ok_or_else(bad)?;
-        if items.is_empty() {
-            return Ok(None);
-        }
-        let record = Bytes::copy_from_slice(bytes_at(items, 0).ok_or_else(bad)?);
-        let pttl = int_at(items, 1).ok_or_else(bad)?;
-        let now = int_at(items, 2).ok_or_else(bad)?;
-        codec::decode_record(id, record, pttl, now).map(Some)
     }
 }
 
@@ -1059,34 +793,6 @@ pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
 }
 
-/// The count of a `PUBSUB NUMSUB <channel>` answer: `[channel, count]`.
-fn subscribers(answer: &Value) -> i64 {
-    as_array(answer)
-        .and_then(|items| int_at(items, 1))
-        .unwrap_or(0)
-}
-
-fn as_array(value: &Value) -> Option<&[Value]> {
-    match value {
-        Value::Array(items) => Some(items),
-        _ => None,
-    }
-}
-
-fn int_at(items: &[Value], i: usize) -> Option<i64> {
-    match items.get(i)? {
-        Value::Int(n) => Some(*n),
-        _ => None,
-    }
-}
-
-fn bytes_at(items: &[Value], i: usize) -> Option<&[u8]> {
-    match items.get(i)? {
-        Value::BulkString(bytes) => Some(bytes),
-        _ => None,
-    }
-}
-
 #[async_trait]
 impl Store for RedisStore {
     fn name(&self) -> &'static str {
@@ -1104,50 +810,35 @@ impl Store for RedisStore {
     async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
         let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
         let key = self.record_key(lease.id());
-        call!(self, |conn, resent| match self.path() {
-            Path::Scripts => {
-                self.complete_once(conn, &key, lease, &encoded, ttl, resent)
-                    .await
-            }
-            Path::Commands(_) => {
-                let mut conn = conn;
-                self.complete_commands(&mut conn, &key, lease, &encoded, ttl, resent)
-                    .await
-            }
+        call!(self, |conn, resent| {
+            let mut conn = conn;
+            self.complete_on(&mut conn, &key, lease, &encoded, ttl, resent)
+                .await
         })
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
         let key = self.record_key(lease.id());
-        call!(self, |conn, resent| match self.path() {
-            Path::Scripts => self.release_once(conn, &key, lease, resent).await,
-            Path::Commands(_) => {
-                let mut conn = conn;
-                self.release_commands(&mut conn, &key, lease, resent).await
-            }
+        call!(self, |conn, resent| {
+            let mut conn = conn;
+            self.release_on(&mut conn, &key, lease, resent).await
         })
     }
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
         let key = self.record_key(lease.id());
         // Extending twice to the same `by` from now is what one extend does.
-        call!(self, |conn, _resent| match self.path() {
-            Path::Scripts => self.extend_once(conn, &key, lease, by).await,
-            Path::Commands(_) => {
-                let mut conn = conn;
-                self.extend_commands(&mut conn, &key, lease, by).await
-            }
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            self.extend_on(&mut conn, &key, lease, by).await
         })
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let key = self.record_key(id);
-        call!(self, |conn, _resent| match self.path() {
-            Path::Scripts => self.get_once(conn, &key, id).await,
-            Path::Commands(_) => {
-                let mut conn = conn;
-                self.get_commands(&mut conn, &key, id).await
-            }
+        call!(self, |conn, _resent| {
+            let mut conn = conn;
+            self.get_on(&mut conn, &key, id).await
         })
     }
 

@@ -1,14 +1,47 @@
-//! For tests (feature `testing`): throwaway Redis servers (a standalone server, a replica, a
-//! Redis Cluster), which are `idem-testkit`'s, the one place the workspace starts test
-//! servers, re-exported here; and the scripts exactly as the store sends them.
+//! For tests (feature `testing`): throwaway Redis and Valkey servers (a standalone server, a
+//! replica, a cluster), which are `idem-testkit`'s, the one place the workspace starts test
+//! servers, re-exported here; and the store's calls as they are sent again after a dropped
+//! connection.
+
+use std::time::Duration;
+
+use idem_core::{Completion, Error, Lease};
 
 pub use idem_testkit::redis::{
     available, binaries_available, throwaway, RedisCluster, RedisServer,
 };
 pub use idem_testkit::valkey;
 
-/// The script `name` (`begin`, `complete`, `release`, `extend`, `get`, `apply`) exactly as the
-/// store sends it, for tests that call a script directly.
-pub fn script(name: &str) -> Option<redis::Script> {
-    crate::scripts::source(name).map(|source| redis::Script::new(&source))
+use crate::RedisStore;
+
+/// `complete` as the store sends it again after its connection dropped: it also succeeds
+/// when the record already holds this completion.
+///
+/// # Errors
+///
+/// As [`idem_core::Store::complete`].
+pub async fn complete_resent(
+    store: &RedisStore,
+    lease: &Lease,
+    completion: &Completion,
+    ttl: Duration,
+) -> Result<(), Error> {
+    let encoded = crate::codec::encode_completion(completion, &store.config().body)?;
+    let key = store.record_key(lease.id());
+    let mut conn = store.ready().await?;
+    store
+        .complete_on(&mut conn, &key, lease, &encoded, ttl, true)
+        .await
+}
+
+/// `release` as the store sends it again after its connection dropped: it also succeeds
+/// when the record is absent.
+///
+/// # Errors
+///
+/// As [`idem_core::Store::release`].
+pub async fn release_resent(store: &RedisStore, lease: &Lease) -> Result<(), Error> {
+    let key = store.record_key(lease.id());
+    let mut conn = store.ready().await?;
+    store.release_on(&mut conn, &key, lease, true).await
 }

@@ -583,81 +583,46 @@ async fn body_limit_policies() {
     }
 }
 
-/// The scripts answer a call sent twice (its first reply lost) as if it ran once: a
-/// re-sent complete that finds its own completion, and a re-sent release that finds the key
-/// gone, succeed; the same calls not marked as re-sent are lease-lost. `complete` is tried in
-/// both its modes: the record sent whole ('w', a lease that carries its fingerprint) and the
-/// fingerprint and attempt carried over from the in-progress record ('c').
+/// A call sent twice (its first reply lost) is answered as if it ran once: a re-sent
+/// complete that finds its own completion, and a re-sent release that finds the key gone,
+/// succeed; the same calls not marked as re-sent are lease-lost, and a re-sent complete of
+/// another completion too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resent_calls_count_once() {
-    let Some((store, mut conn)) = on_the_shared_server().await else {
+    let Some((store, _conn)) = on_the_shared_server().await else {
         return;
     };
-    let complete = idem_redis::testing::script("complete").expect("the complete script");
-    let release = idem_redis::testing::script("release").expect("the release script");
-    let meta = {
-        let meta = idem_core::encode_meta(
-            idem_core::CompletionKind::Succeeded,
-            &Response::new(200, ""),
-        );
-        let mut framed = (meta.len() as u32).to_be_bytes().to_vec();
-        framed.extend_from_slice(&meta);
-        framed
-    };
-    for whole in [true, false] {
-        let id = new_id(if whole { "kw" } else { "kc" });
-        let lease = acquire(&store, &id).await;
-        let fingerprint = *lease.fingerprint().expect("begin records the fingerprint");
-        let key = store.record_key(&id);
-        let mut head = b"P".to_vec();
-        head.extend_from_slice(lease.token().as_bytes());
-        // A call sent again is encoded again, possibly a second later: its expiry may differ.
-        let send = |body: &'static str, resent: bool| {
-            let expires_at: u32 = if resent { 2_000_000_001 } else { 2_000_000_000 };
-            let mut record = b"C".to_vec();
-            if whole {
-                record.extend_from_slice(fingerprint.as_bytes());
-                record.extend_from_slice(&expires_at.to_be_bytes());
-                record.push(u8::try_from(lease.attempt()).unwrap());
-            } else {
-                record.extend_from_slice(&expires_at.to_be_bytes());
-            }
-            record.extend_from_slice(&meta);
-            record.extend_from_slice(body.as_bytes());
-            let mode = match (whole, resent) {
-                (true, false) => "w",
-                (true, true) => "W",
-                (false, false) => "c",
-                (false, true) => "C",
-            };
-            let mut invocation = complete.key(&key);
-            invocation
-                .arg(head.as_slice())
-                .arg(record)
-                .arg(60_000)
-                .arg(mode);
-            invocation
-        };
-        let first: i64 = send("body", false).invoke_async(&mut conn).await.unwrap();
-        let again: i64 = send("body", false).invoke_async(&mut conn).await.unwrap();
-        let resent: i64 = send("body", true).invoke_async(&mut conn).await.unwrap();
-        let resent_other: i64 = send("other", true).invoke_async(&mut conn).await.unwrap();
-        assert_eq!(
-            (first, again, resent, resent_other),
-            (1, 0, 1, 0),
-            "whole: {whole}"
-        );
-        let replay = replay(&store, &id).await;
-        assert_eq!(replay.completion.response.body, "body");
-        let record = store.get(&id).await.unwrap().expect("the record");
-        assert_eq!(record.fingerprint, fingerprint, "whole: {whole}");
-        assert_eq!(record.attempt, 1, "whole: {whole}");
-    }
+    resent_calls_on(&store).await;
+}
 
-    // Through the store: a lease made without its fingerprint completes in mode 'c', and the
-    // record keeps the fingerprint its begin wrote.
+/// [`resent_calls_count_once`] on `store`.
+pub(crate) async fn resent_calls_on(store: &RedisStore) {
+    use idem_redis::testing::{complete_resent, release_resent};
+    let id = new_id("kw");
+    let lease = acquire(store, &id).await;
+    let body = succeeded(200, "body");
+    store.complete(&lease, &body, KEEP).await.expect("complete");
+    let again = store.complete(&lease, &body, KEEP).await;
+    assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
+    complete_resent(store, &lease, &body, KEEP)
+        .await
+        .expect("the same completion, sent again");
+    let other = complete_resent(store, &lease, &succeeded(200, "other"), KEEP).await;
+    assert!(matches!(other, Err(Error::LeaseLost)), "{other:?}");
+    assert_eq!(replay(store, &id).await.completion.response.body, "body");
+
+    let id = new_id("r");
+    let lease = acquire(store, &id).await;
+    store.release(&lease).await.expect("release");
+    let again = store.release(&lease).await;
+    assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
+    release_resent(store, &lease)
+        .await
+        .expect("a release sent again");
+
+    // A lease made without its fingerprint: the record keeps the one its begin wrote.
     let id = new_id("kl");
-    let lease = acquire(&store, &id).await;
+    let lease = acquire(store, &id).await;
     let bare = Lease::new(
         id.clone(),
         lease.token(),
@@ -676,7 +641,7 @@ async fn resent_calls_count_once() {
         .expect("complete without a fingerprint");
     let record = store.get(&id).await.unwrap().expect("the record");
     assert_eq!(record.fingerprint, *lease.fingerprint().unwrap());
-    assert_eq!(replay(&store, &id).await.completion.response.body, "bare");
+    assert_eq!(replay(store, &id).await.completion.response.body, "bare");
 
     // Through the store, leases that carry their fingerprint (the record goes whole): it
     // holds the begin's fingerprint and the lease's attempt, 2 after a takeover.
@@ -694,7 +659,7 @@ async fn resent_calls_count_once() {
         other => panic!("expected Acquired, got {other:?}"),
     };
     tokio::time::sleep(Duration::from_millis(80)).await;
-    let second = match begin(&store, &id).await {
+    let second = match begin(store, &id).await {
         Begin::TookOver(lease) => lease,
         other => panic!("expected TookOver, got {other:?}"),
     };
@@ -710,21 +675,6 @@ async fn resent_calls_count_once() {
         store.complete(&first, &succeeded(201, "first"), KEEP).await,
         Err(Error::LeaseLost)
     ));
-
-    let id = new_id("r");
-    let lease = acquire(&store, &id).await;
-    let key = store.record_key(&id);
-    let release_with = |resent: &'static str| {
-        let mut invocation = release.key(&key);
-        invocation
-            .arg(lease.token().as_bytes().as_slice())
-            .arg(resent);
-        invocation
-    };
-    let first: i64 = release_with("0").invoke_async(&mut conn).await.unwrap();
-    let again: i64 = release_with("0").invoke_async(&mut conn).await.unwrap();
-    let resent: i64 = release_with("1").invoke_async(&mut conn).await.unwrap();
-    assert_eq!((first, again, resent), (1, 0, 1));
 }
 
 /// Thousands of keys, dozens of concurrent callers per key: the protected side effect runs
@@ -1019,9 +969,8 @@ fn in_progress(token: &FencingToken, fingerprint: &Fingerprint, attempt: u32) ->
 }
 
 /// A completed record carries its expiry (Unix seconds, rounded down), and a replay reads
-/// it from there; a completed record of the previous layout, which has none, is replayed
-/// with its key's time to live. An attempt of 255 or more, carried over from the in-progress
-/// record by `complete.lua` (a lease without its fingerprint) or `apply.lua`, is kept whole.
+/// it from there. An attempt of 255 or more, carried over from the in-progress record (by a
+/// lease without its fingerprint, or an apply), is kept whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completed_records_carry_their_expiry_and_attempt() {
     let Some((store, mut conn)) = on_the_shared_server().await else {
@@ -1059,30 +1008,7 @@ async fn completed_records_carry_their_expiry_and_attempt() {
         "{expires_in:?}"
     );
 
-    // The previous layout: no expiry in the record; the key's PTTL tells it.
-    let id = new_id("previous");
-    let mut old = b"c".to_vec();
-    old.extend_from_slice(Fingerprint::of_bytes(b"f").as_bytes());
-    old.extend_from_slice(&1u32.to_be_bytes());
-    old.extend_from_slice(&[0x80, 0, 201]);
-    old.extend_from_slice(b"old");
-    let _: () = redis::cmd("SET")
-        .arg(store.record_key(&id))
-        .arg(old)
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let old = replay(&store, &id).await;
-    assert_eq!(old.completion.response.body, "old");
-    assert!(
-        old.expires_in <= Duration::from_secs(60) && old.expires_in > Duration::from_secs(50),
-        "{:?}",
-        old.expires_in
-    );
-
-    // Attempt 300, carried over by complete.lua and by apply.lua.
+    // Attempt 300, carried over by complete and by apply.
     let fingerprint = Fingerprint::of_bytes(b"f");
     for through_apply in [false, true] {
         let id = new_id(if through_apply { "apply" } else { "complete" });

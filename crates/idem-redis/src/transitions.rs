@@ -1,0 +1,433 @@
+//! The fenced transitions, written once for both paths (see [`crate::Scripting`]): each is
+//! a compare-and-set of the whole record the lease holds, sent as the server's own command
+//! (`SET .. IFEQ .. GET`, `DELIFEQ`, `DELEX .. IFEQ`) where every primary has it, else as
+//! `set_if.lua` or `end_if.lua`, which do the same compare in one script.
+//!
+//! The record a lease holds is rebuilt from the lease (its token, fingerprint and attempt)
+//! and the margin of the store's last `begin` (`margin_hint`, the same for every `begin` of
+//! an [`idem_core::Idem`]), so the common case is one round trip. When the record differs,
+//! the answer (the value a `SET .. GET` or a script hands back, or a `GET` after a
+//! compare-and-delete) tells what it holds: still the lease's (another margin), the write
+//! goes again with it; otherwise the lease is lost.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId};
+use redis::aio::ConnectionLike as _;
+use redis::{Cmd, Value};
+use tokio::time::Instant;
+
+use crate::caps::{Path, Release};
+use crate::codec::{self, Head};
+use crate::connection::Conn;
+use crate::error::{classify, unexpected};
+use crate::scripts;
+use crate::store::{millis, RedisStore, CAS_ROUNDS};
+use crate::{Applied, STORE};
+
+/// What a compare-and-set answered.
+pub(crate) enum Answer {
+    /// It wrote, expired or deleted: the value was the one expected.
+    Matched,
+    /// It did nothing: the key held this value instead (`None`: absent).
+    Found(Option<Bytes>),
+    /// It did nothing, and did not say what the key holds (a compare-and-delete).
+    Unknown,
+}
+
+/// A transition of a lease's record.
+enum Write<'a> {
+    Complete {
+        encoded: &'a codec::EncodedCompletion,
+        expires_at: u32,
+        ms: u64,
+    },
+    Release,
+    Extend {
+        by_ms: u64,
+    },
+}
+
+impl RedisStore {
+    /// `PUBSUB` counts a record's waiters with: `SHARDNUMSUB` on a cluster.
+    fn numsub(&self) -> &'static str {
+        if self.is_cluster() {
+            "SHARDNUMSUB"
+        } else {
+            "NUMSUB"
+        }
+    }
+
+    /// Sets `key` to `value` for `ms` if it holds exactly `expected`, waking its waiters
+    /// after a write when `wake`: the answer, and the waiters still to wake
+    /// ([`RedisStore::wake`]).
+    pub(crate) async fn set_if(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        expected: &[u8],
+        value: &[u8],
+        ms: u64,
+        wake: bool,
+    ) -> Result<(Answer, i64), Error> {
+        if self.path() == Path::Scripts {
+            let mut call = scripts::SET_IF.key(key);
+            call.arg(expected).arg(value).arg(ms);
+            call.arg(if wake { self.numsub() } else { "" });
+            let old: Value = call.invoke_async(conn).await.map_err(classify)?;
+            return Ok((answer(old, expected)?, 0));
+        }
+        let mut cmd = Cmd::with_capacity(8, key.len() + expected.len() + value.len() + 30);
+        cmd.arg("SET").arg(key).arg(value).arg("IFEQ").arg(expected);
+        cmd.arg("GET").arg("PX").arg(ms);
+        let (old, waiters) = self.counted(conn, key, cmd, wake).await?;
+        Ok((answer(old, expected)?, waiters))
+    }
+
+    /// Deletes `key` (`ms` 0) or sets its time to live to `ms`, if it holds exactly
+    /// `expected`; a delete wakes its waiters. As [`RedisStore::set_if`].
+    async fn end_if(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        expected: &[u8],
+        ms: u64,
+    ) -> Result<(Answer, i64), Error> {
+        let release = match self.path() {
+            Path::Scripts => {
+                let mut call = scripts::END_IF.key(key);
+                call.arg(expected).arg(ms).arg(self.numsub());
+                let old: Value = call.invoke_async(conn).await.map_err(classify)?;
+                return Ok((answer(old, expected)?, 0));
+            }
+            // No compare-and-expire command: the same value set again, with the new expiry.
+            _ if ms > 0 => return self.set_if(conn, key, expected, expected, ms, false).await,
+            Path::Commands(release) => release,
+        };
+        let mut cmd = Cmd::with_capacity(8, key.len() + expected.len() + 20);
+        match release {
+            Release::DelIfEq => cmd.arg("DELIFEQ").arg(key).arg(expected),
+            Release::DelEx => cmd.arg("DELEX").arg(key).arg("IFEQ").arg(expected),
+            Release::SetReleased => {
+                return self
+                    .set_if(conn, key, expected, codec::RELEASED, 1, true)
+                    .await
+            }
+        };
+        let (deleted, waiters) = self.counted(conn, key, cmd, true).await?;
+        match deleted {
+            Value::Int(1) => Ok((Answer::Matched, waiters)),
+            Value::Int(0) => Ok((Answer::Unknown, 0)),
+            other => Err(unexpected("a compare-and-delete", &other)),
+        }
+    }
+
+    /// Sends `cmd`, with `PUBSUB NUMSUB` (`SHARDNUMSUB`) of `key` behind it in the same
+    /// round trip when `count` (on a cluster the pipeline goes to the key's primary, where
+    /// its shard channel lives): its answer, and the waiters counted.
+    async fn counted(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        cmd: Cmd,
+        count: bool,
+    ) -> Result<(Value, i64), Error> {
+        if !count {
+            let answer = conn.req_packed_command(&cmd).await;
+            return Ok((answer.and_then(Value::extract_error).map_err(classify)?, 0));
+        }
+        let mut pipe = redis::Pipeline::with_capacity(2);
+        pipe.add_command(cmd);
+        pipe.cmd("PUBSUB").arg(self.numsub()).arg(key);
+        let replies = conn
+            .req_packed_commands(&pipe, 0, 2)
+            .await
+            .map_err(classify)?;
+        let [answer, count] = <[Value; 2]>::try_from(replies)
+            .map_err(|_| Error::backend(STORE, "a reply is missing"))?;
+        let waiters = match count {
+            Value::Array(items) => match items.get(1) {
+                Some(Value::Int(n)) => *n,
+                _ => 0,
+            },
+            _ => 0,
+        };
+        Ok((answer.extract_error().map_err(classify)?, waiters))
+    }
+
+    /// Wakes a record's waiters, when [`RedisStore::counted`] counted some; should this
+    /// fail, they fall back to polling.
+    async fn wake(&self, conn: &mut Conn, key: &str, waiters: i64) {
+        if waiters <= 0 {
+            return;
+        }
+        let publish = if self.is_cluster() {
+            "SPUBLISH"
+        } else {
+            "PUBLISH"
+        };
+        if let Err(e) = redis::cmd(publish)
+            .arg(key)
+            .arg("")
+            .query_async::<i64>(conn)
+            .await
+        {
+            tracing::debug!(error = %e, "could not wake the waiters of a record");
+        }
+    }
+
+    async fn get_value(&self, conn: &mut Conn, key: &str) -> Result<Option<Bytes>, Error> {
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(key)
+            .query_async(conn)
+            .await
+            .map_err(classify)?;
+        Ok(value
+            .filter(|v| v.as_slice() != codec::RELEASED)
+            .map(Bytes::from))
+    }
+
+    /// The in-progress record `lease` holds, as this store writes it, with the margin of
+    /// its last `begin`; `None` when the lease does not carry its fingerprint.
+    fn guess(&self, lease: &Lease) -> Option<Bytes> {
+        let margin = self.margin_hint();
+        let fingerprint = lease.fingerprint().filter(|_| margin != u64::MAX)?;
+        let record = codec::in_progress(&lease.token(), margin, fingerprint, lease.attempt());
+        Some(Bytes::copy_from_slice(&record))
+    }
+
+    /// Makes `write` on the record `lease` holds, until it matches or the record is not the
+    /// lease's. Returns the waiters to wake on success, or the value found instead.
+    async fn on_lease(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        lease: &Lease,
+        write: &Write<'_>,
+    ) -> Result<Result<i64, Option<Bytes>>, Error> {
+        let mut expected = self.guess(lease);
+        let other = |value: Option<Bytes>| match value {
+            Some(v) if codec::decode_head(&v, 0).is_none() => {
+                Err(Error::corrupt(STORE, "not a record"))
+            }
+            v => Ok(Err(v)),
+        };
+        for _ in 0..CAS_ROUNDS {
+            let held = match expected.take() {
+                Some(held) => held,
+                None => match self.get_value(conn, key).await? {
+                    Some(value) if held_by(&value, lease.token()) => value,
+                    value => return other(value),
+                },
+            };
+            let (answer, waiters) = match write {
+                Write::Complete {
+                    encoded,
+                    expires_at,
+                    ms,
+                } => {
+                    let record = completed(&held, encoded, *expires_at);
+                    self.set_if(conn, key, &held, &record, *ms, true).await?
+                }
+                Write::Release => self.end_if(conn, key, &held, 0).await?,
+                Write::Extend { by_ms } => {
+                    let ms = by_ms.saturating_add(codec::margin_ms(&held)).max(1);
+                    self.end_if(conn, key, &held, ms).await?
+                }
+            };
+            match answer {
+                Answer::Matched => return Ok(Ok(waiters)),
+                Answer::Found(Some(old)) if held_by(&old, lease.token()) => expected = Some(old),
+                Answer::Found(value) => return other(value),
+                Answer::Unknown => {}
+            }
+        }
+        Err(Error::unavailable(
+            STORE,
+            "the record kept changing under a compare-and-set; try again",
+        ))
+    }
+
+    /// `complete`: the completed record in place of the one the lease holds. A call sent
+    /// again (`resent`) also succeeds when the record already holds this completion.
+    pub(crate) async fn complete_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        lease: &Lease,
+        encoded: &codec::EncodedCompletion,
+        retention: Duration,
+        resent: bool,
+    ) -> Result<(), Error> {
+        let expires_at = codec::expires_at(retention);
+        let ms = millis(retention).max(1);
+        let write = Write::Complete {
+            encoded,
+            expires_at,
+            ms,
+        };
+        let waiters = match self.on_lease(conn, key, lease, &write).await? {
+            Ok(waiters) => waiters,
+            // The first send did it; only its reply was lost. (The same completion, its
+            // expiry at 33..37 aside, which a call sent again may put a second later.)
+            Err(Some(stored))
+                if resent
+                    && lease.fingerprint().is_some_and(|fp| {
+                        let held = codec::in_progress(&lease.token(), 0, fp, lease.attempt());
+                        let ours = completed(&held, encoded, expires_at);
+                        stored.len() == ours.len()
+                            && stored[..33] == ours[..33]
+                            && stored[37..] == ours[37..]
+                    }) =>
+            {
+                0
+            }
+            Err(_) => return Err(Error::LeaseLost),
+        };
+        self.wake(conn, key, waiters).await;
+        self.after_complete(conn, key).await
+    }
+
+    /// `release`: the record the lease holds deleted. A call sent again (`resent`) also
+    /// succeeds when the record is absent.
+    pub(crate) async fn release_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        lease: &Lease,
+        resent: bool,
+    ) -> Result<(), Error> {
+        match self.on_lease(conn, key, lease, &Write::Release).await? {
+            Ok(waiters) => {
+                self.wake(conn, key, waiters).await;
+                Ok(())
+            }
+            Err(None) if resent => Ok(()),
+            Err(_) => Err(Error::LeaseLost),
+        }
+    }
+
+    /// `extend`: the deadline moved to `by` from now, the key's expiry with it (the margin
+    /// kept after the deadline stays what `begin` set).
+    pub(crate) async fn extend_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        lease: &Lease,
+        by: Duration,
+    ) -> Result<Lease, Error> {
+        let sent_at = Instant::now();
+        let by_ms = millis(by);
+        match self
+            .on_lease(conn, key, lease, &Write::Extend { by_ms })
+            .await?
+        {
+            Ok(_) => Ok(lease.renewed(lease.attempt(), Duration::from_millis(by_ms), sent_at)),
+            Err(_) => Err(Error::LeaseLost),
+        }
+    }
+
+    /// `get`: `GET` and `PTTL` in one round trip.
+    pub(crate) async fn get_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        id: &RecordId,
+    ) -> Result<Option<Record>, Error> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+        let (value, pttl): (Option<Vec<u8>>, i64) =
+            pipe.query_async(conn).await.map_err(classify)?;
+        match value {
+            Some(v) if v.as_slice() != codec::RELEASED => {
+                codec::decode_record(id, Bytes::from(v), pttl).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// [`RedisStore::apply_completion`]: the record read, then the completion written with
+    /// `SET .. NX GET` (absent) or a compare-and-set (held by `token`), read again when it
+    /// changed in between.
+    pub(crate) async fn apply_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        identity: Option<(&Fingerprint, u32)>,
+        token: FencingToken,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<Applied, Error> {
+        let encoded = codec::encode_completion(completion, &self.config().body)?;
+        let expires_at = codec::expires_at(ttl);
+        let ms = millis(ttl).max(1);
+        for _ in 0..CAS_ROUNDS {
+            let current = self.get_value(conn, key).await?;
+            let (record, held) = match current.as_deref().map(|v| (v, codec::decode_head(v, 0))) {
+                None => match identity {
+                    Some((fp, attempt)) => {
+                        let held = codec::in_progress(&token, 0, fp, attempt);
+                        (completed(&held, &encoded, expires_at), None)
+                    }
+                    None => return Ok(Applied::Absent),
+                },
+                Some((_, Some(Head::Completed { .. }))) => return Ok(Applied::AlreadyCompleted),
+                Some((held, Some(_))) if held_by(held, token) => {
+                    (completed(held, &encoded, expires_at), Some(held))
+                }
+                Some((_, Some(_))) => return Ok(Applied::HeldByAnotherLease),
+                Some((_, None)) => return Err(Error::corrupt(STORE, "not a record")),
+            };
+            let (written, waiters) = match held {
+                Some(held) => {
+                    let (answer, waiters) = self.set_if(conn, key, held, &record, ms, true).await?;
+                    (matches!(answer, Answer::Matched), waiters)
+                }
+                None => {
+                    let mut cmd = Cmd::with_capacity(8, key.len() + record.len() + 30);
+                    cmd.arg("SET").arg(key).arg(&record).arg("NX").arg("GET");
+                    cmd.arg("PX").arg(ms);
+                    let (old, waiters) = self.counted(conn, key, cmd, true).await?;
+                    (old == Value::Nil, waiters)
+                }
+            };
+            if written {
+                self.wake(conn, key, waiters).await;
+                return Ok(Applied::Written);
+            }
+        }
+        Err(Error::unavailable(
+            STORE,
+            "the record kept changing under an apply; try again",
+        ))
+    }
+}
+
+/// A compare-and-set's answer: the value the key held, which is `expected` when it wrote.
+fn answer(old: Value, expected: &[u8]) -> Result<Answer, Error> {
+    match old {
+        Value::BulkString(old) if old == expected => Ok(Answer::Matched),
+        Value::BulkString(old) => Ok(Answer::Found(Some(old.into()))),
+        Value::Nil => Ok(Answer::Found(None)),
+        other => Err(unexpected("a compare-and-set", &other)),
+    }
+}
+
+/// The completed record that replaces the in-progress record `held`: its fingerprint and
+/// attempt, and the completion.
+fn completed(held: &[u8], encoded: &codec::EncodedCompletion, expires_at: u32) -> Vec<u8> {
+    let (fingerprint, attempt) = codec::identity(held);
+    let record = codec::Completed {
+        encoded,
+        identity: (&fingerprint, attempt),
+        expires_at,
+    };
+    redis::ToRedisArgs::to_redis_args(&record).remove(0)
+}
+
+/// Whether `value` is an in-progress record held by `token`.
+fn held_by(value: &[u8], token: FencingToken) -> bool {
+    matches!(codec::decode_head(value, 0),
+        Some(Head::InProgress { token: t, .. }) if t == token.as_bytes())
+}
