@@ -93,7 +93,8 @@ pub struct Settings {
 enum Side {
     Idem {
         store: RedisStore,
-        cluster: bool,
+        /// `idem`, `idem (scripts)` (forced to Lua scripts) or `idem (cluster)`.
+        name: &'static str,
     },
     Idempotent(Arc<ValkeyStore>),
     Klauthed(RedisIdempotencyStore),
@@ -109,8 +110,7 @@ const FLOOR_COMPLETE: &str = "if redis.call('GETRANGE', KEYS[1], 0, 16) == ARGV[
 impl Side {
     fn name(&self) -> &'static str {
         match self {
-            Side::Idem { cluster: false, .. } => "idem",
-            Side::Idem { cluster: true, .. } => "idem (cluster)",
+            Side::Idem { name, .. } => name,
             Side::Idempotent(_) => "idempotent 0.3",
             Side::Klauthed(_) => "klauthed-data 1.0",
             Side::Floor(..) => "fenced floor",
@@ -133,12 +133,12 @@ impl Side {
     }
 }
 
-/// The commands idem's store sends outside scripts on the two phases' paths, per operation
-/// (`begin` is one `SET .. NX GET PX`; `complete` a script whose
-/// `SET` is counted inside it, then a plain `PUBSUB NUMSUB` in the same round trip; each
-/// is capped at the calls seen, so a replay counts no `PUBSUB`). Keep in step with
-/// `idem-redis`'s `store.rs`.
-pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0), ("pubsub|numsub", 1.0)];
+/// The commands idem's store sends outside scripts on the two phases' paths, per operation,
+/// on a server without the compare-and-set commands (`begin` is one `SET .. NX GET PX`;
+/// `complete` is `set_if.lua`, whose `GET`, `SET` and `PUBSUB NUMSUB` are counted inside
+/// it; capped at the calls seen). Where the server has the commands, no script runs and
+/// every command is the side's own. Keep in step with `idem-redis`'s `transitions.rs`.
+pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0)];
 
 /// The fenced floor's command outside its script: the claim's `SET`.
 const FLOOR_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0)];
@@ -177,6 +177,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     let p = format!("cmp:{}:", s.run_id);
     let prefix: BTreeMap<&'static str, String> = [
         ("idem", format!("{p}i:")),
+        ("scripts", format!("{p}s:")),
         ("idempotent", format!("{p}v")),
         ("klauthed", format!("{p}k:")),
         ("floor", format!("{p}f:")),
@@ -201,6 +202,12 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
         .connect()
         .await
         .map_err(|e| format!("idem: {e}"))?;
+    let scripts = RedisStore::builder(&s.url)
+        .with_prefix(&workload.prefix["scripts"])
+        .with_scripting(idemkit::redis::Scripting::Scripts)
+        .connect()
+        .await
+        .map_err(|e| format!("idem (scripts): {e}"))?;
     let client = redis::Client::open(s.url.as_str()).map_err(|e| e.to_string())?;
     let valkey = ValkeyStore::with_prefix(client.clone(), Some(&workload.prefix["idempotent"]))
         .await
@@ -215,7 +222,11 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     let sides = vec![
         Side::Idem {
             store: idem,
-            cluster: false,
+            name: "idem",
+        },
+        Side::Idem {
+            store: scripts,
+            name: "idem (scripts)",
         },
         Side::Idempotent(Arc::new(valkey)),
         Side::Klauthed(klauthed),
@@ -230,7 +241,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
                 .map_err(|e| format!("idem on {url}: {e}"))?;
             Some(Side::Idem {
                 store,
-                cluster: true,
+                name: "idem (cluster)",
             })
         }
         None => None,

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::{Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId};
 use redis::aio::ConnectionLike as _;
-use redis::{Cmd, Value};
+use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
 use tokio::time::Instant;
 
 use crate::caps::{Path, Release};
@@ -75,8 +75,7 @@ impl RedisStore {
             let mut call = scripts::SET_IF.key(key);
             call.arg(expected).arg(value).arg(ms);
             call.arg(if wake { self.numsub() } else { "" });
-            let old: Value = call.invoke_async(conn).await.map_err(classify)?;
-            return Ok((answer(old, expected)?, 0));
+            return Ok((answer(invoke(&call, conn).await?, expected)?, 0));
         }
         let mut cmd = Cmd::with_capacity(8, key.len() + expected.len() + value.len() + 30);
         cmd.arg("SET").arg(key).arg(value).arg("IFEQ").arg(expected);
@@ -98,8 +97,7 @@ impl RedisStore {
             Path::Scripts => {
                 let mut call = scripts::END_IF.key(key);
                 call.arg(expected).arg(ms).arg(self.numsub());
-                let old: Value = call.invoke_async(conn).await.map_err(classify)?;
-                return Ok((answer(old, expected)?, 0));
+                return Ok((answer(invoke(&call, conn).await?, expected)?, 0));
             }
             // No compare-and-expire command: the same value set again, with the new expiry.
             _ if ms > 0 => return self.set_if(conn, key, expected, expected, ms, false).await,
@@ -401,6 +399,20 @@ impl RedisStore {
             STORE,
             "the record kept changing under an apply; try again",
         ))
+    }
+}
+
+/// Runs a script through `invoke_async` (which loads it on `NOSCRIPT` and sends it once
+/// more), again when the script cache was flushed between that load and that send (a
+/// `SCRIPT FLUSH` or a failover racing it), up to three sends in all.
+async fn invoke(call: &redis::ScriptInvocation<'_>, conn: &mut Conn) -> Result<Value, Error> {
+    let mut sends = 0;
+    loop {
+        sends += 1;
+        match call.invoke_async(conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) && sends < 3 => {}
+            other => return other.map_err(classify),
+        }
     }
 }
 
