@@ -364,12 +364,13 @@ impl RedisStore {
                 .await
                 .map_err(classify)
         })?;
-        let Some(record) = record else {
+        // Absent, or released a moment ago (Valkey 8.1).
+        let Some(record) = record.filter(|r| r.as_slice() != codec::RELEASED) else {
             return Ok(None);
         };
         let record = Bytes::from(record);
         let fingerprint = req.fingerprint.as_bytes().as_slice();
-        match codec::decode_head(&record, pttl, 0) {
+        match codec::decode_head(&record, pttl) {
             Some(Head::Completed {
                 fingerprint: f,
                 expires_at,
@@ -378,13 +379,9 @@ impl RedisStore {
                 if f != fingerprint {
                     return Ok(Some(Begin::Mismatch));
                 }
-                let expires_in = match expires_at {
-                    Some(at) => codec::expires_in(at),
-                    None => codec::millis(pttl),
-                };
                 Ok(Some(Begin::Replay(Replay {
                     completion: codec::decode_completion_in(&record, &record)?,
-                    expires_in,
+                    expires_in: codec::expires_in(expires_at),
                 })))
             }
             Some(Head::InProgress {
