@@ -1,6 +1,7 @@
 //! The state machine's `begin` rule, as a pure function: what a store does with a `begin`
-//! given the record it found. [`crate::MemoryStore`] runs it as is; the Redis script
-//! (`lua/redis/begin.lua`) and the PostgreSQL statement (`begin.sql`) are the same rule
+//! given the record it found. [`crate::MemoryStore`] runs it as is; the Redis store's
+//! `begin` (`SET .. NX GET`, then a compare-and-set for a takeover) and the PostgreSQL
+//! statement (`begin.sql`) are the same rule
 //! written in their own languages, and the conformance cases and the model check
 //! (`idem-testkit`) hold all of them to it.
 

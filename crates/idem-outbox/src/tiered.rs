@@ -445,7 +445,7 @@ impl Store for TieredStore {
     }
 
     /// Both tiers' notifications, whichever comes first: Redis's fires when the completion
-    /// reaches Redis (`apply.lua`, right after the commit or from the relay), which is what
+    /// reaches Redis (`apply_completion`, right after the commit or from the relay), which is what
     /// the waiter's next `begin` reads; PostgreSQL's fires at the commit, for a waiter
     /// answered by PostgreSQL alone while Redis is down. `None` when neither tier can
     /// register the waiter in time: the waiter polls.

@@ -7,9 +7,9 @@
 //! when a subscriber is counted, so a completion nobody waits for costs one dictionary
 //! lookup and nothing is published or replicated.
 //!
-//! - **One server** ([`Notifier`]): `SUBSCRIBE`. `release.lua` and `apply.lua` count with
-//!   `PUBSUB NUMSUB` and `PUBLISH` (`wake` in `prelude.lua`); a `complete` is followed by
-//!   a plain `PUBSUB NUMSUB` in its round trip, and the store sends the `PUBLISH` when it
+//! - **One server** ([`Notifier`]): `SUBSCRIBE`. A `complete`, a release and an applied
+//!   completion are followed by a plain `PUBSUB NUMSUB` in their round trip (inside
+//!   `set_if.lua` / `end_if.lua` on the scripts' path), and the store sends the `PUBLISH` when it
 //!   counts a subscriber (a waiter that subscribes after the count finds the record
 //!   completed when it looks). A lost subscribing connection is made again, its channels
 //!   subscribed again, and every waiter woken (a notification may have been lost

@@ -312,7 +312,7 @@ impl RedisStore {
     /// Writes a completion that was committed elsewhere (the arbiter of a tiered store) into
     /// Redis: when the key is absent, or in progress under `token` (the lease that
     /// completed). A completed key, or one held by another lease, is left as it is
-    /// (`lua/apply.lua` says why). Applying twice is applying once, so a relay may deliver
+    /// (the relay's docs say why). Applying twice is applying once, so a relay may deliver
     /// at least once. One round trip.
     ///
     /// `identity` is the record's fingerprint and attempt. Without it, the completing
