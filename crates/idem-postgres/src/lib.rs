@@ -69,8 +69,8 @@
 //!   in-flight answers (a waiter's polling included) and mismatches are plain index
 //!   lookups, and cannot conflict with the holder's `complete`. When the snapshot holds no
 //!   record of the key at all, it inserts one (`ON CONFLICT DO NOTHING`): a new key is one
-//!   plain insert, with none of `begin.sql`'s plan to build (BENCHMARKS.md has the
-//!   measurements).
+//!   plain insert, with none of `begin.sql`'s plan to build (idem-bench's `postgres`
+//!   phase measures it).
 //! - It returns no row when the record needs a change (past its expiry, or an expired lease
 //!   to take over) or when a concurrent caller inserted the key after the snapshot. Then
 //!   `begin.sql` runs `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... RETURNING`. `ON

@@ -12,7 +12,7 @@
 //! **Only when someone waits.** PostgreSQL serialises the commits of notifying transactions
 //! (a database-wide lock from the notification's queueing until the commit is flushed), so
 //! notifying on every completion would halve the completions per second at 16 callers
-//! (BENCHMARKS.md). A waiter therefore says that it waits with an advisory lock: its store's
+//! (idem-bench's `wait` phase). A waiter therefore says that it waits with an advisory lock: its store's
 //! listening connection holds the session-level **shared** lock
 //! `(LOCK_CLASS, hashtext(payload))` while the record has a waiter in that store. The
 //! statements notify only when they cannot take the same lock **exclusively**

@@ -112,8 +112,8 @@ impl PgStore {
     /// [`crate::notify`]). `complete` and `release` (and their `*_in` forms) call
     /// `pg_notify` only for a record with such a waiter, in any store on the database, so a
     /// completion nobody waits for costs one advisory lock taken and freed in memory, and
-    /// sends nothing (notifying commits are serialised by PostgreSQL: BENCHMARKS.md,
-    /// "Waiting for the holder's result").
+    /// sends nothing (notifying commits are serialised by PostgreSQL; idem-bench's `wait`
+    /// phase measures both ways).
     ///
     /// Off, this store's waiters poll (2 ms doubling to [`idem_core::Config::max_poll`])
     /// and it opens no listening connection (for a connection pooler that cannot keep a
