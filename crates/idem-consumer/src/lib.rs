@@ -81,8 +81,14 @@
 mod consumer;
 mod key;
 mod message;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats;
 #[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+mod worker;
 
 pub use consumer::{
     Consumer, Context, DeadLetterReason, Delivery, OnTerminal, Outcome, Policy, RequeueReason,
@@ -91,5 +97,8 @@ pub use consumer::{
 pub use key::{child_key, propagation_headers, FingerprintSource, InvalidMessage, KeySource};
 pub use message::{
     HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
-    IDEMPOTENCY_SCOPE_HEADER,
+    IDEMPOTENCY_SCOPE_HEADER, RETRY_AT_HEADER,
 };
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+pub use worker::Summary;

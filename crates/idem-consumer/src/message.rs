@@ -18,6 +18,11 @@ pub const IDEMPOTENCY_SCOPE_HEADER: &str = "x-idempotency-scope";
 /// [`Delivery::Nack`]: crate::Delivery::Nack
 pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
 
+/// The header of a retry copy (JetStream, Redis Streams) that says when it is due, in Unix
+/// milliseconds: a worker that receives it earlier hands it back until then, without running
+/// the handler. RabbitMQ retries wait in a retry queue instead.
+pub const RETRY_AT_HEADER: &str = "x-idem-retry-at";
+
 /// The header an integration sets on a dead-lettered copy to say why it was dead-lettered.
 pub const DEAD_LETTER_REASON_HEADER: &str = "x-idem-dead-letter-reason";
 

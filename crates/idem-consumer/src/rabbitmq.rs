@@ -79,6 +79,8 @@ use tokio::task::JoinSet;
 use crate::consumer::{Consumer, Context, Delivery};
 use crate::key::propagation_headers;
 use crate::message::{HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER};
+pub use crate::worker::Summary;
+use crate::worker::{count, decide, Settled};
 
 /// What went wrong with the broker.
 #[derive(Debug, thiserror::Error)]
@@ -208,23 +210,6 @@ impl Topology {
         }
         Ok(())
     }
-}
-
-/// Counts of what one [`Worker::run`] did with its deliveries.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Summary {
-    /// Deliveries acked as done (now, before, or as a stored failure).
-    pub acked: u64,
-    /// Deliveries requeued with `basic.nack` (key in flight elsewhere, store down, handler
-    /// panicked).
-    pub requeued: u64,
-    /// Deliveries republished to the retry queue after a retryable failure.
-    pub retried: u64,
-    /// Deliveries republished to the dead-letter queue.
-    pub dead_lettered: u64,
-    /// Deliveries that could not be settled (the channel failed): the broker redelivers
-    /// them.
-    pub unsettled: u64,
 }
 
 /// Consumes a queue and runs each delivery through a [`Consumer`]. See the
@@ -421,31 +406,6 @@ impl Worker {
     }
 }
 
-/// How one delivery ended on the broker.
-#[derive(Debug, Clone, Copy)]
-enum Settled {
-    Acked,
-    Requeued,
-    Retried,
-    DeadLettered,
-    Unsettled,
-}
-
-fn count(summary: &mut Summary, done: Result<Settled, tokio::task::JoinError>) {
-    match done {
-        Ok(Settled::Acked) => summary.acked += 1,
-        Ok(Settled::Requeued) => summary.requeued += 1,
-        Ok(Settled::Retried) => summary.retried += 1,
-        Ok(Settled::DeadLettered) => summary.dead_lettered += 1,
-        Ok(Settled::Unsettled) => summary.unsettled += 1,
-        // The settling code itself does not panic; count it as unsettled if it ever does.
-        Err(e) => {
-            tracing::error!(error = %e, "delivery task failed");
-            summary.unsettled += 1;
-        }
-    }
-}
-
 /// What a delivery task needs to settle its delivery.
 struct Settle {
     consumer: Consumer,
@@ -467,21 +427,11 @@ impl Settle {
         H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
     {
-        let message = message_of(&delivery);
-        // The handler runs in a task of its own, so that a panic in it is caught here and
-        // the delivery is still settled (requeued; its lease runs out and the next attempt
-        // is counted).
-        let consumer = self.consumer.clone();
-        let decision = tokio::spawn(async move {
-            consumer
-                .process(&message, |ctx| handler(message.clone(), ctx))
-                .await
-        })
-        .await;
-        let decision = match decision {
-            Ok(decision) => decision,
-            Err(e) => {
-                tracing::error!(error = %e, "handler panicked; requeueing");
+        // A panicking handler is caught, and its delivery requeued (its lease runs out and
+        // the next attempt is counted).
+        let decision = match decide(&self.consumer, message_of(&delivery), handler).await {
+            Some(decision) => decision,
+            None => {
                 drop(slot);
                 let after = self.consumer.policy().unavailable_delay;
                 return self.requeue(&delivery, after).await;

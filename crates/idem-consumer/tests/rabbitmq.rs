@@ -12,13 +12,14 @@
 
 #![cfg(feature = "rabbitmq")]
 
+mod support;
+
 /// Named after the backend, so that `cargo test rabbitmq` runs these.
 mod rabbitmq {
 
     use std::collections::{BTreeMap, BTreeSet};
-    use std::io::Write;
     use std::path::{Path, PathBuf};
-    use std::process::{Child, Command, Stdio};
+    use std::process::{Command, Stdio};
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
@@ -37,7 +38,7 @@ mod rabbitmq {
     use tokio::sync::oneshot;
     use tokio::time::{sleep, timeout, Instant};
 
-    use idem_redis::RedisStore;
+    use crate::support::{append, wait_until, ChildFiles, ChildProcess, SharedStore, CHILD_ENV};
 
     fn amqp_url() -> Option<String> {
         idem_testkit::harness::url_from_env("IDEM_TEST_AMQP_URL", "RabbitMQ")
@@ -112,19 +113,6 @@ mod rabbitmq {
             .await
             .expect("passive declare")
             .message_count()
-    }
-
-    /// Polls `check` every 50 ms until it holds; panics with `what` after `limit`.
-    async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = bool>,
-    {
-        let deadline = Instant::now() + limit;
-        while !check().await {
-            assert!(Instant::now() < deadline, "timed out waiting until {what}");
-            sleep(Duration::from_millis(50)).await;
-        }
     }
 
     /// Waits until the main and retry queues have had no ready message for 500 ms.
@@ -525,119 +513,10 @@ mod rabbitmq {
 
     // --- The crash test -----------------------------------------------------------------------
 
-    /// The store the consumer processes share: Redis (`IDEM_TEST_REDIS_URL`) under a key
-    /// prefix of this test's own.
-    struct SharedStore {
-        url: String,
-        prefix: String,
-    }
-
-    impl SharedStore {
-        /// `None` (skipped, after the harness said why) when no Redis is configured; the
-        /// harness panics instead when backends are required.
-        fn for_test() -> Option<Self> {
-            Some(Self {
-                url: idem_testkit::harness::redis_url()?,
-                prefix: format!("idem-consumer-test-{}:", uuid::Uuid::new_v4().simple()),
-            })
-        }
-
-        /// How a child process opens the same store: `<prefix>|<url>`.
-        fn descriptor(&self) -> String {
-            format!("{}|{}", self.prefix, self.url)
-        }
-
-        fn open(descriptor: &str) -> Arc<dyn Store> {
-            let (prefix, url) = descriptor
-                .split_once('|')
-                .unwrap_or_else(|| panic!("unknown store descriptor {descriptor:?}"));
-            Arc::new(
-                RedisStore::builder(url)
-                    .with_prefix(prefix)
-                    .connect_lazy()
-                    .expect("a Redis store"),
-            )
-        }
-
-        fn store(&self) -> Arc<dyn Store> {
-            Self::open(&self.descriptor())
-        }
-    }
-
-    const CHILD_ENV: &str = "IDEM_CONSUMER_CHILD";
     /// The child's lease: a killed child's keys are taken over this long after its last
     /// heartbeat.
     const CHILD_LEASE: Duration = Duration::from_secs(3);
     const CHILD_CONCURRENCY: usize = 4;
-
-    /// Where a child consumer process reads its settings and writes what it does.
-    struct ChildFiles {
-        dir: PathBuf,
-        /// Whether dropping this removes the directory (the test's own, not a child's view).
-        owner: bool,
-    }
-
-    impl ChildFiles {
-        fn new() -> Self {
-            let dir =
-                std::env::temp_dir().join(format!("idem-consumer-crash-{}", uuid::Uuid::new_v4()));
-            std::fs::create_dir_all(&dir).expect("temporary directory");
-            Self { dir, owner: true }
-        }
-        /// One line per handler start: `<key> <attempt> <process>`.
-        fn starts(&self) -> PathBuf {
-            self.dir.join("starts")
-        }
-        /// One line per side effect: `<key> <attempt> <process>`.
-        fn effects(&self) -> PathBuf {
-            self.dir.join("effects")
-        }
-        fn stop(&self, name: &str) -> PathBuf {
-            self.dir.join(format!("stop-{name}"))
-        }
-        fn summary(&self, name: &str) -> PathBuf {
-            self.dir.join(format!("summary-{name}"))
-        }
-        fn lines(path: &Path) -> Vec<Vec<String>> {
-            std::fs::read_to_string(path)
-                .unwrap_or_default()
-                .lines()
-                .map(|l| l.split(' ').map(str::to_owned).collect())
-                .collect()
-        }
-    }
-
-    impl Drop for ChildFiles {
-        fn drop(&mut self) {
-            if self.owner {
-                let _ = std::fs::remove_dir_all(&self.dir);
-            }
-        }
-    }
-
-    fn append(path: &Path, line: &str) {
-        // One `write` on a file opened for appending: lines from concurrent writers, in this
-        // process or another, do not interleave.
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .expect("open for append");
-        file.write_all(format!("{line}\n").as_bytes())
-            .expect("append");
-    }
-
-    /// A child process, killed when dropped, so a failing test leaves no consumer behind.
-    struct ChildProcess(Child);
-
-    impl Drop for ChildProcess {
-        fn drop(&mut self) {
-            if let Ok(None) = self.0.try_wait() {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-            }
-        }
-    }
 
     /// Starts this test binary as a consumer process named `name`; after `hang_after` handler
     /// starts, its handlers hang (holding their keys) instead of working.

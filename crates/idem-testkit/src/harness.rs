@@ -1,6 +1,7 @@
 //! Finding the servers tests run against.
 //!
-//! Backends come from environment URLs: `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`.
+//! Backends come from environment URLs: `IDEM_TEST_REDIS_URL`, `IDEM_TEST_DATABASE_URL`,
+//! `IDEM_TEST_AMQP_URL` and `IDEM_TEST_NATS_URL`.
 //! `scripts/test` (the README's test command) sets them, starting throwaway servers from the
 //! binaries on `PATH` when they are not set. When a URL is missing, a test prints why and
 //! returns early, unless `IDEM_TEST_REQUIRE_BACKENDS=1`, which makes it fail instead: CI sets
@@ -40,6 +41,12 @@ pub fn redis_url() -> Option<String> {
 /// `postgres://postgres@127.0.0.1:5432/test`.
 pub fn database_url() -> Option<String> {
     url_from_env("IDEM_TEST_DATABASE_URL", "PostgreSQL")
+}
+
+/// The NATS URL for tests (`IDEM_TEST_NATS_URL`), e.g. `nats://127.0.0.1:4222`: a server
+/// with JetStream (`nats-server -js`).
+pub fn nats_url() -> Option<String> {
+    url_from_env("IDEM_TEST_NATS_URL", "NATS")
 }
 
 /// A loopback port that was free a moment ago (the OS picked it). Another process may take

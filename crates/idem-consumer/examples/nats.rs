@@ -1,0 +1,95 @@
+//! An idempotent NATS JetStream worker: each payment is charged once, however many times
+//! its message is published or delivered.
+//!
+//! ```text
+//! cargo run -p idem-consumer --features nats --example nats
+//! ```
+//!
+//! It connects to `NATS_URL` (default `nats://127.0.0.1:4222`, a `nats-server -js`), publishes
+//! five messages for three payments (a publisher that retried sends a payment twice, with
+//! the same `x-idempotency-key` as the HTTP request that created it), consumes them for two
+//! seconds or until Ctrl-C, prints what happened, and deletes its streams.
+//!
+//! The store here is in memory, which is right for one process only: workers in several
+//! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
+//! process is recognised.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_consumer::nats::{with_idempotency_key, Topology, Worker};
+use idem_consumer::{Consumer, Message};
+use idem_core::{Failure, Idem, Key, MemoryStore, Scope};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_string());
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await?);
+
+    // Stream PAYMENTS-<pid> on subject payments-<pid>.requested, its dead-letter stream
+    // (subject payments-<pid>.requested.dead) and a durable pull consumer.
+    let id = std::process::id();
+    let topology = Topology::new(format!("PAYMENTS-{id}"), format!("payments-{id}.requested"));
+    topology.declare(&js).await?;
+
+    // What `POST /payments` would publish: the request's idempotency key travels in a
+    // header. A retried request publishes the same payment again.
+    for (key, amount) in [
+        ("pay-1", 1250),
+        ("pay-2", 990),
+        ("pay-1", 1250),
+        ("pay-3", 4000),
+        ("pay-2", 990),
+    ] {
+        let headers = with_idempotency_key(async_nats::HeaderMap::new(), &Key::new(key)?, None);
+        let payload = format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#);
+        js.publish_with_headers(topology.subject.clone(), headers, payload.into())
+            .await?
+            .await?;
+    }
+
+    let consumer = Consumer::new(
+        Idem::new(MemoryStore::new()),
+        Scope::new("payments-worker")?,
+    );
+    let charges = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let charges = charges.clone();
+        move |message: Message, ctx: idem_consumer::Context| {
+            let charges = charges.clone();
+            async move {
+                let payment: serde_json::Value = serde_json::from_slice(message.payload())
+                    .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
+                charges.fetch_add(1, Ordering::SeqCst);
+                println!(
+                    "charging {} for {} (attempt {}, provider key {})",
+                    payment["amount"],
+                    ctx.key(),
+                    ctx.attempt(),
+                    ctx.child_key("charge-card"),
+                );
+                Ok::<_, Failure<String>>(format!("ch_{}", ctx.key()))
+            }
+        }
+    };
+
+    // Stop on Ctrl-C, or after two seconds: enough for this demo.
+    let stop = async {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    };
+    let summary = Worker::new(consumer, topology.clone())
+        .with_concurrency(4)
+        .run(&js, handler, stop)
+        .await?;
+    println!(
+        "{} messages acked, {} charges made: {summary:?}",
+        summary.acked,
+        charges.load(Ordering::SeqCst)
+    );
+    topology.delete(&js).await?;
+    Ok(())
+}

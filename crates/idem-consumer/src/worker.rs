@@ -1,0 +1,114 @@
+//! What the broker workers share: the counts of a run, and running one delivery's handler
+//! through the [`Consumer`] in a task of its own.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use idem_core::Failure;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::consumer::{Consumer, Context, Delivery};
+use crate::message::Message;
+
+/// Counts of what one run of a worker did with its deliveries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Deliveries acked as done (now, before, or as a stored failure).
+    pub acked: u64,
+    /// Deliveries handed back for a later delivery (key in flight elsewhere, store down,
+    /// handler panicked): a requeue on RabbitMQ, a NAK with a delay on JetStream, an entry
+    /// left pending on Redis Streams.
+    pub requeued: u64,
+    /// Deliveries republished for a retry after a retryable failure.
+    pub retried: u64,
+    /// Deliveries republished to the dead-letter destination.
+    pub dead_lettered: u64,
+    /// Deliveries that could not be settled (the connection failed): the broker delivers
+    /// them again.
+    pub unsettled: u64,
+}
+
+/// How one delivery ended on the broker.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Settled {
+    Acked,
+    Requeued,
+    Retried,
+    DeadLettered,
+    Unsettled,
+}
+
+/// Adds what a delivery task returned to `summary`.
+pub(crate) fn count(summary: &mut Summary, done: Result<Settled, tokio::task::JoinError>) {
+    match done {
+        Ok(Settled::Acked) => summary.acked += 1,
+        Ok(Settled::Requeued) => summary.requeued += 1,
+        Ok(Settled::Retried) => summary.retried += 1,
+        Ok(Settled::DeadLettered) => summary.dead_lettered += 1,
+        Ok(Settled::Unsettled) => summary.unsettled += 1,
+        // The settling code itself does not panic; count it as unsettled if it ever does.
+        Err(e) => {
+            tracing::error!(error = %e, "delivery task failed");
+            summary.unsettled += 1;
+        }
+    }
+}
+
+/// Runs `handler` for `message` through `consumer` in a task of its own, so that a panic in
+/// the handler is caught here and the delivery is still settled: `None` then (hand the
+/// delivery back; its lease runs out and the next attempt is counted).
+pub(crate) async fn decide<T, E, H, Fut>(
+    consumer: &Consumer,
+    message: Message,
+    handler: Arc<H>,
+) -> Option<Delivery<T>>
+where
+    T: Serialize + DeserializeOwned + Send + 'static,
+    E: fmt::Display + Send + 'static,
+    H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+{
+    let consumer = consumer.clone();
+    let decided = tokio::spawn(async move {
+        consumer
+            .process(&message, |ctx| handler(message.clone(), ctx))
+            .await
+    })
+    .await;
+    match decided {
+        Ok(decision) => Some(decision),
+        Err(e) => {
+            tracing::error!(error = %e, "handler panicked; handing the delivery back");
+            None
+        }
+    }
+}
+
+/// The Unix time in milliseconds (0 before 1970), for the retry deadlines carried in
+/// [`RETRY_AT_HEADER`](crate::RETRY_AT_HEADER).
+#[cfg(feature = "nats")]
+pub(crate) fn unix_millis() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// How long a retry copy whose [`RETRY_AT_HEADER`](crate::RETRY_AT_HEADER) says `retry_at`
+/// must still wait: `None` when it is due (or the header is absent or garbled). Never longer
+/// than `longest` (the policy's longest retry delay), so a clock far ahead on the publishing
+/// side cannot park a message for long.
+#[cfg(feature = "nats")]
+pub(crate) fn not_due(
+    message: &Message,
+    longest: std::time::Duration,
+) -> Option<std::time::Duration> {
+    let retry_at: u64 = message
+        .text_header(crate::RETRY_AT_HEADER)?
+        .trim()
+        .parse()
+        .ok()?;
+    let left = retry_at.checked_sub(unix_millis()).filter(|&ms| ms > 0)?;
+    Some(std::time::Duration::from_millis(left).min(longest))
+}
