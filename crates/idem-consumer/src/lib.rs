@@ -87,7 +87,10 @@ pub mod nats;
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg(feature = "redis-streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
+pub mod redis_streams;
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
 mod worker;
 
 pub use consumer::{
@@ -99,6 +102,9 @@ pub use message::{
     HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
     IDEMPOTENCY_SCOPE_HEADER, RETRY_AT_HEADER,
 };
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams")))
+)]
 pub use worker::Summary;

@@ -88,7 +88,7 @@ where
 
 /// The Unix time in milliseconds (0 before 1970), for the retry deadlines carried in
 /// [`RETRY_AT_HEADER`](crate::RETRY_AT_HEADER).
-#[cfg(feature = "nats")]
+#[cfg(any(feature = "nats", feature = "redis-streams"))]
 pub(crate) fn unix_millis() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -99,7 +99,7 @@ pub(crate) fn unix_millis() -> u64 {
 /// must still wait: `None` when it is due (or the header is absent or garbled). Never longer
 /// than `longest` (the policy's longest retry delay), so a clock far ahead on the publishing
 /// side cannot park a message for long.
-#[cfg(feature = "nats")]
+#[cfg(any(feature = "nats", feature = "redis-streams"))]
 pub(crate) fn not_due(
     message: &Message,
     longest: std::time::Duration,

@@ -13,26 +13,27 @@ mod support;
 
 /// Named after the backend, so that `cargo test nats` runs these.
 mod nats {
-    use std::collections::{BTreeMap, BTreeSet};
-    use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::sync::{Arc, Mutex};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
     use std::time::Duration;
 
     use async_nats::jetstream::{self, Context as JetStream};
     use async_nats::HeaderMap;
     use idem_consumer::nats::{with_idempotency_key, Error, Topology, Worker};
     use idem_consumer::{
-        Consumer, Context, Message, Policy, Summary, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER,
+        Consumer, Policy, Summary, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER,
         IDEMPOTENCY_KEY_HEADER,
     };
-    use idem_core::{Config, Failure, Idem, Key, MemoryStore, Scope, Store};
+    use idem_core::{Idem, Key, MemoryStore, Scope, Store};
     use idem_redis::RedisStore;
     use tokio::sync::oneshot;
     use tokio::time::{sleep, timeout};
 
     use crate::support::{
-        append, child_env, spawn_child, stop_child, wait_until, ChildFiles, SharedStore, CHILD_ENV,
+        check_crash, check_dead_letters, check_retry_runs, child_env, counting, failing,
+        retry_keys, retry_policy, start_and_kill_a, start_b, stop_child, wait_until, ChildFiles,
+        ChildSetup, Effects, Handler, Runs, SharedStore, CHILD_CONCURRENCY, CHILD_REDELIVERY,
+        CRASH_MESSAGES,
     };
 
     async fn connect(url: &str) -> JetStream {
@@ -113,16 +114,6 @@ mod nats {
         }
     }
 
-    type Handler = Arc<
-        dyn Fn(
-                Message,
-                Context,
-            ) -> std::pin::Pin<
-                Box<dyn std::future::Future<Output = Result<u32, Failure<String>>> + Send>,
-            > + Send
-            + Sync,
-    >;
-
     /// Runs `worker` in a task until the returned sender is used (or dropped).
     fn spawn_worker(
         worker: Worker,
@@ -141,25 +132,6 @@ mod nats {
                 .await
         });
         (stop, task)
-    }
-
-    type Effects = Arc<Mutex<BTreeMap<String, u32>>>;
-
-    /// A handler that counts its side effect per key after `work`.
-    fn counting(effects: &Effects, work: Duration) -> Handler {
-        let effects = effects.clone();
-        Arc::new(move |_message, ctx| {
-            let effects = effects.clone();
-            Box::pin(async move {
-                sleep(work).await;
-                *effects
-                    .lock()
-                    .unwrap()
-                    .entry(ctx.key().to_string())
-                    .or_insert(0) += 1;
-                Ok(ctx.attempt())
-            })
-        })
     }
 
     /// Each message published 5 times and consumed by 4 concurrent workers (on their own
@@ -229,55 +201,23 @@ mod nats {
         let Some((url, js, topology)) = broker("retries", Duration::from_secs(5)).await else {
             return;
         };
-        let flaky: Vec<String> = (0..5).map(|i| format!("flaky-{i}")).collect();
-        let broken: Vec<String> = (0..3).map(|i| format!("broken-{i}")).collect();
+        let (flaky, broken) = retry_keys();
         for key in flaky.iter().chain(&broken) {
             publish(&js, &topology.subject, key, "{}").await;
         }
         publish(&js, &topology.subject, "declined", "{}").await;
 
-        let policy = Policy::default()
-            .with_max_attempts(3)
-            .with_retry_delay(Duration::from_millis(200))
-            .with_max_retry_delay(Duration::from_millis(400));
         let consumer = Consumer::new(
             Idem::new(MemoryStore::new()),
             Scope::new("retry-test").unwrap(),
         )
-        .with_policy(policy);
-        // Each key's attempts, and when they started.
-        type Runs = Arc<Mutex<BTreeMap<String, Vec<(u32, std::time::Instant)>>>>;
+        .with_policy(retry_policy());
         let runs: Runs = Arc::default();
         let effects: Effects = Arc::default();
-        let handler: Handler = {
-            let (runs, effects) = (runs.clone(), effects.clone());
-            Arc::new(move |_message, ctx| {
-                let (runs, effects) = (runs.clone(), effects.clone());
-                Box::pin(async move {
-                    let key = ctx.key().to_string();
-                    runs.lock()
-                        .unwrap()
-                        .entry(key.clone())
-                        .or_default()
-                        .push((ctx.attempt(), std::time::Instant::now()));
-                    if key == "declined" {
-                        return Err(Failure::Terminal("card declined".to_string()));
-                    }
-                    if key.starts_with("broken") || ctx.attempt() < 3 {
-                        return Err(Failure::Retryable(format!(
-                            "gateway timeout on attempt {}",
-                            ctx.attempt()
-                        )));
-                    }
-                    *effects.lock().unwrap().entry(key).or_insert(0) += 1;
-                    Ok(ctx.attempt())
-                })
-            })
-        };
         let (stop, task) = spawn_worker(
             Worker::new(consumer, topology.clone()).with_concurrency(2),
             connect(&url).await,
-            handler,
+            failing(&runs, &effects),
         );
         wait_until(Duration::from_secs(60), "4 dead letters", || async {
             messages_in(&js, &topology.dead_letter_stream).await == 4
@@ -292,26 +232,7 @@ mod nats {
         let _ = stop.send(());
         let summary = task.await.expect("no panic").expect("the worker ran");
 
-        let runs = runs.lock().unwrap().clone();
-        let attempts = |key: &str| runs[key].iter().map(|(a, _)| *a).collect::<Vec<_>>();
-        for key in flaky.iter().chain(&broken) {
-            assert_eq!(attempts(key), vec![1, 2, 3], "{key}");
-            // The backoff: 200 ms before the second attempt, 400 ms before the third.
-            let at: Vec<_> = runs[key].iter().map(|(_, t)| *t).collect();
-            assert!(at[1] - at[0] >= Duration::from_millis(190), "{key}: {at:?}");
-            assert!(at[2] - at[1] >= Duration::from_millis(390), "{key}: {at:?}");
-        }
-        for key in &flaky {
-            assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
-        }
-        assert_eq!(
-            attempts("declined"),
-            vec![1],
-            "a terminal failure is not retried"
-        );
-        assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
-        assert_eq!(summary.dead_lettered, 4, "{summary:?}");
-        assert_eq!(summary.acked, 5, "{summary:?}");
+        check_retry_runs(&runs, &effects, &summary);
         // On the broker: the 9 originals and 16 retry copies, all acked; 4 dead letters.
         assert_eq!(messages_in(&js, &topology.stream).await, 9 + 16);
         assert_eq!(consumer_state(&js, &topology).await, (0, 0, 9 + 16));
@@ -340,12 +261,7 @@ mod nats {
                 (header(DEAD_LETTER_REASON_HEADER), header(ATTEMPT_HEADER)),
             );
         }
-        for key in &broken {
-            let (reason, attempt) = &dead[key];
-            assert!(reason.starts_with("attempts exhausted"), "{reason}");
-            assert_eq!(attempt, "3");
-        }
-        assert_eq!(dead["declined"].0, "terminal failure: card declined");
+        check_dead_letters(&dead);
         topology.delete(&js).await.expect("delete the streams");
     }
 
@@ -453,82 +369,27 @@ mod nats {
 
     // --- The crash test ---------------------------------------------------------------------
 
-    /// The child's lease: a killed child's keys are taken over this long after its last
-    /// heartbeat. Longer than the consumer's ack_wait, so that JetStream delivers the
-    /// killed child's messages again while its leases still hold.
-    const CHILD_LEASE: Duration = Duration::from_secs(4);
-    const CHILD_ACK_WAIT: Duration = Duration::from_secs(1);
-    const CHILD_CONCURRENCY: usize = 4;
-
     /// The worker process of [`a_killed_worker_process_loses_nothing`]; does nothing unless
     /// that test spawned it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "the worker process of the crash test; runs only when that test spawns it"]
     async fn child_worker_process() {
-        if std::env::var(CHILD_ENV).is_err() {
-            eprintln!("child_worker_process runs only as the crash test's child process");
+        let Some(child) = ChildSetup::from_env() else {
             return;
-        }
-        let files = ChildFiles {
-            dir: PathBuf::from(child_env("IDEM_CHILD_DIR")),
-            owner: false,
         };
-        let name = child_env("IDEM_CHILD_NAME");
-        let hang_after: u32 = child_env("IDEM_CHILD_HANG_AFTER")
-            .parse()
-            .expect("a number");
-        let store = SharedStore::open(&child_env("IDEM_CHILD_STORE"));
-        let consumer = Consumer::new(
-            Idem::from_arc(store).with_config(Config::default().with_lease(CHILD_LEASE)),
-            Scope::new("crash-test").unwrap(),
-        )
-        .with_policy(Policy::default().with_max_in_flight_delay(Duration::from_millis(300)));
         let topology = Topology::new(
             child_env("IDEM_CHILD_STREAM"),
             child_env("IDEM_CHILD_SUBJECT"),
         );
         let js = connect(&child_env("IDEM_TEST_NATS_URL")).await;
-        let starts = Arc::new(AtomicU32::new(0));
-        let (starts_file, effects_file) = (files.starts(), files.effects());
-        let handler_name = name.clone();
-        let handler = move |_message: Message, ctx: Context| {
-            let (starts, starts_file, effects_file, name) = (
-                starts.clone(),
-                starts_file.clone(),
-                effects_file.clone(),
-                handler_name.clone(),
-            );
-            async move {
-                let n = starts.fetch_add(1, Ordering::SeqCst) + 1;
-                let line = format!("{} {} {name}", ctx.key(), ctx.attempt());
-                append(&starts_file, &line);
-                if n > hang_after {
-                    // Stuck while holding the key (its lease is extended and JetStream told
-                    // "work in progress" in the background), until the process is killed.
-                    sleep(Duration::from_secs(3600)).await;
-                }
-                sleep(Duration::from_millis(30)).await;
-                append(&effects_file, &line);
-                Ok::<_, Failure<String>>(n)
-            }
-        };
-        let stop_file = files.stop(&name);
-        let summary = Worker::new(consumer, topology)
+        let handler = child.handler.clone();
+        let summary = Worker::new(child.consumer.clone(), topology)
             .with_concurrency(CHILD_CONCURRENCY)
             .with_batch(CHILD_CONCURRENCY)
-            .run(&js, handler, async move {
-                // Stop when told to, or when the test is gone (it removes the directory).
-                while !stop_file.exists() && stop_file.parent().is_some_and(Path::exists) {
-                    sleep(Duration::from_millis(50)).await;
-                }
-            })
+            .run(&js, move |m, c| handler(m, c), child.stopped())
             .await
             .expect("the worker runs");
-        std::fs::write(
-            files.summary(&name),
-            format!("{} {}", summary.acked, summary.requeued),
-        )
-        .expect("write the summary");
+        child.report(&summary);
     }
 
     /// Kill a worker process (SIGKILL) while its handlers hold keys: JetStream delivers
@@ -537,114 +398,31 @@ mod nats {
     /// and none is lost.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_killed_worker_process_loses_nothing() {
-        let Some((url, js, topology)) = broker("crash", CHILD_ACK_WAIT).await else {
+        let Some((url, js, topology)) = broker("crash", CHILD_REDELIVERY).await else {
             return;
         };
         let Some(shared) = SharedStore::for_test() else {
             return;
         };
-        const N: u32 = 20;
-        const QUICK: u32 = 6;
         for _copy in 0..2 {
-            for i in 0..N {
+            for i in 0..CRASH_MESSAGES {
                 let payload = format!("{{\"i\":{i}}}");
                 publish(&js, &topology.subject, &format!("msg-{i}"), &payload).await;
             }
         }
         let files = ChildFiles::new();
-        let env = |hang_after: u32| {
-            vec![
-                ("IDEM_TEST_NATS_URL", url.clone()),
-                ("IDEM_CHILD_STREAM", topology.stream.clone()),
-                ("IDEM_CHILD_SUBJECT", topology.subject.clone()),
-                ("IDEM_CHILD_STORE", shared.descriptor()),
-                ("IDEM_CHILD_HANG_AFTER", hang_after.to_string()),
-            ]
-        };
+        let env = [
+            ("IDEM_TEST_NATS_URL", url.clone()),
+            ("IDEM_CHILD_STREAM", topology.stream.clone()),
+            ("IDEM_CHILD_SUBJECT", topology.subject.clone()),
+            ("IDEM_CHILD_STORE", shared.descriptor()),
+        ];
         const CHILD: &str = "nats::child_worker_process";
-
-        // Process A works QUICK messages, then its handlers hang holding their keys.
-        let mut a = spawn_child(&files, CHILD, "A", &env(QUICK));
-        wait_until(
-            Duration::from_secs(60),
-            "A does its quick work and hangs on a full set of handlers",
-            || {
-                let (starts, effects) = (files.starts(), files.effects());
-                async move {
-                    ChildFiles::lines(&effects).len() == QUICK as usize
-                        && ChildFiles::lines(&starts).len() >= QUICK as usize + CHILD_CONCURRENCY
-                }
-            },
-        )
-        .await;
-        let starts = ChildFiles::lines(&files.starts());
-        assert_eq!(
-            starts.len(),
-            QUICK as usize + CHILD_CONCURRENCY,
-            "{starts:?}"
-        );
-        // SIGKILL, as `kill -9`: no cleanup, no acks, no releases.
-        a.0.kill().expect("kill -9 the worker process");
-        a.0.wait().expect("reap it");
-        let hung: BTreeSet<String> = starts
-            .into_iter()
-            .skip(QUICK as usize)
-            .map(|l| l[0].clone())
-            .collect();
-        assert_eq!(hung.len(), CHILD_CONCURRENCY, "{hung:?}");
-
-        // Process B handles everything else, and A's hung messages once their leases expire.
-        let mut b = spawn_child(&files, CHILD, "B", &env(u32::MAX));
-        wait_until(
-            Duration::from_secs(90),
-            "every message has its effect",
-            || {
-                let effects = files.effects();
-                async move {
-                    let keys: BTreeSet<String> = ChildFiles::lines(&effects)
-                        .into_iter()
-                        .map(|l| l[0].clone())
-                        .collect();
-                    keys.len() == N as usize
-                }
-            },
-        )
-        .await;
+        let hung = start_and_kill_a(&files, CHILD, &env).await;
+        let mut b = start_b(&files, CHILD, &env).await;
         wait_until_settled(&js, &topology, Duration::from_secs(60)).await;
         let summary = stop_child(&files, &mut b, "B").await;
-        let requeued: u64 = summary
-            .split(' ')
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .expect("requeued count");
-        assert!(
-            requeued > 0,
-            "B found A's keys held and NAKed their messages until the leases expired"
-        );
-
-        let mut per_key: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-        for line in ChildFiles::lines(&files.effects()) {
-            per_key
-                .entry(line[0].clone())
-                .or_default()
-                .push((line[1].clone(), line[2].clone()));
-        }
-        assert_eq!(per_key.len(), N as usize, "no message lost");
-        for (key, done) in &per_key {
-            assert_eq!(
-                done.len(),
-                1,
-                "{key} had its effect {} times: {done:?}",
-                done.len()
-            );
-            if hung.contains(key) {
-                assert_eq!(
-                    done[0],
-                    ("2".to_string(), "B".to_string()),
-                    "{key}: B took over A's key as attempt 2"
-                );
-            }
-        }
+        check_crash(&files, &hung, &summary);
         assert_eq!(messages_in(&js, &topology.dead_letter_stream).await, 0);
         topology.delete(&js).await.expect("delete the streams");
     }

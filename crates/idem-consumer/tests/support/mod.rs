@@ -3,13 +3,16 @@
 //! Each test binary uses part of them.
 #![allow(dead_code)]
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::Store;
+use idem_consumer::{Consumer, Policy, Summary};
+use idem_core::{Config, Failure, Idem, Scope, Store};
 use idem_redis::RedisStore;
 use tokio::time::{sleep, Instant};
 
@@ -194,4 +197,321 @@ pub async fn stop_child(files: &ChildFiles, child: &mut ChildProcess, name: &str
 /// The environment variable `name` of a child process.
 pub fn child_env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set"))
+}
+
+// --- What the broker tests of the JetStream and Redis Streams workers share ---------------
+
+/// A test handler: the key's attempt as its value.
+pub type Handler = Arc<
+    dyn Fn(
+            idem_consumer::Message,
+            idem_consumer::Context,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<u32, Failure<String>>> + Send>,
+        > + Send
+        + Sync,
+>;
+
+/// Side effects per key.
+pub type Effects = Arc<Mutex<BTreeMap<String, u32>>>;
+
+/// A handler that counts its side effect per key after `work`.
+pub fn counting(effects: &Effects, work: Duration) -> Handler {
+    let effects = effects.clone();
+    Arc::new(move |_message, ctx| {
+        let effects = effects.clone();
+        Box::pin(async move {
+            sleep(work).await;
+            *effects
+                .lock()
+                .unwrap()
+                .entry(ctx.key().to_string())
+                .or_insert(0) += 1;
+            Ok(ctx.attempt())
+        })
+    })
+}
+
+/// The keys of the retry tests: five that fail twice then succeed, three that always fail,
+/// and `declined`, which fails for good at once.
+pub fn retry_keys() -> (Vec<String>, Vec<String>) {
+    let flaky = (0..5).map(|i| format!("flaky-{i}")).collect();
+    let broken = (0..3).map(|i| format!("broken-{i}")).collect();
+    (flaky, broken)
+}
+
+/// The retry tests' policy: 3 attempts, 200 ms then 400 ms apart.
+pub fn retry_policy() -> Policy {
+    Policy::default()
+        .with_max_attempts(3)
+        .with_retry_delay(Duration::from_millis(200))
+        .with_max_retry_delay(Duration::from_millis(400))
+}
+
+/// Each key's attempts, and when they started.
+pub type Runs = Arc<Mutex<BTreeMap<String, Vec<(u32, std::time::Instant)>>>>;
+
+/// The handler of the retry tests (see [`retry_keys`]), recording its runs.
+pub fn failing(runs: &Runs, effects: &Effects) -> Handler {
+    let (runs, effects) = (runs.clone(), effects.clone());
+    Arc::new(move |_message, ctx| {
+        let (runs, effects) = (runs.clone(), effects.clone());
+        Box::pin(async move {
+            let key = ctx.key().to_string();
+            runs.lock()
+                .unwrap()
+                .entry(key.clone())
+                .or_default()
+                .push((ctx.attempt(), std::time::Instant::now()));
+            if key == "declined" {
+                return Err(Failure::Terminal("card declined".to_string()));
+            }
+            if key.starts_with("broken") || ctx.attempt() < 3 {
+                return Err(Failure::Retryable(format!(
+                    "gateway timeout on attempt {}",
+                    ctx.attempt()
+                )));
+            }
+            *effects.lock().unwrap().entry(key).or_insert(0) += 1;
+            Ok(ctx.attempt())
+        })
+    })
+}
+
+/// What the retry tests' worker did: every retried key ran 3 times, with the policy's
+/// backoff between attempts; the flaky ones had their effect once; `declined` ran once.
+pub fn check_retry_runs(runs: &Runs, effects: &Effects, summary: &Summary) {
+    let (flaky, broken) = retry_keys();
+    let runs = runs.lock().unwrap().clone();
+    let attempts = |key: &str| runs[key].iter().map(|(a, _)| *a).collect::<Vec<_>>();
+    for key in flaky.iter().chain(&broken) {
+        assert_eq!(attempts(key), vec![1, 2, 3], "{key}");
+        let at: Vec<_> = runs[key].iter().map(|(_, t)| *t).collect();
+        assert!(at[1] - at[0] >= Duration::from_millis(190), "{key}: {at:?}");
+        assert!(at[2] - at[1] >= Duration::from_millis(390), "{key}: {at:?}");
+    }
+    for key in &flaky {
+        assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
+    }
+    assert_eq!(
+        attempts("declined"),
+        vec![1],
+        "a terminal failure is not retried"
+    );
+    assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
+    assert_eq!(summary.dead_lettered, 4, "{summary:?}");
+    assert_eq!(summary.acked, 5, "{summary:?}");
+}
+
+/// The dead letters of the retry tests, as key -> (reason, attempt): the three broken keys
+/// exhausted after 3 attempts, `declined` terminal.
+pub fn check_dead_letters(dead: &BTreeMap<String, (String, String)>) {
+    let (_, broken) = retry_keys();
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    for key in &broken {
+        let (reason, attempt) = &dead[key];
+        assert!(reason.starts_with("attempts exhausted"), "{reason}");
+        assert_eq!(attempt, "3");
+    }
+    assert_eq!(dead["declined"].0, "terminal failure: card declined");
+}
+
+// --- The crash tests of the JetStream and Redis Streams workers ---------------------------
+
+/// The child's lease: a killed child's keys are taken over this long after its last
+/// heartbeat. Longer than the broker's redelivery time, so that the killed child's
+/// messages come back while its leases still hold.
+pub const CHILD_LEASE: Duration = Duration::from_secs(4);
+/// The broker's redelivery time in the crash tests (ack_wait, claim idle time).
+pub const CHILD_REDELIVERY: Duration = Duration::from_secs(1);
+/// Handlers per child.
+pub const CHILD_CONCURRENCY: usize = 4;
+/// Messages of the crash tests (each published twice), and how many the first child works
+/// before its handlers hang.
+pub const CRASH_MESSAGES: u32 = 20;
+const QUICK: u32 = 6;
+
+/// What a child worker process runs with: its files, name, consumer and handler, and the
+/// future that says when to stop. `None` unless this process is a crash test's child.
+pub struct ChildSetup {
+    pub files: ChildFiles,
+    pub name: String,
+    pub consumer: Consumer,
+    pub handler: Handler,
+}
+
+impl ChildSetup {
+    pub fn from_env() -> Option<Self> {
+        if std::env::var(CHILD_ENV).is_err() {
+            eprintln!("this test runs only as a crash test's child process");
+            return None;
+        }
+        let files = ChildFiles {
+            dir: PathBuf::from(child_env("IDEM_CHILD_DIR")),
+            owner: false,
+        };
+        let name = child_env("IDEM_CHILD_NAME");
+        let hang_after: u32 = child_env("IDEM_CHILD_HANG_AFTER")
+            .parse()
+            .expect("a number");
+        let store = SharedStore::open(&child_env("IDEM_CHILD_STORE"));
+        let consumer = Consumer::new(
+            Idem::from_arc(store).with_config(Config::default().with_lease(CHILD_LEASE)),
+            Scope::new("crash-test").unwrap(),
+        )
+        .with_policy(Policy::default().with_max_in_flight_delay(Duration::from_millis(300)));
+        let starts = Arc::new(AtomicU32::new(0));
+        let (starts_file, effects_file) = (files.starts(), files.effects());
+        let handler_name = name.clone();
+        let handler: Handler = Arc::new(move |_message, ctx| {
+            let (starts, starts_file, effects_file, name) = (
+                starts.clone(),
+                starts_file.clone(),
+                effects_file.clone(),
+                handler_name.clone(),
+            );
+            Box::pin(async move {
+                let n = starts.fetch_add(1, Ordering::SeqCst) + 1;
+                let line = format!("{} {} {name}", ctx.key(), ctx.attempt());
+                append(&starts_file, &line);
+                if n > hang_after {
+                    // Stuck while holding the key (its lease is extended and the broker
+                    // told the work goes on, in the background), until the process is
+                    // killed.
+                    sleep(Duration::from_secs(3600)).await;
+                }
+                sleep(Duration::from_millis(30)).await;
+                append(&effects_file, &line);
+                Ok(n)
+            })
+        });
+        Some(Self {
+            files,
+            name,
+            consumer,
+            handler,
+        })
+    }
+
+    /// Completes when the test writes this child's stop file, or is gone (it removes the
+    /// directory).
+    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let stop_file = self.files.stop(&self.name);
+        async move {
+            while !stop_file.exists() && stop_file.parent().is_some_and(Path::exists) {
+                sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Writes the worker's summary for the test to read.
+    pub fn report(&self, summary: &Summary) {
+        std::fs::write(
+            self.files.summary(&self.name),
+            format!("{} {}", summary.acked, summary.requeued),
+        )
+        .expect("write the summary");
+    }
+}
+
+/// The first half of a crash test: starts child `A` (running `test` with `env`), which
+/// works [`QUICK`] messages and then hangs on a full set of handlers, kills it with SIGKILL
+/// and returns the keys it held.
+pub async fn start_and_kill_a(
+    files: &ChildFiles,
+    test: &str,
+    env: &[(&str, String)],
+) -> BTreeSet<String> {
+    let mut env = env.to_vec();
+    env.push(("IDEM_CHILD_HANG_AFTER", QUICK.to_string()));
+    let mut a = spawn_child(files, test, "A", &env);
+    wait_until(
+        Duration::from_secs(60),
+        "A does its quick work and hangs on a full set of handlers",
+        || {
+            let (starts, effects) = (files.starts(), files.effects());
+            async move {
+                ChildFiles::lines(&effects).len() == QUICK as usize
+                    && ChildFiles::lines(&starts).len() >= QUICK as usize + CHILD_CONCURRENCY
+            }
+        },
+    )
+    .await;
+    // SIGKILL, as `kill -9`: no cleanup, no acks, no releases.
+    a.0.kill().expect("kill -9 the worker process");
+    a.0.wait().expect("reap it");
+    let starts = ChildFiles::lines(&files.starts());
+    assert_eq!(
+        starts.len(),
+        QUICK as usize + CHILD_CONCURRENCY,
+        "{starts:?}"
+    );
+    let hung: BTreeSet<String> = starts
+        .into_iter()
+        .skip(QUICK as usize)
+        .map(|l| l[0].clone())
+        .collect();
+    assert_eq!(hung.len(), CHILD_CONCURRENCY, "{hung:?}");
+    hung
+}
+
+/// Starts child `B`, which handles everything, and waits until every message had its
+/// effect.
+pub async fn start_b(files: &ChildFiles, test: &str, env: &[(&str, String)]) -> ChildProcess {
+    let mut env = env.to_vec();
+    env.push(("IDEM_CHILD_HANG_AFTER", u32::MAX.to_string()));
+    let b = spawn_child(files, test, "B", &env);
+    wait_until(
+        Duration::from_secs(90),
+        "every message has its effect",
+        || {
+            let effects = files.effects();
+            async move {
+                let keys: BTreeSet<String> = ChildFiles::lines(&effects)
+                    .into_iter()
+                    .map(|l| l[0].clone())
+                    .collect();
+                keys.len() == CRASH_MESSAGES as usize
+            }
+        },
+    )
+    .await;
+    b
+}
+
+/// The end of a crash test, B stopped with `summary_b`: B handed A's messages back while
+/// A's leases held, then took them over as attempt 2; every message had its effect once.
+pub fn check_crash(files: &ChildFiles, hung: &BTreeSet<String>, summary_b: &str) {
+    let requeued: u64 = summary_b
+        .split(' ')
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .expect("requeued count");
+    assert!(
+        requeued > 0,
+        "B found A's keys held and handed their messages back until the leases expired"
+    );
+    let mut per_key: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+    for line in ChildFiles::lines(&files.effects()) {
+        per_key
+            .entry(line[0].clone())
+            .or_default()
+            .push((line[1].clone(), line[2].clone()));
+    }
+    assert_eq!(per_key.len(), CRASH_MESSAGES as usize, "no message lost");
+    for (key, done) in &per_key {
+        assert_eq!(
+            done.len(),
+            1,
+            "{key} had its effect {} times: {done:?}",
+            done.len()
+        );
+        if hung.contains(key) {
+            assert_eq!(
+                done[0],
+                ("2".to_string(), "B".to_string()),
+                "{key}: B took over A's key as attempt 2"
+            );
+        }
+    }
 }

@@ -1,0 +1,99 @@
+//! An idempotent Redis Streams worker: each payment is charged once, however many times its
+//! entry is added or delivered.
+//!
+//! ```text
+//! cargo run -p idem-consumer --features redis-streams --example redis_streams
+//! ```
+//!
+//! It connects to `REDIS_URL` (default `redis://127.0.0.1:6379`), adds five entries for three
+//! payments to a stream of its own (a publisher that retried adds a payment twice, with the
+//! same `x-idempotency-key` as the HTTP request that created it), consumes them for two
+//! seconds or until Ctrl-C, prints what happened, and deletes its streams.
+//!
+//! The store here is in memory, which is right for one process only: workers in several
+//! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
+//! process is recognised.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_consumer::redis_streams::{publish, Topology, Worker};
+use idem_consumer::{Consumer, Message};
+use idem_core::{Failure, Idem, Key, MemoryStore, Scope};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string());
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_connection_manager().await?;
+
+    // Stream idem-example-payments-<pid>, its group "idem" and its dead-letter stream
+    // idem-example-payments-<pid>.dead.
+    let topology = Topology::new(format!("idem-example-payments-{}", std::process::id()));
+    topology.declare(&mut conn).await?;
+
+    // What `POST /payments` would add: the request's idempotency key travels in a field.
+    // A retried request adds the same payment again.
+    for (key, amount) in [
+        ("pay-1", 1250),
+        ("pay-2", 990),
+        ("pay-1", 1250),
+        ("pay-3", 4000),
+        ("pay-2", 990),
+    ] {
+        let payload = format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#);
+        publish(
+            &mut conn,
+            &topology.stream,
+            payload.as_bytes(),
+            &Key::new(key)?,
+            None,
+        )
+        .await?;
+    }
+
+    let consumer = Consumer::new(
+        Idem::new(MemoryStore::new()),
+        Scope::new("payments-worker")?,
+    );
+    let charges = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let charges = charges.clone();
+        move |message: Message, ctx: idem_consumer::Context| {
+            let charges = charges.clone();
+            async move {
+                let payment: serde_json::Value = serde_json::from_slice(message.payload())
+                    .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
+                charges.fetch_add(1, Ordering::SeqCst);
+                println!(
+                    "charging {} for {} (attempt {}, provider key {})",
+                    payment["amount"],
+                    ctx.key(),
+                    ctx.attempt(),
+                    ctx.child_key("charge-card"),
+                );
+                Ok::<_, Failure<String>>(format!("ch_{}", ctx.key()))
+            }
+        }
+    };
+
+    // Stop on Ctrl-C, or after two seconds: enough for this demo.
+    let stop = async {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    };
+    let summary = Worker::new(consumer, topology.clone())
+        .with_concurrency(4)
+        .run(&client, handler, stop)
+        .await?;
+    println!(
+        "{} entries acknowledged, {} charges made: {summary:?}",
+        summary.acked,
+        charges.load(Ordering::SeqCst)
+    );
+    topology.delete(&mut conn).await?;
+    Ok(())
+}

@@ -1,0 +1,752 @@
+//! A Redis Streams worker on [`redis`]: read entries as a member of a consumer group, run
+//! each through a [`Consumer`], and acknowledge, hand back, retry or dead-letter it as
+//! decided. Small enough to copy into a service and change.
+//!
+//! # Topology
+//!
+//! [`Topology::new`] names a stream, a consumer group and a dead-letter stream;
+//! [`Topology::declare`] creates the group (and the stream) when missing. An entry's
+//! payload is its [`PAYLOAD_FIELD`] field; every other field reads as a header (so the key
+//! comes from the [`IDEMPOTENCY_KEY_HEADER`](crate::IDEMPOTENCY_KEY_HEADER) field by
+//! default; [`publish`] adds an entry with it).
+//!
+//! ```text
+//!  XADD ──▶ <stream> ──XREADGROUP / XAUTOCLAIM──▶ Worker ──XACK──▶ (done)
+//!              ▲   ▲                               │ │ │
+//!              │   └── left pending: claimable ────┘ │ │
+//!              │       again after the delay          │ │
+//!   retry: MULTI XADD a copy with x-idem-attempt and  │ │
+//!   x-idem-retry-at, XACK the original, EXEC ─────────┘ │
+//!                  <stream>.dead ◀── MULTI XADD a copy with x-idem-dead-letter-reason,
+//!                                    XACK the original, EXEC
+//! ```
+//!
+//! - **Ack** ([`Delivery::Ack`]): `XACK`.
+//! - **Requeue** ([`Delivery::Requeue`]: another worker holds the key, or the store is
+//!   down): the entry is left pending, with its idle time set (`XCLAIM .. IDLE`) so that it
+//!   becomes claimable after the delay (at most [`Topology::claim_idle`]); a worker of the
+//!   group then claims it with `XAUTOCLAIM`. Not an attempt.
+//! - **Retry** ([`Delivery::Nack`]: a retryable failure, its key released): a copy is added
+//!   to the stream with [`ATTEMPT_HEADER`] set to the attempts made and [`RETRY_AT_HEADER`]
+//!   to when it is due, and the original acknowledged, in one `MULTI`/`EXEC`. A worker
+//!   that reads the copy early leaves it pending until then (not an attempt).
+//! - **Dead letter** ([`Delivery::DeadLetter`]): a copy is added to `<stream>.dead` with
+//!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`], and the original acknowledged,
+//!   in one `MULTI`/`EXEC`: both happen or neither does.
+//!
+//! Acknowledged entries stay in the stream until it is trimmed (`XADD .. MAXLEN`, `XTRIM`):
+//! trim it as you would without idem. On Redis Cluster, give the stream a hash tag
+//! (`{payments}`), so that `{payments}.dead` lives in the same slot; the worker itself talks
+//! to one standalone server (a [`redis::Client`]).
+//!
+//! # Leases and redelivery
+//!
+//! While a handler runs, the worker resets its entry's idle time (`XCLAIM .. JUSTID`) every
+//! third of [`Topology::claim_idle`], so `XAUTOCLAIM` by the other workers never takes the
+//! entry of a live worker; the engine extends the lease in the store meanwhile. A worker
+//! that dies stops both: once its entries have been idle for `claim_idle`, another worker
+//! claims them, finds the keys held by the dead worker's leases and leaves them pending
+//! until those leases run out, then takes the keys over (counted as an attempt, so an entry
+//! that kills every worker is dead-lettered after
+//! [`Policy::max_attempts`](crate::Policy::max_attempts)).
+//!
+//! # Shutdown
+//!
+//! When the `shutdown` future of [`Worker::run`] completes, the worker stops reading, lets
+//! the handlers in progress finish and settles their entries, and hands the entries it read
+//! but had not started back at once (claimable by the group's other workers).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Failure, Key, Scope};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use redis::{RedisError, Value};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::consumer::{Consumer, Context, Delivery};
+use crate::key::propagation_headers;
+use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
+use crate::worker::{count, decide, not_due, unix_millis, Settled, Summary};
+
+/// The field of an entry that holds the message's payload; the other fields are its
+/// headers.
+pub const PAYLOAD_FIELD: &str = "payload";
+
+/// How long one `XREADGROUP` blocks waiting for entries, so that the worker also claims
+/// handed-back entries and notices shutdown in between.
+const READ_BLOCK: Duration = Duration::from_millis(200);
+
+/// What went wrong with Redis.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A command failed: `what` says which.
+    #[error("Redis Streams: {what}: {source}")]
+    Redis {
+        /// The command: `"create the consumer group"`, `"connect"`, ...
+        what: &'static str,
+        /// The client's error.
+        #[source]
+        source: RedisError,
+    },
+    /// The consumer group (or the stream) was deleted while the worker ran. The handlers in
+    /// progress were finished first; `summary` says what was done.
+    #[error("the consumer group is gone: {source}")]
+    GroupGone {
+        /// The client's error (`NOGROUP`).
+        #[source]
+        source: RedisError,
+        /// What the worker did before.
+        summary: Summary,
+    },
+}
+
+fn redis_error(what: &'static str) -> impl FnOnce(RedisError) -> Error {
+    move |source| Error::Redis { what, source }
+}
+
+/// The streams and consumer group a [`Worker`] uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Topology {
+    /// The stream's key.
+    pub stream: String,
+    /// The consumer group the workers share. Default: `"idem"`.
+    pub group: String,
+    /// The stream dead letters are added to. Default: `"<stream>.dead"`.
+    pub dead_letter_stream: String,
+    /// How long an entry stays pending without a sign of life before another worker of the
+    /// group claims it (`XAUTOCLAIM`): a dead worker's entries are picked up this long after
+    /// its last heartbeat, and a handed-back entry waits at most this long. Default: 30 s.
+    pub claim_idle: Duration,
+}
+
+impl Topology {
+    /// `stream`, consumed by the group `"idem"`, dead letters to `"<stream>.dead"`.
+    pub fn new(stream: impl Into<String>) -> Self {
+        let stream = stream.into();
+        Self {
+            dead_letter_stream: format!("{stream}.dead"),
+            stream,
+            group: "idem".to_owned(),
+            claim_idle: Duration::from_secs(30),
+        }
+    }
+
+    /// Sets [`Topology::group`].
+    pub fn with_group(mut self, group: impl Into<String>) -> Self {
+        self.group = group.into();
+        self
+    }
+
+    /// Sets [`Topology::claim_idle`] (at least 1 ms).
+    pub fn with_claim_idle(mut self, claim_idle: Duration) -> Self {
+        self.claim_idle = claim_idle.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Creates the consumer group at the start of the stream (`XGROUP CREATE .. 0
+    /// MKSTREAM`, creating the stream too), unless the group exists.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Redis`].
+    pub async fn declare(&self, conn: &mut ConnectionManager) -> Result<(), Error> {
+        let created: Result<(), RedisError> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(conn)
+            .await;
+        match created {
+            Err(e) if e.code() != Some("BUSYGROUP") => {
+                Err(redis_error("create the consumer group")(e))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Deletes the stream and the dead-letter stream, entries, group and all (for tests and
+    /// teardown).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Redis`].
+    pub async fn delete(&self, conn: &mut ConnectionManager) -> Result<(), Error> {
+        redis::cmd("DEL")
+            .arg(&self.stream)
+            .arg(&self.dead_letter_stream)
+            .query_async::<()>(conn)
+            .await
+            .map_err(redis_error("delete the streams"))
+    }
+}
+
+/// Reads a stream as a member of a consumer group and runs each entry through a
+/// [`Consumer`]. See the [module docs](self) for what each decision does on the stream, and
+/// for shutdown.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_consumer::redis_streams::{Topology, Worker};
+/// use idem_consumer::Consumer;
+/// use idem_core::{Failure, Idem, MemoryStore, Scope};
+///
+/// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+/// let topology = Topology::new("payments");
+/// topology.declare(&mut client.get_connection_manager().await?).await?;
+/// // MemoryStore is per process: give workers in several processes a shared store.
+/// let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("payments-worker").unwrap());
+/// let summary = Worker::new(consumer, topology)
+///     .with_concurrency(8)
+///     .run(
+///         &client,
+///         |message, ctx| async move {
+///             // ... charge the card with ctx.child_key("charge") as the provider's key ...
+///             Ok::<_, Failure<String>>(message.payload().len())
+///         },
+///         async { tokio::signal::ctrl_c().await.ok(); },
+///     )
+///     .await?;
+/// println!("{summary:?}");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Worker {
+    consumer: Consumer,
+    topology: Topology,
+    concurrency: usize,
+    batch: usize,
+    name: String,
+}
+
+impl Worker {
+    /// A worker for `topology`, with concurrency 4, batches of 16, and a consumer name of
+    /// its own (`idem-<process id>-<start time>`).
+    pub fn new(consumer: Consumer, topology: Topology) -> Self {
+        Self {
+            consumer,
+            topology,
+            concurrency: 4,
+            batch: 16,
+            name: format!(
+                "idem-{}-{:x}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos())
+            ),
+        }
+    }
+
+    /// How many handlers run at once (at least 1). Default: 4.
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// How many entries one read asks for (at least 1). Entries read wait in the worker for
+    /// a free handler, pending and without heartbeat: keep it a small multiple of the
+    /// concurrency. Default: 16.
+    pub fn with_batch(mut self, batch: usize) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// The consumer name within the group. Names must differ between the workers running at
+    /// once. Default: `idem-<process id>-<start time>`.
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Reads the topology's stream as a member of its group (which must exist: see
+    /// [`Topology::declare`]) until `shutdown` completes, then shuts down cleanly (see the
+    /// [module docs](self)). `handler` gets each message and its [`Context`]; its value is
+    /// stored as JSON and handed to duplicates.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Redis`] when the connections cannot be made; [`Error::GroupGone`] when the
+    /// group or the stream is deleted while the worker runs (after the handlers in progress
+    /// finished). A server that goes away for a while is waited for.
+    pub async fn run<T, E, H, Fut>(
+        &self,
+        client: &redis::Client,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Summary, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+    {
+        // Reads block for READ_BLOCK on a connection of their own, so that acks and
+        // heartbeats on the other never wait behind them.
+        let mut reader = ConnectionManager::new_with_config(
+            client.clone(),
+            ConnectionManagerConfig::new().set_response_timeout(Some(READ_BLOCK * 10)),
+        )
+        .await
+        .map_err(redis_error("connect"))?;
+        let conn = client
+            .get_connection_manager()
+            .await
+            .map_err(redis_error("connect"))?;
+        let entries = Entries {
+            topology: self.topology.clone(),
+            name: self.name.clone(),
+            conn,
+        };
+        tracing::info!(stream = %self.topology.stream, group = %self.topology.group, name = %self.name, "consuming");
+
+        let handler = Arc::new(handler);
+        let slots = Arc::new(Semaphore::new(self.concurrency));
+        let mut tasks = JoinSet::new();
+        let mut summary = Summary::default();
+        let mut failure = None;
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut buffer: VecDeque<StreamId> = VecDeque::new();
+        // XAUTOCLAIM scans the group's pending entries from a cursor; it runs every quarter
+        // of claim_idle (at least every second) when nothing new is buffered.
+        let claim_every =
+            (self.topology.claim_idle / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let mut claimed_at: Option<tokio::time::Instant> = None;
+        let mut cursor = "0-0".to_owned();
+
+        loop {
+            // A free handler slot first, so that entries are read only when a handler can
+            // start on them soon (they wait pending, without heartbeat, until then).
+            let slot = tokio::select! {
+                () = &mut shutdown => break,
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    count(&mut summary, done);
+                    continue;
+                }
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    // The semaphore is never closed; leave the loop if it ever is.
+                    Err(_) => break,
+                },
+            };
+            if buffer.is_empty() {
+                let claim_due = claimed_at.is_none_or(|at| at.elapsed() >= claim_every);
+                let read = async {
+                    if claim_due {
+                        claimed_at = Some(tokio::time::Instant::now());
+                        let claimed = entries
+                            .autoclaim(&mut reader, &mut cursor, self.batch)
+                            .await?;
+                        if !claimed.is_empty() {
+                            return Ok(claimed);
+                        }
+                    }
+                    entries.read(&mut reader, self.batch).await
+                };
+                // If shutdown wins, a read in flight may leave entries pending under this
+                // worker's name: the group claims them after claim_idle.
+                let read = tokio::select! {
+                    () = &mut shutdown => break,
+                    read = read => read,
+                };
+                match read {
+                    Ok(read) => buffer.extend(read),
+                    Err(e) if e.code() == Some("NOGROUP") => {
+                        tracing::error!(error = %e, "consumer group gone");
+                        failure = Some(e);
+                        break;
+                    }
+                    // The server away for a while: the connection manager reconnects; wait a
+                    // little so that an outage is not a busy loop.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the stream failed; reading again");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            let Some(entry) = buffer.pop_front() else {
+                drop(slot);
+                continue;
+            };
+            let settle = Settle {
+                consumer: self.consumer.clone(),
+                entries: entries.clone(),
+            };
+            tasks.spawn(settle.run(entry, handler.clone(), slot));
+        }
+
+        // Shutdown, step 1: hand back what was read but not started, claimable at once.
+        for entry in buffer.drain(..) {
+            entries.hand_back(&entry.id, Duration::ZERO).await;
+        }
+        // Step 2: let the handlers in progress finish and settle their entries.
+        while let Some(done) = tasks.join_next().await {
+            count(&mut summary, done);
+        }
+        tracing::info!(stream = %self.topology.stream, ?summary, "stopped");
+        match failure {
+            Some(source) => Err(Error::GroupGone { source, summary }),
+            None => Ok(summary),
+        }
+    }
+}
+
+/// The worker's commands on its stream, under its consumer name.
+#[derive(Clone)]
+struct Entries {
+    topology: Topology,
+    name: String,
+    conn: ConnectionManager,
+}
+
+impl Entries {
+    /// New entries for this consumer (`XREADGROUP .. >`), waiting up to [`READ_BLOCK`].
+    async fn read(
+        &self,
+        reader: &mut ConnectionManager,
+        count: usize,
+    ) -> Result<Vec<StreamId>, RedisError> {
+        let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(&self.topology.group)
+            .arg(&self.name)
+            .arg("COUNT")
+            .arg(count)
+            .arg("BLOCK")
+            .arg(millis(READ_BLOCK))
+            .arg("STREAMS")
+            .arg(&self.topology.stream)
+            .arg(">")
+            .query_async(reader)
+            .await?;
+        Ok(reply
+            .into_iter()
+            .flat_map(|r| r.keys)
+            .flat_map(|k| k.ids)
+            .collect())
+    }
+
+    /// Entries of the group idle for `claim_idle` (a dead worker's, or handed back), now
+    /// this consumer's (`XAUTOCLAIM`), scanning on from `cursor`.
+    async fn autoclaim(
+        &self,
+        conn: &mut ConnectionManager,
+        cursor: &mut String,
+        count: usize,
+    ) -> Result<Vec<StreamId>, RedisError> {
+        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+            .arg(&self.topology.stream)
+            .arg(&self.topology.group)
+            .arg(&self.name)
+            .arg(millis(self.topology.claim_idle))
+            .arg(cursor.as_str())
+            .arg("COUNT")
+            .arg(count)
+            .query_async(conn)
+            .await?;
+        *cursor = reply.next_stream_id;
+        Ok(reply.claimed)
+    }
+
+    /// Resets the entry's idle time: a sign of life, so no other worker claims it.
+    async fn keep(&self, id: &str) {
+        let kept: Result<Value, RedisError> = self
+            .claim(id, None)
+            .query_async(&mut self.conn.clone())
+            .await;
+        if let Err(e) = kept {
+            tracing::warn!(error = %e, "heartbeat on a pending entry failed");
+        }
+    }
+
+    /// Leaves the entry pending, claimable by the group after `after` (at most
+    /// `claim_idle`): its idle time is set to `claim_idle - after`.
+    async fn hand_back(&self, id: &str, after: Duration) -> Settled {
+        let idle = self.topology.claim_idle.saturating_sub(after);
+        let result: Result<Value, RedisError> = self
+            .claim(id, Some(idle))
+            .query_async(&mut self.conn.clone())
+            .await;
+        // Even when this fails the entry stays pending, and is claimed after claim_idle.
+        settled(result.map(drop), "hand back", Settled::Requeued)
+    }
+
+    /// `XCLAIM <stream> <group> <name> 0 <id> [IDLE <ms>] JUSTID`: the entry stays this
+    /// consumer's, its idle time reset (or set), its delivery count unchanged.
+    fn claim(&self, id: &str, idle: Option<Duration>) -> redis::Cmd {
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(&self.topology.stream)
+            .arg(&self.topology.group)
+            .arg(&self.name)
+            .arg(0)
+            .arg(id);
+        if let Some(idle) = idle {
+            cmd.arg("IDLE").arg(millis(idle));
+        }
+        cmd.arg("JUSTID");
+        cmd
+    }
+
+    async fn ack(&self, id: &str) -> Settled {
+        let result = redis::cmd("XACK")
+            .arg(&self.topology.stream)
+            .arg(&self.topology.group)
+            .arg(id)
+            .query_async::<()>(&mut self.conn.clone())
+            .await;
+        settled(result, "XACK", Settled::Acked)
+    }
+
+    /// Adds a copy of `entry` with `extra` fields to `stream` and acknowledges the original,
+    /// in one transaction. Returns false (nothing done) when it failed.
+    async fn copy_then_ack(
+        &self,
+        entry: &StreamId,
+        stream: &str,
+        extra: &[(&str, String)],
+    ) -> bool {
+        let mut fields: Vec<(&str, Vec<u8>)> = entry
+            .map
+            .iter()
+            .filter(|(name, _)| !extra.iter().any(|(n, _)| n.eq_ignore_ascii_case(name)))
+            .filter_map(|(name, value)| Some((name.as_str(), bytes(value)?)))
+            .collect();
+        fields.extend(extra.iter().map(|(n, v)| (*n, v.as_bytes().to_vec())));
+        let result = redis::pipe()
+            .atomic()
+            .cmd("XADD")
+            .arg(stream)
+            .arg("*")
+            .arg(fields)
+            .ignore()
+            .cmd("XACK")
+            .arg(&self.topology.stream)
+            .arg(&self.topology.group)
+            .arg(&entry.id)
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
+            .await;
+        match result {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(%stream, error = %e, "copy not added");
+                false
+            }
+        }
+    }
+}
+
+/// What an entry task needs to settle its entry.
+struct Settle {
+    consumer: Consumer,
+    entries: Entries,
+}
+
+impl Settle {
+    async fn run<T, E, H, Fut>(
+        self,
+        entry: StreamId,
+        handler: Arc<H>,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Settled
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+    {
+        let message = message_of(&entry);
+        let policy = self.consumer.policy().clone();
+        let entries = &self.entries;
+        if let Some(left) = not_due(&message, policy.max_retry_delay) {
+            // A retry copy read early: left pending until it is due, not an attempt.
+            drop(slot);
+            return entries.hand_back(&entry.id, left).await;
+        }
+        let decision = {
+            // A sign of life every third of claim_idle, so the group's other workers do not
+            // claim the entry while the handler runs (the engine extends the lease in the
+            // store meanwhile).
+            let period = (entries.topology.claim_idle / 3).max(Duration::from_millis(1));
+            let mut heartbeat =
+                tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            let decided = decide(&self.consumer, message, handler);
+            let mut decided = std::pin::pin!(decided);
+            loop {
+                tokio::select! {
+                    decision = &mut decided => break decision,
+                    _ = heartbeat.tick() => entries.keep(&entry.id).await,
+                }
+            }
+        };
+        drop(slot);
+        match decision {
+            // The handler panicked: back after a while (its lease runs out meanwhile).
+            None => entries.hand_back(&entry.id, policy.unavailable_delay).await,
+            Some(Delivery::Ack(_)) => entries.ack(&entry.id).await,
+            Some(Delivery::Requeue { after, .. }) => entries.hand_back(&entry.id, after).await,
+            Some(Delivery::Nack { after, attempt, .. }) => {
+                let due = unix_millis()
+                    .saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
+                let extra = [
+                    (ATTEMPT_HEADER, attempt.to_string()),
+                    (RETRY_AT_HEADER, due.to_string()),
+                ];
+                match entries
+                    .copy_then_ack(&entry, &entries.topology.stream, &extra)
+                    .await
+                {
+                    true => Settled::Retried,
+                    false => entries.hand_back(&entry.id, after).await,
+                }
+            }
+            Some(Delivery::DeadLetter { reason, attempt }) => {
+                let extra = [
+                    (ATTEMPT_HEADER, attempt.to_string()),
+                    (DEAD_LETTER_REASON_HEADER, reason.to_string()),
+                ];
+                let dead = &entries.topology.dead_letter_stream;
+                match entries.copy_then_ack(&entry, dead, &extra).await {
+                    true => Settled::DeadLettered,
+                    false => entries.hand_back(&entry.id, policy.unavailable_delay).await,
+                }
+            }
+        }
+    }
+}
+
+/// What a command (`what`) that answered `result` settled.
+fn settled(result: Result<(), RedisError>, what: &str, done: Settled) -> Settled {
+    match result {
+        Ok(()) => done,
+        Err(e) => {
+            tracing::warn!(error = %e, "{what} failed; the entry stays pending and is claimed again");
+            Settled::Unsettled
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The bytes of a field's value (a bulk or simple string, or an integer as its digits).
+fn bytes(value: &Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(b) => Some(b.clone()),
+        Value::SimpleString(s) => Some(s.as_bytes().to_vec()),
+        Value::Int(n) => Some(n.to_string().into_bytes()),
+        _ => None,
+    }
+}
+
+/// The [`Message`] of a stream entry: [`PAYLOAD_FIELD`] as its payload (empty when
+/// missing), and every other field whose value is UTF-8 text as a header.
+pub fn message_of(entry: &StreamId) -> Message {
+    let payload = entry
+        .map
+        .get(PAYLOAD_FIELD)
+        .and_then(bytes)
+        .unwrap_or_default();
+    let mut message = Message::new(payload);
+    for (name, value) in &entry.map {
+        if name == PAYLOAD_FIELD {
+            continue;
+        }
+        if let Some(text) = bytes(value).and_then(|b| String::from_utf8(b).ok()) {
+            message = message.with_header(name.as_str(), text);
+        }
+    }
+    message
+}
+
+/// The fields of an entry for `payload`, with the fields of [`propagation_headers`] (`key`,
+/// and when given the publishing request's `scope`, for
+/// [`Consumer::with_scope_header`]): add them with `XADD <stream> * <fields>`, or use
+/// [`publish`].
+///
+/// ```
+/// use idem_consumer::redis_streams::fields_with_key;
+/// use idem_core::Key;
+/// let fields = fields_with_key(b"{}", &Key::new("3f9c-payment").unwrap(), None);
+/// assert_eq!(fields[0], ("payload", b"{}".to_vec()));
+/// assert_eq!(fields[1], ("x-idempotency-key", b"3f9c-payment".to_vec()));
+/// ```
+pub fn fields_with_key(
+    payload: &[u8],
+    key: &Key,
+    scope: Option<&Scope>,
+) -> Vec<(&'static str, Vec<u8>)> {
+    let mut fields = vec![(PAYLOAD_FIELD, payload.to_vec())];
+    fields.extend(
+        propagation_headers(key, scope)
+            .into_iter()
+            .map(|(name, value)| (name, value.into_bytes())),
+    );
+    fields
+}
+
+/// Adds an entry for `payload` with `key` (see [`fields_with_key`]) to `stream`, and
+/// returns its ID.
+///
+/// # Errors
+///
+/// The server's.
+pub async fn publish(
+    conn: &mut ConnectionManager,
+    stream: &str,
+    payload: &[u8],
+    key: &Key,
+    scope: Option<&Scope>,
+) -> Result<String, RedisError> {
+    redis::cmd("XADD")
+        .arg(stream)
+        .arg("*")
+        .arg(fields_with_key(payload, key, scope))
+        .query_async(conn)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_read_as_messages() {
+        let mut entry = StreamId {
+            id: "1-0".into(),
+            ..StreamId::default()
+        };
+        entry.map.insert(
+            PAYLOAD_FIELD.into(),
+            Value::BulkString(b"{\"a\":1}".to_vec()),
+        );
+        entry.map.insert(
+            "x-idempotency-key".into(),
+            Value::BulkString(b"k-1".to_vec()),
+        );
+        entry
+            .map
+            .insert(ATTEMPT_HEADER.into(), Value::BulkString(b"2".to_vec()));
+        entry
+            .map
+            .insert("binary".into(), Value::BulkString(vec![0xff, 0xfe]));
+        let message = message_of(&entry);
+        assert_eq!(message.payload(), b"{\"a\":1}");
+        assert_eq!(message.text_header("x-idempotency-key"), Some("k-1"));
+        assert_eq!(message.failed_attempts(), 2);
+        assert_eq!(message.header("binary"), None);
+        assert_eq!(message.header(PAYLOAD_FIELD), None);
+    }
+}
