@@ -26,9 +26,15 @@
 //!   idempotency boundary) or from a canonical hash of chosen payload fields
 //!   ([`KeySource::PayloadHash`], volatile fields left out). [`child_key`] derives stable
 //!   keys for the calls a handler makes downstream.
-//! - With the `rabbitmq` feature, [`rabbitmq::Worker`] does all of it on RabbitMQ through
-//!   lapin: prefetch, concurrency, delayed retries through a retry queue, a dead-letter
-//!   queue, clean shutdown.
+//! - Three workers carry the decisions out on a broker, each behind a feature: with
+//!   `rabbitmq`, `rabbitmq::Worker` on RabbitMQ through lapin (prefetch, delayed retries
+//!   through a retry queue, a dead-letter queue); with `nats`, `nats::Worker` on a NATS
+//!   JetStream durable pull consumer through async-nats (NAKs with a delay, "work in
+//!   progress" while a handler runs, a dead-letter stream); with `redis-streams`,
+//!   `redis_streams::Worker` on a Redis Streams consumer group (entries left pending and
+//!   claimed back with `XAUTOCLAIM`, copies and acks in one transaction). Each has
+//!   concurrency, a run that counts what it did (`Summary`) and a clean shutdown; their module docs say what
+//!   each decision does on the broker.
 //!
 //! Use a consumer scope of its own (the consumer group or queue): the record of a message is
 //! not the record of the HTTP request that published it, even though both have the same key.

@@ -77,7 +77,7 @@ use tokio::task::JoinSet;
 use crate::consumer::{Consumer, Context, Delivery};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
-use crate::worker::{count, decide, not_due, unix_millis, Settled, Summary};
+use crate::worker::{count, decide, next_slot, not_due, unix_millis, Settled, Summary};
 
 /// JetStream's de-duplication header. To key messages by it, give the consumer
 /// `KeySource::Header(NATS_MSG_ID_HEADER.into())`.
@@ -359,17 +359,9 @@ impl Worker {
         loop {
             // A free handler slot first, so that messages are pulled only when a handler can
             // start on them soon (their ack_wait runs from the delivery).
-            let slot = tokio::select! {
-                () = &mut shutdown => break,
-                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                    count(&mut summary, done);
-                    continue;
-                }
-                slot = slots.clone().acquire_owned() => match slot {
-                    Ok(slot) => slot,
-                    // The semaphore is never closed; leave the loop if it ever is.
-                    Err(_) => break,
-                },
+            let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await
+            else {
+                break;
             };
             let next = tokio::select! {
                 () = &mut shutdown => break,

@@ -80,7 +80,7 @@ use crate::consumer::{Consumer, Context, Delivery};
 use crate::key::propagation_headers;
 use crate::message::{HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER};
 pub use crate::worker::Summary;
-use crate::worker::{count, decide, Settled};
+use crate::worker::{count, decide, next_slot, Settled};
 
 /// What went wrong with the broker.
 #[derive(Debug, thiserror::Error)]
@@ -341,17 +341,9 @@ impl Worker {
         loop {
             // A free handler slot first, so that deliveries wait in the broker's prefetch
             // window rather than as tasks here.
-            let slot = tokio::select! {
-                () = &mut shutdown => break,
-                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                    count(&mut summary, done);
-                    continue;
-                }
-                slot = slots.clone().acquire_owned() => match slot {
-                    Ok(slot) => slot,
-                    // The semaphore is never closed; leave the loop if it ever is.
-                    Err(_) => break,
-                },
+            let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await
+            else {
+                break;
             };
             let next = tokio::select! {
                 () = &mut shutdown => break,

@@ -74,7 +74,7 @@ use tokio::task::JoinSet;
 use crate::consumer::{Consumer, Context, Delivery};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
-use crate::worker::{count, decide, not_due, unix_millis, Settled, Summary};
+use crate::worker::{count, decide, next_slot, not_due, unix_millis, Settled, Summary};
 
 /// The field of an entry that holds the message's payload; the other fields are its
 /// headers.
@@ -328,17 +328,9 @@ impl Worker {
         loop {
             // A free handler slot first, so that entries are read only when a handler can
             // start on them soon (they wait pending, without heartbeat, until then).
-            let slot = tokio::select! {
-                () = &mut shutdown => break,
-                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                    count(&mut summary, done);
-                    continue;
-                }
-                slot = slots.clone().acquire_owned() => match slot {
-                    Ok(slot) => slot,
-                    // The semaphore is never closed; leave the loop if it ever is.
-                    Err(_) => break,
-                },
+            let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await
+            else {
+                break;
             };
             if buffer.is_empty() {
                 let claim_due = claimed_at.is_none_or(|at| at.elapsed() >= claim_every);

@@ -3,11 +3,14 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use idem_core::Failure;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
 
 use crate::consumer::{Consumer, Context, Delivery};
 use crate::message::Message;
@@ -52,6 +55,26 @@ pub(crate) fn count(summary: &mut Summary, done: Result<Settled, tokio::task::Jo
         Err(e) => {
             tracing::error!(error = %e, "delivery task failed");
             summary.unsettled += 1;
+        }
+    }
+}
+
+/// Waits for a free handler slot, counting the deliveries settled meanwhile into `summary`;
+/// `None` once `shutdown` completes. A worker takes a slot before it takes a delivery, so
+/// that deliveries wait on the broker (or in its client's small buffer) rather than as
+/// tasks here.
+pub(crate) async fn next_slot<F: Future<Output = ()>>(
+    slots: &Arc<Semaphore>,
+    tasks: &mut JoinSet<Settled>,
+    summary: &mut Summary,
+    shutdown: &mut Pin<&mut F>,
+) -> Option<OwnedSemaphorePermit> {
+    loop {
+        tokio::select! {
+            () = shutdown.as_mut() => return None,
+            Some(done) = tasks.join_next(), if !tasks.is_empty() => count(summary, done),
+            // The semaphore is never closed; stop if it ever is.
+            slot = slots.clone().acquire_owned() => return slot.ok(),
         }
     }
 }

@@ -17,11 +17,9 @@ mod support;
 /// Named after the backend, so that `cargo test rabbitmq` runs these.
 mod rabbitmq {
 
-    use std::collections::{BTreeMap, BTreeSet};
-    use std::path::{Path, PathBuf};
-    use std::process::{Command, Stdio};
+    use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicU32, Ordering};
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     use std::time::Duration;
 
     use idem_consumer::rabbitmq::{with_idempotency_key, Summary, Topology, Worker};
@@ -38,7 +36,11 @@ mod rabbitmq {
     use tokio::sync::oneshot;
     use tokio::time::{sleep, timeout, Instant};
 
-    use crate::support::{append, wait_until, ChildFiles, ChildProcess, SharedStore, CHILD_ENV};
+    use crate::support::{
+        check_crash, check_dead_letters, check_retry_runs, child_env, failing, retry_keys,
+        retry_policy, start_and_kill_a, start_b, stop_child, wait_until, ChildFiles, ChildSetup,
+        Effects, Runs, SharedStore, CHILD_CONCURRENCY, CRASH_MESSAGES,
+    };
 
     fn amqp_url() -> Option<String> {
         idem_testkit::harness::url_from_env("IDEM_TEST_AMQP_URL", "RabbitMQ")
@@ -162,8 +164,6 @@ mod rabbitmq {
         });
         (stop, task)
     }
-
-    type Effects = Arc<Mutex<BTreeMap<String, u32>>>;
 
     /// N business messages, each published three times, consumed by three workers on their own
     /// connections; one worker's connection is closed while it holds deliveries whose work is
@@ -318,54 +318,26 @@ mod rabbitmq {
         let Some((url, _conn, admin, topology)) = broker("retries").await else {
             return;
         };
-        let flaky: Vec<String> = (0..5).map(|i| format!("flaky-{i}")).collect();
-        let broken: Vec<String> = (0..3).map(|i| format!("broken-{i}")).collect();
+        let (flaky, broken) = retry_keys();
         for key in flaky.iter().chain(&broken) {
             publish(&admin, &topology.queue, key, "{}").await;
         }
         publish(&admin, &topology.queue, "declined", "{}").await;
 
-        let policy = Policy::default()
-            .with_max_attempts(3)
-            .with_retry_delay(Duration::from_millis(100))
-            .with_max_retry_delay(Duration::from_millis(400));
         let consumer = Consumer::new(
             Idem::new(MemoryStore::new()),
             Scope::new("retry-test").unwrap(),
         )
-        .with_policy(policy);
-        let runs: Arc<Mutex<BTreeMap<String, Vec<u32>>>> = Arc::default();
+        .with_policy(retry_policy());
+        let runs: Runs = Arc::default();
         let effects: Effects = Arc::default();
         let conn = Arc::new(connect(&url).await);
-        let (stop, task) = {
-            let (runs, effects) = (runs.clone(), effects.clone());
-            spawn_worker(
-                Worker::new(consumer, topology.clone()).with_concurrency(2),
-                conn,
-                move |_message, ctx| {
-                    let (runs, effects) = (runs.clone(), effects.clone());
-                    Box::pin(async move {
-                        let key = ctx.key().to_string();
-                        runs.lock()
-                            .unwrap()
-                            .entry(key.clone())
-                            .or_default()
-                            .push(ctx.attempt());
-                        if key == "declined" {
-                            return Err(Failure::Terminal("card declined".to_string()));
-                        }
-                        if key.starts_with("broken") || ctx.attempt() < 3 {
-                            return Err(Failure::Retryable(format!(
-                                "gateway timeout on attempt {}",
-                                ctx.attempt()
-                            )));
-                        }
-                        *effects.lock().unwrap().entry(key).or_insert(0) += 1;
-                        Ok(ctx.attempt())
-                    })
-                },
-            )
-        };
+        let handler = failing(&runs, &effects);
+        let (stop, task) = spawn_worker(
+            Worker::new(consumer, topology.clone()).with_concurrency(2),
+            conn,
+            move |m, c| handler(m, c),
+        );
         wait_until(Duration::from_secs(60), "4 dead letters", || {
             let admin = &admin;
             let dlq = topology.dead_letter_queue.clone();
@@ -380,28 +352,7 @@ mod rabbitmq {
         wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
         let _ = stop.send(());
         let summary = task.await.expect("no panic").expect("worker ran");
-
-        let runs = runs.lock().unwrap().clone();
-        for key in &flaky {
-            assert_eq!(runs[key], vec![1, 2, 3], "{key}");
-            assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
-        }
-        for key in &broken {
-            assert_eq!(
-                runs[key],
-                vec![1, 2, 3],
-                "{key} ran exactly max_attempts times"
-            );
-            assert!(!effects.lock().unwrap().contains_key(key));
-        }
-        assert_eq!(
-            runs["declined"],
-            vec![1],
-            "a terminal failure is not retried"
-        );
-        assert_eq!(summary.acked, 5, "{summary:?}");
-        assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
-        assert_eq!(summary.dead_lettered, 4, "{summary:?}");
+        check_retry_runs(&runs, &effects, &summary);
 
         // Each dead letter says why, and how many attempts it had.
         let mut dead = BTreeMap::new();
@@ -426,7 +377,7 @@ mod rabbitmq {
             };
             dead.insert(
                 text(IDEMPOTENCY_KEY_HEADER),
-                (text(DEAD_LETTER_REASON_HEADER), attempt),
+                (text(DEAD_LETTER_REASON_HEADER), attempt.to_string()),
             );
             got.delivery
                 .acker
@@ -434,13 +385,7 @@ mod rabbitmq {
                 .await
                 .expect("ack");
         }
-        assert_eq!(dead.len(), 4, "{dead:?}");
-        for key in &broken {
-            let (reason, attempt) = &dead[key];
-            assert!(reason.starts_with("attempts exhausted"), "{reason}");
-            assert_eq!(*attempt, 3);
-        }
-        assert_eq!(dead["declined"].0, "terminal failure: card declined");
+        check_dead_letters(&dead);
         topology.delete(&admin).await.expect("delete queues");
     }
 
@@ -513,115 +458,26 @@ mod rabbitmq {
 
     // --- The crash test -----------------------------------------------------------------------
 
-    /// The child's lease: a killed child's keys are taken over this long after its last
-    /// heartbeat.
-    const CHILD_LEASE: Duration = Duration::from_secs(3);
-    const CHILD_CONCURRENCY: usize = 4;
-
-    /// Starts this test binary as a consumer process named `name`; after `hang_after` handler
-    /// starts, its handlers hang (holding their keys) instead of working.
-    fn spawn_child(
-        files: &ChildFiles,
-        store: &SharedStore,
-        url: &str,
-        queue: &str,
-        name: &str,
-        hang_after: u32,
-    ) -> ChildProcess {
-        let child = Command::new(std::env::current_exe().expect("the test binary"))
-            .args([
-                "rabbitmq::child_consumer_process",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, "1")
-            .env("IDEM_TEST_AMQP_URL", url)
-            .env("IDEM_CHILD_QUEUE", queue)
-            .env("IDEM_CHILD_STORE", store.descriptor())
-            .env("IDEM_CHILD_DIR", &files.dir)
-            .env("IDEM_CHILD_NAME", name)
-            .env("IDEM_CHILD_HANG_AFTER", hang_after.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::File::create(files.dir.join(format!("stderr-{name}")))
-                    .expect("stderr file"),
-            )
-            .spawn()
-            .expect("spawn the consumer process");
-        ChildProcess(child)
-    }
-
     /// The consumer process of [`a_killed_consumer_process_loses_nothing`]; does nothing unless
     /// that test spawned it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "the consumer process of the crash test; runs only when that test spawns it"]
     async fn child_consumer_process() {
-        if std::env::var(CHILD_ENV).is_err() {
-            eprintln!("child_consumer_process runs only as the crash test's child process");
+        let Some(child) = ChildSetup::from_env() else {
             return;
-        }
-        let env = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is set"));
-        let url = env("IDEM_TEST_AMQP_URL");
-        let files = ChildFiles {
-            dir: PathBuf::from(env("IDEM_CHILD_DIR")),
-            owner: false,
         };
-        let name = env("IDEM_CHILD_NAME");
-        let hang_after: u32 = env("IDEM_CHILD_HANG_AFTER").parse().expect("a number");
-        let store = SharedStore::open(&env("IDEM_CHILD_STORE"));
-
-        let config = Config::default().with_lease(CHILD_LEASE);
-        let policy = Policy::default().with_max_in_flight_delay(Duration::from_millis(300));
-        let consumer = Consumer::new(
-            Idem::from_arc(store).with_config(config),
-            Scope::new("crash-test").unwrap(),
+        let conn = connect(&child_env("IDEM_TEST_AMQP_URL")).await;
+        let handler = child.handler.clone();
+        let summary = Worker::new(
+            child.consumer.clone(),
+            Topology::for_queue(child_env("IDEM_CHILD_QUEUE")),
         )
-        .with_policy(policy);
-        let conn = connect(&url).await;
-        let starts = Arc::new(AtomicU32::new(0));
-        let (starts_file, effects_file) = (files.starts(), files.effects());
-        let handler_name = name.clone();
-        let handler = move |_message: idem_consumer::Message, ctx: idem_consumer::Context| {
-            let (starts, starts_file, effects_file, name) = (
-                starts.clone(),
-                starts_file.clone(),
-                effects_file.clone(),
-                handler_name.clone(),
-            );
-            async move {
-                let n = starts.fetch_add(1, Ordering::SeqCst) + 1;
-                let line = format!("{} {} {name}", ctx.key(), ctx.attempt());
-                append(&starts_file, &line);
-                if n > hang_after {
-                    // Stuck while holding the key (its lease is extended in the background),
-                    // until the process is killed.
-                    sleep(Duration::from_secs(3600)).await;
-                }
-                sleep(Duration::from_millis(30)).await;
-                append(&effects_file, &line);
-                Ok::<_, Failure<String>>(n)
-            }
-        };
-        let stop_file = files.stop(&name);
-        let summary = Worker::new(consumer, Topology::for_queue(env("IDEM_CHILD_QUEUE")))
-            .with_prefetch(8)
-            .with_concurrency(CHILD_CONCURRENCY)
-            .run(&conn, handler, async move {
-                // Stop when told to, or when the test is gone (it removes the directory).
-                while !stop_file.exists() && stop_file.parent().is_some_and(Path::exists) {
-                    sleep(Duration::from_millis(50)).await;
-                }
-            })
-            .await
-            .expect("the worker runs");
-        std::fs::write(
-            files.summary(&name),
-            format!("{} {}", summary.acked, summary.requeued),
-        )
-        .expect("write the summary");
+        .with_prefetch(8)
+        .with_concurrency(CHILD_CONCURRENCY)
+        .run(&conn, move |m, c| handler(m, c), child.stopped())
+        .await
+        .expect("the worker runs");
+        child.report(&summary);
     }
 
     /// Kill a consumer process (SIGKILL) while it holds messages whose keys it holds: the broker
@@ -633,10 +489,8 @@ mod rabbitmq {
         let Some((url, _conn, admin, topology)) = broker("crash").await else {
             return;
         };
-        const N: u32 = 20;
-        const QUICK: u32 = 6;
         for _copy in 0..2 {
-            for i in 0..N {
+            for i in 0..CRASH_MESSAGES {
                 publish(
                     &admin,
                     &topology.queue,
@@ -650,82 +504,19 @@ mod rabbitmq {
             return;
         };
         let files = ChildFiles::new();
-
-        // Process A works QUICK messages, then its handlers hang holding their keys.
-        let mut a = spawn_child(&files, &shared, &url, &topology.queue, "A", QUICK);
-        wait_until(
-            Duration::from_secs(60),
-            "A does its quick work and hangs on a full set of handlers",
-            || {
-                let (starts, effects) = (files.starts(), files.effects());
-                async move {
-                    // All of A's handler slots hold hung handlers, so no quick one is between
-                    // its side effect and storing its result.
-                    ChildFiles::lines(&effects).len() == QUICK as usize
-                        && ChildFiles::lines(&starts).len() >= (QUICK as usize + CHILD_CONCURRENCY)
-                }
-            },
-        )
-        .await;
-        // SIGKILL, as `kill -9`: no cleanup, no acks, no releases.
-        a.0.kill().expect("kill -9 the consumer process");
-        a.0.wait().expect("reap it");
-        let hung: BTreeSet<String> = ChildFiles::lines(&files.starts())
-            .into_iter()
-            .skip(QUICK as usize)
-            .map(|l| l[0].clone())
-            .collect();
-        assert_eq!(hung.len(), CHILD_CONCURRENCY, "{hung:?}");
-
-        // Process B handles everything else, and A's hung messages once their leases expire.
-        let mut b = spawn_child(&files, &shared, &url, &topology.queue, "B", u32::MAX);
-        wait_until(
-            Duration::from_secs(90),
-            "every message has its effect",
-            || {
-                let effects = files.effects();
-                async move {
-                    let keys: BTreeSet<String> = ChildFiles::lines(&effects)
-                        .into_iter()
-                        .map(|l| l[0].clone())
-                        .collect();
-                    keys.len() == N as usize
-                }
-            },
-        )
-        .await;
+        let env = [
+            ("IDEM_TEST_AMQP_URL", url.clone()),
+            ("IDEM_CHILD_QUEUE", topology.queue.clone()),
+            ("IDEM_CHILD_STORE", shared.descriptor()),
+        ];
+        const CHILD: &str = "rabbitmq::child_consumer_process";
+        // Process A works a few messages, then its handlers hang holding their keys, and it
+        // is killed; process B handles everything else, and A's messages once their leases
+        // expire.
+        let hung = start_and_kill_a(&files, CHILD, &env).await;
+        let mut b = start_b(&files, CHILD, &env).await;
         wait_for_empty_queues(&admin, &topology, Duration::from_secs(60)).await;
-        std::fs::write(files.stop("B"), b"").expect("stop B");
-        let status = {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                if let Some(status) = b.0.try_wait().expect("B's status") {
-                    break status;
-                }
-                if Instant::now() > deadline {
-                    panic!(
-                        "B did not shut down: {}",
-                        std::fs::read_to_string(files.dir.join("stderr-B")).unwrap_or_default()
-                    );
-                }
-                sleep(Duration::from_millis(50)).await;
-            }
-        };
-        assert!(
-            status.success(),
-            "B failed: {}",
-            std::fs::read_to_string(files.dir.join("stderr-B")).unwrap_or_default()
-        );
-        let summary = std::fs::read_to_string(files.summary("B")).expect("B's summary");
-        let requeued: u64 = summary
-            .split(' ')
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .expect("requeued count");
-        assert!(
-            requeued > 0,
-            "B found A's keys held and requeued their messages until the leases expired"
-        );
+        let summary = stop_child(&files, &mut b, "B").await;
 
         // Anything B requeued at its shutdown is a duplicate of finished work: drain it here,
         // over the same store, and check that no handler runs.
@@ -756,30 +547,7 @@ mod rabbitmq {
         );
         assert_eq!(drained.requeued, 0, "{drained:?}");
 
-        let effects = ChildFiles::lines(&files.effects());
-        let mut per_key: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-        for line in &effects {
-            per_key
-                .entry(line[0].clone())
-                .or_default()
-                .push((line[1].clone(), line[2].clone()));
-        }
-        assert_eq!(per_key.len(), N as usize, "no message lost");
-        for (key, done) in &per_key {
-            assert_eq!(
-                done.len(),
-                1,
-                "{key} had its effect {} times: {done:?}",
-                done.len()
-            );
-            if hung.contains(key) {
-                assert_eq!(
-                    done[0],
-                    ("2".to_string(), "B".to_string()),
-                    "{key}: B took over A's key as attempt 2"
-                );
-            }
-        }
+        check_crash(&files, &hung, &summary);
         assert_eq!(ready(&admin, &topology.dead_letter_queue).await, 0);
         topology.delete(&admin).await.expect("delete queues");
     }

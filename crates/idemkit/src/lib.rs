@@ -16,6 +16,8 @@
 //! | `axum` | `idemkit::http` | `idem-http` with `LeaseHandle` as an axum extractor, for handlers that complete the record in their own transaction |
 //! | `consumer` | `idemkit::consumer` | `idem-consumer`: message consumers, broker-neutral |
 //! | `rabbitmq` | `idemkit::consumer` | `idem-consumer` with its RabbitMQ worker |
+//! | `nats` | `idemkit::consumer::nats` | `idem-consumer`'s NATS JetStream worker |
+//! | `redis-streams` | `idemkit::consumer::redis_streams` | `idem-consumer`'s Redis Streams worker |
 //! | `full` | all of the above | |
 //!
 //! [`connect`] opens whichever store a URL names, among those compiled in.
