@@ -718,7 +718,7 @@ async fn sample_usage(
     Ok(total as f64 / count as f64)
 }
 
-fn median(values: &[f64]) -> f64 {
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     match v.len() {

@@ -25,6 +25,8 @@
 //!   at concurrency 1 and `--concurrency` (see `proxy.rs`);
 //! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
 //!   `klauthed-data` crates' Redis stores, in interleaved rounds (see `compare.rs`).
+//! - `consumers` (alone, on a `redis://` store): messages/s of the Redis Streams worker
+//!   with idem against the same loop without it (see `consumers.rs`).
 //! - `wait`: how soon a waiter (`Config::wait`) answers after the holder's completion, with
 //!   the store's notifications and polled (`--wait-keys` operations each; see `wait.rs`).
 //!
@@ -46,6 +48,7 @@ use idemkit::redis::RedisStore;
 use idemkit::{Completion, Response, Scope, Store};
 
 mod compare;
+mod consumers;
 mod footprint;
 mod middleware;
 mod pg_floor;
@@ -136,6 +139,9 @@ struct Args {
     /// Operations of each run of the wait phase.
     #[arg(long, default_value_t = 500)]
     wait_keys: usize,
+    /// Messages per pull of the `consumers` phase.
+    #[arg(long, default_value_t = 16)]
+    consumer_batch: usize,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
@@ -143,6 +149,7 @@ struct Args {
 
 const PHASES: [&str; 10] = [
     "compare",
+    "consumers",
     "memory",
     "lifecycle",
     "replay",
@@ -202,6 +209,9 @@ async fn run(args: &Args) -> Result<(), String> {
     if args.phases.iter().any(|p| p == "compare") {
         return compare(args, run_id).await;
     }
+    if args.phases.iter().any(|p| p == "consumers") {
+        return consumers(args, run_id).await;
+    }
     let (store, server) = open(args, &run_id).await?;
     let result = measure(args, &run_id, store, &server).await;
     if let Server::Postgres(pg) | Server::Tiered(pg, _) = &server {
@@ -258,6 +268,35 @@ async fn compare(args: &Args, run_id: String) -> Result<(), String> {
         run_id,
     };
     compare::run(&settings, args.json).await
+}
+
+/// The `consumers` phase, which runs alone: the message workers with and without idem.
+async fn consumers(args: &Args, run_id: String) -> Result<(), String> {
+    if args.phases.len() > 1 || args.rounds == 0 || args.consumer_batch == 0 {
+        return Err(
+            "the consumers phase runs alone (--phases consumers), with --rounds and \
+             --consumer-batch >= 1"
+                .into(),
+        );
+    }
+    let redis_url = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+        StoreUrl::Redis(url) if !url.starts_with(RedisStore::CLUSTER_SCHEME) => url,
+        other => {
+            return Err(format!(
+                "the consumers phase needs a standalone redis:// store (idem's store and the \
+                 Redis Streams broker), not {other}"
+            ))
+        }
+    };
+    let settings = consumers::Settings {
+        redis_url,
+        messages: args.keys,
+        concurrency: args.concurrency,
+        batch: args.consumer_batch,
+        rounds: args.rounds,
+        run_id,
+    };
+    consumers::run(&settings, args.json).await
 }
 
 /// Opens the store under this run's own prefix or schema, and the server side for the floor.
