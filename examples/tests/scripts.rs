@@ -40,6 +40,7 @@ fn each_backend_starts_only_its_servers_and_runs_only_its_tests() {
         ),
         ("tiered", "servers: redis postgres\n", "-- tiered relay"),
         ("rabbitmq", "servers: rabbitmq\n", "-- rabbitmq"),
+        ("nats", "servers: nats\n", "-- nats"),
         (
             "walkthrough",
             "servers: postgres\n",
@@ -56,7 +57,10 @@ fn each_backend_starts_only_its_servers_and_runs_only_its_tests() {
 #[test]
 fn a_full_run_and_cargo_arguments_keep_working() {
     let all = plan(&[]);
-    assert!(all.contains("servers: redis postgres rabbitmq"), "{all}");
+    assert!(
+        all.contains("servers: redis postgres rabbitmq nats"),
+        "{all}"
+    );
     assert!(all.contains("command: cargo test --workspace\n"), "{all}");
     assert!(all.contains("then: scripts/walkthrough"), "{all}");
     let one = plan(&["-p", "idem-postgres"]);

@@ -147,7 +147,7 @@ struct Args {
     json: bool,
 }
 
-const PHASES: [&str; 10] = [
+const PHASES: [&str; 11] = [
     "compare",
     "consumers",
     "memory",
