@@ -440,7 +440,7 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
                 wait_ms = args.wait_ms,
                 "idem serve starting"
             );
-            serve::run(listener, backend, &options, shutdown_signal()).await?;
+            serve::run(listener, backend, &options, shutdown_signal("idem demo")).await?;
             Ok(Done::ok("idem demo: stopped\n".into()))
         }
         Command::Proxy(args) => proxy::run(*args).await,
@@ -534,8 +534,8 @@ fn refuse_memory(url: &StoreUrl) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+/// Resolves on Ctrl-C or SIGTERM, and says so on stderr as `<who>: shutting down`.
+async fn shutdown_signal(who: &str) {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {
             // No Ctrl-C handler could be installed: wait for SIGTERM only.
@@ -557,7 +557,7 @@ async fn shutdown_signal() {
         () = ctrl_c => {},
         () = terminate => {},
     }
-    let _ = writeln!(std::io::stderr(), "idem demo: shutting down");
+    let _ = writeln!(std::io::stderr(), "{who}: shutting down");
 }
 
 /// `--listen`: a socket address or a host name and port, with a hint for a bare port.

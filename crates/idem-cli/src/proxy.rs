@@ -232,7 +232,7 @@ pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     let drained = idem_proxy::serve(
         listener,
         proxy,
-        crate::shutdown_signal(),
+        crate::shutdown_signal("idem proxy"),
         args.shutdown_timeout,
     )
     .await;
