@@ -360,7 +360,13 @@ impl TieredStore {
     /// PostgreSQL's answer to `req`, after Redis had none (or was left out), made visible
     /// in Redis.
     async fn decide(&self, req: BeginRequest<'_>) -> Result<Begin> {
-        let answer = self.pg.begin(req.clone()).await?;
+        let answer = match self.pg.begin(req.clone()).await? {
+            // The fingerprint rides with the lease, so the Redis tier's fenced writes
+            // (extend, release) compare in one round trip instead of reading the record first.
+            Begin::Acquired(lease) => Begin::Acquired(lease.with_fingerprint(req.fingerprint)),
+            Begin::TookOver(lease) => Begin::TookOver(lease.with_fingerprint(req.fingerprint)),
+            other => other,
+        };
         match &answer {
             Begin::Acquired(lease) | Begin::TookOver(lease) => {
                 self.hold_in_redis(lease, &req.fingerprint).await;

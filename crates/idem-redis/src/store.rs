@@ -423,6 +423,8 @@ impl RedisStore {
     ) -> Result<bool, Error> {
         let key = self.record_key(lease.id());
         let record = codec::in_progress(&lease.token(), 0, fingerprint, lease.attempt());
+        // The fenced writes that follow rebuild this record to compare with: margin 0.
+        self.inner.margin_hint.store(0, Ordering::Relaxed);
         let ttl_ms = millis(lease.remaining()).max(1);
         call!(self, |conn, _resent| {
             let mut conn = conn;
