@@ -125,9 +125,7 @@ impl Chunks {
 /// A body read into memory: its bytes, then its trailers if it had any.
 pub(crate) struct Buffered {
     data: Option<Bytes>,
-    /// Boxed: rare, and a `HeaderMap` inline would triple the size of every response the
-    /// layer hands on (moved several times per request).
-    trailers: Option<Box<HeaderMap>>,
+    trailers: Option<HeaderMap>,
     len: u64,
 }
 
@@ -136,7 +134,7 @@ impl Buffered {
         Self {
             len: data.len() as u64,
             data: Some(data).filter(|d| !d.is_empty()),
-            trailers: trailers.map(Box::new),
+            trailers,
         }
     }
 }
@@ -152,7 +150,7 @@ impl Body for Buffered {
         if let Some(data) = self.data.take() {
             return Poll::Ready(Some(Ok(Frame::data(data))));
         }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(*t))))
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
     }
 
     fn is_end_stream(&self) -> bool {

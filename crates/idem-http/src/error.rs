@@ -4,14 +4,15 @@ use std::time::Duration;
 
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
+use idem_core::{BoxError, Error};
 
 use crate::body::ResponseBody;
 
 /// The media type of the layer's error documents.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// One of the layer's refusals. Its `type` is `urn:idem:problem:<kind>`, where kind is one
-/// of the `KIND_*` names below.
+/// One of the layer's refusals, made by the constructors below. Its `type` is
+/// `urn:idem:problem:<kind>`, with the kinds the crate docs list.
 #[derive(Debug, Clone)]
 pub(crate) struct Problem {
     pub(crate) status: StatusCode,
@@ -23,20 +24,8 @@ pub(crate) struct Problem {
     pub(crate) challenge: Option<HeaderValue>,
 }
 
-pub(crate) const KIND_KEY_MISSING: &str = "idempotency-key-missing";
-pub(crate) const KIND_KEY_INVALID: &str = "idempotency-key-invalid";
-pub(crate) const KIND_NO_PRINCIPAL: &str = "principal-missing";
-pub(crate) const KIND_BODY_TOO_LARGE: &str = "request-body-too-large";
-pub(crate) const KIND_BODY_UNREADABLE: &str = "request-body-unreadable";
-pub(crate) const KIND_MISMATCH: &str = "idempotency-key-reused";
-pub(crate) const KIND_IN_FLIGHT: &str = "request-in-flight";
-pub(crate) const KIND_STORE_UNAVAILABLE: &str = "store-unavailable";
-pub(crate) const KIND_STORE_ERROR: &str = "store-error";
-pub(crate) const KIND_NOT_RECORDED: &str = "outcome-not-recorded";
-pub(crate) const KIND_BAD_RECORD: &str = "stored-response-invalid";
-
 impl Problem {
-    pub(crate) fn new(
+    fn new(
         status: StatusCode,
         kind: &'static str,
         title: &'static str,
@@ -52,12 +41,105 @@ impl Problem {
         }
     }
 
-    pub(crate) fn challenge(mut self, challenge: HeaderValue) -> Self {
+    /// 400: no key on a route that requires one; `detail` names the route and the header.
+    pub(crate) fn key_missing(detail: String) -> Self {
+        let (status, title) = (StatusCode::BAD_REQUEST, "Idempotency key missing");
+        Self::new(status, "idempotency-key-missing", title, detail)
+    }
+
+    /// 400: a malformed key, or the header twice; `detail` says which.
+    pub(crate) fn key_invalid(detail: String) -> Self {
+        let (status, title) = (StatusCode::BAD_REQUEST, "Idempotency key malformed");
+        Self::new(status, "idempotency-key-invalid", title, detail)
+    }
+
+    /// 401 with `challenge`: no principal to keep the key under.
+    pub(crate) fn principal_missing(challenge: HeaderValue) -> Self {
+        let detail = "idempotency keys are kept per caller, and this request names none: \
+                      authenticate, then retry with the same key";
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "principal-missing",
+            "Caller unknown",
+            detail,
+        )
+        .challenge(challenge)
+    }
+
+    /// 413: a request body over `limit` bytes.
+    pub(crate) fn body_too_large(limit: usize) -> Self {
+        let detail = format!("requests with an idempotency key may carry at most {limit} bytes");
+        let (status, title) = (StatusCode::PAYLOAD_TOO_LARGE, "Request body too large");
+        Self::new(status, "request-body-too-large", title, detail)
+    }
+
+    /// 400: the request body broke off with `e`.
+    pub(crate) fn body_unreadable(e: &BoxError) -> Self {
+        let detail = format!("the request body could not be read: {e}");
+        let (status, title) = (StatusCode::BAD_REQUEST, "Request body unreadable");
+        Self::new(status, "request-body-unreadable", title, detail)
+    }
+
+    /// 409: another request holds the key; retry after `retry_after`.
+    pub(crate) fn in_flight(retry_after: Duration) -> Self {
+        let detail = "a request with this idempotency key is being processed; retry after the \
+                      Retry-After delay to receive its response";
+        Self::new(
+            StatusCode::CONFLICT,
+            "request-in-flight",
+            "Request in flight",
+            detail,
+        )
+        .retry_after(retry_after)
+    }
+
+    /// 422: the key was used with another request.
+    pub(crate) fn mismatch() -> Self {
+        let detail = "this idempotency key was already used with a different request (method, \
+                      path, body or fingerprinted headers); use a new key for a new request";
+        let (status, title) = (StatusCode::UNPROCESSABLE_ENTITY, "Idempotency key reused");
+        Self::new(status, "idempotency-key-reused", title, detail)
+    }
+
+    /// The store failed before the handler ran: 503 with `retry_after` when retrying may
+    /// help (`e` is retryable), else 500.
+    pub(crate) fn store_failed(e: &Error, retry_after: Duration) -> Self {
+        if e.is_retryable() {
+            let detail = "the request was not processed: its idempotency key cannot be checked \
+                          right now; retry later with the same key";
+            let (status, title) = (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            );
+            Self::new(status, "store-unavailable", title, detail).retry_after(retry_after)
+        } else {
+            let detail = "the request was not processed: the idempotency store failed";
+            let (status, title) = (StatusCode::INTERNAL_SERVER_ERROR, "Idempotency store error");
+            Self::new(status, "store-error", title, detail)
+        }
+    }
+
+    /// 503 with `retry_after`: the handler ran, and its response is not recorded yet.
+    pub(crate) fn not_recorded(retry_after: Duration) -> Self {
+        let detail = "the request was processed, but its response could not be recorded yet; \
+                      retry with the same idempotency key to receive it once it is recorded";
+        let (status, title) = (StatusCode::SERVICE_UNAVAILABLE, "Outcome not recorded");
+        Self::new(status, "outcome-not-recorded", title, detail).retry_after(retry_after)
+    }
+
+    /// 500: the stored response is not an HTTP response.
+    pub(crate) fn bad_record() -> Self {
+        let detail = "the response stored for this idempotency key is not an HTTP response";
+        let (status, title) = (StatusCode::INTERNAL_SERVER_ERROR, "Stored response invalid");
+        Self::new(status, "stored-response-invalid", title, detail)
+    }
+
+    fn challenge(mut self, challenge: HeaderValue) -> Self {
         self.challenge = Some(challenge);
         self
     }
 
-    pub(crate) fn retry_after(mut self, after: Duration) -> Self {
+    fn retry_after(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
         self
     }

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use idem_core::{Completion, Lease, RecordId};
 
-use crate::layer::Shared;
+use crate::shared::Shared;
 
 /// Put in the request's extensions when the handler runs under a lease: the lease, so that
 /// the handler can store the completed record **in the same transaction as its business
@@ -46,11 +46,6 @@ impl LeaseHandle {
                 committed: Mutex::new(None),
             }),
         }
-    }
-
-    /// The layer's state this handle shares.
-    pub(crate) fn shared(&self) -> &Shared {
-        &self.inner.shared
     }
 
     /// The lease, for `complete_in`. It is the lease as first granted: the layer renews it
@@ -153,7 +148,7 @@ mod axum {
                 .cloned()
                 .ok_or_else(|| {
                     let status = StatusCode::INTERNAL_SERVER_ERROR;
-                    let doc = crate::problem_json(
+                    let doc = crate::error::problem_json(
                         "urn:idem:problem:lease-missing",
                         "No idempotency lease",
                         status,
@@ -162,9 +157,10 @@ mod axum {
                      Option<LeaseHandle>",
                     );
                     let mut response = (status, doc).into_response();
-                    response
-                        .headers_mut()
-                        .insert(CONTENT_TYPE, HeaderValue::from_static(crate::PROBLEM_JSON));
+                    response.headers_mut().insert(
+                        CONTENT_TYPE,
+                        HeaderValue::from_static(crate::error::PROBLEM_JSON),
+                    );
                     response
                 })
         }

@@ -1,7 +1,7 @@
 //! [`IdempotencyLayer`]: the tower layer and its settings.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use http::request::Parts;
 use idem_core::{Idem, Scope};
@@ -10,12 +10,7 @@ use tower_layer::Layer;
 use crate::config::Config;
 use crate::outcome::Outcome;
 use crate::service::IdempotencyService;
-
-/// Finds the scope of a request from its head (method, URI, headers, extensions).
-pub type ScopeFn = Arc<dyn Fn(&Parts) -> Option<Scope> + Send + Sync>;
-
-/// Told what the layer did with each guarded request.
-pub type ObserverFn = Arc<dyn Fn(Outcome) + Send + Sync>;
+use crate::shared::{requests_total, Shared};
 
 /// A tower [`Layer`] that makes the guarded methods (POST and PATCH by default) of the
 /// wrapped service idempotent with an `Idempotency-Key` header, over an [`Idem`] engine and
@@ -34,54 +29,6 @@ pub type ObserverFn = Arc<dyn Fn(Outcome) + Send + Sync>;
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     shared: Arc<Shared>,
-}
-
-/// What every service made by one layer shares.
-#[derive(Clone)]
-pub(crate) struct Shared {
-    pub(crate) idem: Idem,
-    pub(crate) config: Config,
-    pub(crate) scope: Option<ScopeFn>,
-    pub(crate) observer: Option<ObserverFn>,
-}
-
-impl Shared {
-    /// Reports what the layer did with a guarded request: to the observer, to the request's
-    /// span (`outcome`), and as the `idem_http_requests_total` counter.
-    pub(crate) fn observe(&self, outcome: Outcome) {
-        tracing::Span::current().record("outcome", outcome.as_str());
-        requests_total(outcome).increment(1);
-        if let Some(observer) = &self.observer {
-            observer(outcome);
-        }
-    }
-}
-
-/// The `idem_http_requests_total` counter of `outcome`, through the recorder in place (as
-/// `metrics::counter!` gives it), from a key built once per outcome: a key built per
-/// request (what the macro does with a label that is not a literal) allocates and hashes.
-fn requests_total(outcome: Outcome) -> metrics::Counter {
-    static METADATA: metrics::Metadata<'static> =
-        metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
-    static KEYS: OnceLock<[metrics::Key; Outcome::ALL.len()]> = OnceLock::new();
-    let key = |outcome: Outcome| {
-        metrics::Key::from_parts(
-            "idem_http_requests_total",
-            vec![metrics::Label::from_static_parts(
-                "outcome",
-                outcome.as_str(),
-            )],
-        )
-    };
-    let keys = KEYS.get_or_init(|| Outcome::ALL.map(key));
-    let register = |key: &metrics::Key| {
-        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
-    };
-    match keys.get(outcome.index()) {
-        Some(built) => register(built),
-        // An outcome missing from `ALL`: counted all the same.
-        None => register(&key(outcome)),
-    }
 }
 
 impl IdempotencyLayer {

@@ -62,12 +62,11 @@
 //! ## Work outlives the connection
 //!
 //! Once the key is claimed, the handler and the storing of its response are work that
-//! outlives the response future: the response future polls it in place, and should it be
-//! dropped first, the work moves to a task of its own. A client that disconnects (a
-//! timeout, a closed tab) drops the response future, not the work: the handler runs to its end, its
-//! response is stored, and the client's retry gets it replayed (or a 409 with a short
-//! `Retry-After` while it still runs, or the response itself with
-//! [`idem_core::Config::wait`]). Before the key is claimed (reading the key and the body)
+//! outlives the response future: it runs in a task of its own, which the response future
+//! awaits. A client that disconnects (a timeout, a closed tab) drops the response future,
+//! not the work: the handler runs to its end, its response is stored, and the client's
+//! retry gets it replayed (or a 409 with a short `Retry-After` while it still runs, or the
+//! response itself with [`idem_core::Config::wait`]). Before the key is claimed (reading the key and the body)
 //! nothing is held, and a disconnect there leaves nothing behind.
 //!
 //! ## Scope and fingerprint
@@ -198,7 +197,10 @@ mod future;
 mod handle;
 mod layer;
 mod outcome;
+mod request;
+mod response;
 mod service;
+mod shared;
 
 pub use body::{RequestBody, ResponseBody};
 pub use config::{
@@ -207,6 +209,8 @@ pub use config::{
 pub use error::{problem_json, PROBLEM_JSON};
 pub use future::ResponseFuture;
 pub use handle::LeaseHandle;
-pub use layer::{bearer_scope, IdempotencyLayer, ObserverFn, ScopeFn};
+pub use layer::{bearer_scope, IdempotencyLayer};
 pub use outcome::{IdempotencyInfo, KeepInFlight, Outcome};
-pub use service::{IdempotencyService, EXPIRES, REPLAYED};
+pub use response::{EXPIRES, REPLAYED};
+pub use service::IdempotencyService;
+pub use shared::{ObserverFn, ScopeFn};

@@ -61,20 +61,6 @@ impl Outcome {
             Outcome::Unguarded => "unguarded",
         }
     }
-
-    /// Where the outcome is in [`Outcome::ALL`] (declaration order).
-    pub(crate) const fn index(self) -> usize {
-        match self {
-            Outcome::Executed => 0,
-            Outcome::NotStored => 1,
-            Outcome::Replayed => 2,
-            Outcome::InFlight => 3,
-            Outcome::Mismatch => 4,
-            Outcome::Rejected => 5,
-            Outcome::StoreError => 6,
-            Outcome::Unguarded => 7,
-        }
-    }
 }
 
 impl fmt::Display for Outcome {
@@ -118,17 +104,4 @@ pub enum KeepInFlight {
     /// the key is left in flight rather than released (the layer releases it by default,
     /// since a handler's body that fails usually means the work failed).
     IfBodyBreaks,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Outcome;
-
-    /// The layer's metric keys are looked up by `index` in `ALL`.
-    #[test]
-    fn index_is_the_place_in_all() {
-        for (i, outcome) in Outcome::ALL.into_iter().enumerate() {
-            assert_eq!(outcome.index(), i, "{outcome}");
-        }
-    }
 }

@@ -1,0 +1,42 @@
+//! [`Shared`]: the state every service made by one layer shares, and how the layer reports
+//! what it did.
+
+use std::sync::Arc;
+
+use http::request::Parts;
+use idem_core::{Idem, Scope};
+
+use crate::config::Config;
+use crate::outcome::Outcome;
+
+/// Finds the scope of a request from its head (method, URI, headers, extensions).
+pub type ScopeFn = Arc<dyn Fn(&Parts) -> Option<Scope> + Send + Sync>;
+
+/// Told what the layer did with each guarded request.
+pub type ObserverFn = Arc<dyn Fn(Outcome) + Send + Sync>;
+
+/// What every service made by one layer shares.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) idem: Idem,
+    pub(crate) config: Config,
+    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) observer: Option<ObserverFn>,
+}
+
+impl Shared {
+    /// Reports what the layer did with a guarded request: to the observer, to the request's
+    /// span (`outcome`), and as the `idem_http_requests_total` counter.
+    pub(crate) fn observe(&self, outcome: Outcome) {
+        tracing::Span::current().record("outcome", outcome.as_str());
+        requests_total(outcome).increment(1);
+        if let Some(observer) = &self.observer {
+            observer(outcome);
+        }
+    }
+}
+
+/// The `idem_http_requests_total` counter of `outcome`.
+pub(crate) fn requests_total(outcome: Outcome) -> metrics::Counter {
+    metrics::counter!("idem_http_requests_total", "outcome" => outcome.as_str())
+}
