@@ -62,11 +62,12 @@
 //! ## Work outlives the connection
 //!
 //! Once the key is claimed, the handler and the storing of its response are work that
-//! outlives the response future: it runs in a task of its own, which the response future
-//! awaits. A client that disconnects (a timeout, a closed tab) drops the response future,
-//! not the work: the handler runs to its end, its response is stored, and the client's
-//! retry gets it replayed (or a 409 with a short `Retry-After` while it still runs, or the
-//! response itself with [`idem_core::Config::wait`]). Before the key is claimed (reading the key and the body)
+//! outlives the response future: the response future polls it in place, and should it be
+//! dropped first, the work moves to a task of its own. A client that disconnects (a
+//! timeout, a closed tab) drops the response future, not the work: the handler runs to its end, its
+//! response is stored, and the client's retry gets it replayed (or a 409 with a short
+//! `Retry-After` while it still runs, or the response itself with
+//! [`idem_core::Config::wait`]). Before the key is claimed (reading the key and the body)
 //! nothing is held, and a disconnect there leaves nothing behind.
 //!
 //! ## Scope and fingerprint

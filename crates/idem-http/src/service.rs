@@ -26,7 +26,7 @@ use tracing::Instrument;
 use crate::body::{Broken, Prefixed, RequestBody, ResponseBody};
 use crate::config::{Anonymous, MissingKey, Unstored};
 use crate::error::Problem;
-use crate::future::ResponseFuture;
+use crate::future::{Detach, ResponseFuture};
 use crate::handle::LeaseHandle;
 use crate::outcome::{IdempotencyInfo, KeepInFlight, Outcome};
 use crate::request::{fingerprint, read_body, read_key};
@@ -103,12 +103,13 @@ where
     }
 }
 
-/// One guarded request: [`admit`], then the rest in a task of its own.
+/// One guarded request: [`admit`], then [`claim`] as work that outlives this future.
 ///
 /// Once [`claim`] may have taken the key, the work must run to its end: a client that goes
-/// away (a timeout, a closed tab) drops the response future, and with it this future, but
-/// not the task, so the handler and the storing of its outcome still happen and a retry
-/// gets the stored response rather than a key held for nothing.
+/// away (a timeout, a closed tab) drops the response future, and with it this future, and
+/// [`Detach`] then moves the work to a task of its own, so the handler and the storing of
+/// its outcome still happen and a retry gets the stored response rather than a key held
+/// for nothing.
 async fn guarded<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     inner: S,
@@ -126,13 +127,7 @@ where
         Admission::Pass(req) => return pass(inner, req).await,
         Admission::Refuse(response) => return Ok(response),
     };
-    let work = tokio::spawn(claim(shared, inner, id, fingerprint, req).in_current_span());
-    match work.await {
-        Ok(out) => out,
-        // The task is never aborted, and a runtime shutting down drops this future with it:
-        // the task can only have panicked. The panic goes on here, as without the layer.
-        Err(e) => resume_unwind(e.into_panic()),
-    }
+    Detach::new(claim(shared, inner, id, fingerprint, req)).await
 }
 
 /// What admission decided.

@@ -353,6 +353,61 @@ async fn an_inner_service_error_releases_the_key() {
     assert_eq!(runs.get(), 2);
 }
 
+/// A bare tower service whose first `call` panics before it returns a future.
+#[derive(Clone)]
+struct PanicsInCallOnce(Runs);
+
+impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>>
+    for PanicsInCallOnce
+{
+    type Response = http::Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: http::Request<idem_http::RequestBody<Full<Bytes>>>) -> Self::Future {
+        if self.0.next() == 1 {
+            panic!("call panicked on purpose (expected in this test)");
+        }
+        std::future::ready(Ok(http::Response::new(Full::new(Bytes::from_static(
+            b"done",
+        )))))
+    }
+}
+
+#[tokio::test]
+async fn a_service_whose_call_panics_releases_the_key() {
+    use futures_util::FutureExt;
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    let runs = Runs::default();
+    let outcomes = Outcomes::default();
+    let mut svc = layer(MemoryStore::new(), Config::default(), &outcomes)
+        .layer(PanicsInCallOnce(runs.clone()));
+    let request = || {
+        http::Request::post("/x")
+            .header("idempotency-key", "call-panic-1")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+    let first = std::panic::AssertUnwindSafe(svc.call(request()))
+        .catch_unwind()
+        .await;
+    assert!(first.is_err(), "the panic was not resumed");
+    // Released before the panic went on: the retry runs the service, it does not get 409.
+    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+    let retry = svc.call(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    assert_eq!(runs.get(), 2);
+    assert_eq!(outcomes.count(Outcome::NotStored), 1);
+}
+
 #[tokio::test]
 async fn a_stored_response_whose_answer_was_lost_is_sent() {
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
