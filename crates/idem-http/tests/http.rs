@@ -301,6 +301,24 @@ async fn other_methods_pass_through_untouched() {
     assert_eq!(outcomes.0.lock().unwrap().len(), 0);
 }
 
+/// A guarded POST with `key`, for a bare service behind the layer.
+fn keyed_post(key: &'static str) -> http::Request<Full<Bytes>> {
+    http::Request::post("/x")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+/// Drives `svc` to readiness, then calls it with `req`.
+async fn ready_call<S, R>(svc: &mut S, req: R) -> S::Future
+where
+    S: tower_service::Service<R>,
+    S::Error: std::fmt::Debug,
+{
+    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+    svc.call(req)
+}
+
 /// A bare tower service whose first call fails with an error (not a response).
 #[derive(Clone)]
 struct FailsOnce(Runs);
@@ -326,29 +344,20 @@ impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> 
 #[tokio::test]
 async fn an_inner_service_error_releases_the_key() {
     use tower_layer::Layer;
-    use tower_service::Service;
 
     let runs = Runs::default();
     let outcomes = Outcomes::default();
     let mut svc =
         layer(MemoryStore::new(), Config::default(), &outcomes).layer(FailsOnce(runs.clone()));
-    let request = || {
-        http::Request::post("/x")
-            .header("idempotency-key", "err-1")
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap()
-    };
-    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+    let request = || keyed_post("err-1");
     assert_eq!(
-        svc.call(request()).await.unwrap_err(),
+        ready_call(&mut svc, request()).await.await.unwrap_err(),
         "inner service failed"
     );
-    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
-    let response = svc.call(request()).await.unwrap();
+    let response = ready_call(&mut svc, request()).await.await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     assert!(response.headers().get("idempotent-replayed").is_none());
-    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
-    let replay = svc.call(request()).await.unwrap();
+    let replay = ready_call(&mut svc, request()).await.await.unwrap();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(runs.get(), 2);
 }
@@ -382,26 +391,18 @@ impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>>
 async fn a_service_whose_call_panics_releases_the_key() {
     use futures_util::FutureExt;
     use tower_layer::Layer;
-    use tower_service::Service;
 
     let runs = Runs::default();
     let outcomes = Outcomes::default();
     let mut svc = layer(MemoryStore::new(), Config::default(), &outcomes)
         .layer(PanicsInCallOnce(runs.clone()));
-    let request = || {
-        http::Request::post("/x")
-            .header("idempotency-key", "call-panic-1")
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap()
-    };
-    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
-    let first = std::panic::AssertUnwindSafe(svc.call(request()))
+    let request = || keyed_post("call-panic-1");
+    let first = std::panic::AssertUnwindSafe(ready_call(&mut svc, request()).await)
         .catch_unwind()
         .await;
     assert!(first.is_err(), "the panic was not resumed");
     // Released before the panic went on: the retry runs the service, it does not get 409.
-    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
-    let retry = svc.call(request()).await.unwrap();
+    let retry = ready_call(&mut svc, request()).await.await.unwrap();
     assert_eq!(retry.status(), StatusCode::OK);
     assert!(retry.headers().get("idempotent-replayed").is_none());
     assert_eq!(runs.get(), 2);
