@@ -15,13 +15,13 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 /// `urn:idem:problem:<kind>`, with the kinds the crate docs list.
 #[derive(Debug, Clone)]
 pub(crate) struct Problem {
-    pub(crate) status: StatusCode,
-    pub(crate) kind: &'static str,
-    pub(crate) title: &'static str,
-    pub(crate) detail: String,
-    pub(crate) retry_after: Option<Duration>,
+    status: StatusCode,
+    kind: &'static str,
+    title: &'static str,
+    detail: String,
+    retry_after: Option<Duration>,
     /// The `WWW-Authenticate` challenge of a 401 (RFC 9110 section 11.6.1 requires one).
-    pub(crate) challenge: Option<HeaderValue>,
+    challenge: Option<HeaderValue>,
 }
 
 impl Problem {
@@ -189,7 +189,7 @@ pub fn problem_json(type_uri: &str, title: &str, status: StatusCode, detail: &st
 
 /// Whole seconds for `Retry-After`, rounded up and at least 1, so that a client never
 /// retries before the hint has passed.
-pub(crate) fn retry_after_secs(after: Duration) -> u64 {
+fn retry_after_secs(after: Duration) -> u64 {
     let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
     secs.max(1)
 }
