@@ -20,6 +20,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 mod ledger;
 mod ops;
 mod proxy;
+mod relay;
 mod serve;
 mod store;
 
@@ -42,7 +43,8 @@ struct Cli {
     #[command(subcommand)]
     command: Command,
     /// How log lines on stderr look: `text`, or `json` (one object a line, for a log
-    /// pipeline). Which lines: `RUST_LOG` (default `info` for `serve`, `warn` otherwise).
+    /// pipeline). Which lines: `RUST_LOG` (default `info` for `serve` and `proxy`, `relay
+    /// run`'s `--log` level, `warn` otherwise).
     #[arg(
         long,
         global = true,
@@ -102,10 +104,13 @@ enum Command {
     /// Create or update idem's tables in PostgreSQL (and the outbox's, on a tiered store):
     /// the only command that changes a schema.
     Migrate(StoreArg),
+    /// Relay the completions a tiered store committed in PostgreSQL (its outbox) into
+    /// Redis, and list or retry the rows that failed too often.
+    #[command(subcommand)]
+    Relay(relay::RelayCommand),
 }
 
-/// `idem` and `idem-relay` read the same variables: `IDEM_STORE`, `IDEM_PREFIX`,
-/// `IDEM_SCHEMA`, `IDEM_LOG_FORMAT`.
+/// The store every command opens: `IDEM_STORE`, `IDEM_PREFIX`, `IDEM_SCHEMA`.
 #[derive(Debug, Args)]
 struct StoreArg {
     /// The store: `memory` (this process only), `redis://[:PASSWORD@]HOST:PORT[/DB]`,
@@ -376,14 +381,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let default_level = match cli.command {
+    let default_level = match &cli.command {
         // sqlx reports every statement at info: its warnings are enough.
-        Command::Serve(_) | Command::Proxy(_) => "info,sqlx=warn",
-        _ => "warn",
+        Command::Serve(_) | Command::Proxy(_) => "info,sqlx=warn".to_owned(),
+        Command::Relay(relay::RelayCommand::Run(args)) => {
+            let level = args.log;
+            format!("{level},sqlx={}", level.min(tracing::Level::WARN))
+        }
+        _ => "warn".to_owned(),
     };
     // With --json, stderr holds JSON lines only: the logs as well as an error.
     let log_format = if cli.json { "json" } else { &cli.log_format };
-    init_logs(log_format, default_level);
+    init_logs(log_format, &default_level);
     let json = cli.json;
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
@@ -477,6 +486,7 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             let opened = open_shared(&args, store::SchemaMode::Leave).await?;
             ops::migrate(&opened, json).await
         }
+        Command::Relay(command) => relay::run(command, json).await,
     }
 }
 
@@ -534,30 +544,43 @@ fn refuse_memory(url: &StoreUrl) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM, and says so on stderr as `<who>: shutting down`.
-async fn shutdown_signal(who: &str) {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            // No Ctrl-C handler could be installed: wait for SIGTERM only.
-            std::future::pending::<()>().await;
-        }
-    };
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM, and says so on stderr as `<who>: shutting down`.
+/// The handlers are in place when this returns, before the future is first polled: a signal
+/// sent as soon as the process says it runs is not lost (it would kill the process).
+fn shutdown_signal(who: &'static str) -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
+    let signals = {
+        use tokio::signal::unix::{signal, SignalKind};
+        [
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ]
     };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
+    async move {
+        #[cfg(unix)]
+        {
+            // A handler that could not be installed never resolves: the other one stops us.
+            let [interrupt, terminate] = signals.map(|signal| async move {
+                match signal {
+                    Ok(mut signal) => {
+                        signal.recv().await;
+                    }
+                    Err(_) => std::future::pending::<()>().await,
+                }
+            });
+            tokio::select! {
+                () = interrupt => {},
+                () = terminate => {},
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        let _ = writeln!(std::io::stderr(), "{who}: shutting down");
     }
-    let _ = writeln!(std::io::stderr(), "{who}: shutting down");
 }
 
 /// `--listen`: a socket address or a host name and port, with a hint for a bare port.

@@ -120,26 +120,91 @@ pub async fn open_with(url: &StoreUrl, options: &Options) -> Result<Opened, CliE
             ready_schema(url, &pg, options, false).await?;
             Ok(Opened::Postgres(pg))
         }
-        StoreUrl::Tiered { redis, postgres } => {
-            let pg = match open_pg(postgres, options).await {
-                Ok(pg) => pg,
-                Err(e) => return Err(failure(url, postgres, e).await),
-            };
-            ready_schema(url, &pg, options, true).await?;
-            let opened = if options.without_redis {
-                open_redis_or_wait(redis, options, true).await
-            } else {
-                open_redis(redis, options, true).await
-            };
-            match opened {
-                Ok(redis) => Ok(Opened::Tiered(TieredStore::new(redis, pg))),
-                Err(e) => Err(failure(url, redis, e).await),
-            }
-        }
+        StoreUrl::Tiered { redis, postgres } => Ok(Opened::Tiered(
+            open_tiered(url, redis, postgres, options).await?,
+        )),
         other => Err(CliError::Unsupported(format!(
             "no store for {other} in this build"
         ))),
     }
+}
+
+/// Opens the tiered store `url`, whose halves are `redis` and `postgres`.
+async fn open_tiered(
+    url: &StoreUrl,
+    redis: &str,
+    postgres: &str,
+    options: &Options,
+) -> Result<TieredStore, CliError> {
+    let pg = match open_pg(postgres, options).await {
+        Ok(pg) => pg,
+        Err(e) => return Err(failure(url, postgres, e).await),
+    };
+    // Redis before the schema: a Redis URL it refuses is found before a migration writes
+    // anything.
+    let opened = if options.without_redis {
+        open_redis_or_wait(redis, options, true).await
+    } else {
+        open_redis(redis, options, true).await
+    };
+    let redis = match opened {
+        Ok(redis) => redis,
+        Err(e) => return Err(failure(url, redis, e).await),
+    };
+    ready_schema(url, &pg, options, true).await?;
+    Ok(TieredStore::new(redis, pg))
+}
+
+/// What the relay works on, for its errors.
+const RELAY_STORES: &str = "the relay works on a tiered store, --store \
+    tiered:REDIS_URL|POSTGRES_URL (`idem relay dead` takes its postgres:// URL too)";
+
+/// Opens the tiered store of `idem relay run`: started while its Redis is down, migrated
+/// first with `migrate`.
+///
+/// # Errors
+///
+/// As [`open_with`]; [`CliError::Usage`] for a store that is not tiered.
+pub async fn open_relay(
+    args: &crate::StoreArg,
+    migrate: bool,
+) -> Result<(StoreUrl, TieredStore), CliError> {
+    let url = parse(&args.store)?;
+    let Some((redis, postgres)) = url.tiered() else {
+        return Err(CliError::Usage(format!("--store {url}: {RELAY_STORES}")));
+    };
+    let schema_mode = if migrate {
+        SchemaMode::Migrate
+    } else {
+        SchemaMode::Require
+    };
+    let options = Options {
+        without_redis: true,
+        ..args.options(schema_mode)
+    };
+    let tiered = open_tiered(&url, redis, postgres, &options).await?;
+    Ok((url, tiered))
+}
+
+/// Opens the PostgreSQL store holding the outbox of `idem relay dead`: the PostgreSQL half
+/// of a tiered URL, or a `postgres://` URL, its idem and outbox migrations applied.
+///
+/// # Errors
+///
+/// As [`open_with`]; [`CliError::Usage`] for a store without an outbox.
+pub async fn open_outbox(args: &crate::StoreArg) -> Result<PgStore, CliError> {
+    let url = parse(&args.store)?;
+    let postgres = match &url {
+        StoreUrl::Tiered { postgres, .. } | StoreUrl::Postgres(postgres) => postgres,
+        _ => return Err(CliError::Usage(format!("--store {url}: {RELAY_STORES}"))),
+    };
+    let options = args.options(SchemaMode::Require);
+    let pg = match open_pg(postgres, &options).await {
+        Ok(pg) => pg,
+        Err(e) => return Err(failure(&url, postgres, e).await),
+    };
+    ready_schema(&url, &pg, &options, true).await?;
+    Ok(pg)
 }
 
 /// The builder of a Redis store. It warns that Redis persists nothing only for a store a
@@ -171,7 +236,8 @@ async fn open_redis_or_wait(
     if !answered && tiered {
         tracing::warn!(
             redis = %name,
-            "Redis unreachable at start: PostgreSQL answers alone until it returns"
+            "Redis unreachable at start: PostgreSQL answers alone, and completions wait in \
+             its outbox, until it returns"
         );
     } else if !answered {
         tracing::warn!(

@@ -1,6 +1,6 @@
 //! A seeded fault soak of the tiered store, checked from the database.
 //!
-//! Two `idem serve` processes and one `idem-relay run` share a `tiered:redis://..|postgres://..`
+//! Two `idem serve` processes and one `idem relay run` share a `tiered:redis://..|postgres://..`
 //! store on a throwaway Redis (no persistence) and a throwaway PostgreSQL. Clients pay under a
 //! few dozen keys (duplicates, concurrent retries, slow handlers, clients that give up, and
 //! now and then another body under a key already paid) while a seeded schedule of faults
@@ -14,11 +14,9 @@
 //!
 //! The seed comes from `IDEM_SOAK_SEED` (default 31) and the length of the fault phase from
 //! `IDEM_SOAK_SECS` (default 40 s, what CI runs); both are printed, with the schedule, so a
-//! failure can be replayed. The `idem-relay` run is the one next to `idem` in the target
-//! directory (`cargo test --workspace` builds it). A long run:
+//! failure can be replayed. A long run:
 //!
 //! ```sh
-//! cargo build -p idem-outbox --bin idem-relay
 //! IDEM_SOAK_SECS=300 IDEM_SOAK_SEED=7 cargo test -p idem-cli --test soak -- --nocapture
 //! ```
 
@@ -149,7 +147,7 @@ impl Fault {
     fn kind(&self) -> &'static str {
         match self {
             Self::KillServer { .. } => "kill -9 idem serve",
-            Self::KillRelay { .. } => "kill -9 idem-relay",
+            Self::KillRelay { .. } => "kill -9 idem relay",
             Self::FlushRedis => "Redis FLUSHALL",
             Self::StopRedis { .. } => "Redis SIGSTOP",
             Self::FlushAndStopRedis { .. } => "Redis FLUSHALL and SIGSTOP",
@@ -175,7 +173,7 @@ impl fmt::Display for Fault {
             Self::KillServer { server, down } => {
                 write!(f, "kill -9 idem serve #{server}, down {down:?}")
             }
-            Self::KillRelay { down } => write!(f, "kill -9 idem-relay, down {down:?}"),
+            Self::KillRelay { down } => write!(f, "kill -9 idem relay, down {down:?}"),
             Self::StopRedis { stalled } => write!(f, "Redis SIGSTOP for {stalled:?}"),
             Self::FlushAndStopRedis { stalled } => {
                 write!(f, "Redis FLUSHALL and SIGSTOP for {stalled:?}")
@@ -216,7 +214,7 @@ impl Schedule {
 // ---------------------------------------------------------------------------------------
 // The processes and servers of a run.
 
-/// One `idem serve` or `idem-relay run`, started again with the same command after a
+/// One `idem serve` or `idem relay run`, started again with the same command after a
 /// `kill -9`. Its standard error goes to `<dir>/<name>.log`, kept across restarts; its
 /// standard output to `<dir>/<name>.out`, anew at each start. Killed when dropped.
 #[derive(Debug)]
@@ -252,8 +250,6 @@ impl Process {
             .env_remove("IDEM_STORE")
             .env_remove("IDEM_PREFIX")
             .env_remove("IDEM_SCHEMA")
-            .env_remove("IDEM_DATABASE_URL")
-            .env_remove("IDEM_REDIS_URL")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(log)
@@ -409,14 +405,12 @@ impl Servers {
             bases.set(n, Some(process.url()));
             serve.push(process);
         }
-        let relay_bin = Path::new(IDEM).with_file_name("idem-relay");
-        assert!(
-            relay_bin.is_file(),
-            "{} is missing: build it with `cargo build -p idem-outbox --bin idem-relay` \
-             (`cargo test --workspace` does)",
-            relay_bin.display()
+        let mut relay = Process::new(
+            "relay",
+            Path::new(IDEM),
+            &["relay", "run", "--store", &store],
+            dir,
         );
-        let mut relay = Process::new("relay", &relay_bin, &["run", "--store", &store], dir);
         relay.start();
         Self {
             redis,

@@ -1,5 +1,5 @@
 //! Why a store's server cannot be reached, and what to do about it: the explanations the
-//! `idem` and `idem-relay` binaries give when opening a store fails (nothing listens, no
+//! `idem` binary gives when opening a store fails (nothing listens, no
 //! answer, another protocol on that port, TLS asked of a server without it).
 
 use std::io::{Read as _, Write as _};

@@ -1,7 +1,7 @@
 //! Spans and metrics for every store call, through the `tracing` and `metrics` facades.
 //!
-//! idem never installs a subscriber or a recorder: a binary picks them (the `idem` and
-//! `idem-relay` binaries install `tracing-subscriber` and a Prometheus exporter). With none
+//! idem never installs a subscriber or a recorder: a binary picks them (the `idem` binary
+//! installs `tracing-subscriber` and a Prometheus exporter). With none
 //! installed, both facades cost a few relaxed atomic loads per call.
 //!
 //! Every store call made through [`crate::Idem`] runs inside a `DEBUG` span named

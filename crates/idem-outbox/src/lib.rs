@@ -55,28 +55,27 @@
 //! [`Relay`] copies the committed completions of the outbox table into Redis. Run it as a
 //! worker, one or more per database (any number can run at once: each batch is claimed
 //! with `FOR UPDATE SKIP LOCKED`, so relays share the rows without waiting on each other),
-//! either as the `idem-relay` binary of this crate or in-process with [`Relay::run`].
+//! either as `idem relay run` (the `idem` binary, crate `idem-cli`) or in-process with
+//! [`Relay::run`].
 //!
 //! ```text
-//! idem-relay run --store 'tiered:redis://cache:6379|postgres://app@db/app' \
+//! idem relay run --store 'tiered:redis://cache:6379|postgres://app@db/app' \
 //!     [--schema idem] [--prefix idem:] [--batch 500] [--poll-ms 200] \
 //!     [--max-tries 10] [--backoff-ms 1000] [--backoff-cap-ms 60000] \
 //!     [--metrics-listen 127.0.0.1:9187] [--log info]
-//! idem-relay dead list [--json] [--limit 100] --store postgres://app@db/app
-//! idem-relay dead retry [--id N ...] --store postgres://app@db/app
+//! idem relay dead list [--json] [--limit 100] --store postgres://app@db/app
+//! idem relay dead retry [--id N ...] --store postgres://app@db/app
 //! ```
 //!
-//! The binary reads the variables the `idem` binary reads: `IDEM_STORE` for `--store`,
+//! `idem relay` reads the variables every `idem` command reads: `IDEM_STORE` for `--store`,
 //! `IDEM_PREFIX`, `IDEM_SCHEMA`, `IDEM_LOG_FORMAT`; the log level comes from
-//! `IDEM_RELAY_LOG`. The former `IDEM_DATABASE_URL` and `IDEM_REDIS_URL` (`--database-url`,
-//! `--redis-url`, `--redis-prefix`) still work, with a warning. `--prefix` must match the
-//! application's [`idem_redis::RedisConfig::prefix`]. Redis unreachable at start does not
-//! stop `run`: it logs so, keeps the rows pending and relays once Redis answers. `run
-//! --migrate` applies idem's and the outbox's migrations first (safe while other instances
-//! do the same); without it, a schema that lacks them stops `run` with a message naming
-//! `idem migrate`. Exit codes: 0
-//! on success and on a clean stop, 2 on bad input, 3 on a store or I/O error at start (once
-//! running, the worker logs errors and retries instead of exiting).
+//! `IDEM_RELAY_LOG`. `--prefix` must match the application's
+//! [`idem_redis::RedisConfig::prefix`]. Redis unreachable at start does not stop `run`: it
+//! logs so, keeps the rows pending and relays once Redis answers. `run --migrate` applies
+//! idem's and the outbox's migrations first (safe while other instances do the same);
+//! without it, a schema that lacks them stops `run` with a message naming `idem migrate`.
+//! Exit codes: 0 on success and on a clean stop, 2 on bad input, 3 on a store or I/O error
+//! at start (once running, the worker logs errors and retries instead of exiting).
 //!
 //! **What a batch does**, in one transaction: claim up to `batch` due rows (`NOT dead AND
 //! next_try_at <= now`, oldest first), delete unapplied those whose record has expired,
@@ -97,8 +96,8 @@
 //! as a body over the Redis store's limit under a refusing policy) is retried after
 //! `backoff * 2^tries` (at most the cap); after `--max-tries` failures it is marked dead,
 //! with its last error, and the relay logs it at `error` level. Dead rows stay in the
-//! table, out of the relay's way: `idem-relay dead list` shows them
-//! ([`Outbox::dead_entries`]), `idem-relay dead retry` makes all of them (or `--id N`)
+//! table, out of the relay's way: `idem relay dead list` shows them
+//! ([`Outbox::dead_entries`]), `idem relay dead retry` makes all of them (or `--id N`)
 //! pending again with their tries reset ([`Outbox::retry_dead`]). A dead row weakens no
 //! guarantee, it only delays the fast path for its key: PostgreSQL holds the completion, so
 //! retries of the key see it in flight while Redis still holds the completing lease, and
@@ -141,8 +140,8 @@ mod relay;
 mod statements;
 mod tiered;
 
-pub use metrics::RelayMetrics;
+pub use metrics::{Batch, RelayMetrics};
 pub use migrate::{migrate, migrator};
 pub use outbox::{DeadEntry, Gauges, Outbox};
-pub use relay::{Batch, Relay, RelayConfig};
+pub use relay::{Relay, RelayConfig};
 pub use tiered::{TieredStore, CHANNEL, STORE};

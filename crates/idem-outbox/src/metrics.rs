@@ -1,10 +1,29 @@
-//! The relay's metrics: counters of its own work and the outbox's gauges, as a snapshot
-//! ([`RelayMetrics`]) and through the `metrics` facade (`idem_relay_*`, labelled `schema`).
+//! The relay's metrics: what one batch did ([`Batch`]), counters of its own work and the
+//! outbox's gauges, as a snapshot ([`RelayMetrics`]) and through the `metrics` facade
+//! (`idem_relay_*`, labelled `schema`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::outbox::Gauges;
-use crate::relay::Batch;
+
+/// What one [`crate::Relay::relay_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Rows claimed.
+    pub claimed: usize,
+    /// Rows applied to Redis (written, or found already completed or held by a later
+    /// lease: nothing left to do) and deleted.
+    pub relayed: usize,
+    /// Of the relayed rows, those written into Redis (the others found the key completed
+    /// already, or held by a later lease).
+    pub written: usize,
+    /// Rows whose completed record had already expired: deleted without being applied.
+    pub expired: usize,
+    /// Rows whose application failed; their tries went up and they wait for a retry.
+    pub failed: usize,
+    /// Of the failed rows, those that reached the maximum tries and are now dead.
+    pub dead: usize,
+}
 
 /// A snapshot of a relay's metrics ([`crate::Relay::metrics`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

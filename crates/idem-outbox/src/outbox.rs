@@ -94,7 +94,7 @@ impl Outbox {
         })
     }
 
-    /// The dead rows, oldest first, at most `limit`: what `idem-relay dead list` prints.
+    /// The dead rows, oldest first, at most `limit`: what `idem relay dead list` prints.
     ///
     /// # Errors
     ///

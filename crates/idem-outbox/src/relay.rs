@@ -13,7 +13,7 @@ use sqlx::postgres::{PgListener, PgRow};
 use sqlx::Row;
 use tokio::time::{sleep, Instant};
 
-use crate::metrics::{Counters, RelayMetrics};
+use crate::metrics::{Batch, Counters, RelayMetrics};
 use crate::outbox::Outbox;
 use crate::statements::Statements;
 use crate::tiered::CHANNEL;
@@ -69,25 +69,6 @@ impl RelayConfig {
             .saturating_mul(factor)
             .min(self.backoff_cap)
     }
-}
-
-/// What one [`Relay::relay_batch`] did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Batch {
-    /// Rows claimed.
-    pub claimed: usize,
-    /// Rows applied to Redis (written, or found already completed or held by a later
-    /// lease: nothing left to do) and deleted.
-    pub relayed: usize,
-    /// Of the relayed rows, those written into Redis (the others found the key completed
-    /// already, or held by a later lease).
-    pub written: usize,
-    /// Rows whose completed record had already expired: deleted without being applied.
-    pub expired: usize,
-    /// Rows whose application failed; their tries went up and they wait for a retry.
-    pub failed: usize,
-    /// Of the failed rows, those that reached the maximum tries and are now dead.
-    pub dead: usize,
 }
 
 /// The relay worker: claims batches of outbox rows with `FOR UPDATE SKIP LOCKED`, applies
@@ -465,7 +446,7 @@ impl Relay {
                 );
                 if dead {
                     batch.dead += 1;
-                    tracing::error!(schema = self.pg.schema(), id, "idem relay: outbox row is dead after the maximum tries; see `idem-relay dead list`");
+                    tracing::error!(schema = self.pg.schema(), id, "idem relay: outbox row is dead after the maximum tries; see `idem relay dead list`");
                 }
             }
         }

@@ -1,16 +1,13 @@
-//! The relay worker against real PostgreSQL and Redis: a relay process killed with
-//! `kill -9` mid-stream, a Redis outage while completions keep committing, four relays at
-//! once, dead letters, clean shutdown, and the binary's metrics endpoint and SIGTERM.
+//! The relay worker against real PostgreSQL and Redis: a Redis outage while completions
+//! keep committing, four relays at once, dead letters, clean shutdown. `idem relay` (the
+//! binary's command) has its own tests in crates/idem-cli/tests/relay.rs.
 //!
 //! Needs `IDEM_TEST_DATABASE_URL` and `IDEM_TEST_REDIS_URL` (see `idem_testkit::harness`);
 //! the outage test starts its own `redis-server`. Every test works in a PostgreSQL schema of
 //! its own (`idem_t_<unix seconds>_<random>`, swept by the PostgreSQL tests after an hour)
 //! and a Redis key prefix of its own.
 
-mod support;
-
 mod relay {
-    use std::process::Stdio;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -23,8 +20,6 @@ mod relay {
     use idem_redis::testing::{self, RedisServer};
     use idem_redis::{RedisConfig, RedisStore};
     use idem_testkit::harness;
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-    use tokio::process::{Child, Command};
     use tokio::sync::watch;
     use tokio::time::{sleep, timeout, Instant};
 
@@ -40,9 +35,6 @@ mod relay {
         pg: PgStore,
         redis: RedisStore,
         tiered: TieredStore,
-        db_url: String,
-        redis_url: String,
-        prefix: String,
         scope: Scope,
     }
 
@@ -92,9 +84,6 @@ mod relay {
             tiered: TieredStore::new(redis.clone(), pg.clone()),
             pg,
             redis,
-            db_url,
-            redis_url,
-            prefix,
             scope: Scope::new(format!("relay-{}", uuid::Uuid::new_v4().simple())).expect("scope"),
         })
     }
@@ -199,21 +188,6 @@ mod relay {
             .execute(self.pg.pool())
             .await;
         }
-
-        /// `idem-relay run` on this environment, standard output piped.
-        fn spawn_relay_process(&self, extra: &[&str]) -> Child {
-            crate::support::relay_command()
-                .args(["run", "--migrate"])
-                .args(["--database-url", &self.db_url])
-                .args(["--schema", self.pg.schema()])
-                .args(["--redis-url", &self.redis_url])
-                .args(["--redis-prefix", &self.prefix])
-                .args(["--log", "warn"])
-                .args(extra)
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("start idem-relay")
-        }
     }
 
     fn fingerprint(i: usize) -> Fingerprint {
@@ -231,22 +205,6 @@ mod relay {
             .with_poll_interval(Duration::from_millis(50))
             .with_outage_backoff_cap(Duration::from_millis(500))
             .with_gauge_interval(Duration::from_millis(100))
-    }
-
-    async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-        timeout(PATIENCE, child.wait())
-            .await
-            .expect("idem-relay exits in time")
-            .expect("wait for idem-relay")
-    }
-
-    fn sigterm(child: &Child) {
-        let pid = child.id().expect("idem-relay still running");
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {pid}");
     }
 
     /// Polls `check` every `every` until it gives a value, which it returns; fails the test
@@ -315,43 +273,6 @@ mod relay {
     }
 
     // --- tests ---------------------------------------------------------------------------------
-
-    /// `kill -9` of a relay process while it drains a backlog in small batches, then a new
-    /// process: every committed completion reaches Redis, and the outbox empties.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn relay_process_killed_mid_stream_loses_nothing() {
-        const ROWS: usize = 1200;
-        let Some(env) = with_backlog(ROWS).await else {
-            return;
-        };
-        assert_eq!(env.outbox_rows().await, ROWS as i64);
-
-        let mut first = env.spawn_relay_process(&["--batch", "10", "--poll-ms", "50"]);
-        // Kill it once it has relayed a few batches, while most of the backlog is left.
-        let left = eventually("the relay started", Duration::from_millis(2), || async {
-            let left = env.outbox_rows().await;
-            (left <= (ROWS - 30) as i64).then_some(left)
-        })
-        .await;
-        first.start_kill().expect("kill -9 the relay");
-        let status = wait_exit(&mut first).await;
-        assert!(!status.success(), "killed, not exited: {status:?}");
-        let left_at_kill = env.outbox_rows().await;
-        assert!(
-            left_at_kill > 0,
-            "the relay finished before the kill ({left} left when it was sent): nothing was tested"
-        );
-
-        // A new process takes over and drains what is left, including any batch the dead one
-        // had claimed (its transaction died with its connection).
-        let mut second = env.spawn_relay_process(&["--batch", "100", "--poll-ms", "50"]);
-        env.wait_outbox_empty().await;
-        sigterm(&second);
-        assert!(wait_exit(&mut second).await.success());
-
-        env.assert_all_in_redis(0..ROWS).await;
-        env.drop_schema().await;
-    }
 
     /// Redis stopped while completions keep committing: they commit in PostgreSQL alone, the
     /// backlog grows and nothing goes dead; Redis back (empty), the relay drains the backlog
@@ -449,8 +370,7 @@ mod relay {
     }
 
     /// A row that cannot be applied does not hold up the rest, goes dead after the maximum
-    /// tries with its error, is listed (by the API and by `idem-relay dead list`), and a retry
-    /// makes it pending again.
+    /// tries with its error, is listed, and a retry makes it pending again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_row_that_keeps_failing_goes_dead_and_can_be_retried() {
         let Some(env) = env(None).await else { return };
@@ -510,30 +430,14 @@ mod relay {
         let error = dead[0].last_error.as_deref().unwrap_or_default();
         assert!(error.contains("corrupt"), "last error: {error}");
 
-        // The binary lists it too.
-        let out = Command::new(env!("CARGO_BIN_EXE_idem-relay"))
-            .args(["dead", "list", "--json", "--database-url", &env.db_url])
-            .args(["--schema", env.pg.schema()])
-            .output()
-            .await
-            .expect("run idem-relay dead list");
-        assert!(out.status.success(), "{out:?}");
-        let line: serde_json::Value =
-            serde_json::from_slice(out.stdout.trim_ascii()).expect("one JSON line");
-        assert_eq!(line["id"], bad);
-        assert_eq!(line["tries"], 3);
-
-        // Retried by id through the binary: pending again, tries reset, claimed again.
-        let out = Command::new(env!("CARGO_BIN_EXE_idem-relay"))
-            .args(["dead", "retry", "--id", &bad.to_string()])
-            .args(["--database-url", &env.db_url, "--schema", env.pg.schema()])
-            .output()
-            .await
-            .expect("run idem-relay dead retry");
-        assert!(out.status.success(), "{out:?}");
-        assert!(
-            String::from_utf8_lossy(&out.stdout).starts_with("1 "),
-            "{out:?}"
+        // Retried by id: pending again, tries reset, claimed again.
+        assert_eq!(
+            relay
+                .outbox()
+                .retry_dead(Some(&[bad]))
+                .await
+                .expect("retry"),
+            1
         );
         assert!(relay
             .outbox()
@@ -543,15 +447,6 @@ mod relay {
             .is_empty());
         let again = relay.relay_batch().await.expect("batch");
         assert_eq!((again.claimed, again.failed, again.dead), (1, 1, 0));
-
-        // Bad input: exit code 2 and a message.
-        let out = Command::new(env!("CARGO_BIN_EXE_idem-relay"))
-            .args(["dead", "list", "--database-url", "mysql://nope"])
-            .output()
-            .await
-            .expect("run idem-relay");
-        assert_eq!(out.status.code(), Some(2), "{out:?}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("postgres://"));
         env.drop_schema().await;
     }
 
@@ -638,88 +533,6 @@ mod relay {
         assert_eq!(relay.metrics().relayed_total, ROWS as u64);
         assert_eq!(env.outbox_rows().await, 0);
         env.assert_all_in_redis(0..ROWS).await;
-        env.drop_schema().await;
-    }
-
-    /// The binary serves the metrics at `GET /metrics` and exits 0 on SIGTERM.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn binary_serves_metrics_and_exits_cleanly_on_sigterm() {
-        let Some(env) = env(None).await else { return };
-        env.commit_unpublished(7).await;
-        let mut child = env.spawn_relay_process(&["--metrics-listen", "127.0.0.1:0"]);
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let line = timeout(PATIENCE, lines.next_line())
-            .await
-            .expect("the metrics address in time")
-            .expect("read stdout")
-            .expect("a line");
-        let addr = line
-            .strip_prefix("idem-relay: metrics on http://")
-            .and_then(|rest| rest.strip_suffix("/metrics"))
-            .unwrap_or_else(|| panic!("unexpected line: {line}"))
-            .to_owned();
-
-        env.wait_outbox_empty().await;
-        env.assert_in_redis(7).await;
-
-        let get = |path: &'static str| {
-            let addr = addr.clone();
-            async move {
-                let mut stream = tokio::net::TcpStream::connect(&addr)
-                    .await
-                    .expect("connect to the metrics endpoint");
-                stream
-                    .write_all(
-                        format!("GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
-                            .as_bytes(),
-                    )
-                    .await
-                    .expect("send");
-                let mut response = String::new();
-                stream
-                    .read_to_string(&mut response)
-                    .await
-                    .expect("read the response");
-                response
-            }
-        };
-        // The counter is bumped after the commit that emptied the outbox: give it a moment.
-        let started = Instant::now();
-        let response = loop {
-            let response = get("/metrics").await;
-            let relayed = format!(
-                "idem_relay_relayed_total{{schema=\"{}\"}} 1",
-                env.pg.schema()
-            );
-            if response.contains(&relayed) || started.elapsed() > PATIENCE {
-                break response;
-            }
-            sleep(Duration::from_millis(50)).await;
-        };
-        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
-        assert!(response
-            .to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"));
-        let schema = env.pg.schema();
-        for (name, value) in [
-            ("idem_relay_relayed_total", "1"),
-            ("idem_relay_failed_total", "0"),
-            ("idem_relay_dead", "0"),
-            ("idem_relay_backlog", "0"),
-            ("idem_relay_lag_seconds", "0"),
-        ] {
-            let sample = format!("\n{name}{{schema=\"{schema}\"}} {value}\n");
-            assert!(
-                response.contains(&sample),
-                "missing {sample:?} in\n{response}"
-            );
-        }
-        assert!(get("/nope").await.starts_with("HTTP/1.1 404 "));
-
-        sigterm(&child);
-        let status = wait_exit(&mut child).await;
-        assert!(status.success(), "SIGTERM gives exit 0: {status:?}");
         env.drop_schema().await;
     }
 }

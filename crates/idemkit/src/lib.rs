@@ -11,7 +11,7 @@
 //! |---|---|---|
 //! | `redis` | `idemkit::redis` | `idem-redis`: Redis 7, standalone and Cluster, Lua scripts |
 //! | `postgres` | `idemkit::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
-//! | `outbox` | `idemkit::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay, as a library (the `idem-relay` binary's dependencies stay out) |
+//! | `outbox` | `idemkit::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay, as a library (`idem relay` runs it) |
 //! | `http` | `idemkit::http` | `idem-http`: the tower middleware |
 //! | `axum` | `idemkit::http` | `idem-http` with `LeaseHandle` as an axum extractor, for handlers that complete the record in their own transaction |
 //! | `consumer` | `idemkit::consumer` | `idem-consumer`: message consumers, broker-neutral |

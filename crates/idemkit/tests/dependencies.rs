@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-/// The crates of the `idem` and `idem-relay` binaries that no library feature may pull in.
+/// The crates of the `idem` binary that no library feature may pull in.
 const BINARY_ONLY: [&str; 4] = [
     "clap",
     "axum",

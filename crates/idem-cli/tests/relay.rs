@@ -1,0 +1,687 @@
+//! `idem relay` as an operator runs it, against real PostgreSQL and Redis: its errors (the
+//! same explanations as every `idem` command's), a start while Redis is down, a process
+//! killed with `kill -9` mid-stream, the dead-letter commands, the metrics endpoint and
+//! SIGTERM, a database it must not migrate, and TLS with certificate verification on.
+//!
+//! Needs `IDEM_TEST_DATABASE_URL` and `IDEM_TEST_REDIS_URL` (see `idem_testkit::harness`);
+//! some tests start their own `redis-server`. Every test works in a PostgreSQL schema of its
+//! own and a Redis key prefix of its own. The relay worker's own behaviour (outages, several
+//! relays, shutdown mid-batch) is tested in crates/idem-outbox/tests/relay.rs.
+
+mod relay {
+    use std::process::Stdio;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use idem_core::{
+        Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, RecordState,
+        Response, Scope, Store,
+    };
+    use idem_redis::testing::{self, RedisServer};
+    use idem_testkit::harness;
+    use idemkit::outbox::TieredStore;
+    use idemkit::postgres::PgStore;
+    use idemkit::redis::RedisStore;
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::process::{Child, Command};
+    use tokio::time::{sleep, timeout, Instant};
+
+    const BIN: &str = env!("CARGO_BIN_EXE_idem");
+    /// The longest any test waits: generous for a loaded 2-core machine; nothing here
+    /// asserts speed.
+    const PATIENCE: Duration = Duration::from_secs(30);
+    const KEEP: Duration = Duration::from_secs(600);
+
+    // --- harness -------------------------------------------------------------------------------
+
+    /// `idem relay <args>` as the tests start it: without the `IDEM_*` variables (and
+    /// `RUST_LOG`) of the environment the tests run in, so only what the test passes counts;
+    /// with no input; killed when its handle is dropped, so a failing test leaves no relay
+    /// running.
+    fn relay(args: &[&str]) -> Command {
+        let mut cmd = Command::new(BIN);
+        for var in [
+            "IDEM_STORE",
+            "IDEM_SCHEMA",
+            "IDEM_PREFIX",
+            "IDEM_LOG_FORMAT",
+            "IDEM_RELAY_LOG",
+            "RUST_LOG",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.arg("relay").args(args);
+        cmd.stdin(Stdio::null()).kill_on_drop(true);
+        cmd
+    }
+
+    /// `idem relay <args>` run to its end: its exit code, stdout and stderr.
+    async fn relay_output(args: &[&str]) -> (Option<i32>, String, String) {
+        let out = timeout(PATIENCE, relay(args).output())
+            .await
+            .expect("idem relay ends in time")
+            .expect("idem relay runs");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// A PostgreSQL store on `db_url` in a schema of its own, with idem's and the outbox's
+    /// tables.
+    async fn migrated(db_url: &str) -> PgStore {
+        let pool = PgStore::pool_options()
+            .max_connections(10)
+            .connect(db_url)
+            .await
+            .expect("connect to IDEM_TEST_DATABASE_URL");
+        let pg = PgStore::new(pool)
+            .with_schema(&harness::unique_name("idem_t_"))
+            .expect("a valid schema name");
+        idemkit::outbox::migrate(&pg).await.expect("migrate");
+        pg
+    }
+
+    async fn drop_schema(pg: &PgStore) {
+        let _ = sqlx::query(&format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            pg.quoted_schema()
+        ))
+        .execute(pg.pool())
+        .await;
+    }
+
+    async fn outbox_rows(pg: &PgStore) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {}.outbox",
+            pg.quoted_schema()
+        ))
+        .fetch_one(pg.pool())
+        .await
+        .expect("count outbox rows")
+    }
+
+    fn tiered_url(redis: &str, pg: &str) -> String {
+        format!("tiered:{redis}|{pg}")
+    }
+
+    fn completion(i: usize) -> Completion {
+        Completion::succeeded(Response::new(201, format!("payment {i}")))
+    }
+
+    /// Key `i` of `scope`.
+    fn id(scope: &Scope, i: usize) -> RecordId {
+        RecordId::new(scope.clone(), Key::new(format!("k{i}")).expect("key"))
+    }
+
+    /// Commits key `i`'s completion through `tiered` in a business transaction and does not
+    /// publish it: the relay is the only way it reaches Redis.
+    async fn commit_unpublished(tiered: &TieredStore, scope: &Scope, i: usize) {
+        let id = id(scope, i);
+        let req = BeginRequest {
+            id: &id,
+            fingerprint: Fingerprint::of_bytes(format!("request {i}").as_bytes()),
+            token: FencingToken::random(),
+            lease: Duration::from_secs(60),
+            retention: KEEP,
+        };
+        let Begin::Acquired(lease) = tiered.begin(req).await.expect("begin") else {
+            panic!("key {i}: a fresh key")
+        };
+        let mut tx = tiered.pg().pool().begin().await.expect("transaction");
+        tiered
+            .complete_in(&mut tx, &lease, &completion(i), KEEP)
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+    }
+
+    /// Asserts that `redis` holds key `i` completed with its own completion.
+    async fn assert_in_redis(redis: &RedisStore, scope: &Scope, i: usize) {
+        match redis.get(&id(scope, i)).await.expect("Redis get") {
+            Some(record) => match record.state {
+                RecordState::Completed(c) => assert_eq!(c, completion(i), "key {i}"),
+                other => panic!("key {i} is not completed in Redis: {other:?}"),
+            },
+            None => panic!("key {i} is not in Redis"),
+        }
+    }
+
+    /// A tiered store on the harness's servers, in a schema, Redis prefix and scope of its
+    /// own.
+    struct Env {
+        tiered: TieredStore,
+        /// Its `tiered:` URL.
+        store: String,
+        prefix: String,
+        scope: Scope,
+    }
+
+    /// `None` when a backend is missing and not required.
+    async fn env() -> Option<Env> {
+        let db_url = harness::database_url()?;
+        let redis_url = harness::redis_url()?;
+        let pg = migrated(&db_url).await;
+        let prefix = format!("idem-relay-cli-{}:", uuid::Uuid::new_v4().simple());
+        let redis = RedisStore::builder(&redis_url)
+            .with_prefix(prefix.clone())
+            .connect()
+            .await
+            .expect("connect to Redis");
+        Some(Env {
+            tiered: TieredStore::new(redis, pg),
+            store: tiered_url(&redis_url, &db_url),
+            prefix,
+            scope: Scope::new(format!("relay-{}", uuid::Uuid::new_v4().simple())).unwrap(),
+        })
+    }
+
+    impl Env {
+        /// `idem relay run` on this store, standard output piped.
+        fn spawn_run(&self, extra: &[&str]) -> Child {
+            relay(&["run", "--store", &self.store, "--prefix", &self.prefix])
+                .args(["--schema", self.tiered.pg().schema(), "--log", "warn"])
+                .args(extra)
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("start idem relay run")
+        }
+    }
+
+    async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+        timeout(PATIENCE, child.wait())
+            .await
+            .expect("idem relay exits in time")
+            .expect("wait for idem relay")
+    }
+
+    fn sigterm(child: &Child) {
+        let pid = child.id().expect("idem relay still running");
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {pid}");
+    }
+
+    /// Polls `check` every `every` until it gives a value, which it returns; fails the test
+    /// with `what` (what never happened) after [`PATIENCE`].
+    async fn eventually<T, F>(what: &str, every: Duration, mut check: impl FnMut() -> F) -> T
+    where
+        F: std::future::Future<Output = Option<T>>,
+    {
+        let started = Instant::now();
+        loop {
+            if let Some(value) = check().await {
+                return value;
+            }
+            assert!(started.elapsed() < PATIENCE, "{what} within {PATIENCE:?}");
+            sleep(every).await;
+        }
+    }
+
+    /// The address of the metrics endpoint, from the first line `idem relay run
+    /// --metrics-listen` prints; what it wrote on stderr when it printed none.
+    async fn metrics_address(child: &mut Child) -> Result<String, String> {
+        let stdout = child.stdout.take().expect("stdout");
+        let line = timeout(PATIENCE, BufReader::new(stdout).lines().next_line())
+            .await
+            .expect("the metrics address in time")
+            .expect("read stdout")
+            .unwrap_or_default();
+        line.strip_prefix("idem relay: metrics on http://")
+            .and_then(|rest| rest.strip_suffix("/metrics"))
+            .map(str::to_owned)
+            .ok_or(line)
+    }
+
+    /// `GET path` on `addr`: the whole response.
+    async fn get(addr: &str, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .expect("connect to the metrics endpoint");
+        stream
+            .write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .expect("send");
+        let mut response = String::new();
+        stream
+            .read_to_string(&mut response)
+            .await
+            .expect("read the response");
+        response
+    }
+
+    // --- tests ---------------------------------------------------------------------------------
+
+    #[tokio::test]
+    async fn errors_say_what_to_write() {
+        let (code, _, err) = relay_output(&["run", "--metrics-listen", "9187"]).await;
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("--metrics-listen 127.0.0.1:9187"), "{err}");
+
+        // No store: `dead` needs only PostgreSQL, and the error says so.
+        let (code, _, err) = relay_output(&["dead", "list"]).await;
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("postgres:// URL"), "{err}");
+        assert!(err.contains("tiered:REDIS_URL|POSTGRES_URL"), "{err}");
+
+        // `run` needs both halves.
+        let (code, _, err) =
+            relay_output(&["run", "--store", "postgres://app:hunter2@127.0.0.1:1/x"]).await;
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("tiered:REDIS_URL|POSTGRES_URL"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+
+        let (code, _, err) = relay_output(&[
+            "run",
+            "--store",
+            "tiered:redis://127.0.0.1:1|postgres://a@127.0.0.1:1/x",
+            "--backoff-ms",
+            "100",
+            "--backoff-cap-ms",
+            "10",
+        ])
+        .await;
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("--backoff-cap-ms (10)"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn names_the_protocol_found_at_the_port() {
+        if !testing::available() {
+            return;
+        }
+        let redis = RedisServer::start().expect("start redis-server");
+        let port = redis.url().rsplit(':').next().unwrap().to_owned();
+        let url = format!("postgres://postgres:hunter2@127.0.0.1:{port}/test");
+        let (code, _, err) = relay_output(&["dead", "list", "--store", &url]).await;
+        assert_eq!(code, Some(3), "{err}");
+        assert!(
+            err.contains("speaks Redis and this URL expects PostgreSQL"),
+            "{err}"
+        );
+        assert!(err.contains("use redis://"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn starts_while_redis_is_down_and_relays_once_it_returns() {
+        let Some(db_url) = harness::database_url() else {
+            return;
+        };
+        if !testing::available() {
+            return;
+        }
+        let mut server = RedisServer::start().expect("start redis-server");
+        let redis_url = server.url();
+        let prefix = format!("idem-relay-start-{}:", uuid::Uuid::new_v4().simple());
+        let pg = migrated(&db_url).await;
+        server.stop();
+
+        let mut relay = relay(&["run"])
+            .env("IDEM_STORE", tiered_url(&redis_url, &db_url))
+            .env("IDEM_PREFIX", &prefix)
+            .env("IDEM_SCHEMA", pg.schema())
+            .args(["--poll-ms", "50", "--backoff-ms", "50", "--log", "info"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start idem relay");
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        {
+            let lines = lines.clone();
+            let mut stderr = BufReader::new(relay.stderr.take().unwrap()).lines();
+            tokio::spawn(async move {
+                while let Ok(Some(line)) = stderr.next_line().await {
+                    lines.lock().unwrap().push(line);
+                }
+            });
+        }
+        let logged = |text: &'static str| {
+            let lines = lines.clone();
+            async move {
+                let what = format!("idem relay logging {text:?}");
+                eventually(&what, Duration::from_millis(50), || async {
+                    let lines = lines.lock().unwrap();
+                    lines.iter().any(|l| l.contains(text)).then_some(())
+                })
+                .await
+            }
+        };
+        logged("Redis unreachable at start").await;
+        logged("idem relay started").await;
+        assert!(
+            relay.try_wait().unwrap().is_none(),
+            "{:#?}",
+            lines.lock().unwrap()
+        );
+
+        // A completion committed while Redis is down: PostgreSQL alone takes it, and its
+        // outbox row waits for the relay.
+        let redis = RedisStore::builder(&redis_url)
+            .with_prefix(prefix.clone())
+            .connect_lazy()
+            .unwrap();
+        let tiered = TieredStore::new(redis.clone(), pg.clone());
+        let scope = Scope::global();
+        commit_unpublished(&tiered, &scope, 0).await;
+
+        // Redis returns: the relay says so and writes the completion into it.
+        server.start_again().expect("restart redis-server");
+        eventually(
+            "the completion in Redis",
+            Duration::from_millis(100),
+            || async { redis.get(&id(&scope, 0)).await.ok().flatten() },
+        )
+        .await;
+        assert_in_redis(&redis, &scope, 0).await;
+        logged("Redis reachable").await;
+        assert!(relay.try_wait().unwrap().is_none(), "the relay stopped");
+
+        sigterm(&relay);
+        assert!(wait_exit(&mut relay).await.success());
+        assert!(
+            lines
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("idem relay: shutting down")),
+            "{:#?}",
+            lines.lock().unwrap()
+        );
+        drop_schema(&pg).await;
+    }
+
+    /// `kill -9` of a relay process while it drains a backlog in small batches, then a new
+    /// process: every committed completion reaches Redis, and the outbox empties.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn killed_mid_stream_loses_nothing() {
+        const ROWS: usize = 1200;
+        let Some(env) = env().await else {
+            return;
+        };
+        let (tiered, scope) = (Arc::new(env.tiered.clone()), env.scope.clone());
+        let writers: Vec<_> = (0..8)
+            .map(|t| {
+                let (tiered, scope) = (tiered.clone(), scope.clone());
+                tokio::spawn(async move {
+                    for i in (0..ROWS).skip(t).step_by(8) {
+                        commit_unpublished(&tiered, &scope, i).await;
+                    }
+                })
+            })
+            .collect();
+        for writer in writers {
+            writer.await.expect("writer task");
+        }
+        let pg = tiered.pg();
+        assert_eq!(outbox_rows(pg).await, ROWS as i64);
+
+        let mut first = env.spawn_run(&["--batch", "10", "--poll-ms", "50"]);
+        // Kill it once it has relayed a few batches, while most of the backlog is left.
+        let left = eventually("the relay started", Duration::from_millis(2), || async {
+            let left = outbox_rows(pg).await;
+            (left <= (ROWS - 30) as i64).then_some(left)
+        })
+        .await;
+        first.start_kill().expect("kill -9 the relay");
+        let status = wait_exit(&mut first).await;
+        assert!(!status.success(), "killed, not exited: {status:?}");
+        let left_at_kill = outbox_rows(pg).await;
+        assert!(
+            left_at_kill > 0,
+            "the relay finished before the kill ({left} left when it was sent): nothing was tested"
+        );
+
+        // A new process takes over and drains what is left, including any batch the dead one
+        // had claimed (its transaction died with its connection).
+        let mut second = env.spawn_run(&["--batch", "100", "--poll-ms", "50"]);
+        eventually("the outbox empty", Duration::from_millis(50), || async {
+            (outbox_rows(pg).await == 0).then_some(())
+        })
+        .await;
+        sigterm(&second);
+        assert!(wait_exit(&mut second).await.success());
+
+        for i in 0..ROWS {
+            assert_in_redis(tiered.redis(), &scope, i).await;
+        }
+        drop_schema(pg).await;
+    }
+
+    /// `dead list` (text and JSON) and `dead retry --id` on a dead row, with the store from
+    /// `IDEM_STORE` and `IDEM_SCHEMA` as every `idem` command reads them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dead_letters_are_listed_and_retried() {
+        let Some(db_url) = harness::database_url() else {
+            return;
+        };
+        let pg = migrated(&db_url).await;
+        let schema = pg.schema().to_owned();
+        let dead_list = |args: &'static [&'static str]| {
+            let (db_url, schema) = (db_url.clone(), schema.clone());
+            async move {
+                let out = relay(&["dead"])
+                    .args(args)
+                    .env("IDEM_STORE", &db_url)
+                    .env("IDEM_SCHEMA", &schema)
+                    .output()
+                    .await
+                    .expect("idem relay dead runs");
+                (
+                    out.status.code(),
+                    String::from_utf8_lossy(&out.stdout).into_owned(),
+                    String::from_utf8_lossy(&out.stderr).into_owned(),
+                )
+            }
+        };
+        let (code, out, err) = dead_list(&["list"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        assert!(
+            out.contains(&format!("no dead outbox rows in schema {schema}")),
+            "{out}"
+        );
+
+        let id: i64 = sqlx::query_scalar(&format!(
+            "INSERT INTO {}.outbox \
+             (scope, key, fingerprint, token, attempt, meta, body, expires_at, tries, dead, \
+              last_error) \
+             VALUES ('', 'broken', $1, $2, 1, '\\xff'::bytea, '', now() + interval '1 hour', \
+              3, true, 'corrupt record') RETURNING id",
+            pg.quoted_schema()
+        ))
+        .bind(vec![0u8; 32])
+        .bind(uuid::Uuid::new_v4())
+        .fetch_one(pg.pool())
+        .await
+        .expect("insert a dead row");
+
+        let (code, out, err) = dead_list(&["list"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        assert!(out.contains("/broken: corrupt record"), "{out}");
+        let (code, out, err) = dead_list(&["list", "--json"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        let line: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON line");
+        assert_eq!(
+            (line["id"].as_i64(), line["tries"].as_i64()),
+            (Some(id), Some(3))
+        );
+        assert_eq!(line["key"], "broken");
+
+        // Retried by id, the store given by flag: pending again, tries reset.
+        let (code, out, err) = relay_output(&[
+            "dead",
+            "retry",
+            "--id",
+            &id.to_string(),
+            "--store",
+            &tiered_url("redis://127.0.0.1:1", &db_url),
+            "--schema",
+            &schema,
+        ])
+        .await;
+        assert_eq!(code, Some(0), "{err}");
+        assert!(
+            out.starts_with("1 dead outbox rows made pending again"),
+            "{out}"
+        );
+        let (dead, tries): (bool, i32) = sqlx::query_as(&format!(
+            "SELECT dead, tries FROM {}.outbox WHERE id = $1",
+            pg.quoted_schema()
+        ))
+        .bind(id)
+        .fetch_one(pg.pool())
+        .await
+        .expect("the row");
+        assert_eq!((dead, tries), (false, 0));
+        drop_schema(&pg).await;
+    }
+
+    /// `--metrics-listen` serves the relay's metrics at `GET /metrics`; SIGTERM exits 0.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serves_metrics_and_exits_cleanly_on_sigterm() {
+        let Some(env) = env().await else { return };
+        let (tiered, scope) = (&env.tiered, &env.scope);
+        commit_unpublished(tiered, scope, 7).await;
+        let mut child = env.spawn_run(&["--metrics-listen", "127.0.0.1:0"]);
+        let addr = metrics_address(&mut child)
+            .await
+            .unwrap_or_else(|line| panic!("unexpected line: {line}"));
+        let schema = tiered.pg().schema();
+        // The counter is bumped after the commit that emptied the outbox: give it a moment.
+        let relayed = format!("idem_relay_relayed_total{{schema=\"{schema}\"}} 1");
+        let response = eventually("the row relayed", Duration::from_millis(50), || async {
+            let response = get(&addr, "/metrics").await;
+            response.contains(&relayed).then_some(response)
+        })
+        .await;
+        assert_in_redis(tiered.redis(), scope, 7).await;
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        assert!(response
+            .to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"));
+        for (name, value) in [
+            ("idem_relay_failed_total", "0"),
+            ("idem_relay_dead", "0"),
+            ("idem_relay_backlog", "0"),
+            ("idem_relay_lag_seconds", "0"),
+        ] {
+            let sample = format!("\n{name}{{schema=\"{schema}\"}} {value}\n");
+            assert!(
+                response.contains(&sample),
+                "missing {sample:?} in\n{response}"
+            );
+        }
+        assert!(get(&addr, "/nope").await.starts_with("HTTP/1.1 404 "));
+
+        sigterm(&child);
+        let status = wait_exit(&mut child).await;
+        assert!(status.success(), "SIGTERM gives exit 0: {status:?}");
+        drop_schema(tiered.pg()).await;
+    }
+
+    /// Without `--migrate`, `idem relay run` on a database lacking idem's tables stops, says
+    /// to run `idem migrate`, and creates nothing: only `idem migrate` and explicit flags
+    /// change a schema.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn run_without_migrate_changes_no_schema() {
+        let Some(db_url) = harness::database_url() else {
+            return;
+        };
+        let schema = harness::unique_name("idem_relay_nomig_");
+        // No Redis listens on port 1: the relay would start without it, so only the schema
+        // check can stop it.
+        let store = tiered_url("redis://127.0.0.1:1", &db_url);
+        let (code, _, err) = relay_output(&["run", "--store", &store, "--schema", &schema]).await;
+        assert_eq!(code, Some(3), "{err}");
+        assert!(err.contains("run `idem migrate"), "{err}");
+        let pool = sqlx::PgPool::connect(&db_url).await.unwrap();
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                .bind(&schema)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert!(
+            !exists,
+            "idem relay run created schema {schema} without --migrate"
+        );
+    }
+
+    /// Over TLS with certificate verification on: a `redis-server` with a `--tls-port` and a
+    /// PostgreSQL with `ssl=on` that the test starts, with certificates it makes. The relay
+    /// connects to both, migrates, serves its metrics (read from PostgreSQL) and stops
+    /// cleanly; trusting another authority, it refuses to start.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_over_tls() {
+        use idem_testkit::postgres::{self as pg, PgServer};
+        use idem_testkit::tls::Pki;
+
+        if !testing::available() || !pg::available() {
+            return;
+        }
+        let pki = Pki::new();
+        let ca = pki.path("ca.pem");
+        let (_redis, tls_port) =
+            RedisServer::start_tls_with(&pki).expect("start redis-server with TLS");
+        let postgres = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
+        let store = |redis_ca: &str, pg_ca: &str| {
+            tiered_url(
+                &format!("rediss://localhost:{tls_port}/?tls_ca_file={redis_ca}"),
+                &format!(
+                    "postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={pg_ca}",
+                    postgres.port()
+                ),
+            )
+        };
+        let start = |store: String| {
+            relay(&["run", "--migrate", "--store", &store])
+                .args(["--metrics-listen", "127.0.0.1:0", "--log", "warn"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start idem relay")
+        };
+
+        let mut child = start(store(&ca, &ca));
+        let addr = match metrics_address(&mut child).await {
+            Ok(addr) => addr,
+            Err(line) => {
+                let out = child.wait_with_output().await.expect("relay output");
+                panic!(
+                    "idem relay did not start over TLS ({line:?}): {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        };
+        // The gauges come from PostgreSQL at every scrape: over TLS.
+        let response = get(&addr, "/metrics").await;
+        assert!(response.starts_with("HTTP/1.1 200 "), "{response}");
+        assert!(
+            response.contains("\nidem_relay_backlog{schema=\"idem\"} 0\n"),
+            "{response}"
+        );
+        sigterm(&child);
+        assert!(wait_exit(&mut child).await.success());
+
+        // Trusting another authority, for either store: the relay refuses to start (3).
+        let other = pki.path("other-ca.pem");
+        for store in [store(&ca, &other), store(&other, &ca)] {
+            let out = timeout(PATIENCE, start(store).wait_with_output())
+                .await
+                .expect("exits in time")
+                .expect("output");
+            assert_eq!(
+                out.status.code(),
+                Some(3),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
