@@ -11,11 +11,11 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use idem_core::url::StoreUrl;
 use idem_core::{Completion, Error, Store};
 use idem_http::LeaseHandle;
 use idemkit::outbox::TieredStore;
 use idemkit::postgres::{map_error, PgStore};
+use idemkit::url::StoreUrl;
 use serde::Serialize;
 use sqlx::PgPool;
 

@@ -24,7 +24,7 @@ mod relay;
 mod serve;
 mod store;
 
-use idem_core::url::StoreUrl;
+use idemkit::url::StoreUrl;
 
 /// The exit codes, as `--help` and the README list them.
 const EXIT_CODES: &str = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, \
@@ -585,7 +585,45 @@ fn shutdown_signal(who: &'static str) -> impl std::future::Future<Output = ()> {
 
 /// `--listen`: a socket address or a host name and port, with a hint for a bare port.
 fn parse_listen(text: &str) -> Result<SocketAddr, String> {
-    idem_core::reach::listen_address("--listen", text)
+    listen_address("--listen", text)
+}
+
+/// Reads the address of a binary's listening flag (`--listen`, `--metrics-listen`):
+/// `IP:PORT`, `[IPv6]:PORT`, or `HOST:PORT` with a host name, resolved now to its first
+/// address (`localhost:8080`). The error says what to write, with `flag` in its example:
+/// a bare port is not taken, since which interface to open is worth writing down.
+///
+/// # Errors
+///
+/// A message for the user when `text` is none of those, or its host name does not resolve.
+fn listen_address(flag: &str, text: &str) -> Result<SocketAddr, String> {
+    let text = text.trim();
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    if text.parse::<u16>().is_ok() {
+        return Err(format!(
+            "HOST:PORT expected, e.g. {flag} 127.0.0.1:{text} (this machine only) or \
+             0.0.0.0:{text} (every interface)"
+        ));
+    }
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Err(format!(
+            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
+        ));
+    };
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(format!(
+            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
+        ));
+    }
+    match std::net::ToSocketAddrs::to_socket_addrs(text).map(|mut addrs| addrs.next()) {
+        Ok(Some(addr)) => Ok(addr),
+        Ok(None) | Err(_) => Err(format!(
+            "the host name {host:?} does not resolve: write an IP address, e.g. {flag} \
+             127.0.0.1:{port}"
+        )),
+    }
 }
 
 /// `--timeout`: seconds, fractions allowed, above zero.
@@ -643,7 +681,12 @@ mod tests {
             "{err}"
         );
         assert!(parse_listen("localhost").unwrap_err().contains("HOST:PORT"));
-        assert_eq!(parse_listen("localhost:8080").unwrap().port(), 8080);
+        let local = parse_listen("localhost:8080").unwrap();
+        assert!(local.ip().is_loopback() && local.port() == 8080, "{local}");
+        let err = listen_address("--metrics-listen", "9187").unwrap_err();
+        assert!(err.contains("--metrics-listen 127.0.0.1:9187"), "{err}");
+        let err = parse_listen("no-such-host.invalid:80").unwrap_err();
+        assert!(err.contains("does not resolve"), "{err}");
     }
 
     #[tokio::test]

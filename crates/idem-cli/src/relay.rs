@@ -82,7 +82,7 @@ pub enum DeadCommand {
 /// `--metrics-listen`: a socket address or a host name and port, with a hint for a bare
 /// port.
 fn parse_metrics_listen(text: &str) -> Result<SocketAddr, String> {
-    idem_core::reach::listen_address("--metrics-listen", text)
+    crate::listen_address("--metrics-listen", text)
 }
 
 /// Runs an `idem relay` command.

@@ -8,11 +8,11 @@
 
 use std::sync::Arc;
 
-use idem_core::url::StoreUrl;
 use idem_core::{Error, MemoryStore, Store};
 use idemkit::outbox::TieredStore;
 use idemkit::postgres::PgStore;
 use idemkit::redis::{RedisStore, RedisStoreBuilder};
+use idemkit::url::StoreUrl;
 
 use crate::CliError;
 
@@ -229,7 +229,7 @@ async fn open_redis_or_wait(
     options: &Options,
     tiered: bool,
 ) -> Result<RedisStore, Error> {
-    let name = idem_core::url::redact(url);
+    let name = idemkit::url::redact(url);
     let (redis, answered) = redis_builder(url, options, tiered)
         .connect_or_wait(&name)
         .await?;
@@ -329,7 +329,7 @@ async fn failure(url: &StoreUrl, half: &str, e: Error) -> CliError {
     if matches!(e, Error::Invalid(_)) {
         return plain_failure(url, e);
     }
-    match idem_core::reach::explain(half, &e).await {
+    match idemkit::reach::explain(half, &e).await {
         Some(hint) => CliError::Open(format!("cannot open store {url}: {hint}")),
         None => plain_failure(url, e),
     }

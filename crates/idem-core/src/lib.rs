@@ -80,12 +80,10 @@ mod fingerprint;
 mod key;
 mod memory;
 pub mod orphan;
-pub mod reach;
 mod record;
 mod store;
 pub mod telemetry;
 pub mod transition;
-pub mod url;
 pub mod watch;
 
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -535,11 +535,12 @@ fn cluster_nodes(rest: &str, tls: bool) -> Result<Vec<String>, Error> {
         CLUSTER_SCHEME
     };
     let node_scheme = if tls { "rediss://" } else { "redis://" };
+    // The hosts only: the user and password stay out of the message.
+    let shown = rest.rsplit_once('@').map_or(rest, |(_, hosts)| hosts);
     let invalid = |why: &str| {
         Error::Invalid(format!(
-            "redis cluster url {}: {why}; expected \
-             {scheme}[user:password@]host:port[,host:port...]",
-            idem_core::url::redact(&format!("{scheme}{rest}"))
+            "redis cluster url {scheme}{shown}: {why}; expected \
+             {scheme}[user:password@]host:port[,host:port...]"
         ))
     };
     let rest = rest.strip_suffix('/').unwrap_or(rest);

@@ -51,10 +51,13 @@ pub use idem_postgres as postgres;
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;
 
+pub mod reach;
+pub mod url;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::url::StoreUrl;
+use crate::url::StoreUrl;
 
 /// Settings of [`connect_with`]. Every field has a documented default and a `with_*`
 /// setter: `ConnectOptions::default().with_purge_interval(Some(Duration::from_secs(10)))`.
@@ -233,7 +236,7 @@ async fn redis_or_wait(
     url: &str,
     tiered: bool,
 ) -> Result<idem_redis::RedisStore, Error> {
-    let name = idem_core::url::redact(url);
+    let name = crate::url::redact(url);
     let (store, answered) = builder.connect_or_wait(&name).await?;
     if !answered {
         let meanwhile = if tiered {

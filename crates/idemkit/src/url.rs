@@ -1,21 +1,22 @@
-//! Store URLs: [`StoreUrl`] names a backend (parsed once, for the facade's `connect`, the
-//! `idem` binary, the relay and the bench), and its `Display` never shows a password.
+//! Store URLs: [`StoreUrl`] names a backend (parsed once, for [`crate::connect`], the `idem`
+//! binary and the bench), and its `Display` never shows a password. A new backend adds its
+//! scheme here, in the facade: the core names no backend.
 
 use std::fmt;
 
-use crate::error::Error;
+use idem_core::Error;
 
 /// A store URL: which backend, and its connection URL(s). Parsing checks the scheme only;
 /// each backend checks the rest when it connects. `Display` hides passwords.
 ///
 /// ```
-/// use idem_core::url::StoreUrl;
+/// use idemkit::url::StoreUrl;
 ///
 /// let url = StoreUrl::parse("tiered:redis://:secret@cache:6379|postgres://app@db/app")?;
 /// assert_eq!(url.to_string(), "tiered:redis://:***@cache:6379|postgres://app@db/app");
 /// assert_eq!(url.tiered(), Some(("redis://:secret@cache:6379", "postgres://app@db/app")));
 /// assert!(StoreUrl::parse("mysql://db").is_err());
-/// # Ok::<(), idem_core::Error>(())
+/// # Ok::<(), idemkit::Error>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]

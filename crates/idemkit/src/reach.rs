@@ -1,12 +1,12 @@
 //! Why a store's server cannot be reached, and what to do about it: the explanations the
-//! `idem` binary gives when opening a store fails (nothing listens, no
-//! answer, another protocol on that port, TLS asked of a server without it).
+//! `idem` binary gives when opening a store fails (nothing listens, no answer, another
+//! protocol on that port, TLS asked of a server without it).
 
 use std::io::{Read as _, Write as _};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-use crate::Error;
+use idem_core::Error;
 
 /// What is wrong with reaching `url`'s server after opening a store failed with `e`, said
 /// with its fix: found by looking at the error's causes and, when they say nothing clear, at
@@ -59,44 +59,6 @@ pub async fn explain(url: &str, e: &Error) -> Option<String> {
             expected.name()
         )),
         Reach::Speaks(_) | Reach::Unknown => None,
-    }
-}
-
-/// Reads the address of a binary's listening flag (`--listen`, `--metrics-listen`):
-/// `IP:PORT`, `[IPv6]:PORT`, or `HOST:PORT` with a host name, resolved now to its first
-/// address (`localhost:8080`). The error says what to write, with `flag` in its example:
-/// a bare port is not taken, since which interface to open is worth writing down.
-///
-/// # Errors
-///
-/// A message for the user when `text` is none of those, or its host name does not resolve.
-pub fn listen_address(flag: &str, text: &str) -> Result<std::net::SocketAddr, String> {
-    let text = text.trim();
-    if let Ok(addr) = text.parse() {
-        return Ok(addr);
-    }
-    if text.parse::<u16>().is_ok() {
-        return Err(format!(
-            "HOST:PORT expected, e.g. {flag} 127.0.0.1:{text} (this machine only) or \
-             0.0.0.0:{text} (every interface)"
-        ));
-    }
-    let Some((host, port)) = text.rsplit_once(':') else {
-        return Err(format!(
-            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
-        ));
-    };
-    if host.is_empty() || port.parse::<u16>().is_err() {
-        return Err(format!(
-            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
-        ));
-    }
-    match text.to_socket_addrs().map(|mut addrs| addrs.next()) {
-        Ok(Some(addr)) => Ok(addr),
-        Ok(None) | Err(_) => Err(format!(
-            "the host name {host:?} does not resolve: write an IP address, e.g. {flag} \
-             127.0.0.1:{port}"
-        )),
     }
 }
 
@@ -232,22 +194,6 @@ fn host_port(url: &str) -> Option<(String, u16)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn listen_addresses_take_ips_and_host_names_and_say_what_to_write() {
-        assert_eq!(
-            listen_address("--listen", "127.0.0.1:0"),
-            Ok("127.0.0.1:0".parse().unwrap())
-        );
-        let local = listen_address("--listen", "localhost:8080").unwrap();
-        assert!(local.ip().is_loopback() && local.port() == 8080, "{local}");
-        let err = listen_address("--metrics-listen", "9187").unwrap_err();
-        assert!(err.contains("--metrics-listen 127.0.0.1:9187"), "{err}");
-        let err = listen_address("--listen", "localhost").unwrap_err();
-        assert!(err.contains("HOST:PORT"), "{err}");
-        let err = listen_address("--listen", "no-such-host.invalid:80").unwrap_err();
-        assert!(err.contains("does not resolve"), "{err}");
-    }
 
     #[test]
     fn hosts_and_ports_of_urls() {
