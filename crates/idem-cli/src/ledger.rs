@@ -45,7 +45,7 @@ pub struct Backend {
 
 impl Backend {
     /// The ledger that goes with the store `url` named, opened (and migrated) by
-    /// [`crate::store::open_with`]; on PostgreSQL, creates `idem_demo.payments` if it is missing.
+    /// [`idemkit::open`]; on PostgreSQL, creates `idem_demo.payments` if it is missing.
     ///
     /// # Errors
     ///
@@ -55,7 +55,8 @@ impl Backend {
         let records = match opened {
             Opened::Postgres(pg) => Records::Pg(pg),
             Opened::Tiered(tiered) => Records::Tiered(tiered),
-            Opened::Memory(_) | Opened::Redis(_) => {
+            // The memory and Redis stores: the payments live in this process.
+            _ => {
                 return Ok(Self {
                     store,
                     ledger: Ledger::Memory(Mutex::default()),

@@ -150,16 +150,8 @@ impl StoreArg {
         CliError,
     > {
         let url = store::parse(&self.store)?;
-        let schema_mode = if migrate {
-            store::SchemaMode::Migrate
-        } else {
-            store::SchemaMode::Require
-        };
-        let options = store::Options {
-            without_redis: true,
-            ..self.options(schema_mode)
-        };
-        let opened = store::open_with(&url, &options).await?;
+        let schema_mode = store::SchemaMode::migrate_if(migrate);
+        let opened = store::open(&url, self, schema_mode, true).await?;
         // Expired records are deleted in the background; Redis expires its own, the memory
         // store sweeps as it writes.
         let purge =
@@ -170,15 +162,6 @@ impl StoreArg {
                 _ => None,
             };
         Ok((url, opened, purge))
-    }
-
-    fn options(&self, schema_mode: store::SchemaMode) -> store::Options {
-        store::Options {
-            prefix: self.prefix.clone(),
-            schema: self.schema.clone(),
-            schema_mode,
-            without_redis: false,
-        }
     }
 }
 
@@ -518,7 +501,7 @@ async fn open_shared(
 ) -> Result<store::Opened, CliError> {
     let url = store::parse(&args.store)?;
     refuse_memory(&url)?;
-    store::open_with(&url, &args.options(schema_mode)).await
+    store::open(&url, args, schema_mode, false).await
 }
 
 /// Opens the store of `inspect` or `evict`, without migrating, refusing the memory store.

@@ -588,7 +588,7 @@ pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
             }));
         }
     };
-    let pending = crate::store::pending(pg, outbox).await?;
+    let pending = opened.pending_migrations().await?;
     if outbox {
         idemkit::outbox::migrate(pg).await?;
     } else {

@@ -51,8 +51,11 @@ pub use idem_postgres as postgres;
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;
 
+mod open;
 pub mod reach;
 pub mod url;
+
+pub use open::{open, OpenError, OpenErrorKind, Opened, SchemaMode};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,12 +80,24 @@ pub struct ConnectOptions {
     pub purge_interval: Option<Duration>,
     /// The capacity of the memory store (`memory`). Default: [`MemoryCapacity::default`].
     pub memory_capacity: MemoryCapacity,
-    /// Whether opening a PostgreSQL or tiered store applies idem's migrations (creating its
-    /// schema and tables, which needs the right to create them; safe from many instances
-    /// at once). `false`: nothing is created, and a database whose idem tables are missing
-    /// or older than this build is an error that says to migrate first (`idem migrate`, or
-    /// `PgStore::migrate`). Default: `true`.
-    pub migrate: bool,
+    /// What opening a PostgreSQL or tiered store does with idem's schema: apply the
+    /// migrations ([`SchemaMode::Migrate`], creating its schema and tables, which needs the
+    /// right to create them; safe from many instances at once), only check them
+    /// ([`SchemaMode::Require`]: a database whose idem tables are missing or older than
+    /// this build is an error that says to migrate first), or neither. Default:
+    /// [`SchemaMode::Migrate`].
+    pub schema_mode: SchemaMode,
+    /// The Redis key prefix of the records. Default: `None`, the store's (`idem:`).
+    pub prefix: Option<String>,
+    /// The PostgreSQL schema of idem's tables. Default: `None`, `idem`.
+    pub schema: Option<String>,
+    /// Whether a Redis out of reach at start (nothing listens, no answer) is waited for
+    /// instead of failing: the store is built, logs so in one line, and its calls answer
+    /// [`Error::Unavailable`] until Redis answers (on a tiered store PostgreSQL answers
+    /// alone meanwhile), so a service restarted during an outage does not crash-loop. Such
+    /// a Redis, alone, is also checked for persistence (a warning). `false`: an
+    /// unreachable Redis is an error (an operator's command). Default: `true`.
+    pub wait_for_redis: bool,
 }
 
 impl Default for ConnectOptions {
@@ -90,8 +105,18 @@ impl Default for ConnectOptions {
         Self {
             purge_interval: Some(Duration::from_secs(60)),
             memory_capacity: MemoryCapacity::default(),
-            migrate: true,
+            schema_mode: SchemaMode::Migrate,
+            prefix: None,
+            schema: None,
+            wait_for_redis: true,
         }
+    }
+}
+
+impl ConnectOptions {
+    /// [`SchemaMode::Migrate`] when `migrate`, else [`SchemaMode::Require`].
+    pub fn with_migrate(self, migrate: bool) -> Self {
+        self.with_schema_mode(SchemaMode::migrate_if(migrate))
     }
 }
 
@@ -106,7 +131,7 @@ impl Default for ConnectOptions {
 /// | `tiered:<redis URL>\|<postgres URL>` | the tiered store: Redis first, PostgreSQL the arbiter (migrated on connect) | `outbox` |
 ///
 /// with the default [`ConnectOptions`]: PostgreSQL is migrated (idem's schema and tables
-/// are created or updated; [`ConnectOptions::migrate`] `false` only checks them), and
+/// are created or updated; [`SchemaMode::Require`] only checks them), and
 /// expired records of PostgreSQL and of the memory store are purged in the background
 /// every 60 s while the store is in use.
 ///
@@ -126,8 +151,8 @@ impl Default for ConnectOptions {
 ///
 /// [`Error::Invalid`] for a URL no compiled-in backend takes (naming the cargo feature to
 /// turn on); the backend's own errors ([`Error::Unavailable`] when its server cannot be
-/// reached); with [`ConnectOptions::migrate`] off, [`Error::Invalid`] when idem's tables
-/// are missing or outdated.
+/// reached); with [`SchemaMode::Require`], [`Error::Invalid`] when idem's tables are
+/// missing or outdated. [`open`] tells the same failures with their explanation.
 pub async fn connect(url: &str) -> Result<Arc<dyn Store>, Error> {
     connect_url(&StoreUrl::parse(url)?).await
 }
@@ -173,84 +198,24 @@ pub async fn connect_url_with(
     url: &StoreUrl,
     options: &ConnectOptions,
 ) -> Result<Arc<dyn Store>, Error> {
-    let purge = options.purge_interval;
-    match url {
-        StoreUrl::Memory => {
-            let store = Arc::new(MemoryStore::new().with_capacity(options.memory_capacity));
-            if let Some(every) = purge {
-                sweep_while_used(&store, every);
-            }
-            Ok(store)
+    let opened = open(url, options).await.map_err(OpenError::into_source)?;
+    let store = opened.store();
+    if let Some(every) = options.purge_interval {
+        match &opened {
+            Opened::Memory(memory) => sweep_while_used(memory, every),
+            #[cfg(feature = "postgres")]
+            Opened::Postgres(pg) => purge_while_used(&store, pg, every),
+            #[cfg(feature = "outbox")]
+            Opened::Tiered(tiered) => purge_while_used(&store, tiered.pg(), every),
+            #[allow(unreachable_patterns)]
+            _ => {}
         }
-        #[cfg(feature = "redis")]
-        StoreUrl::Redis(url) => Ok(Arc::new(
-            redis_or_wait(idem_redis::RedisStore::builder(url), url, false).await?,
-        )),
-        #[cfg(feature = "postgres")]
-        StoreUrl::Postgres(url) => {
-            let store = idem_postgres::PgStore::connect(url).await?;
-            if options.migrate {
-                store.migrate().await?;
-            } else {
-                require_migrated(&store, store.pending_migrations().await?)?;
-            }
-            let store = Arc::new(store);
-            if let Some(every) = purge {
-                purge_while_used(&store, &store, every);
-            }
-            Ok(store)
-        }
-        #[cfg(feature = "outbox")]
-        StoreUrl::Tiered { redis, postgres } => {
-            // PostgreSQL is the arbiter: a Redis that persists nothing loses no record.
-            let builder = idem_redis::RedisStore::builder(redis).with_persistence_check(false);
-            let redis = redis_or_wait(builder, redis, true).await?;
-            let pg = idem_postgres::PgStore::connect(postgres).await?;
-            if options.migrate {
-                idem_outbox::migrate(&pg).await?;
-            } else {
-                let mut pending = pg.pending_migrations().await?;
-                pending.extend(pg.pending_migrations_with(idem_outbox::migrator()).await?);
-                require_migrated(&pg, pending)?;
-            }
-            let store = Arc::new(idem_outbox::TieredStore::new(redis, pg.clone()));
-            if let Some(every) = purge {
-                purge_while_used(&store, &pg, every);
-            }
-            Ok(store)
-        }
-        #[allow(unreachable_patterns)]
-        other => Err(not_compiled_in(other)),
-    }
-}
-
-/// Connects to Redis; when it is out of reach (nothing listens, no answer), builds the store
-/// anyway and says so in one log line: a service started during a Redis outage starts,
-/// its calls answer [`Error::Unavailable`] (the middleware's 503) until Redis answers, and
-/// `Redis reachable` is logged then. A Redis that refuses us (a wrong password, a
-/// certificate from another authority) is an error. On a tiered store (`tiered`)
-/// PostgreSQL answers alone meanwhile.
-#[cfg(feature = "redis")]
-async fn redis_or_wait(
-    builder: idem_redis::RedisStoreBuilder,
-    url: &str,
-    tiered: bool,
-) -> Result<idem_redis::RedisStore, Error> {
-    let name = crate::url::redact(url);
-    let (store, answered) = builder.connect_or_wait(&name).await?;
-    if !answered {
-        let meanwhile = if tiered {
-            "PostgreSQL answers alone until it returns"
-        } else {
-            "calls fail as unavailable until it answers"
-        };
-        tracing::warn!(redis = %name, "Redis unreachable at start: {meanwhile}");
     }
     Ok(store)
 }
 
 /// The error for a URL whose backend this build leaves out: it names the cargo feature.
-fn not_compiled_in(url: &StoreUrl) -> Error {
+pub(crate) fn not_compiled_in(url: &StoreUrl) -> Error {
     let compiled = compiled_in().join(", ");
     let feature = match url {
         StoreUrl::Redis(_) => "redis",
@@ -266,20 +231,6 @@ fn not_compiled_in(url: &StoreUrl) -> Error {
         "no store for {url} in this build: turn on idemkit's `{feature}` feature \
          (idemkit = {{ version = \"0.1\", features = [\"{feature}\"] }}); compiled in: {compiled}"
     ))
-}
-
-/// Refuses a PostgreSQL schema with `pending` migrations, naming how to apply them.
-#[cfg(feature = "postgres")]
-fn require_migrated(pg: &idem_postgres::PgStore, pending: Vec<i64>) -> Result<(), Error> {
-    if pending.is_empty() {
-        return Ok(());
-    }
-    Err(Error::Invalid(format!(
-        "idem's tables in schema {:?} are missing or outdated (migrations {pending:?} not \
-         applied): run `idem migrate --store <url>`, call `PgStore::migrate`, or connect \
-         with `ConnectOptions::default().with_migrate(true)`",
-        pg.schema()
-    )))
 }
 
 /// Sweeps the memory store's expired records every `every`, until the store is dropped.
