@@ -8,8 +8,8 @@ mod redis {
     use std::time::Duration;
 
     use idem_core::{Begin, Config, Fingerprint, Idem, Key, RecordId, Response, Scope};
-    use idem_redis::testing::{self, RedisServer};
     use idem_redis::RedisStore;
+    use idem_testkit::redis::{self as testing, RedisServer};
     use tokio::time::Instant;
 
     const KEYS: usize = 20;

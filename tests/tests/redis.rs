@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::Store;
-use idem_redis::testing;
 use idem_redis::{RedisStore, RedisStoreBuilder};
+use idem_testkit::redis as testing;
 
 /// A key prefix of its own for every store, so tests share a server without meeting.
 fn prefix() -> String {
@@ -59,7 +59,7 @@ async fn unreachable_cluster() -> Arc<dyn Store> {
 /// A store on the cluster `cluster` starts on first use, with `scripting`; `None` when its
 /// servers are missing.
 async fn cluster_store(
-    cluster: fn() -> Option<&'static idem_redis::testing::RedisCluster>,
+    cluster: fn() -> Option<&'static idem_testkit::redis::RedisCluster>,
     scripting: idem_redis::Scripting,
 ) -> Option<Arc<dyn Store>> {
     let url = tokio::task::spawn_blocking(move || cluster().map(|c| c.url()))
@@ -108,7 +108,7 @@ mod redis_cluster {
     //! A 3-primary Redis Cluster started by this test binary.
     use std::sync::OnceLock;
 
-    use idem_redis::testing::RedisCluster;
+    use idem_testkit::redis::RedisCluster;
 
     use super::*;
 
@@ -147,8 +147,8 @@ mod valkey {
     //! One Valkey server, started by this test binary: every transition a plain command.
     use std::sync::OnceLock;
 
-    use idem_redis::testing::{valkey, RedisServer};
     use idem_redis::Scripting;
+    use idem_testkit::{redis::RedisServer, valkey};
 
     use super::*;
 
@@ -229,7 +229,7 @@ mod valkey_noscripts {
     //! managed services configure it: the store's default `Scripting::Auto` sends none.
     use std::sync::OnceLock;
 
-    use idem_redis::testing::{valkey, RedisServer};
+    use idem_testkit::{redis::RedisServer, valkey};
 
     use super::*;
 
@@ -283,8 +283,8 @@ mod valkey_cluster {
     //! A 3-primary Valkey cluster started by this test binary.
     use std::sync::OnceLock;
 
-    use idem_redis::testing::{valkey, RedisCluster};
     use idem_redis::Scripting;
+    use idem_testkit::{redis::RedisCluster, valkey};
 
     use super::*;
 

@@ -17,10 +17,10 @@ mod tiered {
     };
     use idem_outbox::TieredStore;
     use idem_postgres::PgStore;
-    use idem_redis::testing::throwaway;
     use idem_redis::RedisStore;
     use idem_testkit::harness;
     use idem_testkit::postgres as pg;
+    use idem_testkit::redis::throwaway;
     use idem_tests::{create_work_table, id, insert_work, runs};
     use sqlx::{PgConnection, PgPool};
     use tokio::time::{sleep, timeout};
@@ -537,7 +537,7 @@ mod tiered {
     }
 
     /// The pid of a throwaway server, as it reports it.
-    fn redis_pid(server: &idem_redis::testing::RedisServer) -> String {
+    fn redis_pid(server: &idem_testkit::redis::RedisServer) -> String {
         let info = server.cli(&["info", "server"]).expect("INFO server");
         info.lines()
             .find_map(|l| l.strip_prefix("process_id:"))
@@ -713,9 +713,9 @@ mod tiered_cluster {
 
     use idem_core::Store;
     use idem_outbox::TieredStore;
-    use idem_redis::testing::{self, RedisCluster};
     use idem_redis::RedisStore;
     use idem_testkit::postgres as pg;
+    use idem_testkit::redis::{self as testing, RedisCluster};
 
     /// One cluster for the whole test binary (its servers stop when this process exits).
     fn cluster() -> Option<&'static RedisCluster> {

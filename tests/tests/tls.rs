@@ -9,9 +9,9 @@ mod tls {
 
     use idem_core::{Begin, Fingerprint, Idem, Key, RecordId, Response, Scope, Store};
     use idem_postgres::PgStore;
-    use idem_redis::testing::{self, RedisServer};
     use idem_redis::RedisStore;
     use idem_testkit::postgres::{self as pg, PgServer};
+    use idem_testkit::redis::{self as testing, RedisServer};
     use idem_testkit::tls::Pki;
 
     /// A fresh key runs once and its retry replays: the store works end to end.

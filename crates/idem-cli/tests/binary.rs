@@ -739,7 +739,7 @@ mod redis_cluster {
     //! Against a 3-primary Redis Cluster this test starts (`redis-server` and `redis-cli`
     //! from `PATH`), through a `redis+cluster://` URL.
 
-    use idem_redis::testing::{self, RedisCluster};
+    use idem_testkit::redis::{self as testing, RedisCluster};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
@@ -794,7 +794,7 @@ mod tiered {
     /// payments on PostgreSQL alone, and says when Redis answers again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_starts_while_redis_is_down() {
-        use idem_redis::testing::{self, RedisServer};
+        use idem_testkit::redis::{self as testing, RedisServer};
 
         let Some(postgres) = idem_testkit::harness::database_url() else {
             return;
@@ -864,8 +864,8 @@ mod tls {
     //! it makes, reached through `rediss://...?tls_ca_file=` and
     //! `postgres://...?sslmode=verify-full&sslrootcert=`.
 
-    use idem_redis::testing::{self, RedisServer};
     use idem_testkit::postgres::{self as pg, PgServer};
+    use idem_testkit::redis::{self as testing, RedisServer};
     use idem_testkit::tls::Pki;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -969,7 +969,7 @@ mod redis_persistence {
     //! append-only file: only the first is warned about at start, and not when it is the
     //! Redis of a tiered store.
 
-    use idem_redis::testing::{self, RedisServer};
+    use idem_testkit::redis::{self as testing, RedisServer};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_warns_when_redis_persists_nothing() {
@@ -1061,7 +1061,7 @@ mod memory {
 mod redis_password {
     //! A Redis that refuses the password: that refusal is the one thing said.
 
-    use idem_redis::testing::{self, RedisServer};
+    use idem_testkit::redis::{self as testing, RedisServer};
 
     #[test]
     fn a_wrong_password_is_said_without_a_maxmemory_warning_first() {
@@ -1093,7 +1093,7 @@ mod redis_outage {
     //! answers 503 (fail closed: no payment runs unguarded), says so in one log line, and
     //! takes payments as soon as Redis answers.
 
-    use idem_redis::testing::{self, RedisServer};
+    use idem_testkit::redis::{self as testing, RedisServer};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_starts_while_redis_is_down_and_answers_503_until_it_returns() {
@@ -1150,8 +1150,8 @@ mod redis_keyspace {
 
     use std::time::Instant;
 
-    use idem_redis::testing::{self, RedisServer};
     use idem_redis::RedisStore;
+    use idem_testkit::redis::{self as testing, RedisServer};
 
     use super::records;
 

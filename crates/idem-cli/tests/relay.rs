@@ -17,8 +17,8 @@ mod relay {
         Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, RecordState,
         Response, Scope, Store,
     };
-    use idem_redis::testing::{self, RedisServer};
     use idem_testkit::harness;
+    use idem_testkit::redis::{self as testing, RedisServer};
     use idemkit::outbox::TieredStore;
     use idemkit::postgres::PgStore;
     use idemkit::redis::RedisStore;

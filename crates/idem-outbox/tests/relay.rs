@@ -17,9 +17,9 @@ mod relay {
     };
     use idem_outbox::{Relay, RelayConfig, TieredStore};
     use idem_postgres::PgStore;
-    use idem_redis::testing::{self, RedisServer};
     use idem_redis::{RedisConfig, RedisStore};
     use idem_testkit::harness;
+    use idem_testkit::redis::{self as testing, RedisServer};
     use tokio::sync::watch;
     use tokio::time::{sleep, timeout, Instant};
 

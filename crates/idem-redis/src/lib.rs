@@ -205,7 +205,7 @@
 //!
 //! ## Testing
 //!
-//! With the `testing` feature, the `testing` module starts throwaway `redis-server` and
+//! `idem_testkit::redis` and `idem_testkit::valkey` start throwaway `redis-server` and
 //! `valkey-server` processes (one server, a replica, a cluster) for tests. The conformance
 //! suite of `idem-testkit` runs against Redis 7.0 and Valkey 9.1, each as one server and a
 //! 3-primary cluster, in the workspace's `tests` package.
@@ -220,11 +220,11 @@ mod error;
 mod key;
 mod notify;
 mod reach;
+#[doc(hidden)]
+pub mod resend;
 mod scripts;
 mod stats;
 mod store;
-#[cfg(feature = "testing")]
-pub mod testing;
 mod transitions;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};

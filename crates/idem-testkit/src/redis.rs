@@ -1,7 +1,7 @@
 //! Throwaway Redis servers: a standalone server, a replica, a Redis Cluster of several
 //! primaries, each on free loopback ports with its own temporary directory, run from the
-//! `redis-server` and `redis-cli` binaries on `PATH`. `idem-redis` re-exports them in its
-//! `testing` module; `idem-testenv` starts one for `scripts/test`.
+//! `redis-server` and `redis-cli` binaries on `PATH`. Tests take them from here;
+//! `idem-testenv` starts one for `scripts/test`.
 //!
 //! Every server runs under a small `sh` watchdog that stops it when the test process exits,
 //! so servers held in a `static` (one cluster shared by a test binary) are torn down too;

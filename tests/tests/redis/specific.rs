@@ -9,8 +9,8 @@ use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
     RecordState, Response, Scope, Store,
 };
-use idem_redis::testing::{throwaway, RedisServer};
 use idem_redis::{EvictionCheck, EvictionPolicyError, OversizeBody, RedisStore, ReplicationError};
+use idem_testkit::redis::{throwaway, RedisServer};
 use tokio::time::Instant;
 
 use super::super::builder;
@@ -597,7 +597,7 @@ async fn resent_calls_count_once() {
 
 /// [`resent_calls_count_once`] on `store`.
 pub(crate) async fn resent_calls_on(store: &RedisStore) {
-    use idem_redis::testing::{complete_resent, release_resent};
+    use idem_redis::resend::{complete_resent, release_resent};
     let id = new_id("kw");
     let lease = acquire(store, &id).await;
     let body = succeeded(200, "body");

@@ -10,7 +10,7 @@ use idem_redis::ReplicationError;
 use super::super::builder;
 use super::cluster;
 
-async fn cluster_store() -> Option<(idem_redis::RedisStore, &'static idem_redis::testing::RedisCluster)> {
+async fn cluster_store() -> Option<(idem_redis::RedisStore, &'static idem_testkit::redis::RedisCluster)> {
     let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster start")?;
     let store = builder(&cluster.url()).connect().await.expect("connect");
     Some((store, cluster))
@@ -90,9 +90,9 @@ async fn wait_without_replicas_fails_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_follows_a_moved_slot() {
     use idem_core::{Begin, Completion, Config, Idem, Response};
-    use idem_redis::testing::RedisCluster;
+    use idem_testkit::redis::RedisCluster;
 
-    if !idem_redis::testing::available() {
+    if !idem_testkit::redis::available() {
         return;
     }
     let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
@@ -125,7 +125,7 @@ async fn waiter_follows_a_moved_slot() {
         let nodes = on.nodes();
         let trim = |s: String| s.trim().to_owned();
         let slot = trim(nodes[0].cli(&["cluster", "keyslot", &moved]).unwrap());
-        let owns = |n: &idem_redis::testing::RedisServer| {
+        let owns = |n: &idem_testkit::redis::RedisServer| {
             trim(n.cli(&["cluster", "countkeysinslot", &slot]).unwrap()) == "1"
         };
         let from = nodes.iter().find(|n| owns(n)).expect("the record's primary");

@@ -1,16 +1,10 @@
-//! For tests (feature `testing`): throwaway Redis and Valkey servers (a standalone server, a
-//! replica, a cluster), which are `idem-testkit`'s, the one place the workspace starts test
-//! servers, re-exported here; and the store's calls as they are sent again after a dropped
-//! connection.
+//! For tests: the store's calls as it sends them again after a dropped connection, so that
+//! a test can check that a call sent twice counts once. Not part of the API. (Throwaway
+//! Redis and Valkey servers are `idem_testkit::redis`'s and `idem_testkit::valkey`'s.)
 
 use std::time::Duration;
 
 use idem_core::{Completion, Error, Lease};
-
-pub use idem_testkit::redis::{
-    available, binaries_available, throwaway, RedisCluster, RedisServer,
-};
-pub use idem_testkit::valkey;
 
 use crate::RedisStore;
 
