@@ -24,7 +24,7 @@ mod relay {
     use idemkit::redis::RedisStore;
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     use tokio::process::{Child, Command};
-    use tokio::time::{sleep, timeout, Instant};
+    use tokio::time::timeout;
 
     const BIN: &str = env!("CARGO_BIN_EXE_idem");
     /// The longest any test waits: generous for a loaded 2-core machine; nothing here
@@ -205,20 +205,12 @@ mod relay {
         assert!(status.success(), "kill -TERM {pid}");
     }
 
-    /// Polls `check` every `every` until it gives a value, which it returns; fails the test
-    /// with `what` (what never happened) after [`PATIENCE`].
-    async fn eventually<T, F>(what: &str, every: Duration, mut check: impl FnMut() -> F) -> T
+    /// [`harness::eventually`] within [`PATIENCE`].
+    async fn eventually<T, F>(what: &str, every: Duration, check: impl FnMut() -> F) -> T
     where
         F: std::future::Future<Output = Option<T>>,
     {
-        let started = Instant::now();
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(started.elapsed() < PATIENCE, "{what} within {PATIENCE:?}");
-            sleep(every).await;
-        }
+        harness::eventually(what, PATIENCE, every, check).await
     }
 
     /// The address of the metrics endpoint, from the first line `idem relay run

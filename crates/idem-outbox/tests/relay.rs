@@ -207,20 +207,12 @@ mod relay {
             .with_gauge_interval(Duration::from_millis(100))
     }
 
-    /// Polls `check` every `every` until it gives a value, which it returns; fails the test
-    /// with `what` (what never happened) after [`PATIENCE`].
-    async fn eventually<T, F>(what: &str, every: Duration, mut check: impl FnMut() -> F) -> T
+    /// [`harness::eventually`] within [`PATIENCE`].
+    async fn eventually<T, F>(what: &str, every: Duration, check: impl FnMut() -> F) -> T
     where
         F: std::future::Future<Output = Option<T>>,
     {
-        let started = Instant::now();
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(started.elapsed() < PATIENCE, "{what} within {PATIENCE:?}");
-            sleep(every).await;
-        }
+        harness::eventually(what, PATIENCE, every, check).await
     }
 
     /// A relay running in a task of its own until [`Running::stop`].

@@ -72,6 +72,31 @@ pub fn present(present: bool, what: &str) -> bool {
     false
 }
 
+/// Polls `check` every `every` until it gives a value, which it returns; fails the test with
+/// `what` (what never happened) after `patience`.
+///
+/// # Panics
+///
+/// When `check` gives nothing within `patience`.
+pub async fn eventually<T, F>(
+    what: &str,
+    patience: std::time::Duration,
+    every: std::time::Duration,
+    mut check: impl FnMut() -> F,
+) -> T
+where
+    F: std::future::Future<Output = Option<T>>,
+{
+    let started = tokio::time::Instant::now();
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(started.elapsed() < patience, "{what} within {patience:?}");
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// A schema (or key prefix) name of its own for one test: `<prefix><unix seconds>_<12 hex>`,
 /// so tests share a server without meeting, and [`is_stale`] can tell leftovers by age.
 pub fn unique_name(prefix: &str) -> String {
