@@ -1,7 +1,6 @@
 //! [`Forward`]: the service behind the idempotency layer that sends a request on to the
 //! upstream, with the headers RFC 9110 asks a proxy to drop and add.
 
-use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -115,9 +114,9 @@ impl UpstreamConfig {
 }
 
 /// Sends requests on to the upstream over a pooled keep-alive client (HTTP/1.1; TLS with
-/// rustls for `https://`). Every failure becomes a response: a `502` or `504`
-/// `application/problem+json`, marked [`KeepInFlight::Always`] when the request may have
-/// reached the upstream (see its `Service::call`).
+/// rustls for `https://`). A failure is an [`UpstreamFailure`] (the key is released), or,
+/// when the request may have reached the upstream, a `502` or `504`
+/// `application/problem+json` marked [`KeepInFlight::Always`] (see its `Service::call`).
 #[derive(Clone)]
 pub struct Forward {
     shared: Arc<Upstream>,
@@ -197,8 +196,12 @@ impl Forward {
         self
     }
 
-    /// Sends `req` on and returns the upstream's response, or the proxy's own answer.
-    async fn forward(self, req: Request<ProxyBody>) -> Response<ProxyBody> {
+    /// Sends `req` on and returns the upstream's response, the proxy's own answer when the
+    /// outcome is unknown and the key stays in flight, or the failure that releases it.
+    async fn forward(
+        self,
+        req: Request<ProxyBody>,
+    ) -> Result<Response<ProxyBody>, UpstreamFailure> {
         let upstream = &self.shared;
         let (mut parts, body) = req.into_parts();
         let guarded = parts.extensions.get::<IdempotencyInfo>().map(|i| i.attempt);
@@ -217,12 +220,12 @@ impl Forward {
             .path_and_query(target)
             .build();
         let Ok(uri) = uri else {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "bad-target",
-                "Bad request target",
-                "the request's path cannot be sent to the upstream",
-            );
+            return Err(UpstreamFailure {
+                status: StatusCode::BAD_REQUEST,
+                kind: "bad-target",
+                title: "Bad request target",
+                detail: "the request's path cannot be sent to the upstream",
+            });
         };
         parts.uri = uri;
         // The upstream connection is HTTP/1.1 whatever the client spoke.
@@ -245,66 +248,120 @@ impl Forward {
         let sent = tokio::time::timeout(upstream.timeout, upstream.client.request(req)).await;
         metrics::histogram!("idem_proxy_upstream_duration_seconds")
             .record(started.elapsed().as_secs_f64());
-        let unknown = if self.release_unknown || guarded.is_none() {
-            None
-        } else {
-            Some(KeepInFlight::Always)
-        };
+        // The upstream may have acted and its answer is lost: the key stays in flight until
+        // its lease ends, unless the route releases it (or nothing guards the request).
+        let keep_in_flight = guarded.is_some() && !self.release_unknown;
         match sent {
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
-                if guarded.is_some() && !self.release_unknown {
+                if keep_in_flight {
                     // A body cut off midway: the upstream acted, its answer is lost.
                     parts.extensions.insert(KeepInFlight::IfBodyBreaks);
                 }
-                Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+                Ok(Response::from_parts(
+                    parts,
+                    body.map_err(Into::into).boxed_unsync(),
+                ))
             }
             Ok(Err(e)) if e.is_connect() => {
-                // Nothing was sent: the key is released (a 502 is not stored), and a retry
-                // runs once the upstream is back.
+                // Nothing was sent: the key is released, and a retry runs once the upstream
+                // is back.
                 upstream_error("connect");
                 tracing::warn!(error = %source_chain(&e), "upstream unreachable");
-                problem(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-unreachable",
-                    "Upstream unreachable",
-                    "the upstream refused the connection or could not be reached; the request \
-                     was not sent, retry with the same idempotency key",
-                )
+                Err(UpstreamFailure {
+                    status: StatusCode::BAD_GATEWAY,
+                    kind: "upstream-unreachable",
+                    title: "Upstream unreachable",
+                    detail: "the upstream refused the connection or could not be reached; the \
+                             request was not sent, retry with the same idempotency key",
+                })
             }
             Ok(Err(e)) => {
                 upstream_error("lost");
                 tracing::warn!(error = %source_chain(&e), "upstream connection lost after the request was sent");
-                with(
-                    unknown,
-                    problem(
-                        StatusCode::BAD_GATEWAY,
-                        "upstream-connection-lost",
-                        "Upstream connection lost",
-                        "the connection to the upstream broke after the request was sent: it may \
-                     have been processed; a retry with the same key gets 409 until the key's \
-                     lease ends, then runs it again",
-                    ),
+                unknown(
+                    keep_in_flight,
+                    UpstreamFailure {
+                        status: StatusCode::BAD_GATEWAY,
+                        kind: "upstream-connection-lost",
+                        title: "Upstream connection lost",
+                        detail: "the connection to the upstream broke after the request was \
+                                 sent: it may have been processed; a retry with the same key \
+                                 gets 409 until the key's lease ends, then runs it again",
+                    },
                 )
             }
             Err(_) => {
                 upstream_error("timeout");
                 tracing::warn!(timeout = ?upstream.timeout, "upstream timed out after the request was sent");
-                with(
-                    unknown,
-                    problem(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        "upstream-timeout",
-                        "Upstream timed out",
-                        "the upstream did not answer in time after the request was sent: it may \
-                     have been processed; a retry with the same key gets 409 until the key's \
-                     lease ends, then runs it again",
-                    ),
+                unknown(
+                    keep_in_flight,
+                    UpstreamFailure {
+                        status: StatusCode::GATEWAY_TIMEOUT,
+                        kind: "upstream-timeout",
+                        title: "Upstream timed out",
+                        detail: "the upstream did not answer in time after the request was \
+                                 sent: it may have been processed; a retry with the same key \
+                                 gets 409 until the key's lease ends, then runs it again",
+                    },
                 )
             }
         }
     }
+}
+
+/// An answer the proxy makes itself because the upstream's is missing: a `502` or `504`
+/// (or a `400` for a path that cannot be sent on). [`Forward`] returns it as its error, so
+/// that the idempotency layer releases the key and never stores it, whatever statuses the
+/// route stores: the proxy's own 502 is not the upstream's answer. [`Proxy`](crate::Proxy)
+/// turns it into an `application/problem+json` response ([`UpstreamFailure::into_response`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamFailure {
+    status: StatusCode,
+    kind: &'static str,
+    title: &'static str,
+    detail: &'static str,
+}
+
+impl UpstreamFailure {
+    /// The status the client gets.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The problem document's type, `urn:idem:problem:<kind>`: `upstream-unreachable`,
+    /// `upstream-connection-lost`, `upstream-timeout` or `bad-target`.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The `application/problem+json` response the client gets.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        problem(self.status, self.kind, self.title, self.detail)
+    }
+}
+
+impl fmt::Display for UpstreamFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}: {}", self.status.as_u16(), self.kind, self.detail)
+    }
+}
+
+impl std::error::Error for UpstreamFailure {}
+
+/// An unknown outcome: a response marked [`KeepInFlight::Always`] (neither stored nor
+/// released) when `keep_in_flight`, else the failure, which releases the key.
+fn unknown(
+    keep_in_flight: bool,
+    failure: UpstreamFailure,
+) -> Result<Response<ProxyBody>, UpstreamFailure> {
+    if !keep_in_flight {
+        return Err(failure);
+    }
+    let mut response = failure.into_response();
+    response.extensions_mut().insert(KeepInFlight::Always);
+    Ok(response)
 }
 
 impl<B> tower::Service<Request<B>> for Forward
@@ -313,24 +370,26 @@ where
     B::Error: Into<BoxError>,
 {
     type Response = Response<ProxyBody>;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
+    type Error = UpstreamFailure;
+    type Future =
+        Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamFailure>> + Send>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), UpstreamFailure>> {
         // The pooled client queues requests itself.
         Poll::Ready(Ok(()))
     }
 
     /// Sends the request on. A guarded request (one the idempotency layer runs under a
-    /// lease) carries `Idempotency-Attempt`. When the upstream cannot be reached the answer
+    /// lease) carries `Idempotency-Attempt`. When the upstream cannot be reached the error
     /// is `502 upstream-unreachable` and the key is released; when the connection breaks or
-    /// times out after the request was sent, `502 upstream-connection-lost` or `504
-    /// upstream-timeout`, marked [`KeepInFlight::Always`] so that the key stays in flight
-    /// until its lease ends (unless [`Forward::with_release_unknown`]).
+    /// times out after the request was sent, the answer is `502 upstream-connection-lost`
+    /// or `504 upstream-timeout`, marked [`KeepInFlight::Always`] so that the key stays in
+    /// flight until its lease ends (with [`Forward::with_release_unknown`], the error,
+    /// which releases it).
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let req = req.map(|body| body.map_err(Into::into).boxed_unsync());
         let forward = self.clone();
-        Box::pin(async move { Ok(forward.forward(req).await) })
+        Box::pin(forward.forward(req))
     }
 }
 
@@ -433,14 +492,6 @@ pub(crate) fn problem(
         CONTENT_TYPE,
         HeaderValue::from_static(idem_http::PROBLEM_JSON),
     );
-    response
-}
-
-/// `response` marked with `mark`, if any.
-fn with(mark: Option<KeepInFlight>, mut response: Response<ProxyBody>) -> Response<ProxyBody> {
-    if let Some(mark) = mark {
-        response.extensions_mut().insert(mark);
-    }
     response
 }
 

@@ -17,7 +17,8 @@
 //! - **Unknown outcomes are never guessed**: nothing sent (connection refused) is a 502
 //!   and the key is released; a connection lost or a timeout after the request was sent is
 //!   a 502 or 504 and the key stays in flight until its lease ends
-//!   ([`idem_http::KeepInFlight`]); an upstream 5xx is passed on and not stored.
+//!   ([`idem_http::KeepInFlight`]); an upstream 5xx is passed on and not stored (unless a
+//!   route stores 5xx: the upstream's then, never the proxy's own 502 or 504).
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -42,7 +43,7 @@ pub use config::{
     AnonymousSpec, Header, HostSpec, JsonPointer, MethodName, MissingKeySpec, PathPrefix,
     ProxyFile, RouteSpec, Secs, Settings, StatusRange, StatusSpec, UpstreamSpec,
 };
-pub use forward::{Forward, HostHeader, Peer, ProxyBody, UpstreamConfig, ATTEMPT};
+pub use forward::{Forward, HostHeader, Peer, ProxyBody, UpstreamConfig, UpstreamFailure, ATTEMPT};
 pub use route::{header_scope, Proxy, Route};
 pub use server::{serve, serve_admin, Drained};
 

@@ -1,7 +1,6 @@
 //! [`Route`]: which requests are guarded, and how; [`Proxy`]: the service that picks a
 //! route for each request and sends it on.
 
-use std::convert::Infallible;
 use std::fmt;
 use std::sync::Arc;
 
@@ -15,7 +14,7 @@ use idem_core::{BoxError, Idem, Scope, Store};
 use idem_http::{IdempotencyLayer, IdempotencyService};
 use tower::{Layer, ServiceExt};
 
-use crate::forward::{Forward, ProxyBody, UpstreamConfig};
+use crate::forward::{Forward, ProxyBody, UpstreamConfig, UpstreamFailure};
 use crate::ProxyError;
 
 /// One guarded route: the requests whose path starts with [`Route::path`] and whose method
@@ -153,7 +152,7 @@ impl Proxy {
         let guarded = self.routes.iter().find(|g| {
             g.route.matches(req.uri().path()) && g.route.http.methods.contains(req.method())
         });
-        let answered: Result<Response<ProxyBody>, Infallible> = match guarded {
+        let answered = match guarded {
             Some(g) => g
                 .service
                 .clone()
@@ -162,10 +161,8 @@ impl Proxy {
                 .map(|response| response.map(BodyExt::boxed_unsync)),
             None => self.forward.clone().oneshot(req).await,
         };
-        match answered {
-            Ok(response) => response,
-            Err(never) => match never {},
-        }
+        // A failure reaches here after the layer released its key: it was never stored.
+        answered.unwrap_or_else(UpstreamFailure::into_response)
     }
 
     /// Whether `method` on `path` would be guarded.
