@@ -1,8 +1,10 @@
 //! `idem proxy` as a user runs it: real processes in front of a real upstream (a Python
 //! standard-library service, `tests/upstream.py`, that counts its side effects per key).
-//! The cases that do not depend on the store run on the memory store; the concurrency case
-//! through two proxies on one store runs on every shared store, in modules named after
-//! them (`redis`, `redis_cluster`, `postgres`, `tiered`); `scripts/test` provides the URLs.
+//! The cases that do not depend on the store run on the memory store (one proxy: two
+//! processes cannot share it); the cases that take two proxies on one store (50 concurrent
+//! duplicates, a proxy killed with `kill -9`) run on every shared store, in modules named
+//! after them (`redis`, `redis_cluster`, `postgres`, `tiered`); `scripts/test` provides the
+//! URLs, and with `IDEM_TEST_REQUIRE_BACKENDS=1` a missing server fails the test.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -266,40 +268,104 @@ async fn concurrent_duplicates_run_once(upstream: &Upstream, proxies: [&str; 2])
     for task in tasks {
         replies.push(task.await.unwrap());
     }
-    let created: Vec<&Reply> = replies
-        .iter()
-        .filter(|r| r.status == StatusCode::CREATED)
-        .collect();
-    assert!(!created.is_empty(), "{replies:?}");
-    for reply in &replies {
-        assert!(
-            reply.status == StatusCode::CREATED || reply.status == StatusCode::CONFLICT,
-            "{reply:?}"
-        );
-    }
     assert_eq!(
         runs(&client, upstream, &key).await,
         (1, vec!["1".to_owned()])
     );
-    let first = created
+    // One answer is the execution; each of the 49 others is a replay or a 409.
+    let executed: Vec<&Reply> = replies.iter().filter(|r| !r.replayed()).collect();
+    let conflicts = executed
         .iter()
-        .find(|r| !r.replayed())
-        .expect("the executed answer");
-    // Every retry, through either proxy, is the first answer byte for byte.
+        .filter(|r| r.status == StatusCode::CONFLICT)
+        .count();
+    assert_eq!(executed.len() - conflicts, 1, "{replies:?}");
+    let first = *executed
+        .iter()
+        .find(|r| r.status != StatusCode::CONFLICT)
+        .unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // Every replay among them and every retry after, through either proxy, is the first
+    // answer byte for byte: status, allowlisted headers, body.
+    let mut replays: Vec<Reply> = replies.iter().filter(|r| r.replayed()).cloned().collect();
     for proxy in proxies {
-        let retry = charge(&client, proxy, &key, 0).await;
-        assert!(retry.replayed(), "{retry:?}");
-        assert_eq!((retry.status, &retry.body), (first.status, &first.body));
+        replays.push(charge(&client, proxy, &key, 0).await);
+    }
+    for replay in &replays {
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!((replay.status, &replay.body), (first.status, &first.body));
         for name in ["content-type", "location"] {
-            assert_eq!(retry.header(name), first.header(name), "{name}");
+            assert_eq!(replay.header(name), first.header(name), "{name}");
         }
         // Not in the replay allowlist: sent with the first response only.
-        assert_eq!(retry.header("x-charge-serial"), None);
+        assert_eq!(replay.header("x-charge-serial"), None);
     }
-    for replay in created.iter().filter(|r| r.replayed()) {
-        assert_eq!(replay.body, first.body);
-    }
+    assert!(first.header("x-charge-serial").is_some());
     assert_eq!(runs(&client, upstream, &key).await.0, 1);
+}
+
+/// A proxy killed (`kill -9`) while the upstream works on a key: a retry through the other
+/// proxy gets 409 until the dead proxy's lease (2 s) ends, then runs once, attempt 2.
+async fn a_killed_proxy_leaves_its_key_to_the_lease(upstream: &Upstream, mut a: Proc, b: Proc) {
+    let client = client();
+    let key = format!("crash-{}", uuid::Uuid::new_v4().simple());
+    let slow = {
+        let (client, base, key) = (client.clone(), a.printed.clone(), key.clone());
+        tokio::spawn(async move {
+            let headers = [
+                ("authorization", "Bearer alice"),
+                ("idempotency-key", key.as_str()),
+                ("x-delay-ms", "3000"),
+            ];
+            let mut req = hyper::Request::post(format!("{base}/charge"));
+            for (n, v) in headers {
+                req = req.header(n, v);
+            }
+            client
+                .request(req.body(Full::new(Bytes::from("{}"))).unwrap())
+                .await
+                .is_ok()
+        })
+    };
+    // The upstream counts the run as soon as the request arrives.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while runs(&client, upstream, &key).await.0 == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the request never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    a.kill_9();
+    assert!(!slow.await.unwrap(), "the killed proxy answered");
+    let retry = || async {
+        let headers = [
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", key.as_str()),
+        ];
+        let url = format!("{}/charge", b.printed);
+        call(&client, "POST", &url, &headers, "{}").await
+    };
+    let first = retry().await;
+    assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
+    // 409 until the lease ends (2 s after its last renewal), then one run, attempt 2.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let taken_over = loop {
+        let reply = retry().await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        assert!(Instant::now() < deadline, "still 409 after 10 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(taken_over.status, StatusCode::CREATED, "{taken_over:?}");
+    assert_eq!(taken_over.json()["attempt"], "2");
+    assert_eq!(
+        runs(&client, upstream, &key).await,
+        (2, vec!["1".to_owned(), "2".to_owned()])
+    );
+    let replay = retry().await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, taken_over.body);
 }
 
 mod memory {
@@ -393,6 +459,64 @@ mod memory {
             assert!(!reply.replayed());
             assert_eq!(runs(&client, &up, "five-1").await.0, n);
         }
+    }
+
+    /// A route that stores 5xx stores the upstream's, never the proxy's own 502 or 504:
+    /// those say the upstream's answer is missing (nothing sent, or an unknown outcome the
+    /// route releases), so a retry runs again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_route_storing_5xx_never_stores_the_proxys_own_502_or_504() {
+        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_proxy_5xx_"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let routes = dir.join("routes.toml");
+        std::fs::write(
+            &routes,
+            "[[route]]\nstore_status = [\"2xx\", \"5xx\"]\nrelease_unknown = true\n",
+        )
+        .unwrap();
+        let port = idem_testkit::harness::free_port();
+        let url = format!("http://127.0.0.1:{port}");
+        let config = routes.to_str().unwrap();
+        let p = proxy(
+            &url,
+            "memory",
+            &["--config", config, "--upstream-timeout", "0.5"],
+        );
+        let client = client();
+        let post = |path: &str, key: &str| {
+            let url = format!("{}{path}", p.printed);
+            let (client, key) = (client.clone(), key.to_owned());
+            async move {
+                let headers = [("authorization", "Bearer alice"), ("idempotency-key", &key)];
+                call(&client, "POST", &url, &headers, "{}").await
+            }
+        };
+        // Nothing listens: the proxy's 502, not stored.
+        let refused = post("/charge", "k5-refused").await;
+        assert_eq!(refused.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            refused.problem_type(),
+            "urn:idem:problem:upstream-unreachable"
+        );
+        let up = upstream_on(port);
+        let retry = post("/charge", "k5-refused").await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert_eq!(runs(&client, &up, "k5-refused").await.0, 1);
+        // The upstream's own 503 is stored, as the route says.
+        let unavailable = post("/status/503", "k5-503").await;
+        assert_eq!(unavailable.status, StatusCode::SERVICE_UNAVAILABLE);
+        let replay = post("/status/503", "k5-503").await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, unavailable.body);
+        assert_eq!(runs(&client, &up, "k5-503").await.0, 1);
+        // A timeout the route releases: the proxy's 504, not stored; the retry runs again.
+        for n in 1..=2 {
+            let timeout = post("/hang", "k5-hang").await;
+            assert_eq!(timeout.status, StatusCode::GATEWAY_TIMEOUT, "{timeout:?}");
+            assert!(!timeout.replayed(), "{timeout:?}");
+            assert_eq!(runs(&client, &up, "k5-hang").await.0, n);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -586,93 +710,114 @@ fn unique(prefix: &str) -> String {
     idem_testkit::harness::unique_name(prefix)
 }
 
-/// Two proxies on `store` with `extra` flags, and the upstream they share.
-fn two_proxies(store: &str, extra: &[&str]) -> (Upstream, Proc, Proc) {
-    let up = upstream();
-    let a = proxy(&up.url, store, extra);
-    let b = proxy(&up.url, store, extra);
-    (up, a, b)
+/// A store that two proxies share: its `--store` URL and the flags that give one test keys
+/// of its own; `None` (the test returns) when its server is missing and not required.
+struct SharedStore {
+    url: String,
+    flags: Vec<String>,
+    /// A throwaway cluster, stopped when the test ends.
+    _cluster: Option<idem_testkit::redis::RedisCluster>,
 }
 
-mod redis {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_duplicates_through_two_proxies_run_once() {
-        let Some(url) = idem_testkit::harness::redis_url() else {
-            return;
-        };
-        let prefix = unique("idem_proxy_");
-        let (up, a, b) = two_proxies(&url, &["--prefix", &prefix]);
-        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
+impl SharedStore {
+    /// Redis at `IDEM_TEST_REDIS_URL`, under a key prefix of its own.
+    async fn redis() -> Option<Self> {
+        let url = idem_testkit::harness::redis_url()?;
+        let flags = vec!["--prefix".to_owned(), unique("idem_proxy_")];
+        Some(Self {
+            url,
+            flags,
+            _cluster: None,
+        })
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_killed_proxy_leaves_its_key_to_the_lease_then_attempt_2_runs_once() {
-        let Some(url) = idem_testkit::harness::redis_url() else {
-            return;
-        };
-        let prefix = unique("idem_proxy_");
-        let (up, mut a, b) = two_proxies(&url, &["--prefix", &prefix, "--lease", "2"]);
-        let client = client();
-        let slow = {
-            let client = client.clone();
-            let base = a.printed.clone();
-            tokio::spawn(async move {
-                let url = format!("{base}/charge");
-                let headers = [
-                    ("authorization", "Bearer alice"),
-                    ("idempotency-key", "crash-1"),
-                    ("x-delay-ms", "3000"),
-                ];
-                let mut req = hyper::Request::post(url);
-                for (n, v) in headers {
-                    req = req.header(n, v);
-                }
-                client
-                    .request(req.body(Full::new(Bytes::from("{}"))).unwrap())
-                    .await
-                    .is_ok()
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(runs(&client, &up, "crash-1").await.0, 1);
-        a.kill_9();
-        assert!(!slow.await.unwrap(), "the killed proxy answered");
-        let retry = || async {
-            let headers = [
-                ("authorization", "Bearer alice"),
-                ("idempotency-key", "crash-1"),
-            ];
-            call(
-                &client,
-                "POST",
-                &format!("{}/charge", b.printed),
-                &headers,
-                "{}",
-            )
+    /// A throwaway 3-primary Redis Cluster of this test's own.
+    async fn redis_cluster() -> Option<Self> {
+        if !idem_testkit::redis::available() {
+            return None;
+        }
+        let cluster = tokio::task::spawn_blocking(|| idem_testkit::redis::RedisCluster::start(3))
             .await
-        };
-        assert_eq!(retry().await.status, StatusCode::CONFLICT);
-        // 409 until the lease ends (2 s after its last renewal), then one run, attempt 2.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let taken_over = loop {
-            let reply = retry().await;
-            if reply.status != StatusCode::CONFLICT {
-                break reply;
-            }
-            assert!(Instant::now() < deadline, "still 409 after 10 s");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        assert_eq!(taken_over.status, StatusCode::CREATED, "{taken_over:?}");
-        assert_eq!(taken_over.json()["attempt"], "2");
-        assert_eq!(
-            runs(&client, &up, "crash-1").await,
-            (2, vec!["1".to_owned(), "2".to_owned()])
-        );
-        assert!(retry().await.replayed());
+            .unwrap()
+            .expect("start a 3-primary cluster");
+        Some(Self {
+            url: cluster.url(),
+            flags: Vec::new(),
+            _cluster: Some(cluster),
+        })
+    }
+
+    /// PostgreSQL at `IDEM_TEST_DATABASE_URL`, in a fresh schema (`--migrate` creates it).
+    async fn postgres() -> Option<Self> {
+        let url = idem_testkit::harness::database_url()?;
+        let flags = vec!["--schema".to_owned(), unique("idem_proxy_")];
+        Some(Self {
+            url,
+            flags,
+            _cluster: None,
+        })
+    }
+
+    /// The tiered store on both: a fresh schema and a key prefix of the same name.
+    async fn tiered() -> Option<Self> {
+        let redis = idem_testkit::harness::redis_url()?;
+        let pg = idem_testkit::harness::database_url()?;
+        let name = unique("idem_proxy_");
+        let flags = vec![
+            "--schema".to_owned(),
+            name.clone(),
+            "--prefix".to_owned(),
+            name,
+        ];
+        let url = format!("tiered:{redis}|{pg}");
+        Some(Self {
+            url,
+            flags,
+            _cluster: None,
+        })
+    }
+
+    /// Two proxies on this store with a 2 s lease (so that a dead proxy's key is taken over
+    /// soon), and the upstream they share.
+    fn two_proxies(&self) -> (Upstream, Proc, Proc) {
+        let mut extra: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        extra.extend(["--lease", "2"]);
+        let up = upstream();
+        let a = proxy(&up.url, &self.url, &extra);
+        let b = proxy(&up.url, &self.url, &extra);
+        (up, a, b)
     }
 }
+
+/// The cases that take two proxy processes on one store, once per shared store, each in a
+/// module named after its store (`cargo test -p idem-cli --test proxy postgres`).
+macro_rules! on_every_shared_store {
+    ($($backend:ident),* $(,)?) => {$(
+        mod $backend {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_duplicates_through_two_proxies_run_once() {
+                let Some(store) = SharedStore::$backend().await else {
+                    return;
+                };
+                let (up, a, b) = store.two_proxies();
+                concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_killed_proxy_leaves_its_key_to_the_lease_then_attempt_2_runs_once() {
+                let Some(store) = SharedStore::$backend().await else {
+                    return;
+                };
+                let (up, a, b) = store.two_proxies();
+                a_killed_proxy_leaves_its_key_to_the_lease(&up, a, b).await;
+            }
+        }
+    )*};
+}
+
+on_every_shared_store!(redis, redis_cluster, postgres, tiered);
 
 mod admin {
     use super::*;
@@ -757,56 +902,6 @@ mod admin {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-    }
-}
-
-mod redis_cluster {
-    use super::*;
-    use idem_testkit::redis::{self as testing, RedisCluster};
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_duplicates_through_two_proxies_run_once() {
-        if !testing::available() {
-            return;
-        }
-        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
-            .await
-            .unwrap()
-            .expect("start a 3-primary cluster");
-        let (up, a, b) = two_proxies(&cluster.url(), &[]);
-        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
-    }
-}
-
-mod postgres {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_duplicates_through_two_proxies_run_once() {
-        let Some(url) = idem_testkit::harness::database_url() else {
-            return;
-        };
-        let schema = unique("idem_proxy_");
-        let (up, a, b) = two_proxies(&url, &["--schema", &schema]);
-        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
-    }
-}
-
-mod tiered {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_duplicates_through_two_proxies_run_once() {
-        let (Some(redis), Some(pg)) = (
-            idem_testkit::harness::redis_url(),
-            idem_testkit::harness::database_url(),
-        ) else {
-            return;
-        };
-        let name = unique("idem_proxy_");
-        let store = format!("tiered:{redis}|{pg}");
-        let (up, a, b) = two_proxies(&store, &["--schema", &name, "--prefix", &name]);
-        concurrent_duplicates_run_once(&up, [&a.printed, &b.printed]).await;
     }
 }
 
