@@ -21,8 +21,8 @@
 //! - `middleware`: requests/s of a trivial axum handler, bare and behind the idem-http layer
 //!   on the in-memory store, over loopback HTTP (whatever `--store` says);
 //! - `proxy`: `idem proxy` in this process in front of a minimal hyper upstream: direct,
-//!   pass-through, and guarded new keys and replays on the memory store and on `--store`,
-//!   at concurrency 1 and `--concurrency` (see `proxy.rs`);
+//!   pass-through, nginx (`--nginx`), and guarded new keys and replays on the memory store
+//!   and on `--store`, at concurrency 1 and `--concurrency` (see `proxy.rs`);
 //! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
 //!   `klauthed-data` crates' Redis stores, in interleaved rounds (see `compare.rs`).
 //! - `consumers` (alone, on a `redis://` store): messages/s of the Redis Streams worker
@@ -104,6 +104,10 @@ struct Args {
         default_value = "lifecycle,replay,race,inflight"
     )]
     phases: Vec<String>,
+    /// An nginx binary: the proxy phase adds it as a plain reverse proxy (keep-alive) to the
+    /// same upstream, a reference beside the pass-through row. Left out when not given.
+    #[arg(long, value_name = "PATH")]
+    nginx: Option<std::path::PathBuf>,
     /// Skip the server's floor (PING / SET NX, or the two-statement PostgreSQL floor).
     #[arg(long)]
     no_floor: bool,
@@ -605,7 +609,18 @@ async fn measure(
     }
     if wants("proxy") {
         let store = bench.store.clone();
-        let (http, measured) = proxy::run(store, &args.store, n, args.c1_keys, c).await?;
+        let redis = match server {
+            Server::Redis(side, _) => Some(side.clone()),
+            _ => None,
+        };
+        let (http, measured) = proxy::run(
+            store,
+            &args.store,
+            redis,
+            args.nginx.as_deref(),
+            (n, args.c1_keys, c),
+        )
+        .await?;
         reports.extend(http);
         figures.extend(measured);
     }

@@ -169,7 +169,7 @@ pub async fn run(n: usize, concurrency: usize) -> Result<Vec<PhaseReport>, Strin
 
 /// The CPU time this process has used (user and system, every thread), from
 /// `/proc/self/stat`; `None` where that is not available.
-fn process_cpu() -> Option<Duration> {
+pub(crate) fn process_cpu() -> Option<Duration> {
     // Linux's USER_HZ: 100 on every architecture it exports to user space.
     const TICK: Duration = Duration::from_millis(10);
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;

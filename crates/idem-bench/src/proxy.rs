@@ -1,12 +1,16 @@
 //! `idem proxy` over loopback HTTP, side by side in one run: a minimal hyper upstream
 //! (201 and a short body, never the bottleneck) reached directly, through the proxy with
-//! nothing guarded (pass-through), and through the proxy guarding every POST on the memory
-//! store and on the run's `--store`, with new keys and with replays; at concurrency 1 and
-//! at `--concurrency`.
+//! nothing guarded (pass-through), through nginx as a plain reverse proxy (with `--nginx`),
+//! and through the proxy guarding every POST on the memory store and on the run's
+//! `--store`, with new keys and with replays; at concurrency 1 and at `--concurrency`. On a
+//! `redis://` store, the Redis commands each guarded request sends (`INFO commandstats`
+//! deltas) and a `PING` row (one round trip) beside them.
 
 use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -17,7 +21,8 @@ use idem_proxy::{Proxy, Route, UpstreamConfig};
 use idemkit::http::Anonymous;
 use idemkit::{MemoryStore, Store};
 
-use crate::middleware::{hammer, HttpClient};
+use crate::middleware::{hammer, process_cpu, HttpClient};
+use crate::redis_floor::RedisSide;
 use crate::report::{Figure, PhaseReport, Target};
 
 /// A loopback listener and its `http://` base URL.
@@ -75,19 +80,117 @@ async fn proxy(
     Ok(url)
 }
 
+/// nginx as a plain reverse proxy to the upstream: its own configuration and prefix in a
+/// temporary directory, a free loopback port, `daemon off`, keep-alive connections to the
+/// upstream; stopped (and the directory removed) when dropped.
+struct Nginx {
+    child: Child,
+    dir: PathBuf,
+    url: String,
+}
+
+impl Nginx {
+    async fn start(binary: &Path, upstream: &str) -> Result<Self, String> {
+        let authority = upstream.trim_start_matches("http://");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("a free port for nginx: {e}"))?
+            .port();
+        let dir = std::env::temp_dir().join(format!("idem-bench-nginx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let d = dir.display();
+        // Debian's defaults where they matter (one worker per core, 768 connections each),
+        // no access log, and HTTP/1.1 keep-alive to the upstream as the proxy has.
+        let conf = format!(
+            "worker_processes auto;\n\
+             error_log {d}/error.log warn;\n\
+             pid {d}/nginx.pid;\n\
+             events {{ worker_connections 768; }}\n\
+             http {{\n\
+               access_log off;\n\
+               client_body_temp_path {d}/body;\n\
+               proxy_temp_path {d}/proxy;\n\
+               fastcgi_temp_path {d}/fastcgi;\n\
+               uwsgi_temp_path {d}/uwsgi;\n\
+               scgi_temp_path {d}/scgi;\n\
+               upstream bench {{ server {authority}; keepalive 128; }}\n\
+               server {{\n\
+                 listen 127.0.0.1:{port};\n\
+                 location / {{\n\
+                   proxy_pass http://bench;\n\
+                   proxy_http_version 1.1;\n\
+                   proxy_set_header Connection \"\";\n\
+                   proxy_set_header Host $host;\n\
+                   proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n\
+                 }}\n\
+               }}\n\
+             }}\n"
+        );
+        let conf_path = dir.join("nginx.conf");
+        std::fs::write(&conf_path, conf).map_err(|e| format!("{}: {e}", conf_path.display()))?;
+        let child = Command::new(binary)
+            .arg("-c")
+            .arg(&conf_path)
+            .arg("-p")
+            .arg(&dir)
+            .arg("-e")
+            .arg(dir.join("error.log"))
+            .args(["-g", "daemon off;"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", binary.display()))?;
+        let nginx = Self {
+            child,
+            dir,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            if Instant::now() > deadline {
+                let log = std::fs::read_to_string(nginx.dir.join("error.log")).unwrap_or_default();
+                return Err(format!("nginx did not listen on {port} within 10 s: {log}"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(nginx)
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SIGTERM: the master stops its workers (SIGKILL would leave them running).
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// The phases at concurrency 1 (`n1` requests each) and at `concurrency` (`n`), with the
 /// guarded rows on the memory store and, unless it is the memory store, on `store`
-/// (`store_name` in the rows' names); and the figures against the issue's targets.
+/// (`store_name` in the rows' names); nginx beside them when `nginx` names its binary; the
+/// Redis commands per guarded request when `redis` is `store`'s server; and the figures
+/// against the issue's targets.
 pub async fn run(
     store: Arc<dyn Store>,
     store_name: &str,
-    n: usize,
-    n1: usize,
-    concurrency: usize,
+    redis: Option<Arc<RedisSide>>,
+    nginx: Option<&Path>,
+    (n, n1, concurrency): (usize, usize, usize),
 ) -> Result<(Vec<PhaseReport>, Vec<Figure>), String> {
     let up = upstream().await?;
     let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let pass = proxy(memory.clone(), &up, Vec::new()).await?;
+    let nginx = match nginx {
+        Some(binary) => Some(Nginx::start(binary, &up).await?),
+        None => None,
+    };
     // One caller: its requests share the anonymous scope.
     let route = || {
         let mut route = Route::default();
@@ -109,6 +212,7 @@ pub async fn run(
         // Untimed: opens the pooled connections (client to proxy, proxy to upstream).
         let bases = [&up, &pass]
             .into_iter()
+            .chain(nginx.as_ref().map(|n| &n.url))
             .chain(targets.iter().map(|(_, u)| u));
         for base in bases {
             hammer(
@@ -122,16 +226,24 @@ pub async fn run(
             .await?;
         }
         let name = |what: &str| format!("proxy C={c}: {what}");
-        let direct = hammer(
-            &name("direct to upstream"),
-            &client,
-            &orders(&up),
-            "d",
-            n,
-            c,
-        )
-        .await?;
-        let passed = hammer(&name("pass-through"), &client, &orders(&pass), "p", n, c).await?;
+        let mut run = async |what: &str, base: &str, keys: &str| {
+            timed(
+                &mut figures,
+                &name(what),
+                &client,
+                &orders(base),
+                keys,
+                n,
+                c,
+            )
+            .await
+        };
+        let direct = run("direct to upstream", &up, "d").await?;
+        let passed = run("pass-through", &pass, "p").await?;
+        let reference = match &nginx {
+            Some(nginx) => Some(run("nginx (reference)", &nginx.url, "x").await?),
+            None => None,
+        };
         let pass_rate = passed.throughput();
         let pass_is = "requests through the proxy, unguarded";
         let direct_is = "requests straight to the upstream";
@@ -142,27 +254,50 @@ pub async fn run(
             direct_is,
         );
         figures.push(ratio);
+        if let Some(reference) = &reference {
+            let (rate, direct_rate) = (reference.throughput(), direct.throughput());
+            figures.push(Figure::ratio(
+                name("nginx / direct"),
+                rate,
+                direct_rate,
+                direct_is,
+            ));
+            let what = name("pass-through / nginx");
+            figures.push(Figure::ratio(
+                what,
+                pass_rate,
+                rate,
+                "requests through nginx",
+            ));
+        }
+        // One Redis round trip from this process, to set the guarded rows against.
+        let ping = match &redis {
+            Some(side) => Some(
+                side.ping(&name("redis PING (one round trip)"), n, c)
+                    .await?,
+            ),
+            None => None,
+        };
         let mut guarded = Vec::new();
         for (store, base) in &targets {
             let (url, keys) = (orders(base), format!("k{c}"));
-            let new = hammer(
-                &name(&format!("guarded new keys, {store}")),
-                &client,
-                &url,
-                &keys,
-                n,
-                c,
-            )
-            .await?;
-            let replays = hammer(
-                &name(&format!("guarded replays, {store}")),
-                &client,
-                &url,
-                &keys,
-                n,
-                c,
-            )
-            .await?;
+            // The store's server, for the commands each request sends.
+            let side = redis.as_ref().filter(|_| store != "memory");
+            let mut phase = async |what: &str| {
+                let what = name(&format!("guarded {what}, {store}"));
+                let before = match side {
+                    Some(side) => Some(side.command_stats().await?),
+                    None => None,
+                };
+                let report = timed(&mut figures, &what, &client, &url, &keys, n, c).await?;
+                if let (Some(side), Some(before)) = (side, before) {
+                    let after = side.command_stats().await?;
+                    crate::cpu_figure(&mut figures, &what, &report, &before, &after);
+                }
+                Ok::<_, String>(report)
+            };
+            let new = phase("new keys").await?;
+            let replays = phase("replays").await?;
             let floor = if store == "memory" { 0.75 } else { 0.6 };
             let what = name(&format!("guarded new keys / pass-through, {store}"));
             let figure = Figure::ratio(what, new.throughput(), pass_rate, pass_is);
@@ -188,7 +323,36 @@ pub async fn run(
             guarded.extend([new, replays]);
         }
         reports.extend([direct, passed]);
+        reports.extend(reference);
+        reports.extend(ping);
         reports.extend(guarded);
     }
     Ok((reports, figures))
+}
+
+/// [`hammer`], and the CPU time this process (client, proxy and upstream; not nginx, not
+/// redis-server) spent per request, as a figure: it moves much less than requests/s with
+/// the machine's other load.
+async fn timed(
+    figures: &mut Vec<Figure>,
+    what: &str,
+    client: &HttpClient,
+    url: &str,
+    keys: &str,
+    n: usize,
+    c: usize,
+) -> Result<PhaseReport, String> {
+    let before = process_cpu();
+    let report = hammer(what, client, url, keys, n, c).await?;
+    if let (Some(before), Some(after)) = (before, process_cpu()) {
+        let per_request = after.saturating_sub(before).as_secs_f64() * 1e6 / n.max(1) as f64;
+        let basis = "this process: client, proxy, upstream".to_owned();
+        figures.push(Figure::new(
+            format!("{what}: CPU per request"),
+            per_request,
+            "µs",
+            basis,
+        ));
+    }
+    Ok(report)
 }
