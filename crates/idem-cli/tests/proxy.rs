@@ -157,6 +157,16 @@ fn proxy(upstream: &str, store: &str, extra: &[&str]) -> Proc {
     proc
 }
 
+/// `text` in a file named `name` in a directory of its own under the system's temporary
+/// directory.
+fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_proxy_"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 #[derive(Debug, Clone, PartialEq)]
 struct Reply {
     status: StatusCode,
@@ -466,14 +476,10 @@ mod memory {
     /// route releases), so a retry runs again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_route_storing_5xx_never_stores_the_proxys_own_502_or_504() {
-        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_proxy_5xx_"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let routes = dir.join("routes.toml");
-        std::fs::write(
-            &routes,
+        let routes = temp_file(
+            "routes.toml",
             "[[route]]\nstore_status = [\"2xx\", \"5xx\"]\nrelease_unknown = true\n",
-        )
-        .unwrap();
+        );
         let port = idem_testkit::harness::free_port();
         let url = format!("http://127.0.0.1:{port}");
         let config = routes.to_str().unwrap();
@@ -516,7 +522,7 @@ mod memory {
             assert!(!timeout.replayed(), "{timeout:?}");
             assert_eq!(runs(&client, &up, "k5-hang").await.0, n);
         }
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(routes.parent().unwrap());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -615,14 +621,10 @@ mod memory {
 
     #[test]
     fn check_config_validates_without_starting_and_names_the_line_of_a_bad_field() {
-        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_proxy_cfg_"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let good = dir.join("good.toml");
-        std::fs::write(
-            &good,
+        let good = temp_file(
+            "good.toml",
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\npath = \"/payments\"\nmethods = [\"POST\"]\nscope_header = \"X-Api-Key\"\n",
-        )
-        .unwrap();
+        );
         let out = Command::new(BIN)
             .args(["proxy", "--check-config", "--config"])
             .arg(&good)
@@ -636,12 +638,10 @@ mod memory {
         );
         assert!(stdout.contains("scope x-api-key"), "{stdout}");
 
-        let bad = dir.join("bad.toml");
-        std::fs::write(
-            &bad,
+        let bad = temp_file(
+            "bad.toml",
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\nlease_sec = 5\n",
-        )
-        .unwrap();
+        );
         let out = Command::new(BIN)
             .args(["proxy", "--check-config", "--config"])
             .arg(&bad)
@@ -662,7 +662,9 @@ mod memory {
             .unwrap();
         assert_eq!(out.status.code(), Some(2));
         assert!(String::from_utf8_lossy(&out.stderr).contains("--upstream"));
-        let _ = std::fs::remove_dir_all(&dir);
+        for file in [good, bad] {
+            let _ = std::fs::remove_dir_all(file.parent().unwrap());
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -720,15 +722,20 @@ struct SharedStore {
 }
 
 impl SharedStore {
-    /// Redis at `IDEM_TEST_REDIS_URL`, under a key prefix of its own.
-    async fn redis() -> Option<Self> {
-        let url = idem_testkit::harness::redis_url()?;
-        let flags = vec!["--prefix".to_owned(), unique("idem_proxy_")];
+    /// The store at `url`, with `flags` on each proxy.
+    fn on(url: String, flags: &[&str]) -> Option<Self> {
+        let flags = flags.iter().map(|f| (*f).to_owned()).collect();
         Some(Self {
             url,
             flags,
             _cluster: None,
         })
+    }
+
+    /// Redis at `IDEM_TEST_REDIS_URL`, under a key prefix of its own.
+    async fn redis() -> Option<Self> {
+        let url = idem_testkit::harness::redis_url()?;
+        Self::on(url, &["--prefix", &unique("idem_proxy_")])
     }
 
     /// A throwaway 3-primary Redis Cluster of this test's own.
@@ -740,22 +747,15 @@ impl SharedStore {
             .await
             .unwrap()
             .expect("start a 3-primary cluster");
-        Some(Self {
-            url: cluster.url(),
-            flags: Vec::new(),
-            _cluster: Some(cluster),
-        })
+        let mut store = Self::on(cluster.url(), &[])?;
+        store._cluster = Some(cluster);
+        Some(store)
     }
 
     /// PostgreSQL at `IDEM_TEST_DATABASE_URL`, in a fresh schema (`--migrate` creates it).
     async fn postgres() -> Option<Self> {
         let url = idem_testkit::harness::database_url()?;
-        let flags = vec!["--schema".to_owned(), unique("idem_proxy_")];
-        Some(Self {
-            url,
-            flags,
-            _cluster: None,
-        })
+        Self::on(url, &["--schema", &unique("idem_proxy_")])
     }
 
     /// The tiered store on both: a fresh schema and a key prefix of the same name.
@@ -763,18 +763,10 @@ impl SharedStore {
         let redis = idem_testkit::harness::redis_url()?;
         let pg = idem_testkit::harness::database_url()?;
         let name = unique("idem_proxy_");
-        let flags = vec![
-            "--schema".to_owned(),
-            name.clone(),
-            "--prefix".to_owned(),
-            name,
-        ];
-        let url = format!("tiered:{redis}|{pg}");
-        Some(Self {
-            url,
-            flags,
-            _cluster: None,
-        })
+        Self::on(
+            format!("tiered:{redis}|{pg}"),
+            &["--schema", &name, "--prefix", &name],
+        )
     }
 
     /// Two proxies on this store with a 2 s lease (so that a dead proxy's key is taken over
