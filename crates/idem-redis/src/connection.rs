@@ -12,8 +12,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
-use redis::{Cmd, RedisFuture, Value};
-use tokio::sync::OnceCell;
+use redis::{Cmd, PushInfo, RedisFuture, Value};
+use tokio::sync::{mpsc, OnceCell};
 
 use crate::config::RedisConfig;
 use crate::error::classify;
@@ -24,7 +24,7 @@ pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
 pub(crate) const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
 /// The longest pause between two attempts of a reconnection (redis-rs's backoff grows up to
 /// it). A call that finds a reconnection in its pause waits that long at most.
-pub(crate) const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
+const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
 /// The query parameter naming a PEM file of certificate authorities to trust instead of the
 /// system's roots (a private CA): `rediss://host:6380/?tls_ca_file=/etc/idem/ca.pem`.
 const TLS_CA_FILE: &str = "tls_ca_file";
@@ -55,9 +55,10 @@ impl fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Builds the connection for `url` without connecting. Must run inside a Tokio runtime.
-    pub(crate) fn open(url: &str, config: &RedisConfig) -> Result<Self, Error> {
-        let invalid = |e: redis::RedisError| Error::Invalid(format!("redis url: {e}"));
+    /// Builds the store's connection for `url` without connecting, and the client of its
+    /// waiters' subscriptions, trusting the same certificates. Must run inside a Tokio
+    /// runtime.
+    pub(crate) fn open(url: &str, config: &RedisConfig) -> Result<(Self, PubSub), Error> {
         let (url, ca_file) = split_ca_file(url)?;
         let url = url.as_str();
         let cluster = cluster_rest(url);
@@ -79,24 +80,35 @@ impl Connection {
         if let Some((rest, tls)) = cluster {
             let nodes = cluster_nodes(rest, tls)?;
             let count = nodes.len();
-            let builder = ClusterClientBuilder::new(nodes);
-            let builder = match certs {
-                Some(certs) => with_cluster_certs(builder, certs)?,
-                None => builder,
+            let builder = |certs: Option<CaCerts>| {
+                let builder = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(config.connect_timeout)
+                    .response_timeout(config.response_timeout)
+                    // Redirections, reconnections and retries (redis-rs's defaults) all fit
+                    // in one call's time; `call_timeout` bounds the call as a whole anyway.
+                    .overall_response_timeout(Some(config.call_timeout));
+                match certs {
+                    Some(certs) => with_cluster_certs(builder, certs),
+                    None => Ok(builder),
+                }
             };
-            let client = builder
-                .connection_timeout(config.connect_timeout)
-                .response_timeout(config.response_timeout)
-                // Redirections, reconnections and retries (redis-rs's defaults) all fit in
-                // one call's time; `call_timeout` bounds the call as a whole anyway.
-                .overall_response_timeout(Some(config.call_timeout))
+            let client = builder(certs.clone())?.build().map_err(invalid)?;
+            // RESP3, which redis-rs needs for pub/sub on a cluster.
+            let (push, pushes) = mpsc::unbounded_channel();
+            let subscriber = builder(certs)?
+                .use_protocol(redis::ProtocolVersion::RESP3)
+                .push_sender(push)
                 .build()
                 .map_err(invalid)?;
-            return Ok(Self::Cluster(Arc::new(ClusterHandle {
+            let handle = ClusterHandle {
                 client,
                 nodes: count,
                 connection: OnceCell::new(),
-            })));
+            };
+            return Ok((
+                Self::Cluster(Arc::new(handle)),
+                PubSub::Cluster(subscriber, pushes),
+            ));
         }
         let client = match certs {
             Some(certs) => client_with_certs(url, certs)?,
@@ -108,9 +120,11 @@ impl Connection {
             .set_number_of_retries(config.reconnect_retries)
             .set_min_delay(Duration::from_millis(20))
             .set_max_delay(RECONNECT_MAX_DELAY);
-        ConnectionManager::new_lazy_with_config(client, manager)
-            .map(Self::Standalone)
-            .map_err(invalid)
+        let manager = ConnectionManager::new_lazy_with_config(client.clone(), manager);
+        Ok((
+            Self::Standalone(manager.map_err(invalid)?),
+            PubSub::One(client),
+        ))
     }
 
     /// A handle to send commands on, connecting first if needed.
@@ -128,19 +142,18 @@ impl Connection {
     }
 }
 
-/// A client of its own for a one-server `url` (the waiters' subscribing connection, see
-/// `notify.rs`), trusting the same certificates; `None` for a cluster URL.
-pub(crate) fn pubsub_client(url: &str) -> Result<Option<redis::Client>, Error> {
-    let (url, ca_file) = split_ca_file(url)?;
-    if url.starts_with(CLUSTER_SCHEME) || url.starts_with(CLUSTER_TLS_SCHEME) {
-        return Ok(None);
-    }
-    let client = match ca_file {
-        Some(path) => client_with_certs(&url, read_ca(&path)?)?,
-        None => redis::Client::open(url.as_str())
-            .map_err(|e| Error::Invalid(format!("redis url: {e}")))?,
-    };
-    Ok(Some(client))
+/// The client of the waiters' subscriptions (see `notify.rs`).
+#[expect(clippy::large_enum_variant, reason = "made once per store and taken apart at once")]
+pub(crate) enum PubSub {
+    /// One server: a client of its own.
+    One(redis::Client),
+    /// Redis Cluster: a cluster client of its own, whose nodes' pushes (messages,
+    /// confirmations, disconnections) go to the receiver.
+    Cluster(ClusterClient, mpsc::UnboundedReceiver<PushInfo>),
+}
+
+fn invalid(e: redis::RedisError) -> Error {
+    Error::Invalid(format!("redis url: {e}"))
 }
 
 /// The part of a cluster `url` after its scheme, and whether the scheme asks for TLS;
@@ -154,39 +167,17 @@ fn cluster_rest(url: &str) -> Option<(&str, bool)> {
         })
 }
 
-/// A cluster client of its own for the waiters' sharded subscriptions (see `notify.rs`), on
-/// the nodes of a cluster `url` and trusting the same certificates: RESP3, with what the
-/// nodes push (messages, confirmations, disconnections) sent to `push`. `None` for a
-/// one-server `url`.
-pub(crate) fn shard_pubsub_client(
-    url: &str,
-    config: &RedisConfig,
-    push: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
-) -> Result<Option<ClusterClient>, Error> {
-    let (url, ca_file) = split_ca_file(url)?;
-    let Some((rest, tls)) = cluster_rest(&url) else {
-        return Ok(None);
-    };
-    let builder = ClusterClientBuilder::new(cluster_nodes(rest, tls)?);
-    let builder = match ca_file {
-        Some(path) => with_cluster_certs(builder, read_ca(&path)?)?,
-        None => builder,
-    };
-    builder
-        .connection_timeout(config.connect_timeout)
-        .response_timeout(config.response_timeout)
-        .overall_response_timeout(Some(config.call_timeout))
-        .use_protocol(redis::ProtocolVersion::RESP3)
-        .push_sender(push)
-        .build()
-        .map(Some)
-        .map_err(|e| Error::Invalid(format!("redis url: {e}")))
-}
-
 /// One handle on the store's connection, for the length of a call.
 pub(crate) enum Conn {
     Standalone(ConnectionManager),
     Cluster(ClusterConnection),
+}
+
+/// A server to send a command to: the one server, or a cluster primary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Node {
+    Only,
+    Primary { host: String, port: u16 },
 }
 
 impl Conn {
@@ -221,85 +212,51 @@ impl Conn {
         }
     }
 
-    /// The `maxmemory_policy` line of `INFO memory` of every primary (one for a standalone
-    /// server). An empty list when the server does not report it.
-    pub(crate) async fn eviction_policies(&mut self) -> Result<Vec<String>, redis::RedisError> {
-        let texts = self.info("memory").await?;
-        Ok(texts
-            .iter()
-            .flat_map(|text| text.lines())
-            .filter_map(|line| line.strip_prefix("maxmemory_policy:"))
-            .map(|policy| policy.trim().to_owned())
-            .collect())
-    }
-
     /// `INFO <section>` of every primary (one text for a standalone server).
     pub(crate) async fn info(&mut self, section: &str) -> Result<Vec<String>, redis::RedisError> {
         let mut info = redis::cmd("INFO");
         info.arg(section);
+        self.on_primaries(info).await
+    }
+
+    /// The text of what every primary answers `cmd` (one primary for a standalone server).
+    async fn on_primaries(&mut self, cmd: Cmd) -> Result<Vec<String>, redis::RedisError> {
         let reply = match self {
-            Self::Standalone(manager) => info.query_async::<Value>(manager).await?,
+            Self::Standalone(manager) => cmd.query_async::<Value>(manager).await?,
             Self::Cluster(cluster) => {
-                cluster
-                    .route_command(
-                        info,
-                        RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
-                    )
-                    .await?
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                cluster.route_command(cmd, all).await?
             }
         };
         let mut texts = Vec::new();
         collect_text(reply, &mut texts);
         Ok(texts)
     }
-}
 
-impl Conn {
+    /// The `maxmemory_policy` of every primary (`INFO memory`); empty when not reported.
+    pub(crate) async fn eviction_policies(&mut self) -> Result<Vec<String>, redis::RedisError> {
+        let texts = self.info("memory").await?;
+        Ok(values(&texts, "maxmemory_policy")
+            .map(str::to_owned)
+            .collect())
+    }
+
     /// Whether every primary persists nothing: no append-only file (`INFO persistence`) and
     /// no RDB save points (`CONFIG GET save`). `false` when it cannot be told (a managed
     /// service that refuses `CONFIG`).
     pub(crate) async fn persists_nothing(&mut self) -> Result<bool, redis::RedisError> {
-        let all_masters = || RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-        let mut info = redis::cmd("INFO");
-        info.arg("persistence");
+        let texts = self.info("persistence").await?;
         let mut save = redis::cmd("CONFIG");
         save.arg("GET").arg("save");
-        let (info, save) = match self {
-            Self::Standalone(manager) => (
-                info.query_async::<Value>(manager).await?,
-                save.query_async::<Value>(manager).await,
-            ),
-            Self::Cluster(cluster) => (
-                cluster.route_command(info, all_masters()).await?,
-                cluster.route_command(save, all_masters()).await,
-            ),
-        };
-        let Ok(save) = save else {
+        let Ok(saves) = self.on_primaries(save).await else {
             return Ok(false);
         };
-        let mut texts = Vec::new();
-        collect_text(info, &mut texts);
-        let aof_off = texts
-            .iter()
-            .flat_map(|text| text.lines())
-            .filter_map(|line| line.strip_prefix("aof_enabled:"))
-            .all(|v| v.trim() == "0");
-        let mut saves = Vec::new();
-        collect_text(save, &mut saves);
+        let aof_off = values(&texts, "aof_enabled").all(|v| v == "0");
         // CONFIG GET answers [name, value] pairs: every value must be empty.
         let no_snapshots = saves.iter().all(|v| v == "save" || v.trim().is_empty());
         Ok(aof_off && no_snapshots && !texts.is_empty())
     }
-}
 
-/// A server to send a command to: the one server, or a cluster primary.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Node {
-    Only,
-    Primary { host: String, port: u16 },
-}
-
-impl Conn {
     /// The servers holding records: the one server, or every cluster primary (from
     /// `CLUSTER SLOTS`).
     pub(crate) async fn primaries(&mut self) -> Result<Vec<Node>, Error> {
@@ -349,7 +306,7 @@ impl Conn {
     pub(crate) async fn on_node(&mut self, node: &Node, cmd: Cmd) -> Result<Value, Error> {
         match (self, node) {
             (Self::Cluster(cluster), Node::Primary { host, port }) => cluster
-                .route_command(cmd, by_address(host, *port))
+                .route_command(cmd, RoutingInfo::SingleNode(by_address(host, *port)))
                 .await
                 .map_err(classify),
             (this, _) => cmd.query_async(this).await.map_err(classify),
@@ -365,7 +322,7 @@ impl Conn {
     ) -> Result<Vec<Value>, Error> {
         match (self, node) {
             (Self::Cluster(cluster), Node::Primary { host, port }) => cluster
-                .route_pipeline(pipe, 0, count, by_address_single(host, *port))
+                .route_pipeline(pipe, 0, count, by_address(host, *port))
                 .await
                 .map_err(classify),
             (this, _) => pipe.query_async(this).await.map_err(classify),
@@ -373,15 +330,17 @@ impl Conn {
     }
 }
 
-fn by_address_single(host: &str, port: u16) -> SingleNodeRoutingInfo {
+fn by_address(host: &str, port: u16) -> SingleNodeRoutingInfo {
     SingleNodeRoutingInfo::ByAddress {
         host: host.to_owned(),
         port,
     }
 }
 
-fn by_address(host: &str, port: u16) -> RoutingInfo {
-    RoutingInfo::SingleNode(by_address_single(host, port))
+/// The values of the `name:` lines of `INFO` texts.
+fn values<'a>(texts: &'a [String], name: &'a str) -> impl Iterator<Item = &'a str> {
+    let lines = texts.iter().flat_map(|text| text.lines());
+    lines.filter_map(move |line| Some(line.strip_prefix(name)?.strip_prefix(':')?.trim()))
 }
 
 /// Gathers the text of an `INFO` reply, which a cluster answers with a map of node to text.
@@ -425,7 +384,7 @@ impl ConnectionLike for Conn {
 }
 
 /// PEM bytes of the certificate authorities to trust, as redis-rs takes them.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 #[cfg_attr(
     not(any(feature = "tls-rustls", feature = "tls-native-tls")),
     allow(dead_code)
@@ -478,7 +437,7 @@ fn read_ca(path: &std::path::Path) -> Result<CaCerts, Error> {
     })
 }
 
-#[cfg(feature = "tls-rustls")]
+#[cfg(any(feature = "tls-rustls", feature = "tls-native-tls"))]
 fn tls_certificates(certs: CaCerts) -> redis::TlsCertificates {
     redis::TlsCertificates {
         client_tls: None,
@@ -488,19 +447,15 @@ fn tls_certificates(certs: CaCerts) -> redis::TlsCertificates {
 
 #[cfg(any(feature = "tls-rustls", feature = "tls-native-tls"))]
 fn client_with_certs(url: &str, certs: CaCerts) -> Result<redis::Client, Error> {
-    #[cfg(feature = "tls-rustls")]
-    let certs = tls_certificates(certs);
-    #[cfg(not(feature = "tls-rustls"))]
-    let certs = redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(certs.0),
-    };
-    redis::Client::build_with_tls(url, certs).map_err(|e| Error::Invalid(format!("redis url: {e}")))
+    redis::Client::build_with_tls(url, tls_certificates(certs)).map_err(invalid)
 }
 
+/// `open` refuses TLS URLs before this point when no TLS feature is on.
 #[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
 fn client_with_certs(_: &str, _: CaCerts) -> Result<redis::Client, Error> {
-    unreachable_without_tls()
+    Err(Error::Invalid(
+        "redis url: TLS needs idem-redis's `tls-rustls` (or `tls-native-tls`) feature".into(),
+    ))
 }
 
 #[cfg(feature = "tls-rustls")]
@@ -516,14 +471,6 @@ fn with_cluster_certs(_: ClusterClientBuilder, _: CaCerts) -> Result<ClusterClie
     Err(Error::Invalid(format!(
         "redis url: {TLS_CA_FILE} on a cluster needs idem-redis's `tls-rustls` feature"
     )))
-}
-
-/// `open` refuses TLS URLs before this point when no TLS feature is on.
-#[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
-fn unreachable_without_tls<T>() -> Result<T, Error> {
-    Err(Error::Invalid(
-        "redis url: TLS needs idem-redis's `tls-rustls` (or `tls-native-tls`) feature".into(),
-    ))
 }
 
 /// Splits `[user[:password]@]host:port[,host:port...][/]` into one `redis://` (or, with

@@ -1,34 +1,8 @@
 //! Waiters notified over Redis pub/sub: classic pub/sub on one server, sharded pub/sub on
-//! Redis Cluster.
-//!
-//! The channel of a record is its key (channels and keys are separate namespaces in Redis).
-//! A waiter subscribes to it on the store's subscribing connection, shared by all of the
-//! store's waiters, before it looks at the record once more. A write publishes on it only
-//! when a subscriber is counted, so a completion nobody waits for costs one dictionary
-//! lookup and nothing is published or replicated.
-//!
-//! - **One server** ([`Notifier`]): `SUBSCRIBE`. A `complete`, a release and an applied
-//!   completion are followed by a plain `PUBSUB NUMSUB` in their round trip (inside
-//!   `set_if.lua` / `end_if.lua` on the scripts' path), and the store sends the `PUBLISH` when it
-//!   counts a subscriber (a waiter that subscribes after the count finds the record
-//!   completed when it looks). A lost subscribing connection is made again, its channels
-//!   subscribed again, and every waiter woken (a notification may have been lost
-//!   meanwhile).
-//! - **Redis Cluster** ([`ShardNotifier`]): a classic `PUBLISH` is broadcast to every node,
-//!   and `PUBSUB NUMSUB` counts only the node's own subscribers, so waiters use sharded
-//!   pub/sub instead (Redis 7.0): `SSUBSCRIBE` on the primary that owns the channel's slot,
-//!   which is the record's slot, where the script runs, counts with `PUBSUB SHARDNUMSUB`
-//!   and sends with `SPUBLISH`. The subscriptions go over a cluster connection of the
-//!   store's own (RESP3, which redis-rs needs for pub/sub on a cluster), which follows the
-//!   slot map. When a slot moves (a failover, a resharding), its node drops the slot's
-//!   subscriptions (`sunsubscribe`) or the connection is lost: the waiters of the
-//!   channels concerned are subscribed again, routed by the refreshed slot map, and then
-//!   woken to look at their records.
-//!
-//! While no subscription holds, waiters fall back to polling
-//! ([`idem_core::Config::safety_poll`]).
+//! Redis Cluster (the crate docs' [Waiters](crate#waiters) say what each sends). A lost
+//! subscription is made again, and its waiters woken to look at their records; while none
+//! holds, waiters fall back to polling ([`idem_core::Config::safety_poll`]).
 
-use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -42,15 +16,51 @@ use redis::cluster_async::ClusterConnection;
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::{mpsc, watch, Mutex};
 
+use crate::connection::PubSub;
+
 /// How a [`crate::RedisStore`]'s waiters are notified.
-#[derive(Debug)]
 pub(crate) enum Waiters {
     /// One server: classic pub/sub.
     One(Arc<Notifier>),
     /// Redis Cluster: sharded pub/sub.
     Cluster(Arc<ShardNotifier>),
-    /// Neither (a URL that is neither, refused before this is built).
-    None,
+}
+
+impl Waiters {
+    /// The notifier on `pubsub`'s servers, with its tasks (one unsubscribes idle channels;
+    /// on a cluster, one reads the nodes' pushes); `timeout` bounds connecting and each
+    /// subscribe. Must run inside a Tokio runtime.
+    pub(crate) fn start(pubsub: PubSub, timeout: Duration) -> Self {
+        match pubsub {
+            PubSub::One(client) => Self::One(unsubscribing_idle(|watchers| Notifier {
+                client,
+                watchers,
+                sink: Mutex::new(None),
+                generation: AtomicU64::new(0),
+                timeout,
+                alive: watch::channel(()).0,
+            })),
+            PubSub::Cluster(client, pushes) => {
+                let notifier = unsubscribing_idle(|watchers| ShardNotifier {
+                    client,
+                    watchers,
+                    connection: Mutex::new(None),
+                    timeout,
+                });
+                tokio::spawn(read_pushes(Arc::downgrade(&notifier), pushes));
+                Self::Cluster(notifier)
+            }
+        }
+    }
+
+    /// A watch on `channel` (a record's key), subscribed when this returns; `None` when the
+    /// servers cannot be reached or do not confirm in time (the caller polls).
+    pub(crate) async fn watch(&self, channel: String) -> Option<Watch> {
+        match self {
+            Self::One(notifier) => notifier.watch(channel).await,
+            Self::Cluster(notifier) => notifier.watch(channel).await,
+        }
+    }
 }
 
 /// The subscribing side of a [`crate::RedisStore`] on one server: made on the first wait.
@@ -69,31 +79,9 @@ pub(crate) struct Notifier {
     alive: watch::Sender<()>,
 }
 
-impl fmt::Debug for Notifier {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Notifier")
-            .field("watchers", &self.watchers)
-            .finish_non_exhaustive()
-    }
-}
-
 impl Notifier {
-    /// A notifier on `client`'s server, and its task that unsubscribes idle channels. Must
-    /// run inside a Tokio runtime.
-    pub(crate) fn start(client: redis::Client, timeout: Duration) -> Arc<Self> {
-        unsubscribing_idle(|watchers| Self {
-            client,
-            watchers,
-            sink: Mutex::new(None),
-            generation: AtomicU64::new(0),
-            timeout,
-            alive: watch::channel(()).0,
-        })
-    }
-
-    /// A watch on `channel`, subscribed on the server when this returns; `None` when the
-    /// server cannot be reached or does not confirm in time (the caller polls).
-    pub(crate) async fn watch(self: &Arc<Self>, channel: String) -> Option<Watch> {
+    /// As [`Waiters::watch`].
+    async fn watch(self: &Arc<Self>, channel: String) -> Option<Watch> {
         // Registered first, so a message that arrives as soon as the subscription holds is
         // delivered to it.
         let watch = self.watchers.watch(channel.clone());
@@ -111,17 +99,6 @@ impl Notifier {
         let (_, connection) = sink.as_mut()?;
         or_poll(self.timeout, "subscribe", connection.subscribe(&channel)).await?;
         Some(watch)
-    }
-
-    async fn unsubscribe_idle(&self, channel: &String) {
-        let mut sink = self.sink.lock().await;
-        if self.watchers.is_watched(channel) {
-            return;
-        }
-        if let Some((_, connection)) = sink.as_mut() {
-            // Best effort: a channel left subscribed only costs a message nobody reads.
-            let _ = tokio::time::timeout(self.timeout, connection.unsubscribe(channel)).await;
-        }
     }
 
     /// Opens a subscribing connection and subscribes every watched channel on it; the
@@ -224,37 +201,9 @@ pub(crate) struct ShardNotifier {
     timeout: Duration,
 }
 
-impl fmt::Debug for ShardNotifier {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShardNotifier")
-            .field("watchers", &self.watchers)
-            .finish_non_exhaustive()
-    }
-}
-
 impl ShardNotifier {
-    /// A notifier on `client`'s cluster, whose connections push what the nodes send to
-    /// `pushes` (see `connection::shard_pubsub_client`), with its task that reads them and
-    /// its task that unsubscribes idle channels. Must run inside a Tokio runtime.
-    pub(crate) fn start(
-        client: ClusterClient,
-        pushes: mpsc::UnboundedReceiver<PushInfo>,
-        timeout: Duration,
-    ) -> Arc<Self> {
-        let notifier = unsubscribing_idle(|watchers| Self {
-            client,
-            watchers,
-            connection: Mutex::new(None),
-            timeout,
-        });
-        tokio::spawn(read_pushes(Arc::downgrade(&notifier), pushes));
-        notifier
-    }
-
-    /// A watch on `channel`, subscribed on the primary of its slot when this returns;
-    /// `None` when the cluster cannot be reached or does not confirm in time (the caller
-    /// polls).
-    pub(crate) async fn watch(&self, channel: String) -> Option<Watch> {
+    /// As [`Waiters::watch`].
+    async fn watch(&self, channel: String) -> Option<Watch> {
         // Registered first, so a message that arrives as soon as the subscription holds is
         // delivered to it.
         let watch = self.watchers.watch(channel.clone());
@@ -279,17 +228,6 @@ impl ShardNotifier {
         or_poll(self.timeout, "ssubscribe", connection.ssubscribe(channel))
             .await
             .is_some()
-    }
-
-    async fn unsubscribe_idle(&self, channel: &String) {
-        let mut connection = self.connection.lock().await;
-        if self.watchers.is_watched(channel) {
-            return;
-        }
-        if let Some(connection) = connection.as_mut() {
-            // Best effort: a channel left subscribed only costs a message nobody reads.
-            let _ = tokio::time::timeout(self.timeout, connection.sunsubscribe(channel)).await;
-        }
     }
 
     /// Subscribes `channels` again (those still watched), after their node dropped them or
@@ -395,13 +333,27 @@ trait Subscriptions: Send + Sync + 'static {
 
 impl Subscriptions for Notifier {
     async fn unsubscribe_if_idle(&self, channel: String) {
-        self.unsubscribe_idle(&channel).await;
+        let mut sink = self.sink.lock().await;
+        if self.watchers.is_watched(&channel) {
+            return;
+        }
+        if let Some((_, connection)) = sink.as_mut() {
+            // Best effort: a channel left subscribed only costs a message nobody reads.
+            let _ = tokio::time::timeout(self.timeout, connection.unsubscribe(&channel)).await;
+        }
     }
 }
 
 impl Subscriptions for ShardNotifier {
     async fn unsubscribe_if_idle(&self, channel: String) {
-        self.unsubscribe_idle(&channel).await;
+        let mut connection = self.connection.lock().await;
+        if self.watchers.is_watched(&channel) {
+            return;
+        }
+        if let Some(connection) = connection.as_mut() {
+            // Best effort: a channel left subscribed only costs a message nobody reads.
+            let _ = tokio::time::timeout(self.timeout, connection.sunsubscribe(&channel)).await;
+        }
     }
 }
 

@@ -458,17 +458,6 @@ fn add(total: &mut ScanCounts, page: &ScanCounts) {
     total.keys += page.keys;
 }
 
-/// Runs a scan to its end: [`idem_core::Store::stats`] on Redis.
-pub(crate) async fn stats(
-    store: &RedisStore,
-    scope: Option<&Scope>,
-    stuck_after: Duration,
-) -> Result<Stats, Error> {
-    let mut scan = store.scan(scope, stuck_after);
-    while scan.step().await? {}
-    Ok(scan.counts.stats)
-}
-
 /// The `SCAN MATCH` pattern of the store's keys: `<prefix>{????????}<scope length>:<scope>*`
 /// with Redis glob characters escaped (braces are literal in Redis patterns).
 fn pattern(prefix: &str, scope: Option<&Scope>) -> Vec<u8> {

@@ -1,34 +1,24 @@
-//! [`RedisStore`]: the [`Store`] on Redis 7, standalone or Redis Cluster.
+//! [`RedisStore`], its builder, and what every call goes through: a ready connection (the
+//! eviction policy checked, the servers' path read), the call's time limit, and one send
+//! again after a dropped connection. The calls themselves are in `transitions.rs`.
 
 use std::fmt;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
-use idem_core::{
-    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
-    Replay, Result, Scope, Stats, Store, Watch,
-};
-use redis::aio::ConnectionLike;
-use redis::Value;
+use idem_core::{Begin, BeginRequest, Error, Fingerprint, Lease, RecordId, Replay};
 use tokio::sync::OnceCell;
-use tokio::time::Instant;
 
 use crate::caps::{self, Path, Server};
 use crate::codec::{self, Head};
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
-use crate::connection::{
-    pubsub_client, shard_pubsub_client, Conn, Connection, CLUSTER_SCHEME, RECONNECT_MAX_DELAY,
-};
-use crate::error::{classify, unexpected, EvictionPolicyError, ReplicationError};
+use crate::connection::{Conn, Connection, CLUSTER_SCHEME};
+use crate::error::{classify, EvictionPolicyError, ReplicationError};
 use crate::key;
-use crate::notify::{Notifier, ShardNotifier, Waiters};
-use crate::transitions::Answer;
+use crate::notify::Waiters;
 use crate::STORE;
 
 /// Durations sent to Redis are capped at 2^40 ms (about 34 years), far below what would
@@ -52,13 +42,11 @@ macro_rules! call {
                 let mut $resent = false;
                 loop {
                     let result = match $store.ready().await {
-                        Ok($conn) => $body,
+                        Ok(mut $conn) => $body,
                         Err(e) => Err(e),
                     };
                     match result {
-                        Err(e) if !$resent && (connection_failed(&e) || $store.refused(&e)) => {
-                            $resent = true
-                        }
+                        Err(e) if !$resent && $store.send_again(&e) => $resent = true,
                         other => break other,
                     }
                 }
@@ -66,26 +54,13 @@ macro_rules! call {
             .await
     };
 }
+pub(crate) use call;
 
-/// What [`RedisStore::apply_completion`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Applied {
-    /// The completion was written.
-    Written,
-    /// The key was already completed; nothing changed.
-    AlreadyCompleted,
-    /// Another lease holds the key in Redis; nothing changed.
-    HeldByAnotherLease,
-    /// The key is absent and no identity was given; nothing changed.
-    Absent,
-}
-
-/// The idempotency [`Store`] on Redis 7: one Lua script per transition, one round trip per
-/// call, lease deadlines by the server's clock.
+/// The idempotency [`idem_core::Store`] on Redis or Valkey: one round trip per transition
+/// in the common case, lease deadlines by the server's clock.
 ///
-/// Cheap to clone (clones share the connection). See the [crate docs](crate) for the key
-/// layout, the scripts' contracts, the memory per record and the durability option.
+/// Cheap to clone (clones share the connection). See the [crate docs](crate) for the
+/// paths per server, the key layout, the memory per record and the durability option.
 ///
 /// ```no_run
 /// # async fn example() -> Result<(), idem_core::Error> {
@@ -101,22 +76,22 @@ pub enum Applied {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     connection: Connection,
     config: RedisConfig,
     /// Set once the eviction policy was checked and found acceptable (or warned about).
     checked: OnceCell<()>,
     /// Waiters' pub/sub: classic on one server, sharded on a cluster.
-    notifier: Waiters,
+    pub(crate) notifier: Waiters,
     /// The [`Path`] of the transitions (its `to_u8`), 0 until the servers were read (and
     /// again when a node refuses a command, so that they are read again).
     path: AtomicU8,
     /// The margin (ms) of the last in-progress record this store wrote: the guess of the
-    /// record a lease holds, for the compare-and-set path (`commands.rs`).
-    margin_hint: AtomicU64,
+    /// record a lease holds, for the compare-and-sets (`transitions.rs`).
+    pub(crate) margin_hint: AtomicU64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -245,21 +220,8 @@ impl RedisStoreBuilder {
         if config.call_timeout.is_zero() || config.response_timeout.is_zero() {
             return Err(Error::Invalid("redis timeouts must not be zero".into()));
         }
-        let connection = Connection::open(&self.url, &config)?;
-        let notifier = match pubsub_client(&self.url)? {
-            Some(client) => Waiters::One(Notifier::start(client, config.response_timeout)),
-            None => {
-                let (push, pushes) = tokio::sync::mpsc::unbounded_channel();
-                match shard_pubsub_client(&self.url, &config, push)? {
-                    Some(client) => Waiters::Cluster(ShardNotifier::start(
-                        client,
-                        pushes,
-                        config.response_timeout,
-                    )),
-                    None => Waiters::None,
-                }
-            }
-        };
+        let (connection, pubsub) = Connection::open(&self.url, &config)?;
+        let notifier = Waiters::start(pubsub, config.response_timeout);
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
@@ -309,38 +271,6 @@ impl RedisStore {
         key::record_key(&self.inner.config.prefix, id)
     }
 
-    /// Writes a completion that was committed elsewhere (the arbiter of a tiered store) into
-    /// Redis: when the key is absent, or in progress under `token` (the lease that
-    /// completed). A completed key, or one held by another lease, is left as it is
-    /// (the relay's docs say why). Applying twice is applying once, so a relay may deliver
-    /// at least once. One round trip.
-    ///
-    /// `identity` is the record's fingerprint and attempt. Without it, the completing
-    /// lease's in-progress record supplies them, and an absent key answers
-    /// [`Applied::Absent`] (call again with them).
-    ///
-    /// # Errors
-    ///
-    /// Store errors; [`Error::Invalid`] when the body is over the limit and the
-    /// [`OversizeBody`] policy refuses it.
-    pub async fn apply_completion(
-        &self,
-        id: &RecordId,
-        identity: Option<(&Fingerprint, u32)>,
-        token: FencingToken,
-        completion: &Completion,
-        ttl: Duration,
-    ) -> Result<Applied, Error> {
-        let key = self.record_key(id);
-        // Applying twice is applying once: a re-send after a dropped connection needs no
-        // marker.
-        call!(self, |conn, _resent| {
-            let mut conn = conn;
-            self.apply_on(&mut conn, &key, identity, token, completion, ttl)
-                .await
-        })
-    }
-
     /// What the record of `req.id` answers `req`, read without writing anything: a replay or a
     /// mismatch of a completed record, or in flight (or a mismatch) under another token's
     /// live lease. `None` when the key is absent, its lease ran out, or `req`'s own token
@@ -355,20 +285,10 @@ impl RedisStore {
     /// Store errors; [`Error::Corrupt`] when the value is not a record.
     pub async fn peek(&self, req: &BeginRequest<'_>) -> Result<Option<Begin>, Error> {
         let key = self.record_key(req.id);
-        let (record, pttl): (Option<Vec<u8>>, i64) = call!(self, |conn, _resent| {
-            let mut conn = conn;
-            redis::pipe()
-                .get(&key)
-                .pttl(&key)
-                .query_async(&mut conn)
-                .await
-                .map_err(classify)
-        })?;
-        // Absent, or released a moment ago (Valkey 8.1).
-        let Some(record) = record.filter(|r| r.as_slice() != codec::RELEASED) else {
+        let (record, pttl) = call!(self, |conn, _resent| read(&mut conn, &key).await)?;
+        let Some(record) = record else {
             return Ok(None);
         };
-        let record = Bytes::from(record);
         let fingerprint = req.fingerprint.as_bytes().as_slice();
         match codec::decode_head(&record, pttl) {
             Some(Head::Completed {
@@ -427,7 +347,6 @@ impl RedisStore {
         self.inner.margin_hint.store(0, Ordering::Relaxed);
         let ttl_ms = millis(lease.remaining()).max(1);
         call!(self, |conn, _resent| {
-            let mut conn = conn;
             // A re-sent SET NX finds its own record and writes nothing: the same outcome.
             redis::cmd("SET")
                 .arg(&key)
@@ -449,7 +368,6 @@ impl RedisStore {
     /// [`Error::Unavailable`] when it does not.
     pub async fn ping(&self) -> Result<(), Error> {
         call!(self, |conn, _resent| {
-            let mut conn = conn;
             redis::cmd("PING")
                 .query_async::<()>(&mut conn)
                 .await
@@ -475,11 +393,6 @@ impl RedisStore {
             self.inner.path.store(path.to_u8(), Ordering::Relaxed);
         }
         Ok(conn)
-    }
-
-    /// The margin (ms) of the last in-progress record this store wrote.
-    pub(crate) fn margin_hint(&self) -> u64 {
-        self.inner.margin_hint.load(Ordering::Relaxed)
     }
 
     /// How the transitions are made: read from the servers by [`RedisStore::ready`].
@@ -518,16 +431,22 @@ impl RedisStore {
         Ok(path)
     }
 
-    /// Whether `error` is a node refusing a compare-and-set command (a failover or a
-    /// resharding onto an older server): the servers are read again before the next call.
-    fn refused(&self, error: &Error) -> bool {
-        let Error::Backend { source, .. } = error else {
+    /// Whether a call that failed with `error` is sent once more: when the connection failed
+    /// under it (refused, dropped, reset; not a timeout, after which it may still run), or
+    /// a node refused a compare-and-set command (a failover or a resharding onto an older
+    /// server; the servers are read again first).
+    pub(crate) fn send_again(&self, error: &Error) -> bool {
+        let (Error::Unavailable { source, .. } | Error::Backend { source, .. }) = error else {
             return false;
         };
+        let Some(e) = source.downcast_ref::<redis::RedisError>() else {
+            return false;
+        };
+        if matches!(error, Error::Unavailable { .. }) {
+            return e.is_connection_dropped() || e.is_connection_refusal();
+        }
         let refused = matches!(self.path(), Path::Commands(_))
-            && source
-                .downcast_ref::<redis::RedisError>()
-                .and_then(redis::RedisError::detail)
+            && e.detail()
                 .is_some_and(|d| d.contains("syntax error") || d.contains("unknown command"));
         if refused {
             self.inner.path.store(0, Ordering::Relaxed);
@@ -535,237 +454,42 @@ impl RedisStore {
         refused
     }
 
-    /// Bounds a whole call by [`RedisConfig::call_timeout`], counted from its first poll.
-    ///
-    /// The timer is armed only when the call waits a second time. Nearly every call waits
-    /// once (for the one round trip of its command) and is answered by the wake-up that
-    /// follows, so it never pays for registering and clearing a timer: redis-rs already
-    /// runs one per command. The first wait is always one redis-rs bounds by a timer of
-    /// its own (the response timeout around a command, the connection timeout and the
-    /// backoff pause of a reconnection, the cluster client's whole-request timeout, which is
-    /// the call's). When the first three are shorter than the call's timeout, as by default,
-    /// the call wakes again before its deadline and arms the timer then; otherwise the timer
-    /// is armed at the first wait.
-    async fn bounded<T>(&self, call: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
-        let config = &self.inner.config;
-        let limit = config.call_timeout;
-        let deadline = Instant::now() + limit;
-        let first_wait = config
-            .response_timeout
-            .max(config.connect_timeout)
-            .max(RECONNECT_MAX_DELAY);
-        let mut waited = first_wait >= limit;
-        let mut call = std::pin::pin!(call);
-        let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(result) = call.as_mut().poll(cx) {
-                return Poll::Ready(result);
-            }
-            if !waited {
-                waited = true;
-                return Poll::Pending;
-            }
-            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            match timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(Error::unavailable(
-                    STORE,
-                    format!("no answer within {limit:?}"),
-                ))),
-                Poll::Pending => Poll::Pending,
-            }
+    /// Bounds a whole call by [`RedisConfig::call_timeout`].
+    pub(crate) async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let limit = self.inner.config.call_timeout;
+        tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+            Err(Error::unavailable(
+                STORE,
+                format!("no answer within {limit:?}"),
+            ))
         })
-        .await
     }
 
-    /// Waits for replicas after a write when durability is on; `Ok(None)` when enough
-    /// acknowledged (or durability is off), `Ok(Some((acked, wanted)))` when too few did.
-    async fn replicate(&self, conn: &mut Conn, key: &str) -> Result<Option<(u32, u32)>, Error> {
+    /// Waits for replicas after a write when durability is on: `Ok(None)` when enough
+    /// acknowledged (or durability is off), else the error the `step` answers (`kept`:
+    /// whether its write stays on the primary).
+    pub(crate) async fn replicate(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        step: &'static str,
+        kept: bool,
+    ) -> Result<Option<Error>, Error> {
         let Some(d) = self.inner.config.durability.filter(|d| d.replicas > 0) else {
             return Ok(None);
         };
         let acked = conn.wait(key, d.replicas, d.timeout).await?;
-        Ok((acked < d.replicas).then_some((acked, d.replicas)))
-    }
-
-    /// `begin`: one plain `SET key <in-progress record> NX GET PX <lease + retention>`, one
-    /// round trip in the common cases. An absent key is acquired by the `SET` itself;
-    /// otherwise the record it hands back decides: a completed record is replayed (it
-    /// carries its own expiry), a record of another fingerprint is a mismatch. A record in
-    /// progress needs the server's clock: its key's `PTTL` minus its margin is the lease
-    /// time left, which tells in flight, or the caller's own lease sent again; an expired
-    /// lease is taken over with a compare-and-set of the record read, whose answer is
-    /// decided again when the record changed in between.
-    async fn begin_once(
-        &self,
-        mut conn: Conn,
-        key: &str,
-        req: &BeginRequest<'_>,
-    ) -> Result<Begin, Error> {
-        let sent_at = Instant::now();
-        let lease_ms = millis(req.lease).max(1);
-        let margin_ms = millis(req.retention);
-        self.inner.margin_hint.store(margin_ms, Ordering::Relaxed);
-        let granted = |attempt, remaining| {
-            Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
-                .with_fingerprint(req.fingerprint)
+        let error = ReplicationError {
+            acked,
+            wanted: d.replicas,
+            step,
+            kept,
         };
-        let full = Duration::from_millis(lease_ms);
-        let first = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
-        let mut set = redis::Cmd::with_capacity(7, key.len() + first.len() + 30);
-        set.arg("SET")
-            .arg(key)
-            .arg(first.as_slice())
-            .arg("NX")
-            .arg("GET");
-        set.arg("PX").arg(lease_ms + margin_ms);
-        let mut found = self.set_nx(&mut conn, &set).await?;
-        for _ in 0..CAS_ROUNDS {
-            let Some(old) = found else {
-                return self.hold(conn, key, granted(1, full)).await;
-            };
-            // What to write over `old`, and the attempt it is.
-            let (write, attempt) = if old.as_ref() == codec::RELEASED {
-                // Released on a server without a compare-and-delete: as good as absent.
-                (first, 1)
-            } else {
-                match codec::decode_head(&old, 0) {
-                    Some(
-                        Head::Completed { fingerprint: f, .. }
-                        | Head::InProgress { fingerprint: f, .. },
-                    ) if f != req.fingerprint.as_bytes() => return Ok(Begin::Mismatch),
-                    Some(Head::Completed { expires_at, .. }) => {
-                        return Ok(Begin::Replay(Replay {
-                            completion: codec::decode_completion_in(&old, &old)?,
-                            expires_in: codec::expires_in(expires_at),
-                        }))
-                    }
-                    Some(Head::InProgress { .. }) => {}
-                    None => return Err(Error::corrupt(STORE, "not a record")),
-                }
-                let pttl = self.pttl(&mut conn, key).await?;
-                let Some(Head::InProgress {
-                    token,
-                    attempt,
-                    lease_left_ms,
-                    ..
-                }) = codec::decode_head(&old, pttl)
-                else {
-                    return Err(Error::corrupt(
-                        STORE,
-                        "in-progress record without an expiry",
-                    ));
-                };
-                if token == req.token.as_bytes() {
-                    // The same attempt asking again (its reply was lost): its own lease back.
-                    let left = codec::millis(lease_left_ms);
-                    return self.hold(conn, key, granted(attempt, left)).await;
-                }
-                if lease_left_ms > 0 {
-                    return Ok(Begin::InFlight {
-                        retry_after: codec::millis(lease_left_ms),
-                    });
-                }
-                // The holder's lease expired: take it over if the record is still `old`.
-                let attempt = attempt.saturating_add(1);
-                let taken = codec::in_progress(&req.token, margin_ms, &req.fingerprint, attempt);
-                (taken, attempt)
-            };
-            let ms = lease_ms + margin_ms;
-            found = match self
-                .set_if(&mut conn, key, &old, &write, ms, false)
-                .await?
-                .0
-            {
-                Answer::Matched => return self.hold(conn, key, granted(attempt, full)).await,
-                // Gone meanwhile: start over.
-                Answer::Found(None) | Answer::Unknown => self.set_nx(&mut conn, &set).await?,
-                Answer::Found(Some(other)) => Some(other),
-            };
-        }
-        Err(Error::unavailable(
-            STORE,
-            "the record kept changing under a takeover; try again",
-        ))
+        Ok((acked < d.replicas).then(|| Error::unavailable(STORE, error)))
     }
-
-    /// Sends a `SET .. NX GET`: `None` when it wrote, else the value the key holds.
-    async fn set_nx(&self, conn: &mut Conn, set: &redis::Cmd) -> Result<Option<Bytes>, Error> {
-        let reply = conn.req_packed_command(set).await;
-        match reply.and_then(Value::extract_error).map_err(classify)? {
-            Value::Nil => Ok(None),
-            Value::BulkString(old) => Ok(Some(Bytes::from(old))),
-            other => Err(unexpected("SET NX GET", &other)),
-        }
-    }
-
-    /// The key's `PTTL`.
-    async fn pttl(&self, conn: &mut Conn, key: &str) -> Result<i64, Error> {
-        redis::cmd("PTTL")
-            .arg(key)
-            .query_async(conn)
-            .await
-            .map_err(classify)
-    }
-
-    /// Hands a lease to the caller: `Acquired` for attempt 1, `TookOver` after, once enough
-    /// replicas hold it when durability is on (otherwise it is given back).
-    async fn hold(&self, mut conn: Conn, key: &str, lease: Lease) -> Result<Begin, Error> {
-        if let Some((acked, wanted)) = self.replicate(&mut conn, key).await? {
-            // The lease may not survive a failover: give it back rather than let the work
-            // run on it. A failed release leaves it to expire.
-            let _ = self.release_on(&mut conn, key, &lease, false).await;
-            return Err(Error::unavailable(
-                STORE,
-                ReplicationError {
-                    acked,
-                    wanted,
-                    step: "begin",
-                    kept: false,
-                },
-            ));
-        }
-        Ok(if lease.attempt() == 1 {
-            Begin::Acquired(lease)
-        } else {
-            Begin::TookOver(lease)
-        })
-    }
-
-    /// Waits for replicas after a completion when durability is on.
-    pub(crate) async fn after_complete(&self, conn: &mut Conn, key: &str) -> Result<(), Error> {
-        if let Some((acked, wanted)) = self.replicate(conn, key).await? {
-            return Err(Error::unavailable(
-                STORE,
-                ReplicationError {
-                    acked,
-                    wanted,
-                    step: "complete",
-                    kept: true,
-                },
-            ));
-        }
-        Ok(())
-    }
-}
-
-async fn evict_once(mut conn: Conn, key: &str) -> Result<bool, Error> {
-    let deleted: i64 = redis::cmd("DEL")
-        .arg(key)
-        .query_async(&mut conn)
-        .await
-        .map_err(classify)?;
-    Ok(deleted > 0)
-}
-
-/// Whether an error means the connection failed under a call (as opposed to Redis
-/// answering with an error, or a timeout, after which the call may still be running).
-fn connection_failed(error: &Error) -> bool {
-    let Error::Unavailable { source, .. } = error else {
-        return false;
-    };
-    source
-        .downcast_ref::<redis::RedisError>()
-        .is_some_and(|e| e.is_connection_dropped() || e.is_connection_refusal())
 }
 
 /// Reads the servers' `maxmemory-policy` and warns or refuses per `config.eviction`; then,
@@ -827,76 +551,12 @@ pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
 }
 
-#[async_trait]
-impl Store for RedisStore {
-    fn name(&self) -> &'static str {
-        STORE
-    }
-
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        let key = self.record_key(req.id);
-        // A re-sent begin carries the same token, so it gets its own lease back.
-        call!(self, |conn, _resent| self
-            .begin_once(conn, &key, &req)
-            .await)
-    }
-
-    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
-        let encoded = codec::encode_completion(completion, &self.inner.config.body)?;
-        let key = self.record_key(lease.id());
-        call!(self, |conn, resent| {
-            let mut conn = conn;
-            self.complete_on(&mut conn, &key, lease, &encoded, ttl, resent)
-                .await
-        })
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<(), Error> {
-        let key = self.record_key(lease.id());
-        call!(self, |conn, resent| {
-            let mut conn = conn;
-            self.release_on(&mut conn, &key, lease, resent).await
-        })
-    }
-
-    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
-        let key = self.record_key(lease.id());
-        // Extending twice to the same `by` from now is what one extend does.
-        call!(self, |conn, _resent| {
-            let mut conn = conn;
-            self.extend_on(&mut conn, &key, lease, by).await
-        })
-    }
-
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        let key = self.record_key(id);
-        call!(self, |conn, _resent| {
-            let mut conn = conn;
-            self.get_on(&mut conn, &key, id).await
-        })
-    }
-
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        let key = self.record_key(id);
-        call!(self, |conn, _resent| evict_once(conn, &key).await)
-    }
-
-    /// Pub/sub (see the [crate docs](crate#waiters)): the waiter subscribes to the record's
-    /// channel on the store's subscribing connection, a shard channel on a cluster. `None`
-    /// when the subscription is not confirmed in time (the caller polls).
-    async fn watch(&self, id: &RecordId) -> Option<Watch> {
-        match &self.inner.notifier {
-            Waiters::One(notifier) => notifier.watch(self.record_key(id)).await,
-            Waiters::Cluster(notifier) => notifier.watch(self.record_key(id)).await,
-            Waiters::None => None,
-        }
-    }
-
-    /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
-    /// reads each record, a page of keys at a time ([`RedisStore::scan`] to its end). Not a
-    /// snapshot: records changing meanwhile may be counted in either state. Each page is
-    /// bounded by [`RedisConfig::call_timeout`]; the whole count is not.
-    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
-        crate::stats::stats(self, scope, stuck_after).await
-    }
+/// The value of `key` (`None` when absent, or released a moment ago on Valkey 8.1) and its
+/// `PTTL`, in one round trip.
+pub(crate) async fn read(conn: &mut Conn, key: &str) -> Result<(Option<Bytes>, i64), Error> {
+    let mut pipe = redis::pipe();
+    pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+    let (value, pttl): (Option<Vec<u8>>, i64) = pipe.query_async(conn).await.map_err(classify)?;
+    let value = value.filter(|v| v.as_slice() != codec::RELEASED);
+    Ok((value.map(Bytes::from), pttl))
 }

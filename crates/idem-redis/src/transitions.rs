@@ -1,7 +1,9 @@
-//! The fenced transitions, written once for both paths (see [`crate::Scripting`]): each is
-//! a compare-and-set of the whole record the lease holds, sent as the server's own command
-//! (`SET .. IFEQ .. GET`, `DELIFEQ`, `DELEX .. IFEQ`) where every primary has it, else as
-//! `set_if.lua` or `end_if.lua`, which do the same compare in one script.
+//! The store's calls: [`Store`] for [`RedisStore`]. `begin` is one plain `SET .. NX GET`
+//! in the common cases; the fenced transitions are written once for both paths (see
+//! [`crate::Scripting`]): each is a compare-and-set of the whole record the lease holds,
+//! sent as the server's own command (`SET .. IFEQ .. GET`, `DELIFEQ`, `DELEX .. IFEQ`)
+//! where every primary has it, else as `set_if.lua` or `end_if.lua`, which do the same
+//! compare in one script.
 //!
 //! The record a lease holds is rebuilt from the lease (its token, fingerprint and attempt)
 //! and the margin of the store's last `begin` (`margin_hint`, the same for every `begin` of
@@ -10,10 +12,15 @@
 //! compare-and-delete) tells what it holds: still the lease's (another margin), the write
 //! goes again with it; otherwise the lease is lost.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use bytes::Bytes;
-use idem_core::{Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId};
+use idem_core::{
+    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
+    Replay, Result, Scope, Stats, Store, Watch,
+};
 use redis::aio::ConnectionLike as _;
 use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
 use tokio::time::Instant;
@@ -23,8 +30,22 @@ use crate::codec::{self, Head};
 use crate::connection::Conn;
 use crate::error::{classify, unexpected};
 use crate::scripts;
-use crate::store::{millis, RedisStore, CAS_ROUNDS};
-use crate::{Applied, STORE};
+use crate::store::{call, millis, read, RedisStore, CAS_ROUNDS};
+use crate::STORE;
+
+/// What [`RedisStore::apply_completion`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Applied {
+    /// The completion was written.
+    Written,
+    /// The key was already completed; nothing changed.
+    AlreadyCompleted,
+    /// Another lease holds the key in Redis; nothing changed.
+    HeldByAnotherLease,
+    /// The key is absent and no identity was given; nothing changed.
+    Absent,
+}
 
 /// What a compare-and-set answered.
 pub(crate) enum Answer {
@@ -50,6 +71,216 @@ enum Write<'a> {
 }
 
 impl RedisStore {
+    /// Writes a completion that was committed elsewhere (the arbiter of a tiered store) into
+    /// Redis: when the key is absent, or in progress under `token` (the lease that
+    /// completed). A completed key, or one held by another lease, is left as it is
+    /// (the relay's docs say why). Applying twice is applying once, so a relay may deliver
+    /// at least once. One round trip.
+    ///
+    /// `identity` is the record's fingerprint and attempt. Without it, the completing
+    /// lease's in-progress record supplies them, and an absent key answers
+    /// [`Applied::Absent`] (call again with them).
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Invalid`] when the body is over the limit and the
+    /// [`crate::OversizeBody`] policy refuses it.
+    pub async fn apply_completion(
+        &self,
+        id: &RecordId,
+        identity: Option<(&Fingerprint, u32)>,
+        token: FencingToken,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<Applied, Error> {
+        let key = self.record_key(id);
+        let encoded = codec::encode_completion(completion, &self.config().body)?;
+        let expires_at = codec::expires_at(ttl);
+        let ms = millis(ttl).max(1);
+        // The record read, then the completion written with `SET .. NX GET` (absent) or a
+        // compare-and-set (held by `token`), read again when it changed in between. Applying
+        // twice is applying once: a re-send after a dropped connection needs no marker.
+        call!(self, |conn, _resent| async {
+            let conn = &mut conn;
+            for _ in 0..CAS_ROUNDS {
+                let current = self.get_value(conn, &key).await?;
+                let (record, held) = match current.as_deref().map(|v| (v, codec::decode_head(v, 0)))
+                {
+                    None => match identity {
+                        Some((fp, attempt)) => {
+                            let held = codec::in_progress(&token, 0, fp, attempt);
+                            (completed(&held, &encoded, expires_at), None)
+                        }
+                        None => return Ok(Applied::Absent),
+                    },
+                    Some((_, Some(Head::Completed { .. }))) => {
+                        return Ok(Applied::AlreadyCompleted)
+                    }
+                    Some((held, Some(_))) if held_by(held, token) => {
+                        (completed(held, &encoded, expires_at), Some(held))
+                    }
+                    Some((_, Some(_))) => return Ok(Applied::HeldByAnotherLease),
+                    Some((_, None)) => return Err(Error::corrupt(STORE, "not a record")),
+                };
+                let (written, waiters) = match held {
+                    Some(held) => {
+                        let (answer, waiters) =
+                            self.set_if(conn, &key, held, &record, ms, true).await?;
+                        (matches!(answer, Answer::Matched), waiters)
+                    }
+                    None => {
+                        let mut cmd = Cmd::with_capacity(8, key.len() + record.len() + 30);
+                        cmd.arg("SET").arg(&key).arg(&record).arg("NX").arg("GET");
+                        cmd.arg("PX").arg(ms);
+                        let (old, waiters) = self.counted(conn, &key, cmd, true).await?;
+                        (old == Value::Nil, waiters)
+                    }
+                };
+                if written {
+                    self.wake(conn, &key, waiters).await;
+                    return Ok(Applied::Written);
+                }
+            }
+            Err(Error::unavailable(
+                STORE,
+                "the record kept changing under an apply; try again",
+            ))
+        }
+        .await)
+    }
+
+    /// `begin`: one plain `SET key <in-progress record> NX GET PX <lease + retention>`, one
+    /// round trip in the common cases. An absent key is acquired by the `SET` itself;
+    /// otherwise the record it hands back decides: a completed record is replayed (it
+    /// carries its own expiry), a record of another fingerprint is a mismatch. A record in
+    /// progress needs the server's clock: its key's `PTTL` minus its margin is the lease
+    /// time left, which tells in flight, or the caller's own lease sent again; an expired
+    /// lease is taken over with a compare-and-set of the record read, whose answer is
+    /// decided again when the record changed in between.
+    async fn begin_once(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        req: &BeginRequest<'_>,
+    ) -> Result<Begin, Error> {
+        let sent_at = Instant::now();
+        let lease_ms = millis(req.lease).max(1);
+        let margin_ms = millis(req.retention);
+        self.inner.margin_hint.store(margin_ms, Ordering::Relaxed);
+        let granted = |attempt, remaining| {
+            Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
+                .with_fingerprint(req.fingerprint)
+        };
+        let full = Duration::from_millis(lease_ms);
+        let first = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
+        let mut set = redis::Cmd::with_capacity(7, key.len() + first.len() + 30);
+        set.arg("SET")
+            .arg(key)
+            .arg(first.as_slice())
+            .arg("NX")
+            .arg("GET");
+        set.arg("PX").arg(lease_ms + margin_ms);
+        let mut found = self.set_nx(conn, &set).await?;
+        for _ in 0..CAS_ROUNDS {
+            let Some(old) = found else {
+                return self.hold(conn, key, granted(1, full)).await;
+            };
+            // What to write over `old`, and the attempt it is.
+            let (write, attempt) = if old.as_ref() == codec::RELEASED {
+                // Released on a server without a compare-and-delete: as good as absent.
+                (first, 1)
+            } else {
+                match codec::decode_head(&old, 0) {
+                    Some(
+                        Head::Completed { fingerprint: f, .. }
+                        | Head::InProgress { fingerprint: f, .. },
+                    ) if f != req.fingerprint.as_bytes() => return Ok(Begin::Mismatch),
+                    Some(Head::Completed { expires_at, .. }) => {
+                        return Ok(Begin::Replay(Replay {
+                            completion: codec::decode_completion_in(&old, &old)?,
+                            expires_in: codec::expires_in(expires_at),
+                        }))
+                    }
+                    Some(Head::InProgress { .. }) => {}
+                    None => return Err(Error::corrupt(STORE, "not a record")),
+                }
+                let pttl = self.pttl(conn, key).await?;
+                let Some(Head::InProgress {
+                    token,
+                    attempt,
+                    lease_left_ms,
+                    ..
+                }) = codec::decode_head(&old, pttl)
+                else {
+                    return Err(Error::corrupt(
+                        STORE,
+                        "in-progress record without an expiry",
+                    ));
+                };
+                if token == req.token.as_bytes() {
+                    // The same attempt asking again (its reply was lost): its own lease back.
+                    let left = codec::millis(lease_left_ms);
+                    return self.hold(conn, key, granted(attempt, left)).await;
+                }
+                if lease_left_ms > 0 {
+                    return Ok(Begin::InFlight {
+                        retry_after: codec::millis(lease_left_ms),
+                    });
+                }
+                // The holder's lease expired: take it over if the record is still `old`.
+                let attempt = attempt.saturating_add(1);
+                let taken = codec::in_progress(&req.token, margin_ms, &req.fingerprint, attempt);
+                (taken, attempt)
+            };
+            let ms = lease_ms + margin_ms;
+            found = match self.set_if(conn, key, &old, &write, ms, false).await?.0 {
+                Answer::Matched => return self.hold(conn, key, granted(attempt, full)).await,
+                // Gone meanwhile: start over.
+                Answer::Found(None) | Answer::Unknown => self.set_nx(conn, &set).await?,
+                Answer::Found(Some(other)) => Some(other),
+            };
+        }
+        Err(Error::unavailable(
+            STORE,
+            "the record kept changing under a takeover; try again",
+        ))
+    }
+
+    /// Sends a `SET .. NX GET`: `None` when it wrote, else the value the key holds.
+    async fn set_nx(&self, conn: &mut Conn, set: &redis::Cmd) -> Result<Option<Bytes>, Error> {
+        let reply = conn.req_packed_command(set).await;
+        match reply.and_then(Value::extract_error).map_err(classify)? {
+            Value::Nil => Ok(None),
+            Value::BulkString(old) => Ok(Some(Bytes::from(old))),
+            other => Err(unexpected("SET NX GET", &other)),
+        }
+    }
+
+    /// The key's `PTTL`.
+    async fn pttl(&self, conn: &mut Conn, key: &str) -> Result<i64, Error> {
+        redis::cmd("PTTL")
+            .arg(key)
+            .query_async(conn)
+            .await
+            .map_err(classify)
+    }
+
+    /// Hands a lease to the caller: `Acquired` for attempt 1, `TookOver` after, once enough
+    /// replicas hold it when durability is on (otherwise it is given back).
+    async fn hold(&self, conn: &mut Conn, key: &str, lease: Lease) -> Result<Begin, Error> {
+        if let Some(error) = self.replicate(conn, key, "begin", false).await? {
+            // The lease may not survive a failover: give it back rather than let the work
+            // run on it. A failed release leaves it to expire.
+            let _ = self.release_on(conn, key, &lease, false).await;
+            return Err(error);
+        }
+        Ok(if lease.attempt() == 1 {
+            Begin::Acquired(lease)
+        } else {
+            Begin::TookOver(lease)
+        })
+    }
+
     /// `PUBSUB` counts a record's waiters with: `SHARDNUMSUB` on a cluster.
     fn numsub(&self) -> &'static str {
         if self.is_cluster() {
@@ -189,7 +420,7 @@ impl RedisStore {
     /// The in-progress record `lease` holds, as this store writes it, with the margin of
     /// its last `begin`; `None` when the lease does not carry its fingerprint.
     fn guess(&self, lease: &Lease) -> Option<Bytes> {
-        let margin = self.margin_hint();
+        let margin = self.inner.margin_hint.load(Ordering::Relaxed);
         let fingerprint = lease.fingerprint().filter(|_| margin != u64::MAX)?;
         let record = codec::in_progress(&lease.token(), margin, fingerprint, lease.attempt());
         Some(Bytes::copy_from_slice(&record))
@@ -284,7 +515,10 @@ impl RedisStore {
             Err(_) => return Err(Error::LeaseLost),
         };
         self.wake(conn, key, waiters).await;
-        self.after_complete(conn, key).await
+        match self.replicate(conn, key, "complete", true).await? {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 
     /// `release`: the record the lease holds deleted. A call sent again (`resent`) also
@@ -324,81 +558,6 @@ impl RedisStore {
             Ok(_) => Ok(lease.renewed(lease.attempt(), Duration::from_millis(by_ms), sent_at)),
             Err(_) => Err(Error::LeaseLost),
         }
-    }
-
-    /// `get`: `GET` and `PTTL` in one round trip.
-    pub(crate) async fn get_on(
-        &self,
-        conn: &mut Conn,
-        key: &str,
-        id: &RecordId,
-    ) -> Result<Option<Record>, Error> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
-        let (value, pttl): (Option<Vec<u8>>, i64) =
-            pipe.query_async(conn).await.map_err(classify)?;
-        match value {
-            Some(v) if v.as_slice() != codec::RELEASED => {
-                codec::decode_record(id, Bytes::from(v), pttl).map(Some)
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// [`RedisStore::apply_completion`]: the record read, then the completion written with
-    /// `SET .. NX GET` (absent) or a compare-and-set (held by `token`), read again when it
-    /// changed in between.
-    pub(crate) async fn apply_on(
-        &self,
-        conn: &mut Conn,
-        key: &str,
-        identity: Option<(&Fingerprint, u32)>,
-        token: FencingToken,
-        completion: &Completion,
-        ttl: Duration,
-    ) -> Result<Applied, Error> {
-        let encoded = codec::encode_completion(completion, &self.config().body)?;
-        let expires_at = codec::expires_at(ttl);
-        let ms = millis(ttl).max(1);
-        for _ in 0..CAS_ROUNDS {
-            let current = self.get_value(conn, key).await?;
-            let (record, held) = match current.as_deref().map(|v| (v, codec::decode_head(v, 0))) {
-                None => match identity {
-                    Some((fp, attempt)) => {
-                        let held = codec::in_progress(&token, 0, fp, attempt);
-                        (completed(&held, &encoded, expires_at), None)
-                    }
-                    None => return Ok(Applied::Absent),
-                },
-                Some((_, Some(Head::Completed { .. }))) => return Ok(Applied::AlreadyCompleted),
-                Some((held, Some(_))) if held_by(held, token) => {
-                    (completed(held, &encoded, expires_at), Some(held))
-                }
-                Some((_, Some(_))) => return Ok(Applied::HeldByAnotherLease),
-                Some((_, None)) => return Err(Error::corrupt(STORE, "not a record")),
-            };
-            let (written, waiters) = match held {
-                Some(held) => {
-                    let (answer, waiters) = self.set_if(conn, key, held, &record, ms, true).await?;
-                    (matches!(answer, Answer::Matched), waiters)
-                }
-                None => {
-                    let mut cmd = Cmd::with_capacity(8, key.len() + record.len() + 30);
-                    cmd.arg("SET").arg(key).arg(&record).arg("NX").arg("GET");
-                    cmd.arg("PX").arg(ms);
-                    let (old, waiters) = self.counted(conn, key, cmd, true).await?;
-                    (old == Value::Nil, waiters)
-                }
-            };
-            if written {
-                self.wake(conn, key, waiters).await;
-                return Ok(Applied::Written);
-            }
-        }
-        Err(Error::unavailable(
-            STORE,
-            "the record kept changing under an apply; try again",
-        ))
     }
 }
 
@@ -442,4 +601,76 @@ fn completed(held: &[u8], encoded: &codec::EncodedCompletion, expires_at: u32) -
 fn held_by(value: &[u8], token: FencingToken) -> bool {
     matches!(codec::decode_head(value, 0),
         Some(Head::InProgress { token: t, .. }) if t == token.as_bytes())
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
+        let key = self.record_key(req.id);
+        // A re-sent begin carries the same token, so it gets its own lease back.
+        call!(self, |conn, _resent| self
+            .begin_once(&mut conn, &key, &req)
+            .await)
+    }
+
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
+        let encoded = codec::encode_completion(completion, &self.config().body)?;
+        let key = self.record_key(lease.id());
+        call!(self, |conn, resent| {
+            self.complete_on(&mut conn, &key, lease, &encoded, ttl, resent)
+                .await
+        })
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), Error> {
+        let key = self.record_key(lease.id());
+        call!(self, |conn, resent| {
+            self.release_on(&mut conn, &key, lease, resent).await
+        })
+    }
+
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+        let key = self.record_key(lease.id());
+        // Extending twice to the same `by` from now is what one extend does.
+        call!(self, |conn, _resent| {
+            self.extend_on(&mut conn, &key, lease, by).await
+        })
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let key = self.record_key(id);
+        let (value, pttl) = call!(self, |conn, _resent| read(&mut conn, &key).await)?;
+        value.map(|v| codec::decode_record(id, v, pttl)).transpose()
+    }
+
+    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .map(|deleted: i64| deleted > 0)
+            .map_err(classify))
+    }
+
+    /// Pub/sub (see the [crate docs](crate#waiters)): the waiter subscribes to the record's
+    /// channel on the store's subscribing connection, a shard channel on a cluster. `None`
+    /// when the subscription is not confirmed in time (the caller polls).
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        self.inner.notifier.watch(self.record_key(id)).await
+    }
+
+    /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
+    /// reads each record, a page of keys at a time ([`RedisStore::scan`] to its end). Not a
+    /// snapshot: records changing meanwhile may be counted in either state. Each page is
+    /// bounded by [`RedisConfig::call_timeout`]; the whole count is not.
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
+        let mut scan = self.scan(scope, stuck_after);
+        while scan.step().await? {}
+        Ok(scan.counts().stats)
+    }
 }
