@@ -10,47 +10,27 @@ use crate::STORE;
 const VERSIONS: &str = "Valkey 8.1 or newer (SET IFEQ; DELIFEQ from 9.0) or Redis 8.4 or \
                         newer (SET IFEQ and DELEX)";
 
-/// How a record held by a lease is deleted without a script.
+/// How the store makes its fenced transitions: Lua scripts, or plain commands (`SET ..
+/// IFEQ`, and a release of the kind named).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Release {
+#[repr(u8)]
+pub(crate) enum Path {
+    /// Lua scripts.
+    Scripts = 1,
     /// `DELIFEQ key value` (Valkey 9.0+).
     DelIfEq,
     /// `DELEX key IFEQ value` (Redis 8.4+).
     DelEx,
-    /// `SET key <released> IFEQ value PX 1`: a one-byte value that lives a millisecond
-    /// and reads as absent (Valkey 8.1, or primaries of both kinds).
+    /// `SET key <released> IFEQ value PX 1`: a one-byte value that lives a millisecond and
+    /// reads as absent (Valkey 8.1, or primaries of both kinds).
     SetReleased,
 }
 
-/// How the store makes its fenced transitions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Path {
-    /// Lua scripts.
-    Scripts,
-    /// Plain commands: `SET .. IFEQ`, and a release of this kind.
-    Commands(Release),
-}
-
 impl Path {
-    /// As stored in the store's atomic (0 is "not read yet").
-    pub(crate) fn to_u8(self) -> u8 {
-        match self {
-            Self::Scripts => 1,
-            Self::Commands(Release::DelIfEq) => 2,
-            Self::Commands(Release::DelEx) => 3,
-            Self::Commands(Release::SetReleased) => 4,
-        }
-    }
-
-    /// The path [`Path::to_u8`] stored; `None` for 0.
+    /// The path stored as `path as u8` in the store's atomic; `None` for 0 ("not read yet").
     pub(crate) fn from_u8(n: u8) -> Option<Self> {
-        Some(match n {
-            1 => Self::Scripts,
-            2 => Self::Commands(Release::DelIfEq),
-            3 => Self::Commands(Release::DelEx),
-            4 => Self::Commands(Release::SetReleased),
-            _ => return None,
-        })
+        let all = [Self::Scripts, Self::DelIfEq, Self::DelEx, Self::SetReleased];
+        all.into_iter().find(|path| *path as u8 == n)
     }
 }
 
@@ -84,13 +64,13 @@ impl Server {
         })
     }
 
-    /// How this server releases without a script; `None` when it lacks `SET .. IFEQ`.
-    fn release(self) -> Option<Release> {
+    /// The path of this server's commands; `None` when it lacks `SET .. IFEQ`.
+    fn commands(self) -> Option<Path> {
         let (major, minor, _) = self.version;
         match (self.valkey, major, minor) {
-            (true, 9.., _) => Some(Release::DelIfEq),
-            (true, 8, 1..) => Some(Release::SetReleased),
-            (false, 9.., _) | (false, 8, 4..) => Some(Release::DelEx),
+            (true, 9.., _) => Some(Path::DelIfEq),
+            (true, 8, 1..) => Some(Path::SetReleased),
+            (false, 9.., _) | (false, 8, 4..) => Some(Path::DelEx),
             _ => None,
         }
     }
@@ -111,16 +91,13 @@ impl std::fmt::Display for Server {
 ///
 /// [`Error::Backend`] with [`Scripting::NoScripts`] when a primary lacks the commands.
 pub(crate) fn choose(servers: Option<&[Server]>, scripting: Scripting) -> Result<Path, Error> {
-    let releases: Option<Vec<Release>> =
-        servers.and_then(|all| all.iter().map(|s| s.release()).collect());
-    let path = match releases.as_deref() {
+    let commands: Option<Vec<Path>> =
+        servers.and_then(|all| all.iter().map(|s| s.commands()).collect());
+    let path = match commands.as_deref() {
         _ if scripting == Scripting::Scripts => Path::Scripts,
-        Some([first, rest @ ..]) => Path::Commands(if rest.iter().all(|r| r == first) {
-            *first
-        } else {
-            // Primaries of different kinds share SET .. IFEQ alone.
-            Release::SetReleased
-        }),
+        Some([first, rest @ ..]) if rest.iter().all(|path| path == first) => *first,
+        // Primaries of different kinds share SET .. IFEQ alone.
+        Some([_, ..]) => Path::SetReleased,
         _ => Path::Scripts,
     };
     if path == Path::Scripts && scripting == Scripting::NoScripts {
@@ -163,19 +140,13 @@ mod tests {
         let redis84 = server("redis_version:8.4.0\n");
         assert_eq!(valkey91.to_string(), "valkey 9.1.2");
         let auto = |s: &[Server]| choose(Some(s), Scripting::Auto).unwrap();
-        assert_eq!(auto(&[valkey91]), Path::Commands(Release::DelIfEq));
-        assert_eq!(auto(&[valkey81]), Path::Commands(Release::SetReleased));
-        assert_eq!(auto(&[redis84]), Path::Commands(Release::DelEx));
+        assert_eq!(auto(&[valkey91]), Path::DelIfEq);
+        assert_eq!(auto(&[valkey81]), Path::SetReleased);
+        assert_eq!(auto(&[redis84]), Path::DelEx);
         assert_eq!(auto(&[valkey80]), Path::Scripts);
         assert_eq!(auto(&[redis70]), Path::Scripts);
-        assert_eq!(
-            auto(&[valkey91, valkey91]),
-            Path::Commands(Release::DelIfEq)
-        );
-        assert_eq!(
-            auto(&[valkey91, redis84]),
-            Path::Commands(Release::SetReleased)
-        );
+        assert_eq!(auto(&[valkey91, valkey91]), Path::DelIfEq);
+        assert_eq!(auto(&[valkey91, redis84]), Path::SetReleased);
         assert_eq!(auto(&[valkey91, redis70]), Path::Scripts);
         assert_eq!(choose(None, Scripting::Auto).unwrap(), Path::Scripts);
         assert_eq!(
@@ -193,13 +164,8 @@ mod tests {
             message.contains("Valkey 8.1") && message.contains("Redis 8.4"),
             "{message}"
         );
-        for path in [
-            Path::Scripts,
-            Path::Commands(Release::DelIfEq),
-            Path::Commands(Release::DelEx),
-            Path::Commands(Release::SetReleased),
-        ] {
-            assert_eq!(Path::from_u8(path.to_u8()), Some(path));
+        for path in [Path::Scripts, Path::DelIfEq, Path::DelEx, Path::SetReleased] {
+            assert_eq!(Path::from_u8(path as u8), Some(path));
         }
         assert_eq!(Path::from_u8(0), None);
     }

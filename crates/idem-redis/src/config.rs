@@ -74,12 +74,8 @@ impl Default for RedisConfig {
 }
 
 /// How the store makes its fenced transitions (complete, release, extend, a takeover):
-/// with the servers' compare-and-set commands, or with Lua scripts.
-///
-/// The commands are `SET .. IFEQ` and a compare-and-delete: Valkey 8.1 and newer (`SET ..
-/// IFEQ`; `DELIFEQ` from Valkey 9.0), Redis 8.4 and newer (`SET .. IFEQ` and `DELEX`). The
-/// store reads each primary's name and version (`INFO server`) when it connects, and again
-/// when a command is refused by a node (a failover or resharding to an older server).
+/// with the servers' compare-and-set commands, or with Lua scripts. The crate docs'
+/// [Which path](crate#which-path) says which servers have the commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Scripting {
@@ -131,12 +127,8 @@ pub enum OversizeBody {
     Refuse,
 }
 
-/// What to do when the server's `maxmemory-policy` lets it evict keys.
-///
-/// Every record has a time to live, so any policy but `noeviction` (the `allkeys-*` and the
-/// `volatile-*` ones alike) may delete records under memory pressure, and a deleted record
-/// lets a retry run the work a second time. With `noeviction` a full server refuses writes
-/// instead, which the store reports as [`idem_core::Error::Unavailable`].
+/// What to do when the server's `maxmemory-policy` lets it evict keys (any policy but
+/// `noeviction`: see the crate docs' [Eviction](crate#eviction)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum EvictionCheck {

@@ -143,7 +143,10 @@ impl Connection {
 }
 
 /// The client of the waiters' subscriptions (see `notify.rs`).
-#[expect(clippy::large_enum_variant, reason = "made once per store and taken apart at once")]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "made once per store and taken apart at once"
+)]
 pub(crate) enum PubSub {
     /// One server: a client of its own.
     One(redis::Client),

@@ -96,8 +96,8 @@
 //! server's clock) minus the margin. Completed (41 bytes + headers + body): the tag, the
 //! fingerprint, its expiry (Unix seconds, so that a replay needs no `PTTL`), the attempt,
 //! the status with the completion's kind, the headers and the body. It is a string rather
-//! than a hash because a hash whose body field exceeds `hash-max-listpack-value` (64 bytes by default) becomes a hash table costing several
-//! hundred bytes more per record.
+//! than a hash because a hash whose body field exceeds `hash-max-listpack-value` (64 bytes
+//! by default) becomes a hash table costing several hundred bytes more per record.
 //!
 //! ### Memory per record
 //!
@@ -166,18 +166,8 @@
 //!
 //! Replication in Redis is asynchronous: a record written to a primary that fails before
 //! its replicas copy it is lost, and a retry then runs the work again. With
-//! [`RedisConfig::durability`] set, the store sends `WAIT n timeout` after each acquisition
-//! and completion, on the connection that wrote (in a cluster, the record's primary), and
-//! checks the count. When fewer than `n` replicas acknowledge in time, `begin` gives the
-//! lease back and fails, and `complete` fails saying the completion stays on the primary;
-//! both as `Unavailable` with a [`ReplicationError`] source.
-//!
-//! What it does not promise: `WAIT` means the replicas received the write, not that they
-//! persisted it nor that a failover will promote one of them, so an acknowledged write can
-//! still be lost; after a reconnect between the write and the `WAIT`, the `WAIT` covers
-//! only the new connection's writes. And `WAIT` blocks the connection it is sent on: calls
-//! multiplexed on it queue behind it until the replicas answer. Users who need a guarantee
-//! make the database the arbiter (the outbox pattern).
+//! [`RedisConfig::durability`] set, the store waits for replicas (`WAIT`) after each
+//! acquisition and completion; [`Durability`] says what that does and does not promise.
 //!
 //! ## Waiters
 //!

@@ -1,20 +1,6 @@
 //! Counting the store's records on Redis: [`RedisStore::scan`], a [`Scan`] walked a page at
-//! a time (`SCAN` on every primary), which [`idem_core::Store::stats`] runs to its end.
-//!
-//! An operator's tool, not a hot path. Each [`Scan::step`] costs one `SCAN` page of up to
-//! [`PAGE`] keys and two pipelined round trips on one primary (the keys' types, then each
-//! string's value and time to live), and is bounded by [`RedisConfig::call_timeout`] on
-//! its own: the whole walk has no time limit of its own, so a keyspace of millions of keys
-//! is counted page by page, and the caller decides when to stop (and then holds the counts
-//! so far). It is not a snapshot: records that change while it runs may be counted in
-//! their old or new state, or missed.
-//!
-//! Every key under the store's pattern is counted once, in exactly one category: a record
-//! in one of its states, `corrupt` (a string the codec does not decode: an unknown tag, a
-//! bad length, bad metadata), or `foreign` (a key of another type, such as a hash, or one
-//! whose name is not a record's). A wrong-typed key never fails the scan.
-//!
-//! [`RedisConfig::call_timeout`]: crate::RedisConfig::call_timeout
+//! a time (`SCAN` on every primary), which [`idem_core::Store::stats`] runs to its end. An
+//! operator's tool, not a hot path.
 
 use std::fmt;
 use std::time::Duration;

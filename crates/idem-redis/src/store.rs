@@ -86,7 +86,7 @@ pub(crate) struct Inner {
     checked: OnceCell<()>,
     /// Waiters' pub/sub: classic on one server, sharded on a cluster.
     pub(crate) notifier: Waiters,
-    /// The [`Path`] of the transitions (its `to_u8`), 0 until the servers were read (and
+    /// The [`Path`] of the transitions (`as u8`), 0 until the servers were read (and
     /// again when a node refuses a command, so that they are read again).
     path: AtomicU8,
     /// The margin (ms) of the last in-progress record this store wrote: the guess of the
@@ -335,7 +335,7 @@ impl RedisStore {
     /// # Errors
     ///
     /// Store errors. After an [`Error::Unavailable`] the write may still land: give it back
-    /// with [`Store::release`] (fenced by the lease's token) once Redis answers.
+    /// with [`idem_core::Store::release`] (fenced by the lease's token) once Redis answers.
     pub async fn hold_granted(
         &self,
         lease: &Lease,
@@ -390,7 +390,7 @@ impl RedisStore {
         }
         if self.inner.path.load(Ordering::Relaxed) == 0 {
             let path = self.detect(&mut conn).await?;
-            self.inner.path.store(path.to_u8(), Ordering::Relaxed);
+            self.inner.path.store(path as u8, Ordering::Relaxed);
         }
         Ok(conn)
     }
@@ -425,7 +425,7 @@ impl RedisStore {
             "redis transitions: {}",
             match path {
                 Path::Scripts => "Lua scripts",
-                Path::Commands(_) => "compare-and-set commands, no scripts",
+                _ => "compare-and-set commands, no scripts",
             }
         );
         Ok(path)
@@ -445,7 +445,7 @@ impl RedisStore {
         if matches!(error, Error::Unavailable { .. }) {
             return e.is_connection_dropped() || e.is_connection_refusal();
         }
-        let refused = matches!(self.path(), Path::Commands(_))
+        let refused = self.path() != Path::Scripts
             && e.detail()
                 .is_some_and(|d| d.contains("syntax error") || d.contains("unknown command"));
         if refused {

@@ -25,7 +25,7 @@ use redis::aio::ConnectionLike as _;
 use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
 use tokio::time::Instant;
 
-use crate::caps::{Path, Release};
+use crate::caps::Path;
 use crate::codec::{self, Head};
 use crate::connection::Conn;
 use crate::error::{classify, unexpected};
@@ -324,7 +324,8 @@ impl RedisStore {
         expected: &[u8],
         ms: u64,
     ) -> Result<(Answer, i64), Error> {
-        let release = match self.path() {
+        let mut cmd = Cmd::with_capacity(8, key.len() + expected.len() + 20);
+        match self.path() {
             Path::Scripts => {
                 let mut call = scripts::END_IF.key(key);
                 call.arg(expected).arg(ms).arg(self.numsub());
@@ -332,16 +333,11 @@ impl RedisStore {
             }
             // No compare-and-expire command: the same value set again, with the new expiry.
             _ if ms > 0 => return self.set_if(conn, key, expected, expected, ms, false).await,
-            Path::Commands(release) => release,
-        };
-        let mut cmd = Cmd::with_capacity(8, key.len() + expected.len() + 20);
-        match release {
-            Release::DelIfEq => cmd.arg("DELIFEQ").arg(key).arg(expected),
-            Release::DelEx => cmd.arg("DELEX").arg(key).arg("IFEQ").arg(expected),
-            Release::SetReleased => {
-                return self
-                    .set_if(conn, key, expected, codec::RELEASED, 1, true)
-                    .await
+            Path::DelIfEq => cmd.arg("DELIFEQ").arg(key).arg(expected),
+            Path::DelEx => cmd.arg("DELEX").arg(key).arg("IFEQ").arg(expected),
+            Path::SetReleased => {
+                let released = codec::RELEASED;
+                return self.set_if(conn, key, expected, released, 1, true).await;
             }
         };
         let (deleted, waiters) = self.counted(conn, key, cmd, true).await?;
@@ -667,7 +663,7 @@ impl Store for RedisStore {
     /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
     /// reads each record, a page of keys at a time ([`RedisStore::scan`] to its end). Not a
     /// snapshot: records changing meanwhile may be counted in either state. Each page is
-    /// bounded by [`RedisConfig::call_timeout`]; the whole count is not.
+    /// bounded by [`crate::RedisConfig::call_timeout`]; the whole count is not.
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
         let mut scan = self.scan(scope, stuck_after);
         while scan.step().await? {}
