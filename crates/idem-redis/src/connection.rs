@@ -24,7 +24,7 @@ pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
 pub(crate) const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
 /// The longest pause between two attempts of a reconnection (redis-rs's backoff grows up to
 /// it). A call that finds a reconnection in its pause waits that long at most.
-const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
+pub(crate) const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
 /// The query parameter naming a PEM file of certificate authorities to trust instead of the
 /// system's roots (a private CA): `rediss://host:6380/?tls_ca_file=/etc/idem/ca.pem`.
 const TLS_CA_FILE: &str = "tls_ca_file";
