@@ -21,17 +21,17 @@
 //!                                                   with x-idem-dead-letter-reason, then ack
 //! ```
 //!
-//! - **Ack** ([`Delivery::Ack`]): `+ACK`.
-//! - **Requeue** ([`Delivery::Requeue`]: another worker holds the key, or the store is
+//! - **Ack** ([`Delivery::Ack`](crate::Delivery::Ack)): `+ACK`.
+//! - **Requeue** ([`Delivery::Requeue`](crate::Delivery::Requeue): another worker holds the key, or the store is
 //!   down): `-NAK` with the delay; JetStream delivers the message again after it. Not an
 //!   attempt. Nothing is held in the worker.
-//! - **Retry** ([`Delivery::Nack`]: a retryable failure, its key released): a copy goes to
+//! - **Retry** ([`Delivery::Nack`](crate::Delivery::Nack): a retryable failure, its key released): a copy goes to
 //!   the message's subject with [`ATTEMPT_HEADER`] set to the attempts made and
 //!   [`RETRY_AT_HEADER`] to when it is due; once the stream confirms the copy, the original
 //!   is acked. A worker that receives the copy early NAKs it with the time left (not an
 //!   attempt). JetStream's delivery count is not used as the attempt count, because NAKing
 //!   a duplicate of a message in progress would count as a failed attempt.
-//! - **Dead letter** ([`Delivery::DeadLetter`]): a copy goes to `<subject>.dead` (stored in
+//! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy goes to `<subject>.dead` (stored in
 //!   the dead-letter stream) with [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once
 //!   confirmed, the original is acked.
 //!
@@ -74,10 +74,12 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::consumer::{Consumer, Context, Delivery};
+use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
-use crate::worker::{count, decide, next_slot, not_due, unix_millis, Settled, Summary};
+use crate::worker::{
+    count, decide_with_heartbeat, next_slot, not_due, retry_at, settle, Broker, Settled, Summary,
+};
 
 /// JetStream's de-duplication header. To key messages by it, give the consumer
 /// `KeySource::Header(NATS_MSG_ID_HEADER.into())`.
@@ -434,82 +436,51 @@ impl Settle {
     {
         let message = message_of(&delivery);
         let policy = self.consumer.policy().clone();
+        let mut pulled = Pulled {
+            js: &self.js,
+            delivery,
+        };
         if let Some(left) = not_due(&message, policy.max_retry_delay) {
             // A retry copy that came early: back until it is due, not an attempt.
             drop(slot);
-            return nak(&delivery, left).await;
+            return pulled.hand_back(left).await;
         }
-        let decision = {
-            // "Work in progress" every third of ack_wait, so JetStream does not hand the
-            // message to another worker while the handler runs (the engine extends the
-            // lease in the store meanwhile).
-            let period = (self.ack_wait / 3).max(Duration::from_millis(100));
-            let mut progress =
-                tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-            let decided = decide(&self.consumer, message, handler);
-            let mut decided = std::pin::pin!(decided);
-            loop {
-                tokio::select! {
-                    decision = &mut decided => break decision,
-                    _ = progress.tick() => {
-                        if let Err(e) = delivery.ack_with(AckKind::Progress).await {
-                            tracing::warn!(error = %e, "work-in-progress ack failed");
-                        }
-                    }
+        // "Work in progress" every third of ack_wait, so JetStream does not hand the
+        // message to another worker while the handler runs.
+        let period = (self.ack_wait / 3).max(Duration::from_millis(100));
+        let delivery = &pulled.delivery;
+        let decision = decide_with_heartbeat(
+            &self.consumer,
+            message,
+            handler,
+            period,
+            move || async move {
+                if let Err(e) = delivery.ack_with(AckKind::Progress).await {
+                    tracing::warn!(error = %e, "work-in-progress ack failed");
                 }
-            }
-        };
+            },
+        )
+        .await;
         drop(slot);
-        match decision {
-            // The handler panicked: back after a while (its lease runs out meanwhile).
-            None => nak(&delivery, policy.unavailable_delay).await,
-            Some(Delivery::Ack(_)) => settled(delivery.ack().await, "ack", Settled::Acked),
-            Some(Delivery::Requeue { after, .. }) => nak(&delivery, after).await,
-            Some(Delivery::Nack { after, attempt, .. }) => {
-                let due = unix_millis()
-                    .saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
-                let headers = copy_headers(
-                    delivery.headers.as_ref(),
-                    &[
-                        (ATTEMPT_HEADER, attempt.to_string()),
-                        (RETRY_AT_HEADER, due.to_string()),
-                    ],
-                );
-                let subject = delivery.subject.to_string();
-                match self.copy_then_ack(&delivery, subject, headers).await {
-                    true => Settled::Retried,
-                    false => nak(&delivery, after).await,
-                }
-            }
-            Some(Delivery::DeadLetter { reason, attempt }) => {
-                let headers = copy_headers(
-                    delivery.headers.as_ref(),
-                    &[
-                        (ATTEMPT_HEADER, attempt.to_string()),
-                        (DEAD_LETTER_REASON_HEADER, reason.to_string()),
-                    ],
-                );
-                let subject = Topology::dead_letter_subject(&delivery.subject);
-                match self.copy_then_ack(&delivery, subject, headers).await {
-                    true => Settled::DeadLettered,
-                    false => nak(&delivery, policy.unavailable_delay).await,
-                }
-            }
-        }
+        settle(decision, &policy, &mut pulled).await
     }
+}
 
+/// One message pulled by the worker, to settle.
+struct Pulled<'a> {
+    js: &'a JetStream,
+    delivery: jetstream::Message,
+}
+
+impl Pulled<'_> {
     /// Publishes a copy of the message to `subject`, and acks the original once the stream
     /// confirms the copy. Returns false (original not acked) when the copy was not
     /// confirmed.
-    async fn copy_then_ack(
-        &self,
-        delivery: &jetstream::Message,
-        subject: String,
-        headers: HeaderMap,
-    ) -> bool {
+    async fn copy_then_ack(&self, subject: String, extra: &[(&str, String)]) -> bool {
+        let headers = copy_headers(self.delivery.headers.as_ref(), extra);
         let published = match self
             .js
-            .publish_with_headers(subject.clone(), headers, delivery.payload.clone())
+            .publish_with_headers(subject.clone(), headers, self.delivery.payload.clone())
             .await
         {
             Ok(confirm) => confirm.await.map_err(|e| e.to_string()),
@@ -519,7 +490,7 @@ impl Settle {
             tracing::warn!(%subject, %error, "copy not confirmed");
             return false;
         }
-        if let Err(e) = delivery.ack().await {
+        if let Err(e) = self.delivery.ack().await {
             // The copy is out and the original comes back: a harmless duplicate.
             tracing::warn!(error = %e, "ack after copy failed; JetStream will deliver the original again");
         }
@@ -527,13 +498,34 @@ impl Settle {
     }
 }
 
-/// NAKs the message so that JetStream delivers it again after `after`.
-async fn nak(delivery: &jetstream::Message, after: Duration) -> Settled {
-    settled(
-        delivery.ack_with(AckKind::Nak(Some(after))).await,
-        "nak",
-        Settled::Requeued,
-    )
+impl Broker for Pulled<'_> {
+    async fn ack(&mut self) -> Settled {
+        settled(self.delivery.ack().await, "ack", Settled::Acked)
+    }
+
+    /// NAKs the message so that JetStream delivers it again after `after`.
+    async fn hand_back(&mut self, after: Duration) -> Settled {
+        let nak = self.delivery.ack_with(AckKind::Nak(Some(after))).await;
+        settled(nak, "nak", Settled::Requeued)
+    }
+
+    async fn retry(&mut self, attempt: u32, after: Duration) -> bool {
+        let extra = [
+            (ATTEMPT_HEADER, attempt.to_string()),
+            (RETRY_AT_HEADER, retry_at(after)),
+        ];
+        let subject = self.delivery.subject.to_string();
+        self.copy_then_ack(subject, &extra).await
+    }
+
+    async fn dead_letter(&mut self, reason: &DeadLetterReason, attempt: u32) -> bool {
+        let extra = [
+            (ATTEMPT_HEADER, attempt.to_string()),
+            (DEAD_LETTER_REASON_HEADER, reason.to_string()),
+        ];
+        let subject = Topology::dead_letter_subject(&self.delivery.subject);
+        self.copy_then_ack(subject, &extra).await
+    }
 }
 
 /// What an ack or NAK (`what`) that answered `result` settled.

@@ -20,12 +20,12 @@
 //!                                     x-dead-letter-routing-key <queue>)
 //! ```
 //!
-//! - **Ack** ([`Delivery::Ack`]): `basic.ack`.
-//! - **Requeue** ([`Delivery::Requeue`]: another consumer holds the key, or the store is
+//! - **Ack** ([`Delivery::Ack`](crate::Delivery::Ack)): `basic.ack`.
+//! - **Requeue** ([`Delivery::Requeue`](crate::Delivery::Requeue): another consumer holds the key, or the store is
 //!   down): the delivery is held for `after` (without a concurrency slot, but within the
 //!   prefetch window), then `basic.nack` with `requeue = true`. Not an attempt, so the
 //!   attempt header is unchanged. On shutdown the sleep is cut short.
-//! - **Retry** ([`Delivery::Nack`]: a retryable failure, its key released): a copy goes to
+//! - **Retry** ([`Delivery::Nack`](crate::Delivery::Nack): a retryable failure, its key released): a copy goes to
 //!   the retry queue with a per-message TTL of the backoff and [`ATTEMPT_HEADER`] set to the
 //!   attempts made; once the copy is confirmed by the broker, the original is acked. When the
 //!   TTL runs out the broker dead-letters the copy back to the main queue. This counts
@@ -34,7 +34,7 @@
 //!   RabbitMQ expires messages only at the head of a queue, so a copy with a short TTL
 //!   behind one with a long TTL waits for it: a retry may come later than its backoff,
 //!   never earlier, and is never lost.
-//! - **Dead letter** ([`Delivery::DeadLetter`]): a copy goes to the dead-letter queue with
+//! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy goes to the dead-letter queue with
 //!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once confirmed, the original is
 //!   acked.
 //!
@@ -76,11 +76,11 @@ use serde::Serialize;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::consumer::{Consumer, Context, Delivery};
+use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER};
 pub use crate::worker::Summary;
-use crate::worker::{count, decide, next_slot, Settled};
+use crate::worker::{count, decide, next_slot, settle, Broker, Settled};
 
 /// What went wrong with the broker.
 #[derive(Debug, thiserror::Error)]
@@ -419,59 +419,20 @@ impl Settle {
         H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
     {
-        // A panicking handler is caught, and its delivery requeued (its lease runs out and
-        // the next attempt is counted).
-        let decision = match decide(&self.consumer, message_of(&delivery), handler).await {
-            Some(decision) => decision,
-            None => {
-                drop(slot);
-                let after = self.consumer.policy().unavailable_delay;
-                return self.requeue(&delivery, after).await;
-            }
-        };
+        // A panicking handler is caught (`None`), and its delivery requeued (its lease runs
+        // out and the next attempt is counted).
+        let decision = decide(&self.consumer, message_of(&delivery), handler).await;
         drop(slot);
-        match decision {
-            Delivery::Ack(_) => {
-                let acked = delivery.acker.ack(BasicAckOptions::default()).await;
-                settled(acked, "ack", Settled::Acked)
-            }
-            Delivery::Requeue { after, .. } => self.requeue(&delivery, after).await,
-            Delivery::Nack { after, attempt, .. } => {
-                let mut headers = headers_of(&delivery);
-                headers.insert(
-                    ATTEMPT_HEADER.into(),
-                    AMQPValue::LongLongInt(attempt.into()),
-                );
-                // Milliseconds as text, as RabbitMQ wants; at least 1 so it is a delay.
-                let ttl = after.as_millis().clamp(1, u128::from(u32::MAX)).to_string();
-                let properties = copy_properties(&delivery.properties, headers, Some(ttl.into()));
-                let queue = self.topology.retry_queue.clone();
-                match self.copy_then_ack(&delivery, &queue, properties).await {
-                    true => Settled::Retried,
-                    false => self.requeue(&delivery, after).await,
-                }
-            }
-            Delivery::DeadLetter { reason, attempt } => {
-                let mut headers = headers_of(&delivery);
-                headers.insert(
-                    ATTEMPT_HEADER.into(),
-                    AMQPValue::LongLongInt(attempt.into()),
-                );
-                headers.insert(
-                    DEAD_LETTER_REASON_HEADER.into(),
-                    AMQPValue::LongString(reason.to_string().into()),
-                );
-                let properties = copy_properties(&delivery.properties, headers, None);
-                let queue = self.topology.dead_letter_queue.clone();
-                match self.copy_then_ack(&delivery, &queue, properties).await {
-                    true => Settled::DeadLettered,
-                    false => {
-                        let after = self.consumer.policy().unavailable_delay;
-                        self.requeue(&delivery, after).await
-                    }
-                }
-            }
-        }
+        let policy = self.consumer.policy().clone();
+        settle(
+            decision,
+            &policy,
+            &mut Received {
+                settle: &mut self,
+                delivery,
+            },
+        )
+        .await
     }
 
     /// Publishes a copy of the delivery to `queue`, and acks the original once the broker
@@ -544,6 +505,55 @@ impl Settle {
             ..BasicNackOptions::default()
         };
         settled(delivery.acker.nack(nack).await, "nack", Settled::Requeued)
+    }
+}
+
+/// One delivery taken by the worker, to settle.
+struct Received<'a> {
+    settle: &'a mut Settle,
+    delivery: AmqpDelivery,
+}
+
+impl Broker for Received<'_> {
+    async fn ack(&mut self) -> Settled {
+        let acked = self.delivery.acker.ack(BasicAckOptions::default()).await;
+        settled(acked, "ack", Settled::Acked)
+    }
+
+    async fn hand_back(&mut self, after: Duration) -> Settled {
+        self.settle.requeue(&self.delivery, after).await
+    }
+
+    async fn retry(&mut self, attempt: u32, after: Duration) -> bool {
+        let mut headers = headers_of(&self.delivery);
+        headers.insert(
+            ATTEMPT_HEADER.into(),
+            AMQPValue::LongLongInt(attempt.into()),
+        );
+        // Milliseconds as text, as RabbitMQ wants; at least 1 so it is a delay.
+        let ttl = after.as_millis().clamp(1, u128::from(u32::MAX)).to_string();
+        let properties = copy_properties(&self.delivery.properties, headers, Some(ttl.into()));
+        let queue = self.settle.topology.retry_queue.clone();
+        self.settle
+            .copy_then_ack(&self.delivery, &queue, properties)
+            .await
+    }
+
+    async fn dead_letter(&mut self, reason: &DeadLetterReason, attempt: u32) -> bool {
+        let mut headers = headers_of(&self.delivery);
+        headers.insert(
+            ATTEMPT_HEADER.into(),
+            AMQPValue::LongLongInt(attempt.into()),
+        );
+        headers.insert(
+            DEAD_LETTER_REASON_HEADER.into(),
+            AMQPValue::LongString(reason.to_string().into()),
+        );
+        let properties = copy_properties(&self.delivery.properties, headers, None);
+        let queue = self.settle.topology.dead_letter_queue.clone();
+        self.settle
+            .copy_then_ack(&self.delivery, &queue, properties)
+            .await
     }
 }
 

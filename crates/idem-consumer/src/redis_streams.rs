@@ -21,16 +21,16 @@
 //!                                    XACK the original, EXEC
 //! ```
 //!
-//! - **Ack** ([`Delivery::Ack`]): `XACK`.
-//! - **Requeue** ([`Delivery::Requeue`]: another worker holds the key, or the store is
+//! - **Ack** ([`Delivery::Ack`](crate::Delivery::Ack)): `XACK`.
+//! - **Requeue** ([`Delivery::Requeue`](crate::Delivery::Requeue): another worker holds the key, or the store is
 //!   down): the entry is left pending, with its idle time set (`XCLAIM .. IDLE`) so that it
 //!   becomes claimable after the delay (at most [`Topology::claim_idle`]); a worker of the
 //!   group then claims it with `XAUTOCLAIM`. Not an attempt.
-//! - **Retry** ([`Delivery::Nack`]: a retryable failure, its key released): a copy is added
+//! - **Retry** ([`Delivery::Nack`](crate::Delivery::Nack): a retryable failure, its key released): a copy is added
 //!   to the stream with [`ATTEMPT_HEADER`] set to the attempts made and [`RETRY_AT_HEADER`]
 //!   to when it is due, and the original acknowledged, in one `MULTI`/`EXEC`. A worker
 //!   that reads the copy early leaves it pending until then (not an attempt).
-//! - **Dead letter** ([`Delivery::DeadLetter`]): a copy is added to `<stream>.dead` with
+//! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy is added to `<stream>.dead` with
 //!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`], and the original acknowledged,
 //!   in one `MULTI`/`EXEC`: both happen or neither does.
 //!
@@ -71,10 +71,12 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::consumer::{Consumer, Context, Delivery};
+use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
-use crate::worker::{count, decide, next_slot, not_due, unix_millis, Settled, Summary};
+use crate::worker::{
+    count, decide_with_heartbeat, next_slot, not_due, retry_at, settle, Broker, Settled, Summary,
+};
 
 /// The field of an entry that holds the message's payload; the other fields are its
 /// headers.
@@ -566,55 +568,52 @@ impl Settle {
             drop(slot);
             return entries.hand_back(&entry.id, left).await;
         }
-        let decision = {
-            // A sign of life every third of claim_idle, so the group's other workers do not
-            // claim the entry while the handler runs (the engine extends the lease in the
-            // store meanwhile).
-            let period = (entries.topology.claim_idle / 3).max(Duration::from_millis(1));
-            let mut heartbeat =
-                tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-            let decided = decide(&self.consumer, message, handler);
-            let mut decided = std::pin::pin!(decided);
-            loop {
-                tokio::select! {
-                    decision = &mut decided => break decision,
-                    _ = heartbeat.tick() => entries.keep(&entry.id).await,
-                }
-            }
-        };
+        // A sign of life every third of claim_idle, so the group's other workers do not
+        // claim the entry while the handler runs.
+        let period = (entries.topology.claim_idle / 3).max(Duration::from_millis(1));
+        let id = entry.id.as_str();
+        let decision = decide_with_heartbeat(&self.consumer, message, handler, period, || {
+            entries.keep(id)
+        })
+        .await;
         drop(slot);
-        match decision {
-            // The handler panicked: back after a while (its lease runs out meanwhile).
-            None => entries.hand_back(&entry.id, policy.unavailable_delay).await,
-            Some(Delivery::Ack(_)) => entries.ack(&entry.id).await,
-            Some(Delivery::Requeue { after, .. }) => entries.hand_back(&entry.id, after).await,
-            Some(Delivery::Nack { after, attempt, .. }) => {
-                let due = unix_millis()
-                    .saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
-                let extra = [
-                    (ATTEMPT_HEADER, attempt.to_string()),
-                    (RETRY_AT_HEADER, due.to_string()),
-                ];
-                match entries
-                    .copy_then_ack(&entry, &entries.topology.stream, &extra)
-                    .await
-                {
-                    true => Settled::Retried,
-                    false => entries.hand_back(&entry.id, after).await,
-                }
-            }
-            Some(Delivery::DeadLetter { reason, attempt }) => {
-                let extra = [
-                    (ATTEMPT_HEADER, attempt.to_string()),
-                    (DEAD_LETTER_REASON_HEADER, reason.to_string()),
-                ];
-                let dead = &entries.topology.dead_letter_stream;
-                match entries.copy_then_ack(&entry, dead, &extra).await {
-                    true => Settled::DeadLettered,
-                    false => entries.hand_back(&entry.id, policy.unavailable_delay).await,
-                }
-            }
-        }
+        settle(decision, &policy, &mut Entry { entries, entry }).await
+    }
+}
+
+/// One entry read by the worker, to settle.
+struct Entry<'a> {
+    entries: &'a Entries,
+    entry: StreamId,
+}
+
+impl Broker for Entry<'_> {
+    async fn ack(&mut self) -> Settled {
+        self.entries.ack(&self.entry.id).await
+    }
+
+    async fn hand_back(&mut self, after: Duration) -> Settled {
+        self.entries.hand_back(&self.entry.id, after).await
+    }
+
+    async fn retry(&mut self, attempt: u32, after: Duration) -> bool {
+        let extra = [
+            (ATTEMPT_HEADER, attempt.to_string()),
+            (RETRY_AT_HEADER, retry_at(after)),
+        ];
+        let stream = &self.entries.topology.stream;
+        self.entries
+            .copy_then_ack(&self.entry, stream, &extra)
+            .await
+    }
+
+    async fn dead_letter(&mut self, reason: &DeadLetterReason, attempt: u32) -> bool {
+        let extra = [
+            (ATTEMPT_HEADER, attempt.to_string()),
+            (DEAD_LETTER_REASON_HEADER, reason.to_string()),
+        ];
+        let dead = &self.entries.topology.dead_letter_stream;
+        self.entries.copy_then_ack(&self.entry, dead, &extra).await
     }
 }
 

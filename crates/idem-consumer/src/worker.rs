@@ -1,10 +1,12 @@
-//! What the broker workers share: the counts of a run, and running one delivery's handler
-//! through the [`Consumer`] in a task of its own.
+//! What the broker workers share: the counts of a run, running one delivery's handler
+//! through the [`Consumer`] in a task of its own, and what each decision does (through the
+//! [`Broker`] steps each worker implements).
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use idem_core::Failure;
 use serde::de::DeserializeOwned;
@@ -12,7 +14,7 @@ use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::consumer::{Consumer, Context, Delivery};
+use crate::consumer::{Consumer, Context, DeadLetterReason, Delivery, Policy};
 use crate::message::Message;
 
 /// Counts of what one run of a worker did with its deliveries.
@@ -107,6 +109,93 @@ where
             None
         }
     }
+}
+
+/// [`decide`], with `beat` called every `period` while the handler runs: the sign of life
+/// that stops the broker from handing the delivery to another worker meanwhile (the engine
+/// extends the lease in the store).
+#[cfg(any(feature = "nats", feature = "redis-streams"))]
+pub(crate) async fn decide_with_heartbeat<T, E, H, Fut, B, Beat>(
+    consumer: &Consumer,
+    message: Message,
+    handler: Arc<H>,
+    period: Duration,
+    mut beat: B,
+) -> Option<Delivery<T>>
+where
+    T: Serialize + DeserializeOwned + Send + 'static,
+    E: fmt::Display + Send + 'static,
+    H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+    B: FnMut() -> Beat,
+    Beat: Future<Output = ()>,
+{
+    let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let decided = decide(consumer, message, handler);
+    let mut decided = std::pin::pin!(decided);
+    loop {
+        tokio::select! {
+            decision = &mut decided => return decision,
+            _ = heartbeat.tick() => beat().await,
+        }
+    }
+}
+
+/// The steps a worker takes on its broker to settle one delivery; [`settle`] chooses
+/// between them, the same way for every broker.
+pub(crate) trait Broker {
+    /// Acknowledges the delivery: done.
+    async fn ack(&mut self) -> Settled;
+    /// Hands the delivery back, to be delivered again after `after` (not an attempt).
+    async fn hand_back(&mut self, after: Duration) -> Settled;
+    /// Publishes a copy for a retry after `after`, with [`ATTEMPT_HEADER`](crate::ATTEMPT_HEADER)
+    /// set to `attempt`, and acknowledges the original once the copy is confirmed. False
+    /// (the original untouched) when the copy was not confirmed.
+    async fn retry(&mut self, attempt: u32, after: Duration) -> bool;
+    /// Publishes a copy to the dead-letter destination, with
+    /// [`DEAD_LETTER_REASON_HEADER`](crate::DEAD_LETTER_REASON_HEADER) and
+    /// [`ATTEMPT_HEADER`](crate::ATTEMPT_HEADER), and acknowledges the original once the
+    /// copy is confirmed. False (the original untouched) when the copy was not confirmed.
+    async fn dead_letter(&mut self, reason: &DeadLetterReason, attempt: u32) -> bool;
+}
+
+/// Carries out `decision` (`None`: the handler panicked) on the broker. A copy that cannot
+/// be published hands the original back instead: a message is never dropped.
+pub(crate) async fn settle<T>(
+    decision: Option<Delivery<T>>,
+    policy: &Policy,
+    broker: &mut impl Broker,
+) -> Settled {
+    match decision {
+        // The handler panicked: back after a while (its lease runs out meanwhile, and the
+        // next attempt is counted).
+        None => broker.hand_back(policy.unavailable_delay).await,
+        Some(Delivery::Ack(_)) => broker.ack().await,
+        Some(Delivery::Requeue { after, .. }) => broker.hand_back(after).await,
+        Some(Delivery::Nack { after, attempt, .. }) => {
+            if broker.retry(attempt, after).await {
+                Settled::Retried
+            } else {
+                broker.hand_back(after).await
+            }
+        }
+        Some(Delivery::DeadLetter { reason, attempt }) => {
+            if broker.dead_letter(&reason, attempt).await {
+                Settled::DeadLettered
+            } else {
+                broker.hand_back(policy.unavailable_delay).await
+            }
+        }
+    }
+}
+
+/// The [`RETRY_AT_HEADER`](crate::RETRY_AT_HEADER) of a retry copy due after `after`: Unix
+/// milliseconds, as text.
+#[cfg(any(feature = "nats", feature = "redis-streams"))]
+pub(crate) fn retry_at(after: Duration) -> String {
+    unix_millis()
+        .saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX))
+        .to_string()
 }
 
 /// The Unix time in milliseconds (0 before 1970), for the retry deadlines carried in
