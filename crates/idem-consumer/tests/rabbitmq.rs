@@ -37,9 +37,8 @@ mod rabbitmq {
     use tokio::time::{sleep, timeout, Instant};
 
     use crate::support::{
-        check_crash, check_dead_letters, check_retry_runs, child_env, failing, retry_keys,
-        retry_policy, start_and_kill_a, start_b, stop_child, wait_until, ChildFiles, ChildSetup,
-        Effects, Runs, SharedStore, CHILD_CONCURRENCY, CRASH_MESSAGES,
+        child_env, wait_until, ChildSetup, Effects, Handler, RunningWorker, TestBroker,
+        CHILD_CONCURRENCY,
     };
 
     fn amqp_url() -> Option<String> {
@@ -163,6 +162,116 @@ mod rabbitmq {
                 .await
         });
         (stop, task)
+    }
+
+    /// The broker's URL, the test's own connection (kept open while the test runs), a
+    /// channel of [`admin_channel`] on it, and fresh queues named after the test.
+    struct Rabbit {
+        url: String,
+        _conn: Connection,
+        admin: Channel,
+        topology: Topology,
+    }
+
+    impl TestBroker for Rabbit {
+        /// RabbitMQ redelivers what a consumer had not acked when its channel closes, so
+        /// `redelivery` does not apply.
+        async fn open(test: &str, _redelivery: Duration) -> Option<Self> {
+            let (url, _conn, admin, topology) = broker(test).await?;
+            Some(Self {
+                url,
+                _conn,
+                admin,
+                topology,
+            })
+        }
+
+        async fn publish(&self, key: &str, payload: &str) {
+            publish(&self.admin, &self.topology.queue, key, payload).await;
+        }
+
+        /// `batch` is not used: the worker's prefetch stays the default.
+        async fn spawn_worker(
+            &self,
+            consumer: Consumer,
+            concurrency: Option<usize>,
+            _batch: Option<usize>,
+            handler: Handler,
+        ) -> RunningWorker {
+            let mut worker = Worker::new(consumer, self.topology.clone());
+            if let Some(concurrency) = concurrency {
+                worker = worker.with_concurrency(concurrency);
+            }
+            let conn = connect(&self.url).await;
+            RunningWorker::spawn(|stopped| async move {
+                worker
+                    .run(&conn, move |m, c| handler(m, c), async {
+                        let _ = stopped.await;
+                    })
+                    .await
+            })
+        }
+
+        /// Ready in the main and retry queues (the broker does not say what consumers hold).
+        async fn unsettled(&self) -> u64 {
+            let main = ready(&self.admin, &self.topology.queue).await;
+            let retry = ready(&self.admin, &self.topology.retry_queue).await;
+            u64::from(main + retry)
+        }
+
+        async fn dead_letter_count(&self) -> u64 {
+            ready(&self.admin, &self.topology.dead_letter_queue)
+                .await
+                .into()
+        }
+
+        /// Takes the dead letters off their queue.
+        async fn dead_letters(&self) -> BTreeMap<String, (String, String)> {
+            let mut dead = BTreeMap::new();
+            let queue = self.topology.dead_letter_queue.as_str();
+            while let Some(got) = self
+                .admin
+                .basic_get(queue.into(), BasicGetOptions::default())
+                .await
+                .expect("basic.get")
+            {
+                let headers = got.delivery.properties.headers().clone().expect("headers");
+                let text = |name: &str| match headers.inner().get(name) {
+                    Some(AMQPValue::LongString(s)) => {
+                        String::from_utf8_lossy(s.as_bytes()).into_owned()
+                    }
+                    other => panic!("{name}: {other:?}"),
+                };
+                let attempt = match headers.inner().get(ATTEMPT_HEADER) {
+                    Some(AMQPValue::LongLongInt(n)) => *n,
+                    other => panic!("attempt header: {other:?}"),
+                };
+                dead.insert(
+                    text(IDEMPOTENCY_KEY_HEADER),
+                    (text(DEAD_LETTER_REASON_HEADER), attempt.to_string()),
+                );
+                got.delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .expect("ack");
+            }
+            dead
+        }
+
+        fn child_env(&self) -> Vec<(&'static str, String)> {
+            vec![
+                ("IDEM_TEST_AMQP_URL", self.url.clone()),
+                ("IDEM_CHILD_QUEUE", self.topology.queue.clone()),
+            ]
+        }
+
+        async fn delete(self) {
+            self.topology
+                .delete(&self.admin)
+                .await
+                .expect("delete queues");
+        }
     }
 
     /// N business messages, each published three times, consumed by three workers on their own
@@ -310,83 +419,16 @@ mod rabbitmq {
         topology.delete(&admin).await.expect("delete queues");
     }
 
-    /// A handler that fails transiently succeeds in the end, once; one that always fails is
-    /// dead-lettered after the policy's attempts, and one that fails for good at once, never
-    /// acked silently.
+    /// See [`support::transient_failures_retry_and_permanent_ones_are_dead_lettered`](crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered):
+    /// retries go through the retry queue, never acked silently.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        let Some((url, _conn, admin, topology)) = broker("retries").await else {
+        let Some(rabbit) = Rabbit::open("retries", Duration::ZERO).await else {
             return;
         };
-        let (flaky, broken) = retry_keys();
-        for key in flaky.iter().chain(&broken) {
-            publish(&admin, &topology.queue, key, "{}").await;
-        }
-        publish(&admin, &topology.queue, "declined", "{}").await;
-
-        let consumer = Consumer::new(
-            Idem::new(MemoryStore::new()),
-            Scope::new("retry-test").unwrap(),
-        )
-        .with_policy(retry_policy());
-        let runs: Runs = Arc::default();
-        let effects: Effects = Arc::default();
-        let conn = Arc::new(connect(&url).await);
-        let handler = failing(&runs, &effects);
-        let (stop, task) = spawn_worker(
-            Worker::new(consumer, topology.clone()).with_concurrency(2),
-            conn,
-            move |m, c| handler(m, c),
-        );
-        wait_until(Duration::from_secs(60), "4 dead letters", || {
-            let admin = &admin;
-            let dlq = topology.dead_letter_queue.clone();
-            async move { ready(admin, &dlq).await == 4 }
-        })
-        .await;
-        wait_until(Duration::from_secs(60), "the flaky ones succeed", || {
-            let effects = effects.clone();
-            async move { effects.lock().unwrap().len() == 5 }
-        })
-        .await;
-        wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
-        let _ = stop.send(());
-        let summary = task.await.expect("no panic").expect("worker ran");
-        check_retry_runs(&runs, &effects, &summary);
-
-        // Each dead letter says why, and how many attempts it had.
-        let mut dead = BTreeMap::new();
-        while let Some(got) = admin
-            .basic_get(
-                topology.dead_letter_queue.as_str().into(),
-                BasicGetOptions::default(),
-            )
-            .await
-            .expect("basic.get")
-        {
-            let headers = got.delivery.properties.headers().clone().expect("headers");
-            let text = |name: &str| match headers.inner().get(name) {
-                Some(AMQPValue::LongString(s)) => {
-                    String::from_utf8_lossy(s.as_bytes()).into_owned()
-                }
-                other => panic!("{name}: {other:?}"),
-            };
-            let attempt = match headers.inner().get(ATTEMPT_HEADER) {
-                Some(AMQPValue::LongLongInt(n)) => *n,
-                other => panic!("attempt header: {other:?}"),
-            };
-            dead.insert(
-                text(IDEMPOTENCY_KEY_HEADER),
-                (text(DEAD_LETTER_REASON_HEADER), attempt.to_string()),
-            );
-            got.delivery
-                .acker
-                .ack(BasicAckOptions::default())
-                .await
-                .expect("ack");
-        }
-        check_dead_letters(&dead);
-        topology.delete(&admin).await.expect("delete queues");
+        crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered(&rabbit)
+            .await;
+        rabbit.delete().await;
     }
 
     /// Shutdown stops consuming, lets the handlers in progress finish and acks their
@@ -480,47 +522,27 @@ mod rabbitmq {
         child.report(&summary);
     }
 
-    /// Kill a consumer process (SIGKILL) while it holds messages whose keys it holds: the broker
-    /// redelivers them, another process finds the keys held and requeues them until the dead
-    /// process's leases expire, then takes them over; every message is handled exactly once and
-    /// none is lost.
+    /// See [`support::a_killed_worker_process_loses_nothing`](crate::support::a_killed_worker_process_loses_nothing):
+    /// the broker redelivers a killed consumer's messages when its connection drops. What
+    /// the surviving process requeued at its shutdown is then drained over the same store,
+    /// and no handler runs again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_killed_consumer_process_loses_nothing() {
-        let Some((url, _conn, admin, topology)) = broker("crash").await else {
+        let Some(rabbit) = Rabbit::open("crash", Duration::ZERO).await else {
             return;
         };
-        for _copy in 0..2 {
-            for i in 0..CRASH_MESSAGES {
-                publish(
-                    &admin,
-                    &topology.queue,
-                    &format!("msg-{i}"),
-                    &format!("{{\"i\":{i}}}"),
-                )
-                .await;
-            }
-        }
-        let Some(shared) = SharedStore::for_test() else {
+        let Some(shared) = crate::support::a_killed_worker_process_loses_nothing(
+            &rabbit,
+            "rabbitmq::child_consumer_process",
+        )
+        .await
+        else {
             return;
         };
-        let files = ChildFiles::new();
-        let env = [
-            ("IDEM_TEST_AMQP_URL", url.clone()),
-            ("IDEM_CHILD_QUEUE", topology.queue.clone()),
-            ("IDEM_CHILD_STORE", shared.descriptor()),
-        ];
-        const CHILD: &str = "rabbitmq::child_consumer_process";
-        // Process A works a few messages, then its handlers hang holding their keys, and it
-        // is killed; process B handles everything else, and A's messages once their leases
-        // expire.
-        let hung = start_and_kill_a(&files, CHILD, &env).await;
-        let mut b = start_b(&files, CHILD, &env).await;
-        wait_for_empty_queues(&admin, &topology, Duration::from_secs(60)).await;
-        let summary = stop_child(&files, &mut b, "B").await;
 
         // Anything B requeued at its shutdown is a duplicate of finished work: drain it here,
         // over the same store, and check that no handler runs.
-        let conn = Arc::new(connect(&url).await);
+        let conn = Arc::new(connect(&rabbit.url).await);
         let consumer = Consumer::new(
             Idem::from_arc(shared.store()),
             Scope::new("crash-test").unwrap(),
@@ -529,7 +551,7 @@ mod rabbitmq {
         let (stop, task) = {
             let reruns = reruns.clone();
             spawn_worker(
-                Worker::new(consumer, topology.clone()),
+                Worker::new(consumer, rabbit.topology.clone()),
                 conn,
                 move |_, _| {
                     reruns.fetch_add(1, Ordering::SeqCst);
@@ -537,7 +559,7 @@ mod rabbitmq {
                 },
             )
         };
-        wait_for_empty_queues(&admin, &topology, Duration::from_secs(30)).await;
+        wait_for_empty_queues(&rabbit.admin, &rabbit.topology, Duration::from_secs(30)).await;
         let _ = stop.send(());
         let drained = task.await.expect("no panic").expect("worker ran");
         assert_eq!(
@@ -546,9 +568,6 @@ mod rabbitmq {
             "no finished work ran again"
         );
         assert_eq!(drained.requeued, 0, "{drained:?}");
-
-        check_crash(&files, &hung, &summary);
-        assert_eq!(ready(&admin, &topology.dead_letter_queue).await, 0);
-        topology.delete(&admin).await.expect("delete queues");
+        rabbit.delete().await;
     }
 }

@@ -16,6 +16,9 @@ use idem_core::{Config, Failure, Idem, Scope, Store};
 use idem_redis::RedisStore;
 use tokio::time::{sleep, Instant};
 
+mod broker;
+pub use broker::*;
+
 /// Set in a child consumer process's environment.
 pub const CHILD_ENV: &str = "IDEM_CONSUMER_CHILD";
 

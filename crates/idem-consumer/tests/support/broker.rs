@@ -1,0 +1,281 @@
+//! The worker tests that read the same on every broker, written once against
+//! [`TestBroker`]; each broker's test file implements it and runs them.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_consumer::{Consumer, Policy, Summary};
+use idem_core::{Idem, MemoryStore, Scope, Store};
+use idem_redis::RedisStore;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::{sleep, timeout, Instant};
+
+use super::{
+    check_crash, check_dead_letters, check_retry_runs, counting, failing, retry_keys, retry_policy,
+    start_and_kill_a, start_b, stop_child, wait_until, ChildFiles, Effects, Handler, Runs,
+    SharedStore, CRASH_MESSAGES,
+};
+
+/// A broker with a fresh topology of one test's own, as the shared tests use it.
+pub trait TestBroker: Sized {
+    /// Fresh streams or queues named after `test`, declared; the broker delivers a message
+    /// that is not acked again after `redelivery` where it has such a setting (`ack_wait`,
+    /// the claim idle time). `None` when no server is configured.
+    async fn open(test: &str, redelivery: Duration) -> Option<Self>;
+    /// Publishes `payload` with `key` propagated, and waits for the broker's confirmation.
+    async fn publish(&self, key: &str, payload: &str);
+    /// Starts a worker of `consumer` running `handler`, on a connection of its own;
+    /// `concurrency` and `batch` (messages per read) when given, the defaults otherwise.
+    async fn spawn_worker(
+        &self,
+        consumer: Consumer,
+        concurrency: Option<usize>,
+        batch: Option<usize>,
+        handler: Handler,
+    ) -> RunningWorker;
+    /// Messages not yet settled: waiting for a worker, or (where the broker tells) delivered
+    /// and not acked yet.
+    async fn unsettled(&self) -> u64;
+    /// How many dead letters there are.
+    async fn dead_letter_count(&self) -> u64;
+    /// The dead letters, as key -> (reason, attempt).
+    async fn dead_letters(&self) -> BTreeMap<String, (String, String)>;
+    /// Where a crash test's child process finds the broker and the topology.
+    fn child_env(&self) -> Vec<(&'static str, String)>;
+    /// Deletes the topology.
+    async fn delete(self);
+}
+
+/// A worker running in a task until [`RunningWorker::stop`].
+pub struct RunningWorker {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Summary>,
+}
+
+impl RunningWorker {
+    /// Runs `run` (a worker's `run`, given the shutdown future) in a task.
+    pub fn spawn<F, E>(run: impl FnOnce(oneshot::Receiver<()>) -> F) -> Self
+    where
+        F: Future<Output = Result<Summary, E>> + Send + 'static,
+        E: std::fmt::Debug,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let run = run(stopped);
+        let task = tokio::spawn(async move { run.await.expect("the worker ran") });
+        Self { stop, task }
+    }
+
+    /// Tells the worker to stop and returns its summary once it has shut down (within 30 s).
+    pub async fn stop(self) -> Summary {
+        let _ = self.stop.send(());
+        timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("clean shutdown")
+            .expect("no panic")
+    }
+}
+
+/// Waits until the broker has had no unsettled message for 500 ms.
+pub async fn wait_until_settled(broker: &impl TestBroker, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    let mut settled_since: Option<Instant> = None;
+    loop {
+        if broker.unsettled().await > 0 {
+            settled_since = None;
+        } else if settled_since.get_or_insert_with(Instant::now).elapsed()
+            >= Duration::from_millis(500)
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the messages were not all settled"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until `effects` has an effect for `n` keys.
+async fn wait_for_effects(effects: &Effects, n: usize, what: &str) {
+    wait_until(Duration::from_secs(60), what, || {
+        let effects = effects.clone();
+        async move { effects.lock().unwrap().len() == n }
+    })
+    .await;
+}
+
+/// Each message published 5 times and consumed by 4 concurrent workers (on their own
+/// connections, sharing a store): one side effect per message, every copy acked, nothing
+/// dead-lettered.
+pub async fn five_copies_to_four_workers(broker: &impl TestBroker) {
+    const N: u32 = 20;
+    for _copy in 0..5 {
+        for i in 0..N {
+            let payload = format!(r#"{{"order": {i}}}"#);
+            broker.publish(&format!("order-{i}"), &payload).await;
+        }
+    }
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let consumer = Consumer::new(Idem::from_arc(store), Scope::new("copies-test").unwrap())
+        .with_policy(Policy::default().with_max_in_flight_delay(Duration::from_millis(100)));
+    let effects: Effects = Arc::default();
+    let mut workers = Vec::new();
+    for _ in 0..4 {
+        let handler = counting(&effects, Duration::from_millis(20));
+        workers.push(
+            broker
+                .spawn_worker(consumer.clone(), Some(3), None, handler)
+                .await,
+        );
+    }
+    wait_for_effects(&effects, N as usize, "every order has its effect").await;
+    wait_until_settled(broker, Duration::from_secs(60)).await;
+    let mut acked = 0;
+    for worker in workers {
+        let summary = worker.stop().await;
+        assert_eq!(summary.dead_lettered + summary.retried, 0, "{summary:?}");
+        acked += summary.acked;
+    }
+    for (key, count) in effects.lock().unwrap().iter() {
+        assert_eq!(*count, 1, "{key} had its effect {count} times");
+    }
+    assert_eq!(acked, u64::from(5 * N), "every copy was acked");
+    assert_eq!(broker.dead_letter_count().await, 0);
+}
+
+/// A handler that fails transiently succeeds in the end, once; one that always fails is
+/// dead-lettered after the policy's attempts, and one that fails for good at once; each dead
+/// letter says why, and how many attempts it had.
+pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered(
+    broker: &impl TestBroker,
+) {
+    let (flaky, broken) = retry_keys();
+    for key in flaky.iter().chain(&broken) {
+        broker.publish(key, "{}").await;
+    }
+    broker.publish("declined", "{}").await;
+    let consumer = Consumer::new(
+        Idem::new(MemoryStore::new()),
+        Scope::new("retry-test").unwrap(),
+    )
+    .with_policy(retry_policy());
+    let runs: Runs = Arc::default();
+    let effects: Effects = Arc::default();
+    let worker = broker
+        .spawn_worker(consumer, Some(2), None, failing(&runs, &effects))
+        .await;
+    wait_until(Duration::from_secs(60), "4 dead letters", || async {
+        broker.dead_letter_count().await == 4
+    })
+    .await;
+    wait_for_effects(&effects, 5, "the flaky ones succeed").await;
+    wait_until_settled(broker, Duration::from_secs(30)).await;
+    let summary = worker.stop().await;
+    check_retry_runs(&runs, &effects, &summary);
+    check_dead_letters(&broker.dead_letters().await);
+}
+
+/// With the store down, the worker runs no handler and acks nothing: every message stays
+/// on the broker. When the store is back, each is processed once.
+pub async fn a_store_outage_acks_nothing_and_loses_nothing(broker: &impl TestBroker) {
+    let Some(mut redis) = idem_testkit::redis::throwaway(&[]) else {
+        return;
+    };
+    const N: u32 = 8;
+    for i in 0..N {
+        broker.publish(&format!("job-{i}"), "{}").await;
+    }
+    let store = RedisStore::builder(redis.url())
+        .connect_lazy()
+        .expect("a Redis store");
+    redis.stop();
+    let consumer = Consumer::new(Idem::new(store), Scope::new("outage-test").unwrap())
+        .with_policy(Policy::default().with_unavailable_delay(Duration::from_millis(200)));
+    let effects: Effects = Arc::default();
+    let worker = broker
+        .spawn_worker(consumer, None, None, counting(&effects, Duration::ZERO))
+        .await;
+    sleep(Duration::from_secs(3)).await;
+    assert!(
+        effects.lock().unwrap().is_empty(),
+        "no handler ran unguarded"
+    );
+    assert_eq!(
+        broker.unsettled().await,
+        u64::from(N),
+        "every message is still there, none acked"
+    );
+
+    redis.start_again().expect("the store is back");
+    wait_for_effects(&effects, N as usize, "every job has its effect").await;
+    wait_until_settled(broker, Duration::from_secs(30)).await;
+    let summary = worker.stop().await;
+    for (key, count) in effects.lock().unwrap().iter() {
+        assert_eq!(*count, 1, "{key} had its effect {count} times");
+    }
+    assert!(summary.requeued >= u64::from(N), "{summary:?}");
+    assert_eq!(summary.acked, u64::from(N), "{summary:?}");
+}
+
+/// A handler that runs for four times `redelivery` keeps its message: the worker's signs
+/// of life stop the broker from handing it to the other worker waiting for messages
+/// (which would hand it back, the key being held).
+pub async fn a_long_handler_keeps_its_message(broker: &impl TestBroker, redelivery: Duration) {
+    broker.publish("slow-1", "{}").await;
+    let consumer = Consumer::new(
+        Idem::new(MemoryStore::new()),
+        Scope::new("long-test").unwrap(),
+    );
+    let effects: Effects = Arc::default();
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let handler = counting(&effects, redelivery * 4);
+        workers.push(
+            broker
+                .spawn_worker(consumer.clone(), None, Some(1), handler)
+                .await,
+        );
+    }
+    wait_for_effects(&effects, 1, "the handler finishes").await;
+    wait_until_settled(broker, Duration::from_secs(30)).await;
+    let mut total = Summary::default();
+    for worker in workers {
+        let summary = worker.stop().await;
+        total.acked += summary.acked;
+        total.requeued += summary.requeued;
+    }
+    assert_eq!((total.acked, total.requeued), (1, 0), "{total:?}");
+}
+
+/// Kill a worker process (SIGKILL, the child test `child`) while its handlers hold keys:
+/// the broker delivers their messages to another worker process, which hands them back
+/// while the dead worker's leases hold, then takes the keys over. Every message is handled
+/// exactly once and none is lost. Returns the store the processes shared; `None` when no
+/// Redis is configured for it.
+pub async fn a_killed_worker_process_loses_nothing(
+    broker: &impl TestBroker,
+    child: &str,
+) -> Option<SharedStore> {
+    let shared = SharedStore::for_test()?;
+    for _copy in 0..2 {
+        for i in 0..CRASH_MESSAGES {
+            let payload = format!("{{\"i\":{i}}}");
+            broker.publish(&format!("msg-{i}"), &payload).await;
+        }
+    }
+    let files = ChildFiles::new();
+    let mut env = broker.child_env();
+    env.push(("IDEM_CHILD_STORE", shared.descriptor()));
+    // Process A works a few messages, then its handlers hang holding their keys, and it is
+    // killed; process B handles everything else, and A's messages once their leases expire.
+    let hung = start_and_kill_a(&files, child, &env).await;
+    let mut b = start_b(&files, child, &env).await;
+    wait_until_settled(broker, Duration::from_secs(60)).await;
+    let summary = stop_child(&files, &mut b, "B").await;
+    check_crash(&files, &hung, &summary);
+    assert_eq!(broker.dead_letter_count().await, 0);
+    Some(shared)
+}
