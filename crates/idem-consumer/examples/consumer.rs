@@ -14,13 +14,15 @@
 //! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
 //! process is recognised.
 
+mod shared;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_consumer::rabbitmq::{with_idempotency_key, Topology, Worker};
-use idem_consumer::{Consumer, Message, Policy};
-use idem_core::{Config, Failure, Idem, Key, MemoryStore, Scope};
+use idem_consumer::{Consumer, Policy};
+use idem_core::{Config, Idem, Key, MemoryStore, Scope};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
@@ -41,15 +43,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // What `POST /payments` would publish: the request's idempotency key travels in a
     // header. A retried request publishes the same payment again.
-    for (key, amount) in [
-        ("pay-1", 1250),
-        ("pay-2", 990),
-        ("pay-1", 1250),
-        ("pay-3", 4000),
-        ("pay-2", 990),
-    ] {
+    for (key, amount) in shared::PAYMENTS {
         let properties = with_idempotency_key(BasicProperties::default(), &Key::new(key)?, None);
-        let payload = format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#);
+        let payload = shared::payment(amount);
         channel
             .basic_publish(
                 "".into(),
@@ -71,38 +67,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let charges = Arc::new(AtomicU32::new(0));
     let handler = {
         let charges = charges.clone();
-        move |message: Message, ctx: idem_consumer::Context| {
-            let charges = charges.clone();
-            async move {
-                let payment: serde_json::Value = serde_json::from_slice(message.payload())
-                    .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
-                // The provider gets a key derived from the message's, so that a retry after a
-                // crash cannot charge twice at the provider either.
-                let provider_key = ctx.child_key("charge-card");
-                charges.fetch_add(1, Ordering::SeqCst);
-                println!(
-                    "charging {} {} for {} (attempt {}, provider key {provider_key})",
-                    payment["amount"],
-                    payment["currency"].as_str().unwrap_or("?"),
-                    ctx.key(),
-                    ctx.attempt(),
-                );
-                Ok::<_, Failure<String>>(format!("ch_{}", ctx.key()))
-            }
-        }
+        move |message, ctx| shared::charge(charges.clone(), message, ctx)
     };
 
-    // Stop on Ctrl-C, or after two seconds: enough for this demo.
-    let stop = async {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            () = tokio::time::sleep(Duration::from_secs(2)) => {}
-        }
-    };
     let summary = Worker::new(consumer, topology.clone())
         .with_prefetch(16)
         .with_concurrency(4)
-        .run(&conn, handler, stop)
+        .run(&conn, handler, shared::stop())
         .await?;
     println!(
         "{} deliveries acked, {} charges made: {summary:?}",

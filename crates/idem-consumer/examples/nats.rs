@@ -14,13 +14,14 @@
 //! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
 //! process is recognised.
 
+mod shared;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use idem_consumer::nats::{with_idempotency_key, Topology, Worker};
-use idem_consumer::{Consumer, Message};
-use idem_core::{Failure, Idem, Key, MemoryStore, Scope};
+use idem_consumer::Consumer;
+use idem_core::{Idem, Key, MemoryStore, Scope};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,15 +36,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // What `POST /payments` would publish: the request's idempotency key travels in a
     // header. A retried request publishes the same payment again.
-    for (key, amount) in [
-        ("pay-1", 1250),
-        ("pay-2", 990),
-        ("pay-1", 1250),
-        ("pay-3", 4000),
-        ("pay-2", 990),
-    ] {
+    for (key, amount) in shared::PAYMENTS {
         let headers = with_idempotency_key(async_nats::HeaderMap::new(), &Key::new(key)?, None);
-        let payload = format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#);
+        let payload = shared::payment(amount);
         js.publish_with_headers(topology.subject.clone(), headers, payload.into())
             .await?
             .await?;
@@ -56,34 +51,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let charges = Arc::new(AtomicU32::new(0));
     let handler = {
         let charges = charges.clone();
-        move |message: Message, ctx: idem_consumer::Context| {
-            let charges = charges.clone();
-            async move {
-                let payment: serde_json::Value = serde_json::from_slice(message.payload())
-                    .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
-                charges.fetch_add(1, Ordering::SeqCst);
-                println!(
-                    "charging {} for {} (attempt {}, provider key {})",
-                    payment["amount"],
-                    ctx.key(),
-                    ctx.attempt(),
-                    ctx.child_key("charge-card"),
-                );
-                Ok::<_, Failure<String>>(format!("ch_{}", ctx.key()))
-            }
-        }
+        move |message, ctx| shared::charge(charges.clone(), message, ctx)
     };
 
-    // Stop on Ctrl-C, or after two seconds: enough for this demo.
-    let stop = async {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            () = tokio::time::sleep(Duration::from_secs(2)) => {}
-        }
-    };
     let summary = Worker::new(consumer, topology.clone())
         .with_concurrency(4)
-        .run(&js, handler, stop)
+        .run(&js, handler, shared::stop())
         .await?;
     println!(
         "{} messages acked, {} charges made: {summary:?}",

@@ -1,0 +1,55 @@
+//! What the broker examples share: the payments they publish, the handler that charges
+//! them, and when the demo stops.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_consumer::{Context, Message};
+use idem_core::Failure;
+
+/// What `POST /payments` would publish, as (idempotency key, amount in cents): a retried
+/// request publishes the same payment again, under the same key.
+pub const PAYMENTS: [(&str, u32); 5] = [
+    ("pay-1", 1250),
+    ("pay-2", 990),
+    ("pay-1", 1250),
+    ("pay-3", 4000),
+    ("pay-2", 990),
+];
+
+/// The JSON payload of a payment of `amount`.
+pub fn payment(amount: u32) -> String {
+    format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#)
+}
+
+/// The handler: charges the payment (counted in `charges`) and returns the charge's id.
+/// Give the worker `move |message, ctx| shared::charge(charges.clone(), message, ctx)`.
+pub async fn charge(
+    charges: Arc<AtomicU32>,
+    message: Message,
+    ctx: Context,
+) -> Result<String, Failure<String>> {
+    let payment: serde_json::Value = serde_json::from_slice(message.payload())
+        .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
+    // The provider gets a key derived from the message's, so that a retry after a crash
+    // cannot charge twice at the provider either.
+    let provider_key = ctx.child_key("charge-card");
+    charges.fetch_add(1, Ordering::SeqCst);
+    println!(
+        "charging {} {} for {} (attempt {}, provider key {provider_key})",
+        payment["amount"],
+        payment["currency"].as_str().unwrap_or("?"),
+        ctx.key(),
+        ctx.attempt(),
+    );
+    Ok(format!("ch_{}", ctx.key()))
+}
+
+/// Completes on Ctrl-C, or after two seconds: enough for the demo.
+pub async fn stop() {
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = tokio::time::sleep(Duration::from_secs(2)) => {}
+    }
+}
