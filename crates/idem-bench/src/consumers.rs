@@ -1,25 +1,35 @@
-//! The `consumers` phase (alone): messages per second of idem-consumer's Redis Streams
-//! worker, with idem on the Redis store, against the same read, run and ack loop without
-//! idem, in interleaved rounds on fresh streams.
+//! The `consumers` phase (alone): messages per second of idem-consumer's workers (Redis
+//! Streams, NATS JetStream) with idem on the Redis store, against the same workers without
+//! idem's store, in interleaved rounds on fresh streams.
 //!
-//! Each run adds `--keys` messages (one key each, untimed), then times a worker from its
-//! start until its handler has run for every message. The handler parses the JSON payload:
-//! the cost measured is the worker's and idem's, not the work's. Both sides pull in the same
-//! batches (`--consumer-batch`) and run `--concurrency` handlers at once. The figure is
-//! the median over `--rounds` of idem's rate over the bare loop's rate taken in the same
-//! round.
+//! Each run adds `--keys` messages (one key each, untimed) to a fresh stream, then times a
+//! worker from its start until its handler has run for every message. The handler parses
+//! the JSON payload: the cost measured is the worker's and idem's, not the work's.
+//!
+//! Both sides run the very same `Worker` (same reads, batch `--consumer-batch`,
+//! `--concurrency` handlers, one task per message, heartbeats, decision and ack); only the
+//! store behind the consumer differs. "With idem" is the Redis store; "without" is
+//! [`NoStore`], which answers every `begin` with a fresh lease at once and keeps nothing.
+//! So the ratio prices idem's store round trips (a `begin` and a `complete` per message, on
+//! the same Redis server that carries the Redis Streams broker); idem's in-process work
+//! (key, fingerprint, the result as JSON) is on both sides. The figure is the median over
+//! `--rounds` of the ratio taken within each round; the side that runs first alternates
+//! between rounds.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idemkit::consumer::{redis_streams, Consumer, Message};
+use async_nats::jetstream::{self, Context as JetStream};
+use async_trait::async_trait;
+use idemkit::consumer::{nats, redis_streams, Consumer, Context, Message};
 use idemkit::redis::RedisStore;
-use idemkit::{Config, Failure, Idem, Key, Scope};
+use idemkit::{
+    Begin, BeginRequest, Completion, Config, Failure, Idem, Key, Lease, Record, RecordId, Scope,
+    Store,
+};
 use redis::aio::ConnectionManager;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
 use crate::compare::median;
 use crate::report::{Figure, Target};
@@ -29,23 +39,82 @@ use crate::report::{Figure, Target};
 pub struct Settings {
     /// The Redis server: idem's store, and the Redis Streams broker.
     pub redis_url: String,
+    /// The NATS server, with JetStream on.
+    pub nats_url: String,
     /// Messages per run.
     pub messages: usize,
     /// Handlers at once.
     pub concurrency: usize,
     /// Messages per pull.
     pub batch: usize,
-    /// Interleaved rounds (one bare run and one idem run each).
+    /// Interleaved rounds (one run without idem and one with it each).
     pub rounds: usize,
     /// Unique per benchmark run.
     pub run_id: String,
 }
 
-/// The bare worker or the one with idem.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Side {
-    Bare,
-    Idem,
+/// A store that grants every `begin` a fresh lease without any I/O and keeps nothing: the
+/// worker runs exactly as with idem, minus idem's store round trips.
+#[derive(Debug)]
+struct NoStore;
+
+#[async_trait]
+impl Store for NoStore {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+    async fn begin(&self, req: BeginRequest<'_>) -> idemkit::Result<Begin> {
+        let now = tokio::time::Instant::now();
+        let lease = Lease::new(req.id.clone(), req.token, 1, req.lease, now);
+        Ok(Begin::Acquired(lease))
+    }
+    async fn complete(&self, _: &Lease, _: &Completion, _: Duration) -> idemkit::Result<()> {
+        Ok(())
+    }
+    async fn release(&self, _: &Lease) -> idemkit::Result<()> {
+        Ok(())
+    }
+    async fn extend(&self, lease: &Lease, by: Duration) -> idemkit::Result<Lease> {
+        let now = tokio::time::Instant::now();
+        Ok(lease.renewed(lease.attempt(), by, now))
+    }
+    async fn get(&self, _: &RecordId) -> idemkit::Result<Option<Record>> {
+        Ok(None)
+    }
+    async fn evict(&self, _: &RecordId) -> idemkit::Result<bool> {
+        Ok(false)
+    }
+}
+
+/// The broker a run uses.
+#[derive(Debug, Clone, Copy)]
+enum Broker {
+    RedisStreams,
+    JetStream,
+}
+
+impl Broker {
+    fn label(self) -> &'static str {
+        match self {
+            Self::RedisStreams => "Redis Streams",
+            Self::JetStream => "NATS JetStream",
+        }
+    }
+
+    /// In the names of the run's streams and of its idem scope.
+    fn tag(self) -> &'static str {
+        match self {
+            Self::RedisStreams => "streams",
+            Self::JetStream => "jetstream",
+        }
+    }
+}
+
+/// The connections of the phase.
+struct Brokers {
+    client: redis::Client,
+    conn: ConnectionManager,
+    js: JetStream,
 }
 
 /// The handler both sides run: parse the payload.
@@ -58,43 +127,68 @@ fn work(payload: &[u8]) -> Result<u64, Failure<String>> {
 /// Runs the phase and prints (or returns as JSON) its figures.
 pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     let client = redis::Client::open(settings.redis_url.as_str()).map_err(|e| e.to_string())?;
-    let mut conn = client
+    let conn = client
         .get_connection_manager()
         .await
         .map_err(|e| format!("{}: {e}", settings.redis_url))?;
+    let nats = async_nats::connect(&settings.nats_url).await.map_err(|e| {
+        format!(
+            "{}: {e} (give the NATS server with --nats-url)",
+            settings.nats_url
+        )
+    })?;
+    let mut brokers = Brokers {
+        client,
+        conn,
+        js: jetstream::new(nats),
+    };
     let store = RedisStore::builder(&settings.redis_url)
         .with_prefix(format!("idem-bench:{}:", settings.run_id))
         .connect()
         .await
         .map_err(|e| format!("{}: {e}", settings.redis_url))?;
-    let idem =
-        Idem::new(store).with_config(Config::default().with_retention(Duration::from_secs(300)));
+    let config = Config::default().with_retention(Duration::from_secs(300));
+    let with_idem = Idem::new(store).with_config(config.clone());
+    let without = Idem::new(NoStore).with_config(config);
     let mut figures = Vec::new();
 
-    let broker = "Redis Streams";
-    {
-        let (mut bare, mut with_idem, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for broker in [Broker::RedisStreams, Broker::JetStream] {
+        let (mut bare, mut guarded, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..settings.rounds {
             let mut rates = [0.0; 2];
-            for (slot, side) in [Side::Bare, Side::Idem].into_iter().enumerate() {
-                let name = format!("idem-bench-{}-{round}-{slot}", settings.run_id);
+            // Alternate which side runs first, so that neither always finds the servers
+            // busier (a stream being deleted, records expiring).
+            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for side in order {
+                let idem = if side == 0 { &without } else { &with_idem };
+                // A scope of the run's own: a key completed in an earlier run would be
+                // replayed, and the handler would never run.
+                let name = format!(
+                    "idem-bench-{}-{}-{round}-{side}",
+                    settings.run_id,
+                    broker.tag()
+                );
                 let scope = Scope::new(format!("bench-{name}")).map_err(|e| e.to_string())?;
                 let consumer = Consumer::new(idem.clone(), scope);
-                rates[slot] =
-                    streams_run(settings, &client, &mut conn, &name, side, consumer).await?;
+                rates[side] = match broker {
+                    Broker::RedisStreams => {
+                        streams_run(settings, &mut brokers, &name, consumer).await?
+                    }
+                    Broker::JetStream => jetstream_run(settings, &brokers, &name, consumer).await?,
+                };
             }
             bare.push(rates[0]);
-            with_idem.push(rates[1]);
+            guarded.push(rates[1]);
             ratios.push(rates[1] / rates[0]);
         }
-        let (b, i) = (median(&bare), median(&with_idem));
+        let (b, i) = (median(&bare), median(&guarded));
         figures.push(
             Figure::new(
-                format!("{broker}: idem / bare messages/s"),
+                format!("{}: idem / bare messages/s", broker.label()),
                 median(&ratios),
                 "",
                 format!(
-                    "medians of {} rounds: {i:.0}/s with idem vs {b:.0}/s bare",
+                    "medians of {} rounds: {i:.0}/s with idem vs {b:.0}/s without",
                     settings.rounds
                 ),
             )
@@ -121,129 +215,151 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-/// Completes once `done` reaches `n`.
-fn all_done(done: &Arc<AtomicUsize>, n: usize) -> impl Future<Output = ()> + Send + 'static {
-    let done = done.clone();
-    async move {
-        while done.load(Ordering::Relaxed) < n {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+/// The handler of one timed run, which counts its runs.
+#[derive(Clone)]
+struct Counted {
+    done: Arc<AtomicUsize>,
+}
+
+impl Counted {
+    fn new() -> Self {
+        Self {
+            done: Arc::new(AtomicUsize::new(0)),
         }
     }
+
+    /// The handler to give the worker.
+    fn handler(
+        &self,
+    ) -> impl Fn(Message, Context) -> std::future::Ready<Result<u64, Failure<String>>>
+           + Send
+           + Sync
+           + 'static {
+        let done = self.done.clone();
+        move |message, _ctx| {
+            let n = work(message.payload());
+            done.fetch_add(1, Ordering::Relaxed);
+            std::future::ready(n)
+        }
+    }
+
+    /// The worker's shutdown: once the handler has run `n` times, or after `limit` (a run
+    /// that stalls ends, and [`Counted::rate`] says so, rather than hanging the benchmark).
+    fn all_done(&self, n: usize, limit: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let done = self.done.clone();
+        let deadline = tokio::time::Instant::now() + limit;
+        async move {
+            while done.load(Ordering::Relaxed) < n && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+
+    /// Messages per second since `started`; an error when the handler did not run `n` times.
+    fn rate(&self, n: usize, started: Instant, name: &str) -> Result<f64, String> {
+        let elapsed = started.elapsed();
+        let done = self.done.load(Ordering::Relaxed);
+        if done < n {
+            return Err(format!(
+                "{name}: the handler ran for {done} of {n} messages in {elapsed:?}; the worker \
+                 stalled (is the broker up, and the store reachable?)"
+            ));
+        }
+        Ok(n as f64 / elapsed.as_secs_f64())
+    }
+}
+
+/// How long one timed run may take before it counts as stalled.
+fn run_limit(messages: usize) -> Duration {
+    Duration::from_secs(60) + Duration::from_millis(messages as u64)
 }
 
 /// One timed Redis Streams run on a fresh stream: messages per second.
 async fn streams_run(
     s: &Settings,
-    client: &redis::Client,
-    conn: &mut ConnectionManager,
+    brokers: &mut Brokers,
     name: &str,
-    side: Side,
     consumer: Consumer,
 ) -> Result<f64, String> {
     let e = |e: redis_streams::Error| e.to_string();
     let topology = redis_streams::Topology::new(name);
-    topology.declare(conn).await.map_err(e)?;
+    topology.declare(&mut brokers.conn).await.map_err(e)?;
     // Untimed: the entries, with their keys, pipelined.
     for chunk in (0..s.messages).collect::<Vec<_>>().chunks(1000) {
         let mut pipe = redis::pipe();
         for i in chunk {
             let key = Key::new(format!("m-{i}")).map_err(|e| e.to_string())?;
             let payload = format!(r#"{{"n": {i}}}"#);
+            let fields = redis_streams::fields_with_key(payload.as_bytes(), &key, None);
             pipe.cmd("XADD")
                 .arg(&topology.stream)
                 .arg("*")
-                .arg(redis_streams::fields_with_key(
-                    payload.as_bytes(),
-                    &key,
-                    None,
-                ))
+                .arg(fields)
                 .ignore();
         }
-        pipe.query_async::<()>(conn)
+        pipe.query_async::<()>(&mut brokers.conn)
             .await
             .map_err(|e| e.to_string())?;
     }
-    let done = Arc::new(AtomicUsize::new(0));
+    let counted = Counted::new();
     let started = Instant::now();
-    match side {
-        Side::Idem => {
-            let counter = done.clone();
-            redis_streams::Worker::new(consumer, topology.clone())
-                .with_concurrency(s.concurrency)
-                .with_batch(s.batch)
-                .run(
-                    client,
-                    move |message: Message, _ctx| {
-                        let counter = counter.clone();
-                        async move {
-                            let n = work(message.payload());
-                            counter.fetch_add(1, Ordering::Relaxed);
-                            n
-                        }
-                    },
-                    all_done(&done, s.messages),
-                )
-                .await
-                .map_err(e)?;
-        }
-        Side::Bare => {
-            // The same read, run and XACK loop, without idem.
-            let mut reader = client
-                .get_connection_manager()
+    redis_streams::Worker::new(consumer, topology.clone())
+        .with_concurrency(s.concurrency)
+        .with_batch(s.batch)
+        .run(
+            &brokers.client,
+            counted.handler(),
+            counted.all_done(s.messages, run_limit(s.messages)),
+        )
+        .await
+        .map_err(e)?;
+    let rate = counted.rate(s.messages, started, name);
+    topology.delete(&mut brokers.conn).await.map_err(e)?;
+    rate
+}
+
+/// One timed JetStream run on a fresh stream and subject: messages per second.
+async fn jetstream_run(
+    s: &Settings,
+    brokers: &Brokers,
+    name: &str,
+    consumer: Consumer,
+) -> Result<f64, String> {
+    let e = |e: nats::Error| e.to_string();
+    let js = &brokers.js;
+    let topology = nats::Topology::new(name, format!("{name}.jobs"));
+    topology.declare(js).await.map_err(e)?;
+    // Untimed: the messages, with their keys. Confirmations are awaited in chunks: the
+    // client lets at most 5,000 be outstanding, and a publish beyond that waits for one.
+    for chunk in (0..s.messages).collect::<Vec<_>>().chunks(500) {
+        let mut confirms = Vec::with_capacity(chunk.len());
+        for i in chunk {
+            let key = Key::new(format!("m-{i}")).map_err(|e| e.to_string())?;
+            let headers = nats::with_idempotency_key(async_nats::HeaderMap::new(), &key, None);
+            let payload = format!(r#"{{"n": {i}}}"#);
+            let confirm = js
+                .publish_with_headers(topology.subject.clone(), headers, payload.into())
                 .await
                 .map_err(|e| e.to_string())?;
-            let slots = Arc::new(Semaphore::new(s.concurrency));
-            let mut tasks = JoinSet::new();
-            let mut buffer = std::collections::VecDeque::new();
-            while done.load(Ordering::Relaxed) < s.messages {
-                let slot = slots
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if buffer.is_empty() {
-                    let reply: Option<redis::streams::StreamReadReply> = redis::cmd("XREADGROUP")
-                        .arg("GROUP")
-                        .arg(&topology.group)
-                        .arg("bare")
-                        .arg("COUNT")
-                        .arg(s.batch)
-                        .arg("BLOCK")
-                        .arg(200)
-                        .arg("STREAMS")
-                        .arg(&topology.stream)
-                        .arg(">")
-                        .query_async(&mut reader)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    buffer.extend(reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids));
-                }
-                let Some(entry) = buffer.pop_front() else {
-                    continue;
-                };
-                let (done, mut conn, stream, group) = (
-                    done.clone(),
-                    conn.clone(),
-                    topology.stream.clone(),
-                    topology.group.clone(),
-                );
-                tasks.spawn(async move {
-                    let _ = work(redis_streams::message_of(&entry).payload());
-                    let _ = redis::cmd("XACK")
-                        .arg(&stream)
-                        .arg(&group)
-                        .arg(&entry.id)
-                        .query_async::<()>(&mut conn)
-                        .await;
-                    done.fetch_add(1, Ordering::Relaxed);
-                    drop(slot);
-                });
-                while tasks.try_join_next().is_some() {}
-            }
-            while tasks.join_next().await.is_some() {}
+            confirms.push(confirm);
+        }
+        for confirm in confirms {
+            confirm.await.map_err(|e| e.to_string())?;
         }
     }
-    let rate = s.messages as f64 / started.elapsed().as_secs_f64();
-    topology.delete(conn).await.map_err(e)?;
-    Ok(rate)
+    let counted = Counted::new();
+    let started = Instant::now();
+    nats::Worker::new(consumer, topology.clone())
+        .with_concurrency(s.concurrency)
+        .with_batch(s.batch)
+        .run(
+            js,
+            counted.handler(),
+            counted.all_done(s.messages, run_limit(s.messages)),
+        )
+        .await
+        .map_err(e)?;
+    let rate = counted.rate(s.messages, started, name);
+    topology.delete(js).await.map_err(e)?;
+    rate
 }

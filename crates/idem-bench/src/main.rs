@@ -25,8 +25,9 @@
 //!   and on `--store`, at concurrency 1 and `--concurrency` (see `proxy.rs`);
 //! - `compare` (alone, on a `redis://` store): idem side by side with the `idempotent` and
 //!   `klauthed-data` crates' Redis stores, in interleaved rounds (see `compare.rs`).
-//! - `consumers` (alone, on a `redis://` store): messages/s of the Redis Streams worker
-//!   with idem against the same loop without it (see `consumers.rs`).
+//! - `consumers` (alone, on a `redis://` store): messages/s of the Redis Streams and NATS
+//!   JetStream workers with idem against the same workers without idem's store (NATS at
+//!   `--nats-url`; see `consumers.rs`).
 //! - `wait`: how soon a waiter (`Config::wait`) answers after the holder's completion, with
 //!   the store's notifications and polled (`--wait-keys` operations each; see `wait.rs`).
 //!
@@ -146,6 +147,13 @@ struct Args {
     /// Messages per pull of the `consumers` phase.
     #[arg(long, default_value_t = 16)]
     consumer_batch: usize,
+    /// The NATS server (JetStream on) of the `consumers` phase's JetStream worker.
+    #[arg(
+        long,
+        default_value = "nats://127.0.0.1:4222",
+        env = "IDEM_BENCH_NATS_URL"
+    )]
+    nats_url: String,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
@@ -294,6 +302,7 @@ async fn consumers(args: &Args, run_id: String) -> Result<(), String> {
     };
     let settings = consumers::Settings {
         redis_url,
+        nats_url: args.nats_url.clone(),
         messages: args.keys,
         concurrency: args.concurrency,
         batch: args.consumer_batch,
