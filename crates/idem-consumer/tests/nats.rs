@@ -25,7 +25,7 @@ mod nats {
     use idem_core::Key;
 
     use crate::support::{
-        child_env, ChildSetup, Handler, RunningWorker, TestBroker, CHILD_CONCURRENCY,
+        self, child_env, ChildSetup, Handler, RunningWorker, TestBroker, Tuning, CHILD_CONCURRENCY,
         CHILD_REDELIVERY,
     };
 
@@ -99,24 +99,15 @@ mod nats {
         async fn spawn_worker(
             &self,
             consumer: Consumer,
-            concurrency: Option<usize>,
-            batch: Option<usize>,
+            tuning: Tuning,
             handler: Handler,
         ) -> RunningWorker {
-            let mut worker = Worker::new(consumer, self.topology.clone());
-            if let Some(concurrency) = concurrency {
-                worker = worker.with_concurrency(concurrency);
-            }
-            if let Some(batch) = batch {
-                worker = worker.with_batch(batch);
-            }
+            let worker = Worker::new(consumer, self.topology.clone())
+                .with_concurrency(tuning.concurrency)
+                .with_batch(tuning.batch);
             let js = connect(&self.url).await;
-            RunningWorker::spawn(|stopped| async move {
-                worker
-                    .run(&js, move |m, c| handler(m, c), async {
-                        let _ = stopped.await;
-                    })
-                    .await
+            RunningWorker::spawn(|stop| async move {
+                worker.run(&js, move |m, c| handler(m, c), stop).await
             })
         }
 
@@ -165,7 +156,25 @@ mod nats {
             ]
         }
 
-        async fn delete(self) {
+        async fn check_all_acked(&self, messages: u64) {
+            assert_eq!(self.messages_in(&self.topology.stream).await, messages);
+            assert_eq!(self.consumer_state().await, (0, 0, messages));
+        }
+
+        async fn check_delivered_once(&self) {
+            let stream = self
+                .js
+                .get_stream(&self.topology.stream)
+                .await
+                .expect("the stream");
+            let info = stream
+                .consumer_info(&self.topology.consumer)
+                .await
+                .expect("consumer info");
+            assert_eq!(info.num_redelivered, 0, "delivered once");
+        }
+
+        async fn delete(&self) {
             self.topology
                 .delete(&self.js)
                 .await
@@ -173,63 +182,29 @@ mod nats {
         }
     }
 
-    /// See [`support::five_copies_to_four_workers`](crate::support::five_copies_to_four_workers);
-    /// on the broker every copy is acked.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn five_copies_to_four_workers_have_one_effect() {
-        let Some(nats) = Nats::open("copies", Duration::from_secs(5)).await else {
-            return;
-        };
-        crate::support::five_copies_to_four_workers(&nats).await;
-        assert_eq!(nats.consumer_state().await, (0, 0, 5 * 20));
-        nats.delete().await;
+        support::five_copies_to_four_workers::<Nats>(Duration::from_secs(5)).await;
     }
 
-    /// See [`support::transient_failures_retry_and_permanent_ones_are_dead_lettered`](crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered);
-    /// the retry copies are counted on the broker.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        let Some(nats) = Nats::open("retries", Duration::from_secs(5)).await else {
-            return;
-        };
-        crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered(&nats).await;
-        // On the broker: the 9 originals and 16 retry copies, all acked.
-        assert_eq!(nats.messages_in(&nats.topology.stream).await, 9 + 16);
-        assert_eq!(nats.consumer_state().await, (0, 0, 9 + 16));
-        nats.delete().await;
+        let ack_wait = Duration::from_secs(5);
+        support::transient_failures_retry_and_permanent_ones_are_dead_lettered::<Nats>(ack_wait)
+            .await;
     }
 
-    /// See [`support::a_store_outage_acks_nothing_and_loses_nothing`](crate::support::a_store_outage_acks_nothing_and_loses_nothing):
-    /// messages are NAKed for later while the store is down.
+    /// Messages are NAKed for later while the store is down.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_store_outage_acks_nothing_and_loses_nothing() {
-        let Some(nats) = Nats::open("outage", Duration::from_secs(5)).await else {
-            return;
-        };
-        crate::support::a_store_outage_acks_nothing_and_loses_nothing(&nats).await;
-        nats.delete().await;
+        support::a_store_outage_acks_nothing_and_loses_nothing::<Nats>(Duration::from_secs(5))
+            .await;
     }
 
-    /// See [`support::a_long_handler_keeps_its_message`](crate::support::a_long_handler_keeps_its_message):
-    /// the worker's "work in progress" acks keep the message, which JetStream delivered once.
+    /// The worker's "work in progress" acks keep the message.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_long_handler_keeps_its_message() {
-        let ack_wait = Duration::from_secs(1);
-        let Some(nats) = Nats::open("long", ack_wait).await else {
-            return;
-        };
-        crate::support::a_long_handler_keeps_its_message(&nats, ack_wait).await;
-        let stream = nats
-            .js
-            .get_stream(&nats.topology.stream)
-            .await
-            .expect("the stream");
-        let info = stream
-            .consumer_info(&nats.topology.consumer)
-            .await
-            .expect("consumer info");
-        assert_eq!(info.num_redelivered, 0, "delivered once");
-        nats.delete().await;
+        support::a_long_handler_keeps_its_message::<Nats>(Duration::from_secs(1)).await;
     }
 
     // --- The crash test ---------------------------------------------------------------------
@@ -264,8 +239,7 @@ mod nats {
         let Some(nats) = Nats::open("crash", CHILD_REDELIVERY).await else {
             return;
         };
-        crate::support::a_killed_worker_process_loses_nothing(&nats, "nats::child_worker_process")
-            .await;
+        support::a_killed_worker_process_loses_nothing(&nats, "nats::child_worker_process").await;
         nats.delete().await;
     }
 }

@@ -37,8 +37,8 @@ mod rabbitmq {
     use tokio::time::{sleep, timeout, Instant};
 
     use crate::support::{
-        child_env, wait_until, ChildSetup, Effects, Handler, RunningWorker, TestBroker,
-        CHILD_CONCURRENCY,
+        self, child_env, wait_until, ChildSetup, Effects, Handler, RunningWorker, TestBroker,
+        Tuning, CHILD_CONCURRENCY,
     };
 
     fn amqp_url() -> Option<String> {
@@ -190,25 +190,18 @@ mod rabbitmq {
             publish(&self.admin, &self.topology.queue, key, payload).await;
         }
 
-        /// `batch` is not used: the worker's prefetch stays the default.
+        /// `tuning.batch` is not used: the worker's prefetch stays the default.
         async fn spawn_worker(
             &self,
             consumer: Consumer,
-            concurrency: Option<usize>,
-            _batch: Option<usize>,
+            tuning: Tuning,
             handler: Handler,
         ) -> RunningWorker {
-            let mut worker = Worker::new(consumer, self.topology.clone());
-            if let Some(concurrency) = concurrency {
-                worker = worker.with_concurrency(concurrency);
-            }
+            let worker =
+                Worker::new(consumer, self.topology.clone()).with_concurrency(tuning.concurrency);
             let conn = connect(&self.url).await;
-            RunningWorker::spawn(|stopped| async move {
-                worker
-                    .run(&conn, move |m, c| handler(m, c), async {
-                        let _ = stopped.await;
-                    })
-                    .await
+            RunningWorker::spawn(|stop| async move {
+                worker.run(&conn, move |m, c| handler(m, c), stop).await
             })
         }
 
@@ -266,7 +259,7 @@ mod rabbitmq {
             ]
         }
 
-        async fn delete(self) {
+        async fn delete(&self) {
             self.topology
                 .delete(&self.admin)
                 .await
@@ -419,16 +412,13 @@ mod rabbitmq {
         topology.delete(&admin).await.expect("delete queues");
     }
 
-    /// See [`support::transient_failures_retry_and_permanent_ones_are_dead_lettered`](crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered):
-    /// retries go through the retry queue, never acked silently.
+    /// Retries go through the retry queue.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        let Some(rabbit) = Rabbit::open("retries", Duration::ZERO).await else {
-            return;
-        };
-        crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered(&rabbit)
-            .await;
-        rabbit.delete().await;
+        support::transient_failures_retry_and_permanent_ones_are_dead_lettered::<Rabbit>(
+            Duration::ZERO,
+        )
+        .await;
     }
 
     /// Shutdown stops consuming, lets the handlers in progress finish and acks their
@@ -531,7 +521,7 @@ mod rabbitmq {
         let Some(rabbit) = Rabbit::open("crash", Duration::ZERO).await else {
             return;
         };
-        let Some(shared) = crate::support::a_killed_worker_process_loses_nothing(
+        let Some(shared) = support::a_killed_worker_process_loses_nothing(
             &rabbit,
             "rabbitmq::child_consumer_process",
         )

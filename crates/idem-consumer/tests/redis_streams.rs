@@ -26,7 +26,7 @@ mod redis_streams {
     use redis::streams::StreamRangeReply;
 
     use crate::support::{
-        child_env, ChildSetup, Handler, RunningWorker, TestBroker, CHILD_CONCURRENCY,
+        self, child_env, ChildSetup, Handler, RunningWorker, TestBroker, Tuning, CHILD_CONCURRENCY,
         CHILD_REDELIVERY,
     };
 
@@ -112,24 +112,15 @@ mod redis_streams {
         async fn spawn_worker(
             &self,
             consumer: Consumer,
-            concurrency: Option<usize>,
-            batch: Option<usize>,
+            tuning: Tuning,
             handler: Handler,
         ) -> RunningWorker {
-            let mut worker = Worker::new(consumer, self.topology.clone());
-            if let Some(concurrency) = concurrency {
-                worker = worker.with_concurrency(concurrency);
-            }
-            if let Some(batch) = batch {
-                worker = worker.with_batch(batch);
-            }
+            let worker = Worker::new(consumer, self.topology.clone())
+                .with_concurrency(tuning.concurrency)
+                .with_batch(tuning.batch);
             let client = self.client.clone();
-            RunningWorker::spawn(|stopped| async move {
-                worker
-                    .run(&client, move |m, c| handler(m, c), async {
-                        let _ = stopped.await;
-                    })
-                    .await
+            RunningWorker::spawn(|stop| async move {
+                worker.run(&client, move |m, c| handler(m, c), stop).await
             })
         }
 
@@ -175,62 +166,45 @@ mod redis_streams {
             ]
         }
 
-        async fn delete(mut self) {
+        async fn check_all_acked(&self, messages: u64) {
+            assert_eq!(self.xlen(&self.topology.stream).await, messages);
+            assert_eq!(self.group_state().await, (0, 0));
+        }
+
+        async fn delete(&self) {
             self.topology
-                .delete(&mut self.conn)
+                .delete(&mut self.conn.clone())
                 .await
                 .expect("delete the streams");
         }
     }
 
-    /// See [`support::five_copies_to_four_workers`](crate::support::five_copies_to_four_workers).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn five_copies_to_four_workers_have_one_effect() {
-        let Some(streams) = Streams::open("copies", Duration::from_secs(5)).await else {
-            return;
-        };
-        crate::support::five_copies_to_four_workers(&streams).await;
-        streams.delete().await;
+        support::five_copies_to_four_workers::<Streams>(Duration::from_secs(5)).await;
     }
 
-    /// See [`support::transient_failures_retry_and_permanent_ones_are_dead_lettered`](crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered);
-    /// the retry copies are counted on the server.
+    /// A short claim idle time: retry copies read early wait at most this long.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        // A short claim idle time: retry copies read early wait at most this long.
         let claim_idle = Duration::from_millis(300);
-        let Some(streams) = Streams::open("retries", claim_idle).await else {
-            return;
-        };
-        crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered(&streams)
-            .await;
-        // On the server: the 9 originals and 16 retry copies, all acknowledged.
-        assert_eq!(streams.xlen(&streams.topology.stream).await, 9 + 16);
-        assert_eq!(streams.group_state().await, (0, 0));
-        streams.delete().await;
+        support::transient_failures_retry_and_permanent_ones_are_dead_lettered::<Streams>(
+            claim_idle,
+        )
+        .await;
     }
 
-    /// See [`support::a_store_outage_acks_nothing_and_loses_nothing`](crate::support::a_store_outage_acks_nothing_and_loses_nothing):
-    /// entries stay pending while the store is down.
+    /// Entries stay pending while the store is down.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_store_outage_acks_nothing_and_loses_nothing() {
-        let Some(streams) = Streams::open("outage", Duration::from_millis(500)).await else {
-            return;
-        };
-        crate::support::a_store_outage_acks_nothing_and_loses_nothing(&streams).await;
-        streams.delete().await;
+        let claim_idle = Duration::from_millis(500);
+        support::a_store_outage_acks_nothing_and_loses_nothing::<Streams>(claim_idle).await;
     }
 
-    /// See [`support::a_long_handler_keeps_its_message`](crate::support::a_long_handler_keeps_its_message):
-    /// the worker's heartbeats stop the other worker from claiming the entry.
+    /// The worker's heartbeats stop the other worker from claiming the entry.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_long_handler_keeps_its_entry() {
-        let claim_idle = Duration::from_secs(1);
-        let Some(streams) = Streams::open("long", claim_idle).await else {
-            return;
-        };
-        crate::support::a_long_handler_keeps_its_message(&streams, claim_idle).await;
-        streams.delete().await;
+        support::a_long_handler_keeps_its_message::<Streams>(Duration::from_secs(1)).await;
     }
 
     // --- The crash test ---------------------------------------------------------------------
@@ -265,7 +239,7 @@ mod redis_streams {
         let Some(streams) = Streams::open("crash", CHILD_REDELIVERY).await else {
             return;
         };
-        crate::support::a_killed_worker_process_loses_nothing(
+        support::a_killed_worker_process_loses_nothing(
             &streams,
             "redis_streams::child_worker_process",
         )

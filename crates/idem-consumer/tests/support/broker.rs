@@ -27,13 +27,12 @@ pub trait TestBroker: Sized {
     async fn open(test: &str, redelivery: Duration) -> Option<Self>;
     /// Publishes `payload` with `key` propagated, and waits for the broker's confirmation.
     async fn publish(&self, key: &str, payload: &str);
-    /// Starts a worker of `consumer` running `handler`, on a connection of its own;
-    /// `concurrency` and `batch` (messages per read) when given, the defaults otherwise.
+    /// Starts a worker of `consumer` running `handler` with `tuning`, on a connection of
+    /// its own.
     async fn spawn_worker(
         &self,
         consumer: Consumer,
-        concurrency: Option<usize>,
-        batch: Option<usize>,
+        tuning: Tuning,
         handler: Handler,
     ) -> RunningWorker;
     /// Messages not yet settled: waiting for a worker, or (where the broker tells) delivered
@@ -43,10 +42,40 @@ pub trait TestBroker: Sized {
     async fn dead_letter_count(&self) -> u64;
     /// The dead letters, as key -> (reason, attempt).
     async fn dead_letters(&self) -> BTreeMap<String, (String, String)>;
+    /// Once `messages` (copies included) are all settled: what the broker shows of them,
+    /// where it keeps them.
+    async fn check_all_acked(&self, _messages: u64) {}
+    /// Once the long handler's message is settled: that the broker delivered it once, where
+    /// it tells.
+    async fn check_delivered_once(&self) {}
     /// Where a crash test's child process finds the broker and the topology.
     fn child_env(&self) -> Vec<(&'static str, String)>;
     /// Deletes the topology.
-    async fn delete(self);
+    async fn delete(&self);
+}
+
+/// A worker's settings in a test: handlers at once, and messages per read (where the worker
+/// reads in batches). The defaults are the workers' own.
+#[derive(Clone, Copy)]
+pub struct Tuning {
+    pub concurrency: usize,
+    pub batch: usize,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            concurrency: 4,
+            batch: 16,
+        }
+    }
+}
+
+/// Completes when a [`RunningWorker`] is told to stop.
+pub type Stop = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+fn tuning(concurrency: usize, batch: usize) -> Tuning {
+    Tuning { concurrency, batch }
 }
 
 /// A worker running in a task until [`RunningWorker::stop`].
@@ -56,14 +85,16 @@ pub struct RunningWorker {
 }
 
 impl RunningWorker {
-    /// Runs `run` (a worker's `run`, given the shutdown future) in a task.
-    pub fn spawn<F, E>(run: impl FnOnce(oneshot::Receiver<()>) -> F) -> Self
+    /// Runs `run` in a task: a worker's `run`, given the future that says when to stop.
+    pub fn spawn<F, E>(run: impl FnOnce(Stop) -> F) -> Self
     where
         F: Future<Output = Result<Summary, E>> + Send + 'static,
         E: std::fmt::Debug,
     {
         let (stop, stopped) = oneshot::channel::<()>();
-        let run = run(stopped);
+        let run = run(Box::pin(async move {
+            let _ = stopped.await;
+        }));
         let task = tokio::spawn(async move { run.await.expect("the worker ran") });
         Self { stop, task }
     }
@@ -110,7 +141,11 @@ async fn wait_for_effects(effects: &Effects, n: usize, what: &str) {
 /// Each message published 5 times and consumed by 4 concurrent workers (on their own
 /// connections, sharing a store): one side effect per message, every copy acked, nothing
 /// dead-lettered.
-pub async fn five_copies_to_four_workers(broker: &impl TestBroker) {
+pub async fn five_copies_to_four_workers<B: TestBroker>(redelivery: Duration) {
+    let Some(broker) = B::open("copies", redelivery).await else {
+        return;
+    };
+    let broker = &broker;
     const N: u32 = 20;
     for _copy in 0..5 {
         for i in 0..N {
@@ -127,7 +162,7 @@ pub async fn five_copies_to_four_workers(broker: &impl TestBroker) {
         let handler = counting(&effects, Duration::from_millis(20));
         workers.push(
             broker
-                .spawn_worker(consumer.clone(), Some(3), None, handler)
+                .spawn_worker(consumer.clone(), tuning(3, 16), handler)
                 .await,
         );
     }
@@ -143,15 +178,21 @@ pub async fn five_copies_to_four_workers(broker: &impl TestBroker) {
         assert_eq!(*count, 1, "{key} had its effect {count} times");
     }
     assert_eq!(acked, u64::from(5 * N), "every copy was acked");
+    broker.check_all_acked(u64::from(5 * N)).await;
     assert_eq!(broker.dead_letter_count().await, 0);
+    broker.delete().await;
 }
 
 /// A handler that fails transiently succeeds in the end, once; one that always fails is
 /// dead-lettered after the policy's attempts, and one that fails for good at once; each dead
 /// letter says why, and how many attempts it had.
-pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered(
-    broker: &impl TestBroker,
+pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered<B: TestBroker>(
+    redelivery: Duration,
 ) {
+    let Some(broker) = B::open("retries", redelivery).await else {
+        return;
+    };
+    let broker = &broker;
     let (flaky, broken) = retry_keys();
     for key in flaky.iter().chain(&broken) {
         broker.publish(key, "{}").await;
@@ -165,7 +206,7 @@ pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered(
     let runs: Runs = Arc::default();
     let effects: Effects = Arc::default();
     let worker = broker
-        .spawn_worker(consumer, Some(2), None, failing(&runs, &effects))
+        .spawn_worker(consumer, tuning(2, 16), failing(&runs, &effects))
         .await;
     wait_until(Duration::from_secs(60), "4 dead letters", || async {
         broker.dead_letter_count().await == 4
@@ -175,12 +216,19 @@ pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered(
     wait_until_settled(broker, Duration::from_secs(30)).await;
     let summary = worker.stop().await;
     check_retry_runs(&runs, &effects, &summary);
+    // The 9 originals and 16 retry copies, all acked.
+    broker.check_all_acked(9 + 16).await;
     check_dead_letters(&broker.dead_letters().await);
+    broker.delete().await;
 }
 
 /// With the store down, the worker runs no handler and acks nothing: every message stays
 /// on the broker. When the store is back, each is processed once.
-pub async fn a_store_outage_acks_nothing_and_loses_nothing(broker: &impl TestBroker) {
+pub async fn a_store_outage_acks_nothing_and_loses_nothing<B: TestBroker>(redelivery: Duration) {
+    let Some(broker) = B::open("outage", redelivery).await else {
+        return;
+    };
+    let broker = &broker;
     let Some(mut redis) = idem_testkit::redis::throwaway(&[]) else {
         return;
     };
@@ -196,7 +244,11 @@ pub async fn a_store_outage_acks_nothing_and_loses_nothing(broker: &impl TestBro
         .with_policy(Policy::default().with_unavailable_delay(Duration::from_millis(200)));
     let effects: Effects = Arc::default();
     let worker = broker
-        .spawn_worker(consumer, None, None, counting(&effects, Duration::ZERO))
+        .spawn_worker(
+            consumer,
+            Tuning::default(),
+            counting(&effects, Duration::ZERO),
+        )
         .await;
     sleep(Duration::from_secs(3)).await;
     assert!(
@@ -218,12 +270,17 @@ pub async fn a_store_outage_acks_nothing_and_loses_nothing(broker: &impl TestBro
     }
     assert!(summary.requeued >= u64::from(N), "{summary:?}");
     assert_eq!(summary.acked, u64::from(N), "{summary:?}");
+    broker.delete().await;
 }
 
 /// A handler that runs for four times `redelivery` keeps its message: the worker's signs
 /// of life stop the broker from handing it to the other worker waiting for messages
 /// (which would hand it back, the key being held).
-pub async fn a_long_handler_keeps_its_message(broker: &impl TestBroker, redelivery: Duration) {
+pub async fn a_long_handler_keeps_its_message<B: TestBroker>(redelivery: Duration) {
+    let Some(broker) = B::open("long", redelivery).await else {
+        return;
+    };
+    let broker = &broker;
     broker.publish("slow-1", "{}").await;
     let consumer = Consumer::new(
         Idem::new(MemoryStore::new()),
@@ -235,7 +292,7 @@ pub async fn a_long_handler_keeps_its_message(broker: &impl TestBroker, redelive
         let handler = counting(&effects, redelivery * 4);
         workers.push(
             broker
-                .spawn_worker(consumer.clone(), None, Some(1), handler)
+                .spawn_worker(consumer.clone(), tuning(4, 1), handler)
                 .await,
         );
     }
@@ -248,6 +305,8 @@ pub async fn a_long_handler_keeps_its_message(broker: &impl TestBroker, redelive
         total.requeued += summary.requeued;
     }
     assert_eq!((total.acked, total.requeued), (1, 0), "{total:?}");
+    broker.check_delivered_once().await;
+    broker.delete().await;
 }
 
 /// Kill a worker process (SIGKILL, the child test `child`) while its handlers hold keys:
