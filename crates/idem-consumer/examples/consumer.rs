@@ -16,13 +16,12 @@
 
 mod shared;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_consumer::rabbitmq::{with_idempotency_key, Topology, Worker};
-use idem_consumer::{Consumer, Policy};
-use idem_core::{Config, Idem, Key, MemoryStore, Scope};
+use idem_core::Key;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
@@ -58,11 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
     }
 
-    // Records live in the worker's own scope (not the HTTP requests'), for 24 h by default;
-    // a lease of 30 s is renewed while a handler runs.
-    let idem = Idem::new(MemoryStore::new()).with_config(Config::default());
-    let consumer =
-        Consumer::new(idem, Scope::new("payments-worker")?).with_policy(Policy::default());
+    let consumer = shared::consumer()?;
 
     let charges = Arc::new(AtomicU32::new(0));
     let handler = {
@@ -75,11 +70,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_concurrency(4)
         .run(&conn, handler, shared::stop())
         .await?;
-    println!(
-        "{} deliveries acked, {} charges made: {summary:?}",
-        summary.acked,
-        charges.load(Ordering::SeqCst)
-    );
+    shared::report(&summary, "deliveries acked", &charges);
     topology.delete(&channel).await?;
     Ok(())
 }

@@ -16,12 +16,11 @@
 
 mod shared;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use idem_consumer::nats::{with_idempotency_key, Topology, Worker};
-use idem_consumer::Consumer;
-use idem_core::{Idem, Key, MemoryStore, Scope};
+use idem_core::Key;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -44,10 +43,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
     }
 
-    let consumer = Consumer::new(
-        Idem::new(MemoryStore::new()),
-        Scope::new("payments-worker")?,
-    );
+    let consumer = shared::consumer()?;
     let charges = Arc::new(AtomicU32::new(0));
     let handler = {
         let charges = charges.clone();
@@ -58,11 +54,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_concurrency(4)
         .run(&js, handler, shared::stop())
         .await?;
-    println!(
-        "{} messages acked, {} charges made: {summary:?}",
-        summary.acked,
-        charges.load(Ordering::SeqCst)
-    );
+    shared::report(&summary, "messages acked", &charges);
     topology.delete(&js).await?;
     Ok(())
 }

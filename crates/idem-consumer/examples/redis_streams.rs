@@ -16,12 +16,11 @@
 
 mod shared;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use idem_consumer::redis_streams::{publish, Topology, Worker};
-use idem_consumer::Consumer;
-use idem_core::{Idem, Key, MemoryStore, Scope};
+use idem_core::Key;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -48,10 +47,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     }
 
-    let consumer = Consumer::new(
-        Idem::new(MemoryStore::new()),
-        Scope::new("payments-worker")?,
-    );
+    let consumer = shared::consumer()?;
     let charges = Arc::new(AtomicU32::new(0));
     let handler = {
         let charges = charges.clone();
@@ -62,11 +58,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_concurrency(4)
         .run(&client, handler, shared::stop())
         .await?;
-    println!(
-        "{} entries acknowledged, {} charges made: {summary:?}",
-        summary.acked,
-        charges.load(Ordering::SeqCst)
-    );
+    shared::report(&summary, "entries acknowledged", &charges);
     topology.delete(&mut conn).await?;
     Ok(())
 }

@@ -47,18 +47,17 @@ mod nats {
             stream.info().await.expect("stream info").state.messages
         }
 
+        async fn consumer_info(&self) -> jetstream::consumer::Info {
+            let stream = self.js.get_stream(&self.topology.stream);
+            let stream = stream.await.expect("the stream");
+            let info = stream.consumer_info(&self.topology.consumer).await;
+            info.expect("consumer info")
+        }
+
         /// The consumer's messages not yet delivered, delivered but not acked, and the
         /// stream sequence up to which all are acked.
         async fn consumer_state(&self) -> (u64, usize, u64) {
-            let stream = self
-                .js
-                .get_stream(&self.topology.stream)
-                .await
-                .expect("the stream");
-            let info = stream
-                .consumer_info(&self.topology.consumer)
-                .await
-                .expect("consumer info");
+            let info = self.consumer_info().await;
             (
                 info.num_pending,
                 info.num_ack_pending,
@@ -162,15 +161,7 @@ mod nats {
         }
 
         async fn check_delivered_once(&self) {
-            let stream = self
-                .js
-                .get_stream(&self.topology.stream)
-                .await
-                .expect("the stream");
-            let info = stream
-                .consumer_info(&self.topology.consumer)
-                .await
-                .expect("consumer info");
+            let info = self.consumer_info().await;
             assert_eq!(info.num_redelivered, 0, "delivered once");
         }
 

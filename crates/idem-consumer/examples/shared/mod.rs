@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_consumer::{Context, Message};
-use idem_core::Failure;
+use idem_consumer::{Consumer, Context, Message, Policy, Summary};
+use idem_core::{Config, Failure, Idem, KeyError, MemoryStore, Scope};
 
 /// What `POST /payments` would publish, as (idempotency key, amount in cents): a retried
 /// request publishes the same payment again, under the same key.
@@ -44,6 +44,22 @@ pub async fn charge(
         ctx.attempt(),
     );
     Ok(format!("ch_{}", ctx.key()))
+}
+
+/// The worker's consumer. Records live in the worker's own scope (not the HTTP requests'),
+/// for 24 h by default; a lease of 30 s is renewed while a handler runs.
+pub fn consumer() -> Result<Consumer, KeyError> {
+    let idem = Idem::new(MemoryStore::new()).with_config(Config::default());
+    Ok(Consumer::new(idem, Scope::new("payments-worker")?).with_policy(Policy::default()))
+}
+
+/// Prints what the worker did: `summary`, and the charges made.
+pub fn report(summary: &Summary, settled: &str, charges: &AtomicU32) {
+    println!(
+        "{} {settled}, {} charges made: {summary:?}",
+        summary.acked,
+        charges.load(Ordering::SeqCst)
+    );
 }
 
 /// Completes on Ctrl-C, or after two seconds: enough for the demo.
