@@ -262,7 +262,8 @@ impl Counted {
         if done < n {
             return Err(format!(
                 "{name}: the handler ran for {done} of {n} messages in {elapsed:?}; the worker \
-                 stalled (is the broker up, and the store reachable?)"
+                 stalled: is the broker up and the store reachable, and are the keys new to \
+                 the scope (a completed key is replayed, and its handler does not run)?"
             ));
         }
         Ok(n as f64 / elapsed.as_secs_f64())
