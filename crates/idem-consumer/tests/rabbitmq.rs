@@ -314,21 +314,9 @@ mod rabbitmq {
             }
         };
 
-        let mut running = Vec::new();
-        for _ in 0..2 {
-            let conn = Arc::new(connect(&url).await);
-            let worker = Worker::new(consumer.clone(), topology.clone())
-                .with_prefetch(8)
-                .with_concurrency(3);
-            let starts = Arc::new(AtomicU32::new(0));
-            running.push(spawn_worker(
-                worker,
-                conn,
-                handler(effects.clone(), Duration::from_millis(10), starts),
-            ));
-        }
         // The doomed worker: slow handlers, so that some are mid-work when its connection
-        // closes; their work completes and is stored, but their acks cannot be sent.
+        // closes; their work completes and is stored, but their acks cannot be sent. It
+        // starts first, so that it has deliveries before the fast workers drain the queue.
         let doomed_conn = Arc::new(connect(&url).await);
         let doomed_starts = Arc::new(AtomicU32::new(0));
         let (_doomed_stop, doomed) = spawn_worker(
@@ -342,6 +330,19 @@ mod rabbitmq {
                 doomed_starts.clone(),
             ),
         );
+        let mut running = Vec::new();
+        for _ in 0..2 {
+            let conn = Arc::new(connect(&url).await);
+            let worker = Worker::new(consumer.clone(), topology.clone())
+                .with_prefetch(8)
+                .with_concurrency(3);
+            let starts = Arc::new(AtomicU32::new(0));
+            running.push(spawn_worker(
+                worker,
+                conn,
+                handler(effects.clone(), Duration::from_millis(10), starts),
+            ));
+        }
         wait_until(Duration::from_secs(30), "the doomed worker runs", || {
             let starts = doomed_starts.clone();
             async move { starts.load(Ordering::SeqCst) >= 3 }
