@@ -78,7 +78,7 @@ use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
 use crate::worker::{
-    count, decide_with_heartbeat, next_slot, not_due, retry_at, settle, Broker, Settled, Summary,
+    count, decide, next_slot, not_due, retry_at, settle, with_heartbeat, Broker, Settled, Summary,
 };
 
 /// JetStream's de-duplication header. To key messages by it, give the consumer
@@ -449,17 +449,12 @@ impl Settle {
         // message to another worker while the handler runs.
         let period = (self.ack_wait / 3).max(Duration::from_millis(100));
         let delivery = &pulled.delivery;
-        let decision = decide_with_heartbeat(
-            &self.consumer,
-            message,
-            handler,
-            period,
-            move || async move {
-                if let Err(e) = delivery.ack_with(AckKind::Progress).await {
-                    tracing::warn!(error = %e, "work-in-progress ack failed");
-                }
-            },
-        )
+        let decided = decide(&self.consumer, message, handler);
+        let decision = with_heartbeat(decided, period, move || async move {
+            if let Err(e) = delivery.ack_with(AckKind::Progress).await {
+                tracing::warn!(error = %e, "work-in-progress ack failed");
+            }
+        })
         .await;
         drop(slot);
         settle(decision, &policy, &mut pulled).await

@@ -75,7 +75,7 @@ use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
 use crate::worker::{
-    count, decide_with_heartbeat, next_slot, not_due, retry_at, settle, Broker, Settled, Summary,
+    count, decide, next_slot, not_due, retry_at, settle, with_heartbeat, Broker, Settled, Summary,
 };
 
 /// The field of an entry that holds the message's payload; the other fields are its
@@ -572,10 +572,8 @@ impl Settle {
         // claim the entry while the handler runs.
         let period = (entries.topology.claim_idle / 3).max(Duration::from_millis(1));
         let id = entry.id.as_str();
-        let decision = decide_with_heartbeat(&self.consumer, message, handler, period, || {
-            entries.keep(id)
-        })
-        .await;
+        let decided = decide(&self.consumer, message, handler);
+        let decision = with_heartbeat(decided, period, || entries.keep(id)).await;
         drop(slot);
         settle(decision, &policy, &mut Entry { entries, entry }).await
     }

@@ -111,27 +111,20 @@ where
     }
 }
 
-/// [`decide`], with `beat` called every `period` while the handler runs: the sign of life
-/// that stops the broker from handing the delivery to another worker meanwhile (the engine
-/// extends the lease in the store).
+/// Awaits `decided` (a [`decide`]), with `beat` called every `period` meanwhile: the sign of
+/// life that stops the broker from handing the delivery to another worker while the handler
+/// runs (the engine extends the lease in the store).
 #[cfg(any(feature = "nats", feature = "redis-streams"))]
-pub(crate) async fn decide_with_heartbeat<T, E, H, Fut, B, Beat>(
-    consumer: &Consumer,
-    message: Message,
-    handler: Arc<H>,
+pub(crate) async fn with_heartbeat<D, B, Beat>(
+    decided: impl Future<Output = D>,
     period: Duration,
     mut beat: B,
-) -> Option<Delivery<T>>
+) -> D
 where
-    T: Serialize + DeserializeOwned + Send + 'static,
-    E: fmt::Display + Send + 'static,
-    H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
     B: FnMut() -> Beat,
     Beat: Future<Output = ()>,
 {
     let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    let decided = decide(consumer, message, handler);
     let mut decided = std::pin::pin!(decided);
     loop {
         tokio::select! {
