@@ -3,8 +3,9 @@
 //! engine gives those claims back, so the keys answer within seconds of the resume instead
 //! of `InFlight` for a whole lease.
 
+mod common;
+
 mod redis {
-    use std::process::Command;
     use std::time::Duration;
 
     use idem_core::{Begin, Config, Fingerprint, Idem, Key, RecordId, Response, Scope};
@@ -12,30 +13,13 @@ mod redis {
     use idem_testkit::redis::{self as testing, RedisServer};
     use tokio::time::Instant;
 
+    use crate::common::{redis_pid, Stopped};
+
     const KEYS: usize = 20;
     const LEASE: Duration = Duration::from_secs(30);
     const PAUSE: Duration = Duration::from_secs(5);
     /// How soon after the resume every key must be free again: seconds, not the lease.
     const FREE_WITHIN: Duration = Duration::from_secs(5);
-
-    /// The server's process id, as it reports it (the test harness may start it through a
-    /// wrapper).
-    fn pid(server: &RedisServer) -> String {
-        let info = server.cli(&["info", "server"]).expect("redis-cli info");
-        info.lines()
-            .find_map(|l| l.strip_prefix("process_id:"))
-            .expect("process_id in INFO server")
-            .trim()
-            .to_owned()
-    }
-
-    fn signal(pid: &str, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, pid])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal} {pid}");
-    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_claimed_by_timed_out_begins_are_free_soon_after_the_resume() {
@@ -63,8 +47,7 @@ mod redis {
             .await
             .unwrap();
 
-        let pid = pid(&server);
-        signal(&pid, "-STOP");
+        let stopped = Stopped::stop(redis_pid(&server));
         let paused = Instant::now();
         // Every begin times out: its caller sees Unavailable (a 503 over HTTP), while the
         // command waits in the server's socket to run at the resume.
@@ -80,7 +63,7 @@ mod redis {
             assert!(err.is_retryable(), "{err}");
         }
         tokio::time::sleep(PAUSE.saturating_sub(paused.elapsed())).await;
-        signal(&pid, "-CONT");
+        stopped.resume();
         let resumed = Instant::now();
 
         // Retries of every key, as clients would send them: each must be acquired (no
