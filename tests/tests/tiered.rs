@@ -7,6 +7,8 @@
 //! start their own `redis-server`. Each test has its own key prefix and schema
 //! (`idem_t_<unix seconds>_<random>`, swept by the Postgres tests after an hour).
 
+mod common;
+
 mod tiered {
     use std::sync::Arc;
     use std::time::Duration;
@@ -25,19 +27,18 @@ mod tiered {
     use sqlx::{PgConnection, PgPool};
     use tokio::time::{sleep, timeout};
 
+    use crate::common::{patient_builder, redis_pid, Stopped};
+
     const LONG: Duration = Duration::from_secs(30);
     const KEEP: Duration = Duration::from_secs(600);
 
     async fn redis_tier(url: &str) -> RedisStore {
-        RedisStore::builder(url)
-            .with_prefix(format!("idem-tiered-{}:", uuid::Uuid::new_v4().simple()))
-            .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
-            .with_call_timeout(Duration::from_secs(15))
+        patient_builder(url, "idem-tiered")
             .connect_lazy()
             .expect("a lazy Redis store builds without a server")
     }
 
-    async fn pg_tier() -> Option<PgStore> {
+    pub(super) async fn pg_tier() -> Option<PgStore> {
         let pg = pg::fresh_store(8).await?;
         idem_outbox::migrate(&pg).await.expect("migrate");
         Some(pg)
@@ -76,10 +77,20 @@ mod tiered {
     }
 
     async fn begin(store: &dyn Store, id: &RecordId, lease: Duration) -> Begin {
+        begin_for(store, id, fp(), lease).await
+    }
+
+    /// A begin of `id` for `lease`, for the request whose fingerprint is `fp`.
+    async fn begin_for(
+        store: &dyn Store,
+        id: &RecordId,
+        fp: Fingerprint,
+        lease: Duration,
+    ) -> Begin {
         store
             .begin(BeginRequest {
                 id,
-                fingerprint: fp(),
+                fingerprint: fp,
                 token: FencingToken::random(),
                 lease,
                 retention: KEEP,
@@ -524,49 +535,20 @@ mod tiered {
 
     /// A begin of `id` for the request whose fingerprint is `fp`.
     async fn begin_as(store: &dyn Store, id: &RecordId, fp: Fingerprint) -> Begin {
+        begin_for(store, id, fp, LONG).await
+    }
+
+    /// `id` acquired for the request whose fingerprint is `fp`, and completed with
+    /// [`charged`] `body`.
+    async fn committed_as(store: &dyn Store, id: &RecordId, fp: Fingerprint, body: &str) {
+        let lease = match begin_as(store, id, fp).await {
+            Begin::Acquired(lease) => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        };
         store
-            .begin(BeginRequest {
-                id,
-                fingerprint: fp,
-                token: FencingToken::random(),
-                lease: LONG,
-                retention: KEEP,
-            })
+            .complete(&lease, &charged(body), KEEP)
             .await
-            .expect("begin")
-    }
-
-    /// The pid of a throwaway server, as it reports it.
-    fn redis_pid(server: &idem_testkit::redis::RedisServer) -> String {
-        let info = server.cli(&["info", "server"]).expect("INFO server");
-        info.lines()
-            .find_map(|l| l.strip_prefix("process_id:"))
-            .expect("process_id in INFO server")
-            .trim()
-            .to_owned()
-    }
-
-    /// A process stopped with `SIGSTOP`, resumed with `SIGCONT` when dropped (so that a
-    /// failing test does not leave it stopped, and its server's drop waiting for it).
-    struct Stopped(String);
-
-    impl Stopped {
-        fn stop(pid: String) -> Self {
-            let status = std::process::Command::new("kill")
-                .args(["-STOP", &pid])
-                .status()
-                .expect("run kill");
-            assert!(status.success(), "kill -STOP {pid}");
-            Self(pid)
-        }
-    }
-
-    impl Drop for Stopped {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("kill")
-                .args(["-CONT", &self.0])
-                .status();
-        }
+            .expect("complete");
     }
 
     /// Asserts that Redis holds no record in progress for `id` (none nobody holds, and none
@@ -593,8 +575,7 @@ mod tiered {
             return;
         };
         let Some(pg) = pg_tier().await else { return };
-        let redis = RedisStore::builder(server.url())
-            .with_prefix(format!("idem-stall-{}:", uuid::Uuid::new_v4().simple()))
+        let redis = patient_builder(server.url(), "idem-stall")
             .with_timeouts(Duration::from_secs(1), Duration::from_millis(500))
             .with_call_timeout(Duration::from_secs(1))
             .connect()
@@ -604,14 +585,7 @@ mod tiered {
         // The committed request's fingerprint is fp(), which assert_replays sends.
         let (paid, other) = (fp(), Fingerprint::of_bytes(b"401 EUR"));
         let id = id("k4");
-        let lease = match begin_as(&store, &id, paid).await {
-            Begin::Acquired(lease) => lease,
-            other => panic!("expected a lease, got {other:?}"),
-        };
-        store
-            .complete(&lease, &charged("pay_k4"), KEEP)
-            .await
-            .expect("complete");
+        committed_as(&store, &id, paid, "pay_k4").await;
 
         server.cli(&["FLUSHALL"]).expect("FLUSHALL");
         let stopped = Stopped::stop(redis_pid(&server));
@@ -622,10 +596,13 @@ mod tiered {
                 Begin::Mismatch
             ));
             assert_replays(&store, &id, &charged("pay_k4"), "during the stall").await;
+            // Redis is stalled indeed: it answers nothing within its call timeout.
+            let read = store.redis().get(&id).await;
+            assert!(read.is_err(), "Redis answered during the stall: {read:?}");
         };
         let stalled = timeout(Duration::from_secs(20), during).await;
         sleep(Duration::from_secs(2)).await;
-        drop(stopped);
+        stopped.resume();
         stalled.expect("PostgreSQL answers while Redis is stalled");
 
         // Every retry of the committed request from the resume on is its replay.
@@ -657,14 +634,7 @@ mod tiered {
         let paid = Fingerprint::of_bytes(b"500 EUR");
         let other = Fingerprint::of_bytes(b"999 EUR");
         let id = id("k5");
-        let lease = match begin_as(&*store, &id, paid).await {
-            Begin::Acquired(lease) => lease,
-            other => panic!("expected a lease, got {other:?}"),
-        };
-        store
-            .complete(&lease, &charged("pay_k5"), KEEP)
-            .await
-            .expect("complete");
+        committed_as(&*store, &id, paid, "pay_k5").await;
         server.cli(&["FLUSHALL"]).expect("FLUSHALL");
 
         // PostgreSQL made slow: every statement on the records table waits for this lock.
@@ -708,39 +678,22 @@ mod tiered {
 
 /// The tiered store with a 3-primary Redis Cluster as its Redis tier: the conformance suite.
 mod tiered_cluster {
-    use std::sync::{Arc, OnceLock};
-    use std::time::Duration;
+    use std::sync::Arc;
 
     use idem_core::Store;
     use idem_outbox::TieredStore;
-    use idem_redis::RedisStore;
-    use idem_testkit::postgres as pg;
-    use idem_testkit::redis::{self as testing, RedisCluster};
 
-    /// One cluster for the whole test binary (its servers stop when this process exits).
-    fn cluster() -> Option<&'static RedisCluster> {
-        static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
-        if !testing::available() {
-            return None;
-        }
-        Some(CLUSTER.get_or_init(|| RedisCluster::start(3).expect("start a 3-primary cluster")))
-    }
+    use super::tiered::pg_tier;
+    use crate::common::{patient_builder, redis_cluster_url};
 
     async fn store() -> Option<Arc<dyn Store>> {
-        let url = tokio::task::spawn_blocking(|| cluster().map(RedisCluster::url))
-            .await
-            .expect("cluster start")?;
-        let redis = RedisStore::builder(url)
-            .with_prefix(format!("idem-tiered-{}:", uuid::Uuid::new_v4().simple()))
-            .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
-            .with_call_timeout(Duration::from_secs(15))
+        let url = redis_cluster_url().await?;
+        let redis = patient_builder(url, "idem-tiered")
             .connect()
             .await
             .expect("connect to the cluster");
         assert!(redis.is_cluster());
-        let pg = pg::fresh_store(8).await?;
-        idem_outbox::migrate(&pg).await.expect("migrate");
-        Some(Arc::new(TieredStore::new(redis, pg)))
+        Some(Arc::new(TieredStore::new(redis, pg_tier().await?)))
     }
 
     idem_testkit::conformance_suite!(store);
