@@ -9,26 +9,24 @@
 //! Tests that restart, flush, reconfigure or need replicas start their own `redis-server`
 //! processes (the binaries on `PATH`) on free loopback ports and stop them afterwards.
 
+mod common;
+
 use std::sync::Arc;
-use std::time::Duration;
 
 use idem_core::Store;
 use idem_redis::{RedisStore, RedisStoreBuilder};
-use idem_testkit::redis as testing;
+
+use common::patient_builder;
 
 /// A key prefix of its own for every store, so tests share a server without meeting.
 fn prefix() -> String {
     format!("idem-test-{}:", uuid::Uuid::new_v4().simple())
 }
 
-/// A store builder with a prefix of its own and patient timeouts: tests run in parallel
-/// on two shared cores, where thousands of queued calls can wait longer than the default
-/// 2 s response timeout. The unreachable cases keep the defaults.
+/// A store builder with a prefix of its own and patient timeouts ([`patient_builder`]).
+/// The unreachable cases keep the defaults.
 fn builder(url: &str) -> RedisStoreBuilder {
-    RedisStore::builder(url)
-        .with_prefix(prefix())
-        .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
-        .with_call_timeout(Duration::from_secs(15))
+    patient_builder(url, "idem-test")
 }
 
 /// A store pointed at a port nothing listens on.
@@ -74,6 +72,30 @@ async fn cluster_store(
     Some(Arc::new(store))
 }
 
+/// The conformance suite on the module's `store()`, its unreachable case on a store made by
+/// `$unreachable` (one of [`unreachable_one`] and [`unreachable_cluster`]); with `waiter =
+/// "doc"`, the check that a waiter answers within milliseconds of the completion too, what
+/// notifies it said by `doc`.
+macro_rules! suite {
+    ($unreachable:ident) => {
+        async fn unreachable() -> Arc<dyn Store> {
+            $unreachable().await
+        }
+
+        idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
+    };
+    ($unreachable:ident, waiter = $doc:literal) => {
+        suite!($unreachable);
+
+        #[doc = $doc]
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn waiter_is_notified() {
+            let Some(store) = store().await else { return };
+            idem_testkit::cases::waiter_is_notified(store).await;
+        }
+    };
+}
+
 mod redis {
     //! One server: `IDEM_TEST_REDIS_URL`, and throwaway servers for the Redis-only tests.
     use super::*;
@@ -88,57 +110,28 @@ mod redis {
         ))
     }
 
-    async fn unreachable() -> Arc<dyn Store> {
-        unreachable_one().await
-    }
-
-    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
-
-    /// Pub/sub: a waiter answers within milliseconds of the completion.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiter_is_notified() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::waiter_is_notified(store).await;
-    }
+    suite!(
+        unreachable_one,
+        waiter = "Pub/sub: a waiter answers within milliseconds of the completion."
+    );
 
     pub(crate) mod specific;
 }
 
 mod redis_cluster {
     //! A 3-primary Redis Cluster started by this test binary.
-    use std::sync::OnceLock;
-
-    use idem_testkit::redis::RedisCluster;
-
+    use super::common::redis_cluster as cluster;
     use super::*;
-
-    /// One cluster for the whole test binary. A static is never dropped: its servers stop
-    /// when this process exits (each runs under a watchdog polling the test's pid).
-    fn cluster() -> Option<&'static RedisCluster> {
-        static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
-        if !testing::available() {
-            return None;
-        }
-        Some(CLUSTER.get_or_init(|| RedisCluster::start(3).expect("start a 3-primary cluster")))
-    }
 
     async fn store() -> Option<Arc<dyn Store>> {
         cluster_store(cluster, idem_redis::Scripting::Auto).await
     }
 
-    async fn unreachable() -> Arc<dyn Store> {
-        unreachable_cluster().await
-    }
-
-    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
-
-    /// Sharded pub/sub: a waiter answers within milliseconds of the completion, with the
-    /// record on any of the primaries.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiter_is_notified() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::waiter_is_notified(store).await;
-    }
+    suite!(
+        unreachable_cluster,
+        waiter = "Sharded pub/sub: a waiter answers within milliseconds of the completion, \
+                  with the record on any of the primaries."
+    );
 
     mod specific;
 }
@@ -174,18 +167,11 @@ mod valkey {
         ))
     }
 
-    async fn unreachable() -> Arc<dyn Store> {
-        unreachable_one().await
-    }
-
-    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
-
-    /// Pub/sub: a waiter answers within milliseconds of a completion made without scripts.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiter_is_notified() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::waiter_is_notified(store).await;
-    }
+    suite!(
+        unreachable_one,
+        waiter = "Pub/sub: a waiter answers within milliseconds of a completion made without \
+                  scripts."
+    );
 
     /// A restart of the server under load: `Unavailable` while it is down, and every
     /// call started after it is back succeeds.
@@ -255,11 +241,7 @@ mod valkey_noscripts {
         ))
     }
 
-    async fn unreachable() -> Arc<dyn Store> {
-        unreachable_one().await
-    }
-
-    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
+    suite!(unreachable_one);
 
     /// The server refuses scripts indeed, so the suite above ran without any.
     #[tokio::test]
@@ -297,18 +279,10 @@ mod valkey_cluster {
         cluster_store(cluster, Scripting::NoScripts).await
     }
 
-    async fn unreachable() -> Arc<dyn Store> {
-        unreachable_cluster().await
-    }
-
-    idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
-
-    /// Sharded pub/sub without scripts: `SPUBLISH` behind the completion.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiter_is_notified() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::waiter_is_notified(store).await;
-    }
+    suite!(
+        unreachable_cluster,
+        waiter = "Sharded pub/sub without scripts: `SPUBLISH` behind the completion."
+    );
 
     /// Thousands of callers racing over keys on all three primaries: once per key.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
