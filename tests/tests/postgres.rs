@@ -57,13 +57,9 @@ mod postgres {
     /// `57P01`, `immediate` kills them; a crashed server's sessions end like the latter.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_server_restart_is_not_seen_by_callers() {
-        if !pg::available() {
+        let Some((server, store)) = throwaway().await else {
             return;
-        }
-        let server = pg::PgServer::start(&[], &[]).expect("start a throwaway PostgreSQL");
-        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
-        let store = PgStore::connect(&url).await.expect("connect");
-        store.migrate().await.expect("migrate");
+        };
         let scope = Scope::new(harness::unique_name("restart")).unwrap();
         let mut n = 0;
         for mode in ["fast", "immediate"] {
@@ -95,13 +91,9 @@ mod postgres {
     /// and new ones, leave nothing in the server's log.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn waiters_locks_survive_a_restart_without_warnings() {
-        if !pg::available() {
+        let Some((server, store)) = throwaway().await else {
             return;
-        }
-        let server = pg::PgServer::start(&[], &[]).expect("start a throwaway PostgreSQL");
-        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
-        let store = PgStore::connect(&url).await.expect("connect");
-        store.migrate().await.expect("migrate");
+        };
         let scope = Scope::new(harness::unique_name("locks")).unwrap();
         let id = |n: &str| RecordId::new(scope.clone(), Key::new(n).unwrap());
         for mode in ["fast", "immediate"] {
@@ -145,27 +137,26 @@ mod postgres {
         );
     }
 
+    /// A throwaway server of this test's own (to restart), and a migrated store on it;
+    /// `None` when the PostgreSQL binaries are missing.
+    async fn throwaway() -> Option<(pg::PgServer, PgStore)> {
+        if !pg::available() {
+            return None;
+        }
+        let server = pg::PgServer::start(&[], &[]).expect("start a throwaway PostgreSQL");
+        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+        let store = PgStore::connect(&url).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        Some((server, store))
+    }
+
     /// Begins a new key and completes it.
     async fn acquire_and_complete(store: &PgStore, id: &RecordId) -> Result<(), Error> {
-        let begun = store
-            .begin(BeginRequest {
-                id,
-                fingerprint: Fingerprint::of_bytes(b"req"),
-                token: FencingToken::random(),
-                lease: LONG,
-                retention: KEEP,
-            })
-            .await?;
+        let begun = store.begin(req(id, LONG)).await?;
         let Begin::Acquired(lease) = begun else {
             panic!("a new key was not acquired: {begun:?}");
         };
-        store
-            .complete(
-                &lease,
-                &Completion::succeeded(Response::new(201, "ok")),
-                KEEP,
-            )
-            .await
+        store.complete(&lease, &done("ok"), KEEP).await
     }
 
     /// LISTEN/NOTIFY with the default settings: a waiter answers within milliseconds of the
@@ -272,10 +263,7 @@ mod postgres {
             tx.commit().await.expect("commit");
             let committed = Instant::now();
             let (answer, answered) = cases::answer_of(waiter, Duration::from_secs(10)).await;
-            match answer {
-                Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "paid"),
-                other => panic!("expected Replay, got {other:?}"),
-            }
+            assert_replays(answer, "paid");
             let after = answered.saturating_duration_since(committed);
             if after < NOTIFIED_WITHIN {
                 break;
@@ -318,6 +306,30 @@ mod postgres {
         leased(store.begin(req(id, lease)).await.expect("begin"))
     }
 
+    /// The lease of a begin of `id` that finds it absent.
+    async fn acquire(store: &PgStore, id: &RecordId) -> Lease {
+        match store.begin(req(id, LONG)).await.expect("begin") {
+            Begin::Acquired(lease) => lease,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    /// The lease of a begin of `id` that takes an expired lease over.
+    async fn take_over(store: &PgStore, id: &RecordId) -> Lease {
+        match store.begin(req(id, LONG)).await.expect("begin") {
+            Begin::TookOver(lease) => lease,
+            other => panic!("expected TookOver, got {other:?}"),
+        }
+    }
+
+    /// Asserts that `answer` replays the stored `body`.
+    fn assert_replays(answer: Begin, body: &str) {
+        match answer {
+            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, body),
+            other => panic!("expected Replay, got {other:?}"),
+        }
+    }
+
     /// A lease on `id` claimed inside the transaction on `conn`.
     async fn claim_in(conn: &mut PgConnection, store: &PgStore, id: &RecordId) -> Lease {
         leased(store.begin_in(conn, req(id, LONG)).await.expect("begin"))
@@ -335,10 +347,7 @@ mod postgres {
     /// Asserts that the work of `key` ran once, and that a retry replays the stored `body`.
     async fn assert_done_once(store: &PgStore, key: &str, body: &str) {
         assert_eq!(work_rows(store).await.get(key), Some(&1), "runs of {key}");
-        match store.begin(req(&id(key), LONG)).await.expect("begin") {
-            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, body),
-            other => panic!("expected Replay, got {other:?}"),
-        }
+        assert_replays(store.begin(req(&id(key), LONG)).await.expect("begin"), body);
     }
 
     /// The protected work on `conn`: a row in the work table for `key` by `worker`, then the
@@ -586,10 +595,7 @@ mod postgres {
             Begin::InFlight { .. }
         ));
         sleep(lease.remaining() + Duration::from_millis(200)).await;
-        let retry = match store.begin(req(&id, LONG)).await.expect("begin") {
-            Begin::TookOver(lease) => lease,
-            other => panic!("expected TookOver, got {other:?}"),
-        };
+        let retry = take_over(&store, &id).await;
         commit_work(&store, &retry, "order-1", 2, "second").await;
         assert_done_once(&store, "order-1", "second").await;
         drop_schema(&store).await;
@@ -612,11 +618,7 @@ mod postgres {
 
         assert!(work_rows(&store).await.is_empty());
         assert!(store.get(&id).await.expect("get").is_none());
-        let retry = match store.begin(req(&id, LONG)).await.expect("begin") {
-            Begin::Acquired(lease) => lease,
-            other => panic!("expected Acquired, got {other:?}"),
-        };
-        assert_eq!(retry.attempt(), 1);
+        assert_eq!(acquire(&store, &id).await.attempt(), 1);
         drop_schema(&store).await;
     }
 
@@ -637,10 +639,7 @@ mod postgres {
             .expect("complete");
         tx.rollback().await.expect("rollback");
         assert!(store.get(&a).await.expect("get").is_none());
-        match store.begin(req(&a, LONG)).await.expect("begin") {
-            Begin::Acquired(lease) => assert_eq!(lease.attempt(), 1),
-            other => panic!("expected Acquired, got {other:?}"),
-        }
+        assert_eq!(acquire(&store, &a).await.attempt(), 1);
 
         // Claimed on the pool, completed in a transaction that rolls back: still ours.
         let b = id("b");
@@ -669,10 +668,7 @@ mod postgres {
         let id = id("k");
         let slow = claim(&store, &id, Duration::from_millis(100)).await;
         sleep(Duration::from_millis(300)).await;
-        let fast = match store.begin(req(&id, LONG)).await.expect("begin") {
-            Begin::TookOver(lease) => lease,
-            other => panic!("expected TookOver, got {other:?}"),
-        };
+        let fast = take_over(&store, &id).await;
         commit_work(&store, &fast, "k", 2, "fast").await;
 
         let (tx, completed) = work_and_complete(&store, &slow, "k", 1, "slow").await;
@@ -747,10 +743,7 @@ mod postgres {
             .await
             .expect("complete");
         first.commit().await.expect("commit");
-        match second.await.expect("task") {
-            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "once"),
-            other => panic!("expected Replay, got {other:?}"),
-        }
+        assert_replays(second.await.expect("task"), "once");
         assert_done_once(&store, "k", "once").await;
         drop_schema(&store).await;
     }
@@ -776,10 +769,7 @@ mod postgres {
             Ok(other) => panic!("expected InFlight, got {other:?}"),
             Err(_) => panic!("begin waited for the transaction that holds the record"),
         }
-        match store.begin(req(&id, LONG)).await.expect("begin") {
-            Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "paid"),
-            other => panic!("expected Replay, got {other:?}"),
-        }
+        assert_replays(store.begin(req(&id, LONG)).await.expect("begin"), "paid");
         drop_schema(&store).await;
     }
 
