@@ -98,7 +98,9 @@ struct Args {
     /// Phases to run, comma-separated: lifecycle, replay, race, inflight, memory (the
     /// in-memory store's footprint), middleware, proxy (`idem proxy` against a minimal
     /// upstream, guarded on the memory store and on `--store`), relay (the tiered store's outbox relay:
-    /// `--store tiered:...` only), wait, compare (alone, on a `redis://` store).
+    /// `--store tiered:...` only), wait, compare (alone, on a `redis://` store), consumers
+    /// (alone: the Redis Streams and JetStream workers with idem against the same workers
+    /// without its store).
     #[arg(
         long,
         value_delimiter = ',',

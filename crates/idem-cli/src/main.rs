@@ -1,5 +1,5 @@
-//! `idem`: the demo payments service behind the idempotency middleware, and the operator
-//! commands.
+//! `idem`: the demo payments service behind the idempotency middleware, the HTTP gateway
+//! (`proxy`), the tiered store's relay (`relay`), and the operator commands.
 //!
 //! Exit codes: 0 success; 1 no such record; 2 bad input, or a command or backend this
 //! build does not support; 3 a store or I/O error (unreachable store, missing schema, port
@@ -36,7 +36,7 @@ const EXIT_CODES: &str = "Exit codes: 0 success, 1 no such record, 2 bad input o
 #[command(
     name = "idem",
     version,
-    about = "Idempotency keys for HTTP APIs and message consumers: a demo service and operator tools",
+    about = "Idempotency keys for HTTP APIs and message consumers: a demo service, an HTTP gateway, the tiered store's relay and operator tools",
     after_help = EXIT_CODES
 )]
 struct Cli {

@@ -9,7 +9,7 @@
 //!
 //! | feature | module | crate |
 //! |---|---|---|
-//! | `redis` | `idemkit::redis` | `idem-redis`: Redis 7, standalone and Cluster, Lua scripts |
+//! | `redis` | `idemkit::redis` | `idem-redis`: Redis 7+ or Valkey, standalone and Cluster (compare-and-set commands where the server has them, else two Lua scripts) |
 //! | `postgres` | `idemkit::postgres` | `idem-postgres`: PostgreSQL with sqlx, transactional API |
 //! | `outbox` | `idemkit::outbox` | `idem-outbox`: the tiered store (Redis first, PostgreSQL the arbiter) and its relay, as a library (`idem relay` runs it) |
 //! | `http` | `idemkit::http` | `idem-http`: the tower middleware |
