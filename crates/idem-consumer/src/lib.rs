@@ -33,8 +33,14 @@
 //!   progress" while a handler runs, a dead-letter stream); with `redis-streams`,
 //!   `redis_streams::Worker` on a Redis Streams consumer group (entries left pending and
 //!   claimed back with `XAUTOCLAIM`, copies and acks in one transaction). Each has
-//!   concurrency, a run that counts what it did (`Summary`) and a clean shutdown; their module docs say what
-//!   each decision does on the broker.
+//!   concurrency, a run that counts what it did (`Summary`) and a clean shutdown; their
+//!   module docs say what each decision does on the broker. A worker publishes a copy (a
+//!   retry, a dead letter) before it acks the original, so a crash in between leaves a
+//!   harmless duplicate, and a copy the broker refuses hands the original back: a message is
+//!   never dropped. A worker that dies has its messages delivered again; a copy finds the
+//!   key held by the dead worker's lease and is handed back until that lease runs out, then
+//!   takes the key over as an attempt, so a message that kills every worker is
+//!   dead-lettered after [`Policy::max_attempts`].
 //!
 //! Use a consumer scope of its own (the consumer group or queue): the record of a message is
 //! not the record of the HTTP request that published it, even though both have the same key.

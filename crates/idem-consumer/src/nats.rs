@@ -1,6 +1,5 @@
 //! A NATS JetStream worker on [`async_nats`]: pull messages from a durable consumer, run
-//! each through a [`Consumer`], and ack, NAK, retry or dead-letter it as decided. Small
-//! enough to copy into a service and change.
+//! each through a [`Consumer`], and ack, NAK, retry or dead-letter it as decided.
 //!
 //! JetStream's own de-duplication (`Nats-Msg-Id` within the stream's duplicate window) only
 //! covers publishing, and only for a while: a consumer still receives a message at least
@@ -29,28 +28,22 @@
 //!   the message's subject with [`ATTEMPT_HEADER`] set to the attempts made and
 //!   [`RETRY_AT_HEADER`] to when it is due; once the stream confirms the copy, the original
 //!   is acked. A worker that receives the copy early NAKs it with the time left (not an
-//!   attempt). JetStream's delivery count is not used as the attempt count, because NAKing
-//!   a duplicate of a message in progress would count as a failed attempt.
+//!   attempt).
 //! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy goes to `<subject>.dead` (stored in
 //!   the dead-letter stream) with [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once
 //!   confirmed, the original is acked.
 //!
 //! A copy carries the original's headers, but its `Nats-Msg-Id` moves to
 //! `x-idem-nats-msg-id` (read back as `Nats-Msg-Id` by [`message_of`]), so that the stream's
-//! duplicate window does not drop the copy as a duplicate of the original. A copy is
-//! published before the original is acked, so a crash in between leaves both: a duplicate,
-//! which the idempotency key makes harmless. If the stream refuses the copy, the original is
-//! NAKed instead of acked: a message is never dropped.
+//! duplicate window does not drop the copy as a duplicate of the original. If the stream
+//! refuses the copy, the original is NAKed instead of acked.
 //!
 //! # Leases and redelivery
 //!
 //! While a handler runs, the worker sends `+WPI` ("work in progress") every third of the
 //! consumer's `ack_wait`, so JetStream does not hand the message to another worker; the
 //! engine extends the lease in the store meanwhile. A worker that dies stops both: JetStream
-//! delivers its messages again after `ack_wait`, the copy finds the key held by the dead
-//! worker's lease and is NAKed until that lease runs out, then takes the key over (counted as
-//! an attempt, so a message that kills every worker is dead-lettered after
-//! [`Policy::max_attempts`](crate::Policy::max_attempts)).
+//! delivers its messages again after `ack_wait` (NAKed while the dead worker's leases hold).
 //!
 //! # Shutdown
 //!
@@ -60,7 +53,6 @@
 
 use std::fmt;
 use std::future::{poll_fn, Future};
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::header::HeaderMap;
@@ -71,15 +63,11 @@ use futures_core::Stream;
 use idem_core::{Failure, Key, Scope};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
 use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
-use crate::worker::{
-    count, decide, next_slot, not_due, retry_at, settle, with_heartbeat, Broker, Settled, Summary,
-};
+use crate::worker::{self, retry_at, Broker, Next, Settled, Source, Summary};
 
 /// JetStream's de-duplication header. To key messages by it, give the consumer
 /// `KeySource::Header(NATS_MSG_ID_HEADER.into())`.
@@ -343,131 +331,87 @@ impl Worker {
                     source,
                 })?;
         let ack_wait = consumer.cached_info().config.ack_wait;
-        let mut messages = consumer
+        let messages = consumer
             .stream()
             .max_messages_per_batch(self.batch)
             .messages()
             .await
             .map_err(broker("pull messages"))?;
         tracing::info!(stream = %self.topology.stream, consumer = %self.topology.consumer, "consuming");
-
-        let handler = Arc::new(handler);
-        let slots = Arc::new(Semaphore::new(self.concurrency));
-        let mut tasks = JoinSet::new();
-        let mut summary = Summary::default();
-        let mut failure = None;
-        let mut shutdown = std::pin::pin!(shutdown);
-
-        loop {
-            // A free handler slot first, so that messages are pulled only when a handler can
-            // start on them soon (their ack_wait runs from the delivery).
-            let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await
-            else {
-                break;
-            };
-            let next = tokio::select! {
-                () = &mut shutdown => break,
-                next = poll_fn(|cx| std::pin::Pin::new(&mut messages).poll_next(cx)) => next,
-            };
-            let message = match next {
-                Some(Ok(message)) => message,
-                // The consumer is gone: nothing more will come.
-                Some(Err(e))
-                    if matches!(
-                        e.kind(),
-                        MessagesErrorKind::ConsumerDeleted | MessagesErrorKind::PushBasedConsumer
-                    ) =>
-                {
-                    tracing::error!(error = %e, "consumer failed");
-                    failure = Some(Box::new(e) as async_nats::Error);
-                    break;
-                }
-                // A missed heartbeat, a failed pull request, the server away for a while:
-                // the client pulls again; wait a little so an outage is not a busy loop.
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "pulling messages failed; pulling again");
-                    drop(slot);
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-                None => break,
-            };
-            let settle = Settle {
-                consumer: self.consumer.clone(),
-                js: js.clone(),
-                ack_wait,
-            };
-            tasks.spawn(settle.run(message, handler.clone(), slot));
-        }
-
-        // Shutdown: pull no more (messages pulled but not started come back after
-        // ack_wait), let the handlers in progress finish and settle their messages.
-        drop(messages);
-        while let Some(done) = tasks.join_next().await {
-            count(&mut summary, done);
-        }
-        tracing::info!(stream = %self.topology.stream, ?summary, "stopped");
-        match failure {
-            Some(source) => Err(Error::ConsumerFailed { source, summary }),
-            None => Ok(summary),
-        }
+        let pulling = Pulling {
+            stream: self.topology.stream.clone(),
+            js: js.clone(),
+            messages: Some(messages),
+            ack_wait,
+        };
+        worker::run(pulling, &self.consumer, self.concurrency, handler, shutdown)
+            .await
+            .map_err(|(source, summary)| Error::ConsumerFailed { source, summary })
     }
 }
 
-/// What a message task needs to settle its message.
-struct Settle {
-    consumer: Consumer,
+/// The worker's pull subscription.
+struct Pulling {
+    stream: String,
     js: JetStream,
+    /// `None` once shutdown starts: dropping it stops pulling (messages pulled but not
+    /// started come back after `ack_wait`).
+    messages: Option<pull::Stream>,
     ack_wait: Duration,
 }
 
-impl Settle {
-    async fn run<T, E, H, Fut>(
-        self,
-        delivery: jetstream::Message,
-        handler: Arc<H>,
-        slot: tokio::sync::OwnedSemaphorePermit,
-    ) -> Settled
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
-    {
-        let message = message_of(&delivery);
-        let policy = self.consumer.policy().clone();
-        let mut pulled = Pulled {
-            js: &self.js,
-            delivery,
+impl Source for Pulling {
+    type Broker = Pulled;
+    type Error = async_nats::Error;
+
+    async fn next(&mut self) -> Next<Pulled, async_nats::Error> {
+        let Some(messages) = self.messages.as_mut() else {
+            return Next::End;
         };
-        if let Some(left) = not_due(&message, policy.max_retry_delay) {
-            // A retry copy that came early: back until it is due, not an attempt.
-            drop(slot);
-            return pulled.hand_back(left).await;
-        }
-        // "Work in progress" every third of ack_wait, so JetStream does not hand the
-        // message to another worker while the handler runs.
-        let period = (self.ack_wait / 3).max(Duration::from_millis(100));
-        let delivery = &pulled.delivery;
-        let decided = decide(&self.consumer, message, handler);
-        let decision = with_heartbeat(decided, period, move || async move {
-            if let Err(e) = delivery.ack_with(AckKind::Progress).await {
-                tracing::warn!(error = %e, "work-in-progress ack failed");
+        match poll_fn(|cx| std::pin::Pin::new(&mut *messages).poll_next(cx)).await {
+            Some(Ok(delivery)) => Next::Delivery(Pulled {
+                js: self.js.clone(),
+                delivery,
+                ack_wait: self.ack_wait,
+            }),
+            // The consumer is gone: nothing more will come.
+            Some(Err(e))
+                if matches!(
+                    e.kind(),
+                    MessagesErrorKind::ConsumerDeleted | MessagesErrorKind::PushBasedConsumer
+                ) =>
+            {
+                tracing::error!(error = %e, "consumer failed");
+                Next::Failed(Box::new(e))
             }
-        })
-        .await;
-        drop(slot);
-        settle(decision, &policy, &mut pulled).await
+            // A missed heartbeat, a failed pull request, the server away for a while: the
+            // client pulls again; wait a little so an outage is not a busy loop.
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "pulling messages failed; pulling again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Next::Again
+            }
+            None => Next::End,
+        }
+    }
+
+    async fn stop(&mut self, _failed: bool) {
+        self.messages = None;
+    }
+
+    async fn close(self, summary: &Summary) {
+        tracing::info!(stream = %self.stream, ?summary, "stopped");
     }
 }
 
 /// One message pulled by the worker, to settle.
-struct Pulled<'a> {
-    js: &'a JetStream,
+struct Pulled {
+    js: JetStream,
     delivery: jetstream::Message,
+    ack_wait: Duration,
 }
 
-impl Pulled<'_> {
+impl Pulled {
     /// Publishes a copy of the message to `subject`, and acks the original once the stream
     /// confirms the copy. Returns false (original not acked) when the copy was not
     /// confirmed.
@@ -493,7 +437,25 @@ impl Pulled<'_> {
     }
 }
 
-impl Broker for Pulled<'_> {
+impl Broker for Pulled {
+    const RETRY_AT: bool = true;
+
+    fn message(&self) -> Message {
+        message_of(&self.delivery)
+    }
+
+    /// "Work in progress" every third of ack_wait, so JetStream does not hand the message
+    /// to another worker while the handler runs.
+    fn heartbeat(&self) -> Option<Duration> {
+        Some((self.ack_wait / 3).max(Duration::from_millis(100)))
+    }
+
+    async fn beat(&self) {
+        if let Err(e) = self.delivery.ack_with(AckKind::Progress).await {
+            tracing::warn!(error = %e, "work-in-progress ack failed");
+        }
+    }
+
     async fn ack(&mut self) -> Settled {
         settled(self.delivery.ack().await, "ack", Settled::Acked)
     }

@@ -1,6 +1,5 @@
 //! A RabbitMQ worker on [`lapin`]: consume a queue, run each delivery through a
-//! [`Consumer`], and ack, requeue, retry or dead-letter it as decided. Small enough to copy
-//! into a service and change.
+//! [`Consumer`], and ack, requeue, retry or dead-letter it as decided.
 //!
 //! # Topology
 //!
@@ -29,8 +28,7 @@
 //!   the retry queue with a per-message TTL of the backoff and [`ATTEMPT_HEADER`] set to the
 //!   attempts made; once the copy is confirmed by the broker, the original is acked. When the
 //!   TTL runs out the broker dead-letters the copy back to the main queue. This counts
-//!   attempts on any queue type (classic or quorum); `x-delivery-count` is not used, because
-//!   requeueing a duplicate of a message in progress would count as a failed attempt.
+//!   attempts on any queue type (classic or quorum).
 //!   RabbitMQ expires messages only at the head of a queue, so a copy with a short TTL
 //!   behind one with a long TTL waits for it: a retry may come later than its backoff,
 //!   never earlier, and is never lost.
@@ -38,16 +36,9 @@
 //!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once confirmed, the original is
 //!   acked.
 //!
-//! A copy is published before the original is acked, so a crash in between leaves both: the
-//! message is then delivered twice, which the idempotency key makes harmless (a dead-letter
-//! queue may hold a copy twice). If the broker refuses the copy, the original is requeued
-//! instead of acked: a message is never dropped.
-//!
-//! A consumer that dies (or a handler that panics) while holding a message: the broker
-//! redelivers it when the channel closes; the copy finds the key held by the dead consumer's
-//! lease and is requeued until that lease runs out, then takes the key over (counted as an
-//! attempt, so a message that kills every consumer is dead-lettered after
-//! [`Policy::max_attempts`](crate::Policy::max_attempts)).
+//! A dead-letter queue may hold a copy twice (a crash between the copy and the ack). If the
+//! broker refuses a copy, the original is requeued instead of acked. The broker redelivers
+//! the messages of a consumer that dies when its channel closes.
 //!
 //! # Shutdown
 //!
@@ -58,7 +49,6 @@
 
 use std::fmt;
 use std::future::{poll_fn, Future};
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_core::Stream;
@@ -73,14 +63,13 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::{watch, Semaphore};
-use tokio::task::JoinSet;
+use tokio::sync::watch;
 
 use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{HeaderValue, Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER};
 pub use crate::worker::Summary;
-use crate::worker::{count, decide, next_slot, settle, Broker, Settled};
+use crate::worker::{self, Broker, Next, Settled, Source};
 
 /// What went wrong with the broker.
 #[derive(Debug, thiserror::Error)]
@@ -318,7 +307,7 @@ impl Worker {
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        let mut deliveries = channel
+        let deliveries = channel
             .basic_consume(
                 short("queue", &self.topology.queue)?,
                 short("consumer tag", &self.consumer_tag)?,
@@ -326,124 +315,95 @@ impl Worker {
                 FieldTable::default(),
             )
             .await?;
-        let tag = deliveries.tag();
-        tracing::info!(queue = %self.topology.queue, %tag, "consuming");
+        tracing::info!(queue = %self.topology.queue, tag = %deliveries.tag(), "consuming");
+        let consuming = Consuming {
+            topology: self.topology.clone(),
+            channel,
+            deliveries,
+            stopping: watch::Sender::new(false),
+        };
+        worker::run(
+            consuming,
+            &self.consumer,
+            self.concurrency,
+            handler,
+            shutdown,
+        )
+        .await
+        .map_err(|(source, summary)| Error::ConsumerFailed { source, summary })
+    }
+}
 
-        let handler = Arc::new(handler);
-        let slots = Arc::new(Semaphore::new(self.concurrency));
-        // Tells held requeues to stop sleeping when shutdown starts.
-        let (stopping_tx, stopping) = watch::channel(false);
-        let mut tasks = JoinSet::new();
-        let mut summary = Summary::default();
-        let mut failure = None;
-        let mut shutdown = std::pin::pin!(shutdown);
+/// The worker's consumer on its channel.
+struct Consuming {
+    topology: Topology,
+    channel: Channel,
+    deliveries: lapin::Consumer,
+    /// Tells held requeues to stop sleeping when shutdown starts.
+    stopping: watch::Sender<bool>,
+}
 
-        loop {
-            // A free handler slot first, so that deliveries wait in the broker's prefetch
-            // window rather than as tasks here.
-            let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await
-            else {
-                break;
-            };
-            let next = tokio::select! {
-                () = &mut shutdown => break,
-                next = poll_fn(|cx| std::pin::Pin::new(&mut deliveries).poll_next(cx)) => next,
-            };
-            let delivery = match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(e)) => {
-                    tracing::error!(error = %e, "consumer failed");
-                    failure = Some(e);
-                    break;
-                }
-                // The broker cancelled the consumer (the queue was deleted, for instance).
-                None => {
-                    tracing::warn!(%tag, "consumer cancelled by the broker");
-                    break;
-                }
-            };
-            let settle = Settle {
-                consumer: self.consumer.clone(),
+impl Source for Consuming {
+    type Broker = Received;
+    type Error = lapin::Error;
+
+    async fn next(&mut self) -> Next<Received, lapin::Error> {
+        match poll_fn(|cx| std::pin::Pin::new(&mut self.deliveries).poll_next(cx)).await {
+            Some(Ok(delivery)) => Next::Delivery(Received {
                 topology: self.topology.clone(),
-                channel: channel.clone(),
-                stopping: stopping.clone(),
-            };
-            let handler = handler.clone();
-            tasks.spawn(settle.run(delivery, handler, slot));
+                channel: self.channel.clone(),
+                stopping: self.stopping.subscribe(),
+                delivery,
+            }),
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "consumer failed");
+                Next::Failed(e)
+            }
+            // The broker cancelled the consumer (the queue was deleted, for instance).
+            None => {
+                tracing::warn!(tag = %self.deliveries.tag(), "consumer cancelled by the broker");
+                Next::End
+            }
         }
+    }
 
-        // Shutdown, step 1: no new deliveries. The channel may already be gone.
-        let _ = stopping_tx.send(true);
-        if failure.is_none() {
-            if let Err(e) = channel
-                .basic_cancel(tag.clone(), BasicCancelOptions::default())
-                .await
-            {
+    /// No new deliveries (the channel may already be gone), and held requeues nacked at
+    /// once.
+    async fn stop(&mut self, failed: bool) {
+        self.stopping.send_replace(true);
+        if !failed {
+            let tag = self.deliveries.tag();
+            let cancelled = self
+                .channel
+                .basic_cancel(tag, BasicCancelOptions::default());
+            if let Err(e) = cancelled.await {
                 tracing::warn!(error = %e, "basic.cancel failed");
             }
         }
-        // Step 2: let the handlers in progress finish and settle their deliveries.
-        while let Some(done) = tasks.join_next().await {
-            count(&mut summary, done);
-        }
-        // Step 3: close the channel; the broker requeues what was delivered but not started.
-        if let Err(e) = channel.close(200, "OK".into()).await {
+    }
+
+    /// Closing the channel makes the broker requeue what was delivered but not started.
+    async fn close(self, summary: &Summary) {
+        if let Err(e) = self.channel.close(200, "OK".into()).await {
             tracing::debug!(error = %e, "channel close");
         }
         tracing::info!(queue = %self.topology.queue, ?summary, "stopped");
-        match failure {
-            Some(source) => Err(Error::ConsumerFailed { source, summary }),
-            None => Ok(summary),
-        }
     }
 }
 
-/// What a delivery task needs to settle its delivery.
-struct Settle {
-    consumer: Consumer,
+/// One delivery taken by the worker, to settle.
+struct Received {
     topology: Topology,
     channel: Channel,
     stopping: watch::Receiver<bool>,
+    delivery: AmqpDelivery,
 }
 
-impl Settle {
-    async fn run<T, E, H, Fut>(
-        mut self,
-        delivery: AmqpDelivery,
-        handler: Arc<H>,
-        slot: tokio::sync::OwnedSemaphorePermit,
-    ) -> Settled
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
-    {
-        // A panicking handler is caught (`None`), and its delivery requeued (its lease runs
-        // out and the next attempt is counted).
-        let decision = decide(&self.consumer, message_of(&delivery), handler).await;
-        drop(slot);
-        let policy = self.consumer.policy().clone();
-        settle(
-            decision,
-            &policy,
-            &mut Received {
-                settle: &mut self,
-                delivery,
-            },
-        )
-        .await
-    }
-
+impl Received {
     /// Publishes a copy of the delivery to `queue`, and acks the original once the broker
     /// confirms the copy. Returns false (original not acked) when the copy was not
     /// confirmed.
-    async fn copy_then_ack(
-        &self,
-        delivery: &AmqpDelivery,
-        queue: &str,
-        properties: BasicProperties,
-    ) -> bool {
+    async fn copy_then_ack(&self, queue: &str, properties: BasicProperties) -> bool {
         let Ok(routing_key) = short("queue", queue) else {
             return false;
         };
@@ -458,7 +418,7 @@ impl Settle {
                     mandatory: true,
                     ..BasicPublishOptions::default()
                 },
-                &delivery.data,
+                &self.delivery.data,
                 properties,
             )
             .await;
@@ -483,7 +443,7 @@ impl Settle {
             return false;
         }
         if !matches!(
-            delivery.acker.ack(BasicAckOptions::default()).await,
+            self.delivery.acker.ack(BasicAckOptions::default()).await,
             Ok(true)
         ) {
             // The copy is out and the original comes back: a harmless duplicate.
@@ -492,8 +452,35 @@ impl Settle {
         true
     }
 
+    fn headers(&self, attempt: u32) -> FieldTable {
+        let mut headers = self
+            .delivery
+            .properties
+            .headers()
+            .clone()
+            .unwrap_or_default();
+        headers.insert(
+            ATTEMPT_HEADER.into(),
+            AMQPValue::LongLongInt(attempt.into()),
+        );
+        headers
+    }
+}
+
+impl Broker for Received {
+    const RETRY_AT: bool = false;
+
+    fn message(&self) -> Message {
+        message_of(&self.delivery)
+    }
+
+    async fn ack(&mut self) -> Settled {
+        let acked = self.delivery.acker.ack(BasicAckOptions::default()).await;
+        settled(acked, "ack", Settled::Acked)
+    }
+
     /// Holds the delivery for `after` (less if shutdown starts), then nacks it with requeue.
-    async fn requeue(&mut self, delivery: &AmqpDelivery, after: Duration) -> Settled {
+    async fn hand_back(&mut self, after: Duration) -> Settled {
         if !*self.stopping.borrow() {
             tokio::select! {
                 () = tokio::time::sleep(after) => {}
@@ -504,55 +491,33 @@ impl Settle {
             requeue: true,
             ..BasicNackOptions::default()
         };
-        settled(delivery.acker.nack(nack).await, "nack", Settled::Requeued)
-    }
-}
-
-/// One delivery taken by the worker, to settle.
-struct Received<'a> {
-    settle: &'a mut Settle,
-    delivery: AmqpDelivery,
-}
-
-impl Broker for Received<'_> {
-    async fn ack(&mut self) -> Settled {
-        let acked = self.delivery.acker.ack(BasicAckOptions::default()).await;
-        settled(acked, "ack", Settled::Acked)
-    }
-
-    async fn hand_back(&mut self, after: Duration) -> Settled {
-        self.settle.requeue(&self.delivery, after).await
+        settled(
+            self.delivery.acker.nack(nack).await,
+            "nack",
+            Settled::Requeued,
+        )
     }
 
     async fn retry(&mut self, attempt: u32, after: Duration) -> bool {
-        let mut headers = headers_of(&self.delivery);
-        headers.insert(
-            ATTEMPT_HEADER.into(),
-            AMQPValue::LongLongInt(attempt.into()),
-        );
         // Milliseconds as text, as RabbitMQ wants; at least 1 so it is a delay.
         let ttl = after.as_millis().clamp(1, u128::from(u32::MAX)).to_string();
-        let properties = copy_properties(&self.delivery.properties, headers, Some(ttl.into()));
-        let queue = self.settle.topology.retry_queue.clone();
-        self.settle
-            .copy_then_ack(&self.delivery, &queue, properties)
+        let properties = copy_properties(
+            &self.delivery.properties,
+            self.headers(attempt),
+            Some(ttl.into()),
+        );
+        self.copy_then_ack(&self.topology.retry_queue, properties)
             .await
     }
 
     async fn dead_letter(&mut self, reason: &DeadLetterReason, attempt: u32) -> bool {
-        let mut headers = headers_of(&self.delivery);
-        headers.insert(
-            ATTEMPT_HEADER.into(),
-            AMQPValue::LongLongInt(attempt.into()),
-        );
+        let mut headers = self.headers(attempt);
         headers.insert(
             DEAD_LETTER_REASON_HEADER.into(),
             AMQPValue::LongString(reason.to_string().into()),
         );
         let properties = copy_properties(&self.delivery.properties, headers, None);
-        let queue = self.settle.topology.dead_letter_queue.clone();
-        self.settle
-            .copy_then_ack(&self.delivery, &queue, properties)
+        self.copy_then_ack(&self.topology.dead_letter_queue, properties)
             .await
     }
 }
@@ -628,10 +593,6 @@ fn settled(result: Result<bool, lapin::Error>, what: &str, done: Settled) -> Set
             Settled::Unsettled
         }
     }
-}
-
-fn headers_of(delivery: &AmqpDelivery) -> FieldTable {
-    delivery.properties.headers().clone().unwrap_or_default()
 }
 
 /// The properties of a copy: the original's, without `user-id` (the broker refuses a

@@ -1,6 +1,6 @@
 //! A Redis Streams worker on [`redis`]: read entries as a member of a consumer group, run
 //! each through a [`Consumer`], and acknowledge, hand back, retry or dead-letter it as
-//! decided. Small enough to copy into a service and change.
+//! decided.
 //!
 //! # Topology
 //!
@@ -45,10 +45,7 @@
 //! third of [`Topology::claim_idle`], so `XAUTOCLAIM` by the other workers never takes the
 //! entry of a live worker; the engine extends the lease in the store meanwhile. A worker
 //! that dies stops both: once its entries have been idle for `claim_idle`, another worker
-//! claims them, finds the keys held by the dead worker's leases and leaves them pending
-//! until those leases run out, then takes the keys over (counted as an attempt, so an entry
-//! that kills every worker is dead-lettered after
-//! [`Policy::max_attempts`](crate::Policy::max_attempts)).
+//! claims them (and leaves them pending while the dead worker's leases hold).
 //!
 //! # Shutdown
 //!
@@ -59,7 +56,6 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{Failure, Key, Scope};
@@ -68,15 +64,11 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::{RedisError, Value};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
 use crate::consumer::{Consumer, Context, DeadLetterReason};
 use crate::key::propagation_headers;
 use crate::message::{Message, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, RETRY_AT_HEADER};
-use crate::worker::{
-    count, decide, next_slot, not_due, retry_at, settle, with_heartbeat, Broker, Settled, Summary,
-};
+use crate::worker::{self, retry_at, Broker, Next, Settled, Source, Summary};
 
 /// The field of an entry that holds the message's payload; the other fields are its
 /// headers.
@@ -296,7 +288,7 @@ impl Worker {
     {
         // Reads block for READ_BLOCK on a connection of their own, so that acks and
         // heartbeats on the other never wait behind them.
-        let mut reader = ConnectionManager::new_with_config(
+        let reader = ConnectionManager::new_with_config(
             client.clone(),
             ConnectionManagerConfig::new().set_response_timeout(Some(READ_BLOCK * 10)),
         )
@@ -312,87 +304,96 @@ impl Worker {
             conn,
         };
         tracing::info!(stream = %self.topology.stream, group = %self.topology.group, name = %self.name, "consuming");
+        let reading = Reading {
+            entries,
+            reader,
+            batch: self.batch,
+            buffer: VecDeque::new(),
+            // XAUTOCLAIM scans the group's pending entries from a cursor; it runs every
+            // quarter of claim_idle (at least every second) when nothing new is buffered.
+            claim_every: (self.topology.claim_idle / 4)
+                .clamp(Duration::from_millis(20), Duration::from_secs(1)),
+            claimed_at: None,
+            cursor: "0-0".to_owned(),
+        };
+        worker::run(reading, &self.consumer, self.concurrency, handler, shutdown)
+            .await
+            .map_err(|(source, summary)| Error::GroupGone { source, summary })
+    }
+}
 
-        let handler = Arc::new(handler);
-        let slots = Arc::new(Semaphore::new(self.concurrency));
-        let mut tasks = JoinSet::new();
-        let mut summary = Summary::default();
-        let mut failure = None;
-        let mut shutdown = std::pin::pin!(shutdown);
-        let mut buffer: VecDeque<StreamId> = VecDeque::new();
-        // XAUTOCLAIM scans the group's pending entries from a cursor; it runs every quarter
-        // of claim_idle (at least every second) when nothing new is buffered.
-        let claim_every =
-            (self.topology.claim_idle / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
-        let mut claimed_at: Option<tokio::time::Instant> = None;
-        let mut cursor = "0-0".to_owned();
+/// The worker's reads: entries read or claimed, waiting for a handler.
+struct Reading {
+    entries: Entries,
+    reader: ConnectionManager,
+    batch: usize,
+    buffer: VecDeque<StreamId>,
+    claim_every: Duration,
+    claimed_at: Option<tokio::time::Instant>,
+    cursor: String,
+}
 
-        loop {
-            // A free handler slot first, so that entries are read only when a handler can
-            // start on them soon (they wait pending, without heartbeat, until then).
-            let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await
-            else {
-                break;
-            };
-            if buffer.is_empty() {
-                let claim_due = claimed_at.is_none_or(|at| at.elapsed() >= claim_every);
-                let read = async {
-                    if claim_due {
-                        claimed_at = Some(tokio::time::Instant::now());
-                        let claimed = entries
-                            .autoclaim(&mut reader, &mut cursor, self.batch)
-                            .await?;
-                        if !claimed.is_empty() {
-                            return Ok(claimed);
-                        }
-                    }
-                    entries.read(&mut reader, self.batch).await
-                };
-                // If shutdown wins, a read in flight may leave entries pending under this
-                // worker's name: the group claims them after claim_idle.
-                let read = tokio::select! {
-                    () = &mut shutdown => break,
-                    read = read => read,
-                };
-                match read {
-                    Ok(read) => buffer.extend(read),
-                    Err(e) if e.code() == Some("NOGROUP") => {
-                        tracing::error!(error = %e, "consumer group gone");
-                        failure = Some(e);
-                        break;
-                    }
-                    // The server away for a while: the connection manager reconnects; wait a
-                    // little so that an outage is not a busy loop.
-                    Err(e) => {
-                        tracing::warn!(error = %e, "reading the stream failed; reading again");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
+impl Source for Reading {
+    type Broker = Entry;
+    type Error = RedisError;
+
+    /// If shutdown comes while a read is in flight, the read may leave entries pending
+    /// under this worker's name: the group claims them after claim_idle.
+    async fn next(&mut self) -> Next<Entry, RedisError> {
+        if self.buffer.is_empty() {
+            match self.read().await {
+                Ok(read) => self.buffer.extend(read),
+                Err(e) if e.code() == Some("NOGROUP") => {
+                    tracing::error!(error = %e, "consumer group gone");
+                    return Next::Failed(e);
+                }
+                // The server away for a while: the connection manager reconnects; wait a
+                // little so that an outage is not a busy loop.
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the stream failed; reading again");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
-            let Some(entry) = buffer.pop_front() else {
-                drop(slot);
-                continue;
-            };
-            let settle = Settle {
-                consumer: self.consumer.clone(),
-                entries: entries.clone(),
-            };
-            tasks.spawn(settle.run(entry, handler.clone(), slot));
         }
+        match self.buffer.pop_front() {
+            Some(entry) => Next::Delivery(Entry {
+                entries: self.entries.clone(),
+                entry,
+            }),
+            None => Next::Again,
+        }
+    }
 
-        // Shutdown, step 1: hand back what was read but not started, claimable at once.
-        for entry in buffer.drain(..) {
-            entries.hand_back(&entry.id, Duration::ZERO).await;
+    /// Hands back what was read but not started, claimable at once.
+    async fn stop(&mut self, _failed: bool) {
+        for entry in self.buffer.drain(..) {
+            self.entries.hand_back(&entry.id, Duration::ZERO).await;
         }
-        // Step 2: let the handlers in progress finish and settle their entries.
-        while let Some(done) = tasks.join_next().await {
-            count(&mut summary, done);
+    }
+
+    async fn close(self, summary: &Summary) {
+        tracing::info!(stream = %self.entries.topology.stream, ?summary, "stopped");
+    }
+}
+
+impl Reading {
+    /// Entries handed back or left by a dead worker when a claim is due and finds some,
+    /// else new entries.
+    async fn read(&mut self) -> Result<Vec<StreamId>, RedisError> {
+        if self
+            .claimed_at
+            .is_none_or(|at| at.elapsed() >= self.claim_every)
+        {
+            self.claimed_at = Some(tokio::time::Instant::now());
+            let claimed = self
+                .entries
+                .autoclaim(&mut self.reader, &mut self.cursor, self.batch)
+                .await?;
+            if !claimed.is_empty() {
+                return Ok(claimed);
+            }
         }
-        tracing::info!(stream = %self.topology.stream, ?summary, "stopped");
-        match failure {
-            Some(source) => Err(Error::GroupGone { source, summary }),
-            None => Ok(summary),
-        }
+        self.entries.read(&mut self.reader, self.batch).await
     }
 }
 
@@ -541,51 +542,29 @@ impl Entries {
     }
 }
 
-/// What an entry task needs to settle its entry.
-struct Settle {
-    consumer: Consumer,
-    entries: Entries,
-}
-
-impl Settle {
-    async fn run<T, E, H, Fut>(
-        self,
-        entry: StreamId,
-        handler: Arc<H>,
-        slot: tokio::sync::OwnedSemaphorePermit,
-    ) -> Settled
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
-    {
-        let message = message_of(&entry);
-        let policy = self.consumer.policy().clone();
-        let entries = &self.entries;
-        if let Some(left) = not_due(&message, policy.max_retry_delay) {
-            // A retry copy read early: left pending until it is due, not an attempt.
-            drop(slot);
-            return entries.hand_back(&entry.id, left).await;
-        }
-        // A sign of life every third of claim_idle, so the group's other workers do not
-        // claim the entry while the handler runs.
-        let period = (entries.topology.claim_idle / 3).max(Duration::from_millis(1));
-        let id = entry.id.as_str();
-        let decided = decide(&self.consumer, message, handler);
-        let decision = with_heartbeat(decided, period, || entries.keep(id)).await;
-        drop(slot);
-        settle(decision, &policy, &mut Entry { entries, entry }).await
-    }
-}
-
 /// One entry read by the worker, to settle.
-struct Entry<'a> {
-    entries: &'a Entries,
+struct Entry {
+    entries: Entries,
     entry: StreamId,
 }
 
-impl Broker for Entry<'_> {
+impl Broker for Entry {
+    const RETRY_AT: bool = true;
+
+    fn message(&self) -> Message {
+        message_of(&self.entry)
+    }
+
+    /// A sign of life every third of claim_idle, so the group's other workers do not claim
+    /// the entry while the handler runs.
+    fn heartbeat(&self) -> Option<Duration> {
+        Some((self.entries.topology.claim_idle / 3).max(Duration::from_millis(1)))
+    }
+
+    async fn beat(&self) {
+        self.entries.keep(&self.entry.id).await;
+    }
+
     async fn ack(&mut self) -> Settled {
         self.entries.ack(&self.entry.id).await
     }

@@ -12,7 +12,7 @@ use idem_core::Failure;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::consumer::{Consumer, Context, DeadLetterReason, Delivery, Policy};
 use crate::message::Message;
@@ -46,7 +46,7 @@ pub(crate) enum Settled {
 }
 
 /// Adds what a delivery task returned to `summary`.
-pub(crate) fn count(summary: &mut Summary, done: Result<Settled, tokio::task::JoinError>) {
+fn count(summary: &mut Summary, done: Result<Settled, tokio::task::JoinError>) {
     match done {
         Ok(Settled::Acked) => summary.acked += 1,
         Ok(Settled::Requeued) => summary.requeued += 1,
@@ -65,7 +65,7 @@ pub(crate) fn count(summary: &mut Summary, done: Result<Settled, tokio::task::Jo
 /// `None` once `shutdown` completes. A worker takes a slot before it takes a delivery, so
 /// that deliveries wait on the broker (or in its client's small buffer) rather than as
 /// tasks here.
-pub(crate) async fn next_slot<F: Future<Output = ()>>(
+async fn next_slot<F: Future<Output = ()>>(
     slots: &Arc<Semaphore>,
     tasks: &mut JoinSet<Settled>,
     summary: &mut Summary,
@@ -81,41 +81,135 @@ pub(crate) async fn next_slot<F: Future<Output = ()>>(
     }
 }
 
-/// Runs `handler` for `message` through `consumer` in a task of its own, so that a panic in
-/// the handler is caught here and the delivery is still settled: `None` then (hand the
-/// delivery back; its lease runs out and the next attempt is counted).
-pub(crate) async fn decide<T, E, H, Fut>(
+/// Where a worker takes its deliveries from, and how it stops taking them.
+pub(crate) trait Source {
+    /// One delivery taken, with what it takes to settle it.
+    type Broker: Broker;
+    /// How the source fails for good.
+    type Error;
+    /// Waits for the next delivery. Cancel safe: dropped when shutdown starts.
+    async fn next(&mut self) -> Next<Self::Broker, Self::Error>;
+    /// Shutdown, step 1 (`failed`: the source ended in [`Next::Failed`]): take no more
+    /// deliveries, and hand back those taken but not started.
+    async fn stop(&mut self, _failed: bool) {}
+    /// Shutdown, last step, once the handlers in progress have settled their deliveries:
+    /// says the worker stopped, having done `summary`.
+    async fn close(self, summary: &Summary);
+}
+
+/// What [`Source::next`] came back with.
+pub(crate) enum Next<B, E> {
+    /// A delivery to run.
+    Delivery(B),
+    /// Nothing this time (an empty read, a failure the client recovers from): ask again.
+    Again,
+    /// The source failed for good: stop and report it.
+    Failed(E),
+    /// No more deliveries will come: stop.
+    End,
+}
+
+/// Runs deliveries from `source` through `consumer` with at most `concurrency` handlers at
+/// once, until `shutdown` completes or the source ends; then stops `source`, lets the
+/// handlers in progress finish and settle their deliveries, and closes it. Returns what was
+/// done; with the source's failure if it failed.
+pub(crate) async fn run<S, T, E, H, Fut>(
+    mut source: S,
     consumer: &Consumer,
-    message: Message,
-    handler: Arc<H>,
-) -> Option<Delivery<T>>
+    concurrency: usize,
+    handler: H,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Summary, (S::Error, Summary)>
 where
+    S: Source,
     T: Serialize + DeserializeOwned + Send + 'static,
     E: fmt::Display + Send + 'static,
     H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
 {
-    let consumer = consumer.clone();
-    let decided = tokio::spawn(async move {
-        consumer
-            .process(&message, |ctx| handler(message.clone(), ctx))
-            .await
-    })
-    .await;
-    match decided {
-        Ok(decision) => Some(decision),
-        Err(e) => {
-            tracing::error!(error = %e, "handler panicked; handing the delivery back");
-            None
+    let handler = Arc::new(handler);
+    let policy = consumer.policy();
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = JoinSet::new();
+    let mut summary = Summary::default();
+    let mut failure = None;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        // A free handler slot first, so that deliveries are taken only when a handler can
+        // start on them soon (the broker's redelivery clock runs from the delivery).
+        let Some(slot) = next_slot(&slots, &mut tasks, &mut summary, &mut shutdown).await else {
+            break;
+        };
+        let next = tokio::select! {
+            () = &mut shutdown => break,
+            next = source.next() => next,
+        };
+        match next {
+            Next::Delivery(broker) => {
+                let (consumer, handler) = (consumer.clone(), handler.clone());
+                // The handler runs in a task of its own, so that a panic in it is caught
+                // and the delivery is still settled.
+                let decide = move |message: Message| {
+                    tokio::spawn(async move {
+                        consumer
+                            .process(&message, |ctx| handler(message.clone(), ctx))
+                            .await
+                    })
+                };
+                tasks.spawn(handle(broker, policy.clone(), decide, slot));
+            }
+            Next::Again => {}
+            Next::Failed(e) => {
+                failure = Some(e);
+                break;
+            }
+            Next::End => break,
         }
+    }
+    source.stop(failure.is_some()).await;
+    while let Some(done) = tasks.join_next().await {
+        count(&mut summary, done);
+    }
+    source.close(&summary).await;
+    match failure {
+        Some(e) => Err((e, summary)),
+        None => Ok(summary),
     }
 }
 
-/// Awaits `decided` (a [`decide`]), with `beat` called every `period` meanwhile: the sign of
+/// One delivery's task: a retry copy that is not due yet goes back at once (not an
+/// attempt); otherwise `decide` runs the handler (with the broker's heartbeat meanwhile, if
+/// it has one), `slot` is freed, and the decision is carried out. A handler that panicked
+/// hands the delivery back: its lease runs out and the next attempt is counted.
+async fn handle<B: Broker, T>(
+    mut broker: B,
+    policy: Policy,
+    decide: impl FnOnce(Message) -> JoinHandle<Delivery<T>>,
+    slot: OwnedSemaphorePermit,
+) -> Settled {
+    let message = broker.message();
+    if B::RETRY_AT {
+        if let Some(left) = not_due(&message, policy.max_retry_delay) {
+            drop(slot);
+            return broker.hand_back(left).await;
+        }
+    }
+    let decided = decide(message);
+    let decided = match broker.heartbeat() {
+        Some(period) => with_heartbeat(decided, period, || broker.beat()).await,
+        None => decided.await,
+    };
+    drop(slot);
+    let decision = decided
+        .inspect_err(|e| tracing::error!(error = %e, "handler panicked; handing the delivery back"))
+        .ok();
+    settle(decision, &policy, &mut broker).await
+}
+
+/// Awaits `decided`, with `beat` called every `period` meanwhile: the sign of
 /// life that stops the broker from handing the delivery to another worker while the handler
 /// runs (the engine extends the lease in the store).
-#[cfg(any(feature = "nats", feature = "redis-streams"))]
-pub(crate) async fn with_heartbeat<D, B, Beat>(
+async fn with_heartbeat<D, B, Beat>(
     decided: impl Future<Output = D>,
     period: Duration,
     mut beat: B,
@@ -134,27 +228,44 @@ where
     }
 }
 
-/// The steps a worker takes on its broker to settle one delivery; [`settle`] chooses
-/// between them, the same way for every broker.
-pub(crate) trait Broker {
+/// One delivery taken by a worker, and the steps the worker takes on its broker to settle
+/// it; [`settle`] chooses between them, the same way for every broker.
+pub(crate) trait Broker: Send + Sync + 'static {
+    /// Whether retry copies come back to the consumed stream with
+    /// [`RETRY_AT_HEADER`](crate::RETRY_AT_HEADER), to be handed back until they are due.
+    const RETRY_AT: bool;
+    /// The delivery as a [`Message`].
+    fn message(&self) -> Message;
+    /// How often [`Broker::beat`] must run while the handler does; `None`: never.
+    fn heartbeat(&self) -> Option<Duration> {
+        None
+    }
+    /// A sign of life: the delivery is still being worked on.
+    fn beat(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
     /// Acknowledges the delivery: done.
-    async fn ack(&mut self) -> Settled;
+    fn ack(&mut self) -> impl Future<Output = Settled> + Send;
     /// Hands the delivery back, to be delivered again after `after` (not an attempt).
-    async fn hand_back(&mut self, after: Duration) -> Settled;
+    fn hand_back(&mut self, after: Duration) -> impl Future<Output = Settled> + Send;
     /// Publishes a copy for a retry after `after`, with [`ATTEMPT_HEADER`](crate::ATTEMPT_HEADER)
     /// set to `attempt`, and acknowledges the original once the copy is confirmed. False
     /// (the original untouched) when the copy was not confirmed.
-    async fn retry(&mut self, attempt: u32, after: Duration) -> bool;
+    fn retry(&mut self, attempt: u32, after: Duration) -> impl Future<Output = bool> + Send;
     /// Publishes a copy to the dead-letter destination, with
     /// [`DEAD_LETTER_REASON_HEADER`](crate::DEAD_LETTER_REASON_HEADER) and
     /// [`ATTEMPT_HEADER`](crate::ATTEMPT_HEADER), and acknowledges the original once the
     /// copy is confirmed. False (the original untouched) when the copy was not confirmed.
-    async fn dead_letter(&mut self, reason: &DeadLetterReason, attempt: u32) -> bool;
+    fn dead_letter(
+        &mut self,
+        reason: &DeadLetterReason,
+        attempt: u32,
+    ) -> impl Future<Output = bool> + Send;
 }
 
 /// Carries out `decision` (`None`: the handler panicked) on the broker. A copy that cannot
 /// be published hands the original back instead: a message is never dropped.
-pub(crate) async fn settle<T>(
+async fn settle<T>(
     decision: Option<Delivery<T>>,
     policy: &Policy,
     broker: &mut impl Broker,
@@ -193,7 +304,6 @@ pub(crate) fn retry_at(after: Duration) -> String {
 
 /// The Unix time in milliseconds (0 before 1970), for the retry deadlines carried in
 /// [`RETRY_AT_HEADER`](crate::RETRY_AT_HEADER).
-#[cfg(any(feature = "nats", feature = "redis-streams"))]
 pub(crate) fn unix_millis() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -204,11 +314,7 @@ pub(crate) fn unix_millis() -> u64 {
 /// must still wait: `None` when it is due (or the header is absent or garbled). Never longer
 /// than `longest` (the policy's longest retry delay), so a clock far ahead on the publishing
 /// side cannot park a message for long.
-#[cfg(any(feature = "nats", feature = "redis-streams"))]
-pub(crate) fn not_due(
-    message: &Message,
-    longest: std::time::Duration,
-) -> Option<std::time::Duration> {
+fn not_due(message: &Message, longest: std::time::Duration) -> Option<std::time::Duration> {
     let retry_at: u64 = message
         .text_header(crate::RETRY_AT_HEADER)?
         .trim()
