@@ -14,20 +14,18 @@ mod support;
 /// Named after the backend, so that `cargo test nats` runs these.
 mod nats {
     use std::collections::BTreeMap;
+    use std::future::Future;
     use std::time::Duration;
 
     use async_nats::jetstream::{self, Context as JetStream};
     use async_nats::HeaderMap;
     use idem_consumer::nats::{with_idempotency_key, Topology, Worker};
     use idem_consumer::{
-        Consumer, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
+        Consumer, Summary, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
     };
     use idem_core::Key;
 
-    use crate::support::{
-        self, child_env, ChildSetup, Handler, RunningWorker, TestBroker, Tuning, CHILD_CONCURRENCY,
-        CHILD_REDELIVERY,
-    };
+    use crate::support::{self, child_env, Handler, Stop, TestBroker, Tuning};
 
     async fn connect(url: &str) -> JetStream {
         jetstream::new(async_nats::connect(url).await.expect("connect to NATS"))
@@ -95,19 +93,32 @@ mod nats {
                 .expect("the stream stores it");
         }
 
-        async fn spawn_worker(
+        fn worker(
             &self,
             consumer: Consumer,
             tuning: Tuning,
             handler: Handler,
-        ) -> RunningWorker {
+            stop: Stop,
+        ) -> impl Future<Output = Summary> + Send + 'static {
             let worker = Worker::new(consumer, self.topology.clone())
                 .with_concurrency(tuning.concurrency)
                 .with_batch(tuning.batch);
-            let js = connect(&self.url).await;
-            RunningWorker::spawn(|stop| async move {
-                worker.run(&js, move |m, c| handler(m, c), stop).await
-            })
+            let url = self.url.clone();
+            async move {
+                let js = connect(&url).await;
+                let run = worker.run(&js, move |m, c| handler(m, c), stop).await;
+                run.expect("the worker runs")
+            }
+        }
+
+        async fn from_child_env() -> Self {
+            let url = child_env("IDEM_TEST_NATS_URL");
+            let topology = Topology::new(
+                child_env("IDEM_CHILD_STREAM"),
+                child_env("IDEM_CHILD_SUBJECT"),
+            );
+            let js = connect(&url).await;
+            Self { url, js, topology }
         }
 
         async fn unsettled(&self) -> u64 {
@@ -173,64 +184,13 @@ mod nats {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn five_copies_to_four_workers_have_one_effect() {
-        support::five_copies_to_four_workers::<Nats>(Duration::from_secs(5)).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        let ack_wait = Duration::from_secs(5);
-        support::transient_failures_retry_and_permanent_ones_are_dead_lettered::<Nats>(ack_wait)
-            .await;
-    }
-
-    /// Messages are NAKed for later while the store is down.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_store_outage_acks_nothing_and_loses_nothing() {
-        support::a_store_outage_acks_nothing_and_loses_nothing::<Nats>(Duration::from_secs(5))
-            .await;
-    }
-
-    /// The worker's "work in progress" acks keep the message.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_long_handler_keeps_its_message() {
-        support::a_long_handler_keeps_its_message::<Nats>(Duration::from_secs(1)).await;
-    }
-
-    // --- The crash test ---------------------------------------------------------------------
-
-    /// The worker process of [`a_killed_worker_process_loses_nothing`]; does nothing unless
-    /// that test spawned it.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "the worker process of the crash test; runs only when that test spawns it"]
-    async fn child_worker_process() {
-        let Some(child) = ChildSetup::from_env() else {
-            return;
-        };
-        let topology = Topology::new(
-            child_env("IDEM_CHILD_STREAM"),
-            child_env("IDEM_CHILD_SUBJECT"),
-        );
-        let js = connect(&child_env("IDEM_TEST_NATS_URL")).await;
-        let handler = child.handler.clone();
-        let summary = Worker::new(child.consumer.clone(), topology)
-            .with_concurrency(CHILD_CONCURRENCY)
-            .with_batch(CHILD_CONCURRENCY)
-            .run(&js, move |m, c| handler(m, c), child.stopped())
-            .await
-            .expect("the worker runs");
-        child.report(&summary);
-    }
-
-    /// See [`support::a_killed_worker_process_loses_nothing`](crate::support::a_killed_worker_process_loses_nothing):
-    /// JetStream delivers a killed worker's messages again after ack_wait.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_killed_worker_process_loses_nothing() {
-        let Some(nats) = Nats::open("crash", CHILD_REDELIVERY).await else {
-            return;
-        };
-        support::a_killed_worker_process_loses_nothing(&nats, "nats::child_worker_process").await;
-        nats.delete().await;
-    }
+    // With the store down, messages are NAKed for later; "work in progress" acks keep a long
+    // handler's message; JetStream delivers a killed worker's messages again after ack_wait.
+    support::broker_tests!(
+        nats: Nats,
+        retries: Duration::from_secs(5),
+        copies: Duration::from_secs(5),
+        outage: Duration::from_secs(5),
+        long: Duration::from_secs(1)
+    );
 }

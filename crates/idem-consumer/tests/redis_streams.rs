@@ -15,20 +15,18 @@ mod support;
 /// Named after the backend, so that `cargo test redis_streams` runs these.
 mod redis_streams {
     use std::collections::BTreeMap;
+    use std::future::Future;
     use std::time::Duration;
 
     use idem_consumer::redis_streams::{message_of, publish, Topology, Worker};
     use idem_consumer::{
-        Consumer, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
+        Consumer, Summary, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
     };
     use idem_core::Key;
     use redis::aio::ConnectionManager;
     use redis::streams::StreamRangeReply;
 
-    use crate::support::{
-        self, child_env, ChildSetup, Handler, RunningWorker, TestBroker, Tuning, CHILD_CONCURRENCY,
-        CHILD_REDELIVERY,
-    };
+    use crate::support::{self, child_env, Handler, Stop, TestBroker, Tuning, CHILD_REDELIVERY};
 
     /// A client of the server, a connection, and fresh streams named after the test.
     struct Streams {
@@ -109,19 +107,34 @@ mod redis_streams {
             .expect("XADD");
         }
 
-        async fn spawn_worker(
+        fn worker(
             &self,
             consumer: Consumer,
             tuning: Tuning,
             handler: Handler,
-        ) -> RunningWorker {
+            stop: Stop,
+        ) -> impl Future<Output = Summary> + Send + 'static {
             let worker = Worker::new(consumer, self.topology.clone())
                 .with_concurrency(tuning.concurrency)
                 .with_batch(tuning.batch);
             let client = self.client.clone();
-            RunningWorker::spawn(|stop| async move {
-                worker.run(&client, move |m, c| handler(m, c), stop).await
-            })
+            async move {
+                let run = worker.run(&client, move |m, c| handler(m, c), stop).await;
+                run.expect("the worker runs")
+            }
+        }
+
+        async fn from_child_env() -> Self {
+            let client =
+                redis::Client::open(child_env("IDEM_TEST_REDIS_URL")).expect("a Redis URL");
+            let conn = client.get_connection_manager().await.expect("connect");
+            let topology =
+                Topology::new(child_env("IDEM_CHILD_STREAM")).with_claim_idle(CHILD_REDELIVERY);
+            Self {
+                client,
+                conn,
+                topology,
+            }
         }
 
         async fn unsettled(&self) -> u64 {
@@ -179,71 +192,15 @@ mod redis_streams {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn five_copies_to_four_workers_have_one_effect() {
-        support::five_copies_to_four_workers::<Streams>(Duration::from_secs(5)).await;
-    }
-
-    /// A short claim idle time: retry copies read early wait at most this long.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
-        let claim_idle = Duration::from_millis(300);
-        support::transient_failures_retry_and_permanent_ones_are_dead_lettered::<Streams>(
-            claim_idle,
-        )
-        .await;
-    }
-
-    /// Entries stay pending while the store is down.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_store_outage_acks_nothing_and_loses_nothing() {
-        let claim_idle = Duration::from_millis(500);
-        support::a_store_outage_acks_nothing_and_loses_nothing::<Streams>(claim_idle).await;
-    }
-
-    /// The worker's heartbeats stop the other worker from claiming the entry.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_long_handler_keeps_its_entry() {
-        support::a_long_handler_keeps_its_message::<Streams>(Duration::from_secs(1)).await;
-    }
-
-    // --- The crash test ---------------------------------------------------------------------
-
-    /// The worker process of [`a_killed_worker_process_loses_nothing`]; does nothing unless
-    /// that test spawned it.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "the worker process of the crash test; runs only when that test spawns it"]
-    async fn child_worker_process() {
-        let Some(child) = ChildSetup::from_env() else {
-            return;
-        };
-        let topology =
-            Topology::new(child_env("IDEM_CHILD_STREAM")).with_claim_idle(CHILD_REDELIVERY);
-        let client = redis::Client::open(child_env("IDEM_TEST_REDIS_URL")).expect("a Redis URL");
-        let handler = child.handler.clone();
-        let summary = Worker::new(child.consumer.clone(), topology)
-            .with_name(format!("crash-{}", child.name))
-            .with_concurrency(CHILD_CONCURRENCY)
-            .with_batch(CHILD_CONCURRENCY)
-            .run(&client, move |m, c| handler(m, c), child.stopped())
-            .await
-            .expect("the worker runs");
-        child.report(&summary);
-    }
-
-    /// See [`support::a_killed_worker_process_loses_nothing`](crate::support::a_killed_worker_process_loses_nothing):
-    /// once a killed worker's entries have been idle for the claim idle time, another worker
-    /// claims them (`XAUTOCLAIM`).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_killed_worker_process_loses_nothing() {
-        let Some(streams) = Streams::open("crash", CHILD_REDELIVERY).await else {
-            return;
-        };
-        support::a_killed_worker_process_loses_nothing(
-            &streams,
-            "redis_streams::child_worker_process",
-        )
-        .await;
-        streams.delete().await;
-    }
+    // A short claim idle time for the retries: copies read early wait at most this long.
+    // Entries stay pending while the store is down; heartbeats stop the other worker from
+    // claiming a long handler's entry; a killed worker's entries are claimed (XAUTOCLAIM)
+    // once they have been idle for the claim idle time.
+    support::broker_tests!(
+        redis_streams: Streams,
+        retries: Duration::from_millis(300),
+        copies: Duration::from_secs(5),
+        outage: Duration::from_millis(500),
+        long: Duration::from_secs(1)
+    );
 }

@@ -15,8 +15,8 @@ use tokio::time::{sleep, timeout, Instant};
 
 use super::{
     check_crash, check_dead_letters, check_retry_runs, counting, failing, retry_keys, retry_policy,
-    start_and_kill_a, start_b, stop_child, wait_until, ChildFiles, Effects, Handler, Runs,
-    SharedStore, CRASH_MESSAGES,
+    start_and_kill_a, start_b, stop_child, wait_until, ChildFiles, ChildSetup, Effects, Handler,
+    Runs, SharedStore, CHILD_CONCURRENCY, CHILD_REDELIVERY, CRASH_MESSAGES,
 };
 
 /// A broker with a fresh topology of one test's own, as the shared tests use it.
@@ -27,14 +27,22 @@ pub trait TestBroker: Sized {
     async fn open(test: &str, redelivery: Duration) -> Option<Self>;
     /// Publishes `payload` with `key` propagated, and waits for the broker's confirmation.
     async fn publish(&self, key: &str, payload: &str);
-    /// Starts a worker of `consumer` running `handler` with `tuning`, on a connection of
-    /// its own.
-    async fn spawn_worker(
+    /// A worker of `consumer` with `tuning`, on a connection of its own, running `handler`
+    /// until `stop`; what it did.
+    fn worker(
         &self,
         consumer: Consumer,
         tuning: Tuning,
         handler: Handler,
-    ) -> RunningWorker;
+        stop: Stop,
+    ) -> impl Future<Output = Summary> + Send + 'static;
+    /// Runs [`TestBroker::worker`] in a task.
+    fn spawn_worker(&self, consumer: Consumer, tuning: Tuning, handler: Handler) -> RunningWorker {
+        RunningWorker::spawn(|stop| self.worker(consumer, tuning, handler, stop))
+    }
+    /// The broker and topology of a crash test's child process, from the environment
+    /// [`TestBroker::child_env`] gave it.
+    async fn from_child_env() -> Self;
     /// Messages not yet settled: waiting for a worker, or (where the broker tells) delivered
     /// and not acked yet.
     async fn unsettled(&self) -> u64;
@@ -50,12 +58,16 @@ pub trait TestBroker: Sized {
     async fn check_delivered_once(&self) {}
     /// Where a crash test's child process finds the broker and the topology.
     fn child_env(&self) -> Vec<(&'static str, String)>;
+    /// After a crash test, what the broker still holds, checked over the store the worker
+    /// processes shared.
+    async fn check_after_crash(&self, _shared: &SharedStore) {}
     /// Deletes the topology.
     async fn delete(&self);
 }
 
 /// A worker's settings in a test: handlers at once, and messages per read (where the worker
-/// reads in batches). The defaults are the workers' own.
+/// reads in batches; RabbitMQ's prefetch, at least twice the concurrency). The defaults are
+/// the workers' own.
 #[derive(Clone, Copy)]
 pub struct Tuning {
     pub concurrency: usize,
@@ -74,7 +86,7 @@ impl Default for Tuning {
 /// Completes when a [`RunningWorker`] is told to stop.
 pub type Stop = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
-fn tuning(concurrency: usize, batch: usize) -> Tuning {
+pub fn tuning(concurrency: usize, batch: usize) -> Tuning {
     Tuning { concurrency, batch }
 }
 
@@ -85,17 +97,15 @@ pub struct RunningWorker {
 }
 
 impl RunningWorker {
-    /// Runs `run` in a task: a worker's `run`, given the future that says when to stop.
-    pub fn spawn<F, E>(run: impl FnOnce(Stop) -> F) -> Self
+    /// Runs `run` in a task: a worker, given the future that says when to stop.
+    pub fn spawn<F>(run: impl FnOnce(Stop) -> F) -> Self
     where
-        F: Future<Output = Result<Summary, E>> + Send + 'static,
-        E: std::fmt::Debug,
+        F: Future<Output = Summary> + Send + 'static,
     {
         let (stop, stopped) = oneshot::channel::<()>();
-        let run = run(Box::pin(async move {
+        let task = tokio::spawn(run(Box::pin(async move {
             let _ = stopped.await;
-        }));
-        let task = tokio::spawn(async move { run.await.expect("the worker ran") });
+        })));
         Self { stop, task }
     }
 
@@ -107,6 +117,23 @@ impl RunningWorker {
             .expect("clean shutdown")
             .expect("no panic")
     }
+}
+
+/// The worker process of a crash test ([`a_killed_worker_process_loses_nothing`]); does
+/// nothing unless that test spawned it.
+pub async fn child_worker_process<B: TestBroker>() {
+    let Some(child) = ChildSetup::from_env() else {
+        return;
+    };
+    let tuning = tuning(CHILD_CONCURRENCY, CHILD_CONCURRENCY);
+    let stop = Box::pin(child.stopped());
+    let worker = B::from_child_env().await.worker(
+        child.consumer.clone(),
+        tuning,
+        child.handler.clone(),
+        stop,
+    );
+    child.report(&worker.await);
 }
 
 /// Waits until the broker has had no unsettled message for 500 ms.
@@ -160,11 +187,7 @@ pub async fn five_copies_to_four_workers<B: TestBroker>(redelivery: Duration) {
     let mut workers = Vec::new();
     for _ in 0..4 {
         let handler = counting(&effects, Duration::from_millis(20));
-        workers.push(
-            broker
-                .spawn_worker(consumer.clone(), tuning(3, 16), handler)
-                .await,
-        );
+        workers.push(broker.spawn_worker(consumer.clone(), tuning(3, 16), handler));
     }
     wait_for_effects(&effects, N as usize, "every order has its effect").await;
     wait_until_settled(broker, Duration::from_secs(60)).await;
@@ -205,9 +228,7 @@ pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered<B: Te
     .with_policy(retry_policy());
     let runs: Runs = Arc::default();
     let effects: Effects = Arc::default();
-    let worker = broker
-        .spawn_worker(consumer, tuning(2, 16), failing(&runs, &effects))
-        .await;
+    let worker = broker.spawn_worker(consumer, tuning(2, 16), failing(&runs, &effects));
     wait_until(Duration::from_secs(60), "4 dead letters", || async {
         broker.dead_letter_count().await == 4
     })
@@ -243,13 +264,11 @@ pub async fn a_store_outage_acks_nothing_and_loses_nothing<B: TestBroker>(redeli
     let consumer = Consumer::new(Idem::new(store), Scope::new("outage-test").unwrap())
         .with_policy(Policy::default().with_unavailable_delay(Duration::from_millis(200)));
     let effects: Effects = Arc::default();
-    let worker = broker
-        .spawn_worker(
-            consumer,
-            Tuning::default(),
-            counting(&effects, Duration::ZERO),
-        )
-        .await;
+    let worker = broker.spawn_worker(
+        consumer,
+        Tuning::default(),
+        counting(&effects, Duration::ZERO),
+    );
     sleep(Duration::from_secs(3)).await;
     assert!(
         effects.lock().unwrap().is_empty(),
@@ -290,11 +309,7 @@ pub async fn a_long_handler_keeps_its_message<B: TestBroker>(redelivery: Duratio
     let mut workers = Vec::new();
     for _ in 0..2 {
         let handler = counting(&effects, redelivery * 4);
-        workers.push(
-            broker
-                .spawn_worker(consumer.clone(), tuning(4, 1), handler)
-                .await,
-        );
+        workers.push(broker.spawn_worker(consumer.clone(), tuning(4, 1), handler));
     }
     wait_for_effects(&effects, 1, "the handler finishes").await;
     wait_until_settled(broker, Duration::from_secs(30)).await;
@@ -312,13 +327,14 @@ pub async fn a_long_handler_keeps_its_message<B: TestBroker>(redelivery: Duratio
 /// Kill a worker process (SIGKILL, the child test `child`) while its handlers hold keys:
 /// the broker delivers their messages to another worker process, which hands them back
 /// while the dead worker's leases hold, then takes the keys over. Every message is handled
-/// exactly once and none is lost. Returns the store the processes shared; `None` when no
-/// Redis is configured for it.
-pub async fn a_killed_worker_process_loses_nothing(
-    broker: &impl TestBroker,
-    child: &str,
-) -> Option<SharedStore> {
-    let shared = SharedStore::for_test()?;
+/// exactly once and none is lost.
+pub async fn a_killed_worker_process_loses_nothing<B: TestBroker>(child: &str) {
+    let Some(shared) = SharedStore::for_test() else {
+        return;
+    };
+    let Some(broker) = B::open("crash", CHILD_REDELIVERY).await else {
+        return;
+    };
     for _copy in 0..2 {
         for i in 0..CRASH_MESSAGES {
             let payload = format!("{{\"i\":{i}}}");
@@ -332,9 +348,57 @@ pub async fn a_killed_worker_process_loses_nothing(
     // killed; process B handles everything else, and A's messages once their leases expire.
     let hung = start_and_kill_a(&files, child, &env).await;
     let mut b = start_b(&files, child, &env).await;
-    wait_until_settled(broker, Duration::from_secs(60)).await;
+    wait_until_settled(&broker, Duration::from_secs(60)).await;
     let summary = stop_child(&files, &mut b, "B").await;
     check_crash(&files, &hung, &summary);
     assert_eq!(broker.dead_letter_count().await, 0);
-    Some(shared)
+    broker.check_after_crash(&shared).await;
+    broker.delete().await;
 }
+
+/// The shared tests for the [`TestBroker`] `$broker`, in a module named after the broker
+/// (`$module`, so that `cargo test nats` runs one broker's), with the broker's redelivery
+/// time for each; the first three run on every broker.
+macro_rules! broker_tests {
+    (
+        $module:ident: $broker:ty,
+        retries: $retries:expr
+        $(, copies: $copies:expr, outage: $outage:expr, long: $long:expr)?
+    ) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn transient_failures_retry_and_permanent_ones_are_dead_lettered() {
+            use $crate::support::transient_failures_retry_and_permanent_ones_are_dead_lettered;
+            transient_failures_retry_and_permanent_ones_are_dead_lettered::<$broker>($retries).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "the worker process of the crash test; runs only when that test spawns it"]
+        async fn child_worker_process() {
+            $crate::support::child_worker_process::<$broker>().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_killed_worker_process_loses_nothing() {
+            let child = concat!(stringify!($module), "::child_worker_process");
+            $crate::support::a_killed_worker_process_loses_nothing::<$broker>(child).await;
+        }
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn five_copies_to_four_workers_have_one_effect() {
+                $crate::support::five_copies_to_four_workers::<$broker>($copies).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_store_outage_acks_nothing_and_loses_nothing() {
+                use $crate::support::a_store_outage_acks_nothing_and_loses_nothing as test;
+                test::<$broker>($outage).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_long_handler_keeps_its_message() {
+                $crate::support::a_long_handler_keeps_its_message::<$broker>($long).await;
+            }
+        )?
+    };
+}
+pub(crate) use broker_tests;
