@@ -16,8 +16,6 @@
 
 mod shared;
 
-use std::sync::atomic::AtomicU32;
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_consumer::rabbitmq::{with_idempotency_key, Topology, Worker};
@@ -57,20 +55,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
     }
 
-    let consumer = shared::consumer()?;
-
-    let charges = Arc::new(AtomicU32::new(0));
-    let handler = {
-        let charges = charges.clone();
-        move |message, ctx| shared::charge(charges.clone(), message, ctx)
-    };
-
-    let summary = Worker::new(consumer, topology.clone())
+    let summary = Worker::new(shared::consumer()?, topology.clone())
         .with_prefetch(16)
         .with_concurrency(4)
-        .run(&conn, handler, shared::stop())
+        .run(&conn, shared::charge, shared::stop())
         .await?;
-    shared::report(&summary, "deliveries acked", &charges);
+    shared::report(&summary, "deliveries acked");
     topology.delete(&channel).await?;
     Ok(())
 }

@@ -16,9 +16,6 @@
 
 mod shared;
 
-use std::sync::atomic::AtomicU32;
-use std::sync::Arc;
-
 use idem_consumer::redis_streams::{publish, Topology, Worker};
 use idem_core::Key;
 
@@ -47,18 +44,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     }
 
-    let consumer = shared::consumer()?;
-    let charges = Arc::new(AtomicU32::new(0));
-    let handler = {
-        let charges = charges.clone();
-        move |message, ctx| shared::charge(charges.clone(), message, ctx)
-    };
-
-    let summary = Worker::new(consumer, topology.clone())
+    let summary = Worker::new(shared::consumer()?, topology.clone())
         .with_concurrency(4)
-        .run(&client, handler, shared::stop())
+        .run(&client, shared::charge, shared::stop())
         .await?;
-    shared::report(&summary, "entries acknowledged", &charges);
+    shared::report(&summary, "entries acknowledged");
     topology.delete(&mut conn).await?;
     Ok(())
 }

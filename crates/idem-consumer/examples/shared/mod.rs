@@ -2,7 +2,6 @@
 //! them, and when the demo stops.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_consumer::{Consumer, Context, Message, Policy, Summary};
@@ -23,19 +22,17 @@ pub fn payment(amount: u32) -> String {
     format!(r#"{{"amount": {amount}, "currency": "EUR"}}"#)
 }
 
-/// The handler: charges the payment (counted in `charges`) and returns the charge's id.
-/// Give the worker `move |message, ctx| shared::charge(charges.clone(), message, ctx)`.
-pub async fn charge(
-    charges: Arc<AtomicU32>,
-    message: Message,
-    ctx: Context,
-) -> Result<String, Failure<String>> {
+/// The charges made in this process.
+static CHARGES: AtomicU32 = AtomicU32::new(0);
+
+/// The handler: charges the payment (counted in [`CHARGES`]) and returns the charge's id.
+pub async fn charge(message: Message, ctx: Context) -> Result<String, Failure<String>> {
     let payment: serde_json::Value = serde_json::from_slice(message.payload())
         .map_err(|e| Failure::Terminal(format!("not a payment: {e}")))?;
     // The provider gets a key derived from the message's, so that a retry after a crash
     // cannot charge twice at the provider either.
     let provider_key = ctx.child_key("charge-card");
-    charges.fetch_add(1, Ordering::SeqCst);
+    CHARGES.fetch_add(1, Ordering::SeqCst);
     println!(
         "charging {} {} for {} (attempt {}, provider key {provider_key})",
         payment["amount"],
@@ -54,11 +51,11 @@ pub fn consumer() -> Result<Consumer, KeyError> {
 }
 
 /// Prints what the worker did: `summary`, and the charges made.
-pub fn report(summary: &Summary, settled: &str, charges: &AtomicU32) {
+pub fn report(summary: &Summary, settled: &str) {
     println!(
         "{} {settled}, {} charges made: {summary:?}",
         summary.acked,
-        charges.load(Ordering::SeqCst)
+        CHARGES.load(Ordering::SeqCst)
     );
 }
 
