@@ -1,10 +1,90 @@
 //! What every throwaway server of this crate does the same way: run as an unprivileged user
 //! when the tests run as root (PostgreSQL and RabbitMQ refuse root, or switch away from it),
-//! wait for a server to come up, and run a tool that must succeed.
+//! run under a watchdog, wait for a server to come up, and run a tool that must succeed.
 
+use std::ffi::OsStr;
 use std::io;
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// Whether `program --version` runs and succeeds.
+pub(crate) fn runs(program: impl AsRef<OsStr>) -> bool {
+    Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Runs `"$SERVER_BIN" "$@"` and stops it on `SIGTERM` (from [`terminate`]) or when the test
+/// process (`WATCH_PID`) is gone; in the second case nothing will drop the server, so the
+/// watchdog also removes its directory (`SERVER_DIR`).
+const WATCHDOG: &str = r#"
+"$SERVER_BIN" "$@" &
+srv=$!
+trap 'kill $srv 2>/dev/null; wait $srv; exit 0' TERM INT
+while kill -0 "$WATCH_PID" 2>/dev/null && kill -0 "$srv" 2>/dev/null; do sleep 0.2; done
+kill "$srv" 2>/dev/null
+wait "$srv"
+kill -0 "$WATCH_PID" 2>/dev/null || rm -rf "$SERVER_DIR"
+"#;
+
+/// Starts `server` with `args` under the watchdog, its directory `dir` and its standard
+/// error to `stderr`, and waits up to `limit` until `ready`; stopped again, and an error,
+/// when it exits first or is not ready in time.
+pub(crate) fn start_watched(
+    server: &Path,
+    args: &[impl AsRef<OsStr>],
+    dir: &Path,
+    stderr: Stdio,
+    limit: Duration,
+    ready: impl FnMut() -> bool,
+) -> io::Result<Child> {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(WATCHDOG)
+        .arg("sh")
+        .args(args)
+        .env("WATCH_PID", std::process::id().to_string())
+        .env("SERVER_BIN", server)
+        .env("SERVER_DIR", dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()?;
+    match wait_for(&mut child, &server.display().to_string(), limit, ready) {
+        Ok(()) => Ok(child),
+        Err(e) => {
+            terminate(child);
+            Err(e)
+        }
+    }
+}
+
+/// Waits up to `limit` until `ready`; an error when `child` (running `name`) exits first.
+pub(crate) fn wait_for(
+    child: &mut Child,
+    name: &str,
+    limit: Duration,
+    mut ready: impl FnMut() -> bool,
+) -> io::Result<()> {
+    wait_until(limit, || match child.try_wait()? {
+        Some(status) => Err(io::Error::other(format!("{name} exited: {status}"))),
+        None => Ok(ready()),
+    })
+}
+
+/// Stops a watched server (`SIGTERM` to its watchdog, which stops the server and waits for
+/// it), and waits for the watchdog.
+pub(crate) fn terminate(mut child: Child) {
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
+    let _ = child.wait();
+}
 
 /// Whether this process runs as root.
 fn is_root() -> bool {

@@ -84,16 +84,9 @@ impl RabbitServer {
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?;
-        server.child = Some(child);
-        let up = process::wait_until(Duration::from_secs(60), || {
-            if let Some(child) = server.child.as_mut() {
-                if let Some(status) = child.try_wait()? {
-                    return Err(io::Error::other(format!(
-                        "rabbitmq-server exited: {status}"
-                    )));
-                }
-            }
-            Ok(TcpStream::connect(("127.0.0.1", port)).is_ok())
+        let child = server.child.insert(child);
+        let up = process::wait_for(child, "rabbitmq-server", Duration::from_secs(60), || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
         });
         if let Err(e) = up {
             let log = std::fs::read_to_string(server.dir.join("server.log")).unwrap_or_default();

@@ -14,19 +14,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::process::wait_until;
+use crate::process::{self, wait_until};
 use crate::{harness, tls::Pki};
 
 /// Whether `redis-server` and `redis-cli` can be run.
 pub fn binaries_available() -> bool {
-    ["redis-server", "redis-cli"].iter().all(|bin| {
-        Command::new(bin)
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    })
+    process::runs("redis-server") && process::runs("redis-cli")
 }
 
 /// Whether throwaway servers can be started; see [`harness::present`] for what happens
@@ -47,19 +40,6 @@ pub fn available() -> bool {
 pub fn throwaway(extra: &[&str]) -> Option<RedisServer> {
     available().then(|| RedisServer::start_with(extra).expect("start a throwaway redis-server"))
 }
-
-/// Runs `"$SERVER_BIN" "$@"` (`redis-server`, or `valkey-server`) and stops it on `SIGTERM` (from [`RedisServer::stop`]) or when
-/// the test process (`WATCH_PID`) is gone; in the second case nothing will drop the
-/// server, so the watchdog also removes its directory (`SERVER_DIR`).
-const WATCHDOG: &str = r#"
-"$SERVER_BIN" "$@" &
-srv=$!
-trap 'kill $srv 2>/dev/null; wait $srv; exit 0' TERM INT
-while kill -0 "$WATCH_PID" 2>/dev/null && kill -0 "$srv" 2>/dev/null; do sleep 0.2; done
-kill "$srv" 2>/dev/null
-wait "$srv"
-kill -0 "$WATCH_PID" 2>/dev/null || rm -rf "$SERVER_DIR"
-"#;
 
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
@@ -216,34 +196,17 @@ impl RedisServer {
 
     fn spawn(&mut self) -> io::Result<()> {
         std::fs::create_dir_all(&self.dir)?;
-        let child = Command::new("sh")
-            .arg("-c")
-            .arg(WATCHDOG)
-            .arg("sh")
-            .args(&self.args)
-            .env("WATCH_PID", std::process::id().to_string())
-            .env("SERVER_BIN", &self.binary)
-            .env("SERVER_DIR", &self.dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
+        let port = self.port;
+        let child = process::start_watched(
+            &self.binary,
+            &self.args,
+            &self.dir,
+            Stdio::null(),
+            Duration::from_secs(10),
+            || ping(port),
+        )?;
         self.child = Some(child);
-        let started = wait_until(Duration::from_secs(10), || {
-            if let Some(child) = self.child.as_mut() {
-                if child.try_wait()?.is_some() {
-                    return Err(io::Error::other(format!(
-                        "redis-server on port {} exited at start",
-                        self.port
-                    )));
-                }
-            }
-            Ok(ping(self.port))
-        });
-        if started.is_err() {
-            self.stop();
-        }
-        started
+        Ok(())
     }
 
     /// The port it listens on (127.0.0.1).
@@ -258,12 +221,8 @@ impl RedisServer {
 
     /// Stops the server (`SIGTERM`, then waits). Its data is gone: nothing is persisted.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(child.id().to_string())
-                .status();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            process::terminate(child);
         }
         // The watchdog waits for the server, but make sure the port is free again.
         let _ = wait_until(Duration::from_secs(5), || Ok(!ping(self.port)));

