@@ -282,12 +282,6 @@ impl Worker {
         }
     }
 
-    /// How many handlers run at once (at least 1). Default: 4.
-    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
-        self
-    }
-
     /// How many messages one pull request asks for (at least 1). Pulled messages wait in
     /// the worker for a free handler, and their `ack_wait` runs meanwhile: keep it a small
     /// multiple of the concurrency. Default: 16.
@@ -295,29 +289,23 @@ impl Worker {
         self.batch = batch.max(1);
         self
     }
-
-    /// Pulls from the topology's consumer (which must exist: see [`Topology::declare`])
-    /// until `shutdown` completes, then shuts down cleanly (see the [module docs](self)).
-    /// `handler` gets each message and its [`Context`]; its value is stored as JSON and
-    /// handed to duplicates.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Broker`] when the stream or consumer cannot be found or pulling cannot start;
-    /// [`Error::ConsumerFailed`] when the consumer is deleted while the worker runs (after
-    /// the handlers in progress finished).
-    pub async fn run<T, E, H, Fut>(
-        &self,
+    worker::run_method! {
+        /// Pulls from the topology's consumer (which must exist: see [`Topology::declare`]) until
+        /// `shutdown` completes, then shuts down cleanly (see the [module docs](self)). `handler`
+        /// gets each message and its [`Context`]; its value is stored as JSON and handed to
+        /// duplicates.
+        ///
+        /// # Errors
+        ///
+        /// [`Error::Broker`] when the stream or consumer cannot be found or pulling cannot start;
+        /// [`Error::ConsumerFailed`] when the consumer is deleted while the worker runs (after the
+        /// handlers in progress finished).
         js: &JetStream,
-        handler: H,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<Summary, Error>
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
-    {
+        Error::ConsumerFailed
+    }
+
+    /// Starts consuming: the worker's [`Source`].
+    async fn source(&self, js: &JetStream) -> Result<Pulling, Error> {
         let stream = js
             .get_stream(&self.topology.stream)
             .await
@@ -338,15 +326,12 @@ impl Worker {
             .await
             .map_err(broker("pull messages"))?;
         tracing::info!(stream = %self.topology.stream, consumer = %self.topology.consumer, "consuming");
-        let pulling = Pulling {
+        Ok(Pulling {
             stream: self.topology.stream.clone(),
             js: js.clone(),
             messages: Some(messages),
             ack_wait,
-        };
-        worker::run(pulling, &self.consumer, self.concurrency, handler, shutdown)
-            .await
-            .map_err(|(source, summary)| Error::ConsumerFailed { source, summary })
+        })
     }
 }
 

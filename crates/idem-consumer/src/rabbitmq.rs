@@ -264,41 +264,30 @@ impl Worker {
         self
     }
 
-    /// How many handlers run at once (at least 1). Default: 4.
-    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
-        self
-    }
-
     /// The consumer tag. Default: empty, so the broker picks one.
     pub fn with_consumer_tag(mut self, tag: impl Into<String>) -> Self {
         self.consumer_tag = tag.into();
         self
     }
 
-    /// Consumes the queue on a new channel of `connection` until `shutdown` completes or the
-    /// broker cancels the consumer, then shuts down cleanly (see the [module docs](self)).
-    /// `handler` gets each message and its [`Context`]; its value is stored as JSON and
-    /// handed to duplicates.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Amqp`] when opening the channel, setting the prefetch, enabling publisher
-    /// confirms or starting the consumer fails; [`Error::ConsumerFailed`] when the channel or
-    /// connection fails while consuming (after the handlers in progress finished; the
-    /// deliveries not settled go back to the queue); [`Error::NameTooLong`].
-    pub async fn run<T, E, H, Fut>(
-        &self,
+    worker::run_method! {
+        /// Consumes the queue on a new channel of `connection` until `shutdown` completes or the
+        /// broker cancels the consumer, then shuts down cleanly (see the [module docs](self)).
+        /// `handler` gets each message and its [`Context`]; its value is stored as JSON and handed
+        /// to duplicates.
+        ///
+        /// # Errors
+        ///
+        /// [`Error::Amqp`] when opening the channel, setting the prefetch, enabling publisher
+        /// confirms or starting the consumer fails; [`Error::ConsumerFailed`] when the channel or
+        /// connection fails while consuming (after the handlers in progress finished; the
+        /// deliveries not settled go back to the queue); [`Error::NameTooLong`].
         connection: &Connection,
-        handler: H,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<Summary, Error>
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
-    {
+        Error::ConsumerFailed
+    }
+
+    /// Starts consuming: the worker's [`Source`].
+    async fn source(&self, connection: &Connection) -> Result<Consuming, Error> {
         let channel = connection.create_channel().await?;
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
@@ -316,21 +305,12 @@ impl Worker {
             )
             .await?;
         tracing::info!(queue = %self.topology.queue, tag = %deliveries.tag(), "consuming");
-        let consuming = Consuming {
+        Ok(Consuming {
             topology: self.topology.clone(),
             channel,
             deliveries,
             stopping: watch::Sender::new(false),
-        };
-        worker::run(
-            consuming,
-            &self.consumer,
-            self.concurrency,
-            handler,
-            shutdown,
-        )
-        .await
-        .map_err(|(source, summary)| Error::ConsumerFailed { source, summary })
+        })
     }
 }
 

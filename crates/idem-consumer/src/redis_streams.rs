@@ -243,12 +243,6 @@ impl Worker {
         }
     }
 
-    /// How many handlers run at once (at least 1). Default: 4.
-    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
-        self
-    }
-
     /// How many entries one read asks for (at least 1). Entries read wait in the worker for
     /// a free handler, pending and without heartbeat: keep it a small multiple of the
     /// concurrency. Default: 16.
@@ -264,28 +258,23 @@ impl Worker {
         self
     }
 
-    /// Reads the topology's stream as a member of its group (which must exist: see
-    /// [`Topology::declare`]) until `shutdown` completes, then shuts down cleanly (see the
-    /// [module docs](self)). `handler` gets each message and its [`Context`]; its value is
-    /// stored as JSON and handed to duplicates.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Redis`] when the connections cannot be made; [`Error::GroupGone`] when the
-    /// group or the stream is deleted while the worker runs (after the handlers in progress
-    /// finished). A server that goes away for a while is waited for.
-    pub async fn run<T, E, H, Fut>(
-        &self,
+    worker::run_method! {
+        /// Reads the topology's stream as a member of its group (which must exist: see
+        /// [`Topology::declare`]) until `shutdown` completes, then shuts down cleanly (see the
+        /// [module docs](self)). `handler` gets each message and its [`Context`]; its value is
+        /// stored as JSON and handed to duplicates.
+        ///
+        /// # Errors
+        ///
+        /// [`Error::Redis`] when the connections cannot be made; [`Error::GroupGone`] when the
+        /// group or the stream is deleted while the worker runs (after the handlers in progress
+        /// finished). A server that goes away for a while is waited for.
         client: &redis::Client,
-        handler: H,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<Summary, Error>
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-        H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
-    {
+        Error::GroupGone
+    }
+
+    /// Starts consuming: the worker's [`Source`].
+    async fn source(&self, client: &redis::Client) -> Result<Reading, Error> {
         // Reads block for READ_BLOCK on a connection of their own, so that acks and
         // heartbeats on the other never wait behind them.
         let reader = ConnectionManager::new_with_config(
@@ -304,7 +293,7 @@ impl Worker {
             conn,
         };
         tracing::info!(stream = %self.topology.stream, group = %self.topology.group, name = %self.name, "consuming");
-        let reading = Reading {
+        Ok(Reading {
             entries,
             reader,
             batch: self.batch,
@@ -315,10 +304,7 @@ impl Worker {
                 .clamp(Duration::from_millis(20), Duration::from_secs(1)),
             claimed_at: None,
             cursor: "0-0".to_owned(),
-        };
-        worker::run(reading, &self.consumer, self.concurrency, handler, shutdown)
-            .await
-            .map_err(|(source, summary)| Error::GroupGone { source, summary })
+        })
     }
 }
 

@@ -109,6 +109,41 @@ pub(crate) enum Next<B, E> {
     End,
 }
 
+/// A worker's `with_concurrency` option and its `run`, the same for every worker (the
+/// bounds on the handler said once): `run` takes the broker connection `$conn: $Conn`,
+/// starts the worker's [`Source`] with its `source(&self, $conn)`, runs it, and reports a
+/// failure of the source as `Error::$failed`. The names in the signature resolve in the
+/// broker's module.
+macro_rules! run_method {
+    ($(#[$doc:meta])* $conn:ident: $Conn:ty, Error::$failed:ident) => {
+        /// How many handlers run at once (at least 1). Default: 4.
+        pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+            self.concurrency = concurrency.max(1);
+            self
+        }
+
+        $(#[$doc])*
+        pub async fn run<T, E, H, Fut>(
+            &self,
+            $conn: $Conn,
+            handler: H,
+            shutdown: impl Future<Output = ()>,
+        ) -> Result<Summary, Error>
+        where
+            T: Serialize + DeserializeOwned + Send + 'static,
+            E: fmt::Display + Send + 'static,
+            H: Fn(Message, Context) -> Fut + Send + Sync + 'static,
+            Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
+        {
+            let source = self.source($conn).await?;
+            worker::run(source, &self.consumer, self.concurrency, handler, shutdown)
+                .await
+                .map_err(|(source, summary)| Error::$failed { source, summary })
+        }
+    };
+}
+pub(crate) use run_method;
+
 /// Runs deliveries from `source` through `consumer` with at most `concurrency` handlers at
 /// once, until `shutdown` completes or the source ends; then stops `source`, lets the
 /// handlers in progress finish and settle their deliveries, and closes it. Returns what was
