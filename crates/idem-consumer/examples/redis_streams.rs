@@ -34,14 +34,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A retried request adds the same payment again.
     for (key, amount) in shared::PAYMENTS {
         let payload = shared::payment(amount);
-        publish(
-            &mut conn,
-            &topology.stream,
-            payload.as_bytes(),
-            &Key::new(key)?,
-            None,
-        )
-        .await?;
+        let key = Key::new(key)?;
+        publish(&mut conn, &topology.stream, payload.as_bytes(), &key, None).await?;
     }
 
     let summary = Worker::new(shared::consumer()?, topology.clone())

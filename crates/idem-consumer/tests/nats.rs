@@ -14,18 +14,15 @@ mod support;
 /// Named after the backend, so that `cargo test nats` runs these.
 mod nats {
     use std::collections::BTreeMap;
-    use std::future::Future;
     use std::time::Duration;
 
     use async_nats::jetstream::{self, Context as JetStream};
     use async_nats::HeaderMap;
     use idem_consumer::nats::{with_idempotency_key, Topology, Worker};
-    use idem_consumer::{
-        Consumer, Summary, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
-    };
+    use idem_consumer::{ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER};
     use idem_core::Key;
 
-    use crate::support::{self, child_env, Handler, Stop, TestBroker, Tuning};
+    use crate::support::{self, child_env, Running, Spawn, Stop, TestBroker};
 
     async fn connect(url: &str) -> JetStream {
         jetstream::new(async_nats::connect(url).await.expect("connect to NATS"))
@@ -93,22 +90,17 @@ mod nats {
                 .expect("the stream stores it");
         }
 
-        fn worker(
-            &self,
-            consumer: Consumer,
-            tuning: Tuning,
-            handler: Handler,
-            stop: Stop,
-        ) -> impl Future<Output = Summary> + Send + 'static {
-            let worker = Worker::new(consumer, self.topology.clone())
+        fn worker(&self, spawn: Spawn, stop: Stop) -> Running {
+            let (tuning, handler) = (spawn.tuning, spawn.handler);
+            let worker = Worker::new(spawn.consumer, self.topology.clone())
                 .with_concurrency(tuning.concurrency)
                 .with_batch(tuning.batch);
             let url = self.url.clone();
-            async move {
+            Box::pin(async move {
                 let js = connect(&url).await;
                 let run = worker.run(&js, move |m, c| handler(m, c), stop).await;
                 run.expect("the worker runs")
-            }
+            })
         }
 
         async fn from_child_env() -> Self {

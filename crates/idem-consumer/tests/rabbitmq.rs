@@ -18,12 +18,11 @@ mod support;
 mod rabbitmq {
 
     use std::collections::BTreeMap;
-    use std::future::Future;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
-    use idem_consumer::rabbitmq::{with_idempotency_key, Summary, Topology, Worker};
+    use idem_consumer::rabbitmq::{with_idempotency_key, Topology, Worker};
     use idem_consumer::{
         Consumer, Policy, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
     };
@@ -37,8 +36,8 @@ mod rabbitmq {
     use tokio::time::{sleep, timeout};
 
     use crate::support::{
-        self, child_env, tuning, wait_until, wait_until_settled, Effects, Handler, SharedStore,
-        Stop, TestBroker, Tuning,
+        self, child_env, tuning, wait_until, wait_until_settled, Effects, Handler, Running,
+        SharedStore, Spawn, Stop, TestBroker, Tuning,
     };
 
     async fn connect(url: &str) -> Connection {
@@ -128,23 +127,18 @@ mod rabbitmq {
 
         /// `tuning.batch` is the prefetch, at least twice the concurrency: deliveries held
         /// for a delayed requeue count against it.
-        fn worker(
-            &self,
-            consumer: Consumer,
-            tuning: Tuning,
-            handler: Handler,
-            stop: Stop,
-        ) -> impl Future<Output = Summary> + Send + 'static {
+        fn worker(&self, spawn: Spawn, stop: Stop) -> Running {
+            let (tuning, handler) = (spawn.tuning, spawn.handler);
             let prefetch = tuning.batch.max(2 * tuning.concurrency);
-            let worker = Worker::new(consumer, self.topology.clone())
+            let worker = Worker::new(spawn.consumer, self.topology.clone())
                 .with_prefetch(prefetch.try_into().expect("a prefetch"))
                 .with_concurrency(tuning.concurrency);
             let url = self.url.clone();
-            async move {
+            Box::pin(async move {
                 let conn = connect(&url).await;
                 let run = worker.run(&conn, move |m, c| handler(m, c), stop).await;
                 run.expect("the worker runs")
-            }
+            })
         }
 
         async fn from_child_env() -> Self {

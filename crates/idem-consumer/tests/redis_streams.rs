@@ -15,18 +15,15 @@ mod support;
 /// Named after the backend, so that `cargo test redis_streams` runs these.
 mod redis_streams {
     use std::collections::BTreeMap;
-    use std::future::Future;
     use std::time::Duration;
 
     use idem_consumer::redis_streams::{message_of, publish, Topology, Worker};
-    use idem_consumer::{
-        Consumer, Summary, ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER,
-    };
+    use idem_consumer::{ATTEMPT_HEADER, DEAD_LETTER_REASON_HEADER, IDEMPOTENCY_KEY_HEADER};
     use idem_core::Key;
     use redis::aio::ConnectionManager;
     use redis::streams::StreamRangeReply;
 
-    use crate::support::{self, child_env, Handler, Stop, TestBroker, Tuning, CHILD_REDELIVERY};
+    use crate::support::{self, child_env, Running, Spawn, Stop, TestBroker, CHILD_REDELIVERY};
 
     /// A client of the server, a connection, and fresh streams named after the test.
     struct Streams {
@@ -107,21 +104,16 @@ mod redis_streams {
             .expect("XADD");
         }
 
-        fn worker(
-            &self,
-            consumer: Consumer,
-            tuning: Tuning,
-            handler: Handler,
-            stop: Stop,
-        ) -> impl Future<Output = Summary> + Send + 'static {
-            let worker = Worker::new(consumer, self.topology.clone())
+        fn worker(&self, spawn: Spawn, stop: Stop) -> Running {
+            let (tuning, handler) = (spawn.tuning, spawn.handler);
+            let worker = Worker::new(spawn.consumer, self.topology.clone())
                 .with_concurrency(tuning.concurrency)
                 .with_batch(tuning.batch);
             let client = self.client.clone();
-            async move {
+            Box::pin(async move {
                 let run = worker.run(&client, move |m, c| handler(m, c), stop).await;
                 run.expect("the worker runs")
-            }
+            })
         }
 
         async fn from_child_env() -> Self {

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,18 +28,16 @@ pub trait TestBroker: Sized {
     async fn open(test: &str, redelivery: Duration) -> Option<Self>;
     /// Publishes `payload` with `key` propagated, and waits for the broker's confirmation.
     async fn publish(&self, key: &str, payload: &str);
-    /// A worker of `consumer` with `tuning`, on a connection of its own, running `handler`
-    /// until `stop`; what it did.
-    fn worker(
-        &self,
-        consumer: Consumer,
-        tuning: Tuning,
-        handler: Handler,
-        stop: Stop,
-    ) -> impl Future<Output = Summary> + Send + 'static;
+    /// The worker `spawn` says, on a connection of its own, until `stop`.
+    fn worker(&self, spawn: Spawn, stop: Stop) -> Running;
     /// Runs [`TestBroker::worker`] in a task.
     fn spawn_worker(&self, consumer: Consumer, tuning: Tuning, handler: Handler) -> RunningWorker {
-        RunningWorker::spawn(|stop| self.worker(consumer, tuning, handler, stop))
+        let spawn = Spawn {
+            consumer,
+            tuning,
+            handler,
+        };
+        RunningWorker::spawn(|stop| self.worker(spawn, stop))
     }
     /// The broker and topology of a crash test's child process, from the environment
     /// [`TestBroker::child_env`] gave it.
@@ -83,8 +82,17 @@ impl Default for Tuning {
     }
 }
 
+/// A test worker: one of `consumer` with `tuning`, running `handler`.
+pub struct Spawn {
+    pub consumer: Consumer,
+    pub tuning: Tuning,
+    pub handler: Handler,
+}
+
 /// Completes when a [`RunningWorker`] is told to stop.
-pub type Stop = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+pub type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// A test worker's run, to what it did.
+pub type Running = Pin<Box<dyn Future<Output = Summary> + Send>>;
 
 pub fn tuning(concurrency: usize, batch: usize) -> Tuning {
     Tuning { concurrency, batch }
@@ -125,15 +133,13 @@ pub async fn child_worker_process<B: TestBroker>() {
     let Some(child) = ChildSetup::from_env() else {
         return;
     };
-    let tuning = tuning(CHILD_CONCURRENCY, CHILD_CONCURRENCY);
-    let stop = Box::pin(child.stopped());
-    let worker = B::from_child_env().await.worker(
-        child.consumer.clone(),
-        tuning,
-        child.handler.clone(),
-        stop,
-    );
-    child.report(&worker.await);
+    let spawn = Spawn {
+        consumer: child.consumer.clone(),
+        tuning: tuning(CHILD_CONCURRENCY, CHILD_CONCURRENCY),
+        handler: child.handler.clone(),
+    };
+    let broker = B::from_child_env().await;
+    child.report(&broker.worker(spawn, Box::pin(child.stopped())).await);
 }
 
 /// Waits until the broker has had no unsettled message for 500 ms.
