@@ -56,8 +56,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let summary = Worker::new(shared::consumer()?, topology.clone())
-        .with_prefetch(16)
-        .with_concurrency(4)
         .run(&conn, shared::charge, shared::stop())
         .await?;
     shared::report(&summary, "deliveries acked");

@@ -41,7 +41,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let summary = Worker::new(shared::consumer()?, topology.clone())
-        .with_concurrency(4)
         .run(&js, shared::charge, shared::stop())
         .await?;
     shared::report(&summary, "messages acked");

@@ -39,7 +39,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let summary = Worker::new(shared::consumer()?, topology.clone())
-        .with_concurrency(4)
         .run(&client, shared::charge, shared::stop())
         .await?;
     shared::report(&summary, "entries acknowledged");
