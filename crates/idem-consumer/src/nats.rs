@@ -442,13 +442,13 @@ impl Broker for Pulled {
     }
 
     async fn ack(&mut self) -> Settled {
-        settled(self.delivery.ack().await, "ack", Settled::Acked)
+        Settled::Acked.unless_failed(self.delivery.ack().await, "ack", DELIVERED_AGAIN)
     }
 
     /// NAKs the message so that JetStream delivers it again after `after`.
     async fn hand_back(&mut self, after: Duration) -> Settled {
         let nak = self.delivery.ack_with(AckKind::Nak(Some(after))).await;
-        settled(nak, "nak", Settled::Requeued)
+        Settled::Requeued.unless_failed(nak, "nak", DELIVERED_AGAIN)
     }
 
     async fn retry(&mut self, attempt: u32, after: Duration) -> bool {
@@ -470,16 +470,8 @@ impl Broker for Pulled {
     }
 }
 
-/// What an ack or NAK (`what`) that answered `result` settled.
-fn settled(result: Result<(), async_nats::Error>, what: &str, done: Settled) -> Settled {
-    match result {
-        Ok(()) => done,
-        Err(e) => {
-            tracing::warn!(error = %e, "{what} failed; JetStream will deliver the message again");
-            Settled::Unsettled
-        }
-    }
-}
+/// What JetStream does with a message whose ack or NAK failed.
+const DELIVERED_AGAIN: &str = "JetStream will deliver the message again";
 
 /// The original's headers, `Nats-Msg-Id` moved aside (see the [module docs](self)), and
 /// `extra` set.

@@ -460,7 +460,7 @@ impl Entries {
             .query_async(&mut self.conn.clone())
             .await;
         // Even when this fails the entry stays pending, and is claimed after claim_idle.
-        settled(result.map(drop), "hand back", Settled::Requeued)
+        Settled::Requeued.unless_failed(result.map(drop), "hand back", CLAIMED_AGAIN)
     }
 
     /// `XCLAIM <stream> <group> <name> 0 <id> [IDLE <ms>] JUSTID`: the entry stays this
@@ -486,7 +486,7 @@ impl Entries {
             .arg(id)
             .query_async::<()>(&mut self.conn.clone())
             .await;
-        settled(result, "XACK", Settled::Acked)
+        Settled::Acked.unless_failed(result, "XACK", CLAIMED_AGAIN)
     }
 
     /// Adds a copy of `entry` with `extra` fields to `stream` and acknowledges the original,
@@ -580,16 +580,8 @@ impl Broker for Entry {
     }
 }
 
-/// What a command (`what`) that answered `result` settled.
-fn settled(result: Result<(), RedisError>, what: &str, done: Settled) -> Settled {
-    match result {
-        Ok(()) => done,
-        Err(e) => {
-            tracing::warn!(error = %e, "{what} failed; the entry stays pending and is claimed again");
-            Settled::Unsettled
-        }
-    }
-}
+/// What becomes of an entry whose command failed.
+const CLAIMED_AGAIN: &str = "the entry stays pending and is claimed again";
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

@@ -45,6 +45,26 @@ pub(crate) enum Settled {
     Unsettled,
 }
 
+impl Settled {
+    /// `self` when the broker took the step `what` (an ack, a NAK...); unsettled when it
+    /// answered `result` with an error (and `then` says what the broker does now).
+    #[cfg(any(feature = "nats", feature = "redis-streams"))]
+    pub(crate) fn unless_failed<E: fmt::Display>(
+        self,
+        result: Result<(), E>,
+        what: &str,
+        then: &str,
+    ) -> Settled {
+        match result {
+            Ok(()) => self,
+            Err(e) => {
+                tracing::warn!(error = %e, "{what} failed; {then}");
+                Settled::Unsettled
+            }
+        }
+    }
+}
+
 /// Adds what a delivery task returned to `summary`.
 fn count(summary: &mut Summary, done: Result<Settled, tokio::task::JoinError>) {
     match done {
@@ -97,7 +117,11 @@ pub(crate) trait Source {
     async fn close(self, summary: &Summary);
 }
 
-/// What [`Source::next`] came back with.
+/// What [`Source::next`] came back with. (A broker built alone may not need every variant.)
+#[cfg_attr(
+    not(all(feature = "nats", feature = "rabbitmq", feature = "redis-streams")),
+    allow(dead_code)
+)]
 pub(crate) enum Next<B, E> {
     /// A delivery to run.
     Delivery(B),
