@@ -202,7 +202,7 @@ pub fn child_env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set"))
 }
 
-// --- What the broker tests of the JetStream and Redis Streams workers share ---------------
+// --- What the broker tests share -----------------------------------------------------------
 
 /// A test handler: the key's attempt as its value.
 pub type Handler = Arc<
@@ -319,7 +319,7 @@ pub fn check_dead_letters(dead: &BTreeMap<String, (String, String)>) {
     assert_eq!(dead["declined"].0, "terminal failure: card declined");
 }
 
-// --- The crash tests of the JetStream and Redis Streams workers ---------------------------
+// --- The crash tests -----------------------------------------------------------------------
 
 /// The child's lease: a killed child's keys are taken over this long after its last
 /// heartbeat. Longer than the broker's redelivery time, so that the killed child's
