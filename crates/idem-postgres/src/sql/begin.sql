@@ -36,17 +36,7 @@
 -- The clock is the database's: clock_timestamp() read once for every comparison, even inside
 -- a long caller transaction (where now() would be the transaction's start). Deadlines set by
 -- a takeover, and the time left in the answer, read it again after any wait on a row lock.
-WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS now),
-seen AS (
-    SELECT r.fingerprint, r.attempt, r.token, r.lease_until, r.expires_at, r.meta, r.body
-    FROM {records} AS r, clock
-    WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > clock.now
-      AND (r.token IS NULL              -- completed
-           OR r.token = $4              -- this very attempt, sent again
-           OR r.lease_until > clock.now -- in flight
-           OR r.fingerprint <> $3)      -- another request: a mismatch
-),
-claimed AS (
+{seen}claimed AS (
     INSERT INTO {records} AS r (scope, key, fingerprint, attempt, token, lease_until, expires_at)
     SELECT $1, $2, $3, 1, $4, clock.now + $5::interval, clock.now + $5::interval + $6::interval
     FROM clock
@@ -91,19 +81,4 @@ claimed AS (
         )
     RETURNING r.fingerprint, r.attempt, r.token, r.lease_until, r.expires_at, r.meta, r.body
 )
-SELECT
-    rec.fingerprint,
-    rec.attempt,
-    rec.token,
-    -- Time left is measured when the answer leaves, not at the statement's start: the
-    -- statement may have waited on the holder's row lock, and the holder's deadline was set
-    -- from a clock read after ours, so measuring from `clock.now` could report more time left
-    -- than the holder's whole lease.
-    (extract(epoch FROM rec.lease_until - clock_timestamp()) * 1000000)::bigint AS lease_us,
-    (extract(epoch FROM rec.expires_at - clock_timestamp()) * 1000000)::bigint AS expires_us,
-    -- How long the statement ran before answering (waits on row locks included): the caller
-    -- counts the time left from its send time plus this, a sound and tight lower bound.
-    (extract(epoch FROM clock_timestamp() - clock.now) * 1000000)::bigint AS waited_us,
-    CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.meta END AS meta,
-    CASE WHEN rec.token IS NULL AND rec.fingerprint = $3 THEN rec.body END AS body
-FROM (SELECT * FROM seen UNION ALL SELECT * FROM claimed) AS rec, clock
+{answer}
