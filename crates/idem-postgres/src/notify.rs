@@ -199,37 +199,11 @@ impl Notifier {
     }
 }
 
-/// Takes the waiters' shared lock on `payload` on the listening connection, without waiting.
-/// `None` when the connection is no longer the session `pid` (see [`on_session`]).
-async fn hold(
-    listener: &mut PgListener,
-    pid: i32,
-    payload: &str,
-) -> Result<Option<bool>, sqlx::Error> {
-    on_session(
-        listener,
-        pid,
-        "pg_try_advisory_lock_shared($1, hashtext($2))",
-        payload,
-    )
-    .await
-}
+/// Takes the waiters' shared lock on a payload, without waiting (see [`on_session`]).
+const HOLD: &str = "pg_try_advisory_lock_shared($1, hashtext($2))";
 
-/// Lets the waiters' shared lock on `payload` go. `None` when the connection is no longer
-/// the session `pid` (see [`on_session`]).
-async fn let_go(
-    listener: &mut PgListener,
-    pid: i32,
-    payload: &str,
-) -> Result<Option<bool>, sqlx::Error> {
-    on_session(
-        listener,
-        pid,
-        "pg_advisory_unlock_shared($1, hashtext($2))",
-        payload,
-    )
-    .await
-}
+/// Lets the waiters' shared lock on a payload go (see [`on_session`]).
+const LET_GO: &str = "pg_advisory_unlock_shared($1, hashtext($2))";
 
 /// Runs the lock function `call` on `payload`, only in the session `pid` that holds the
 /// waiters' locks. sqlx's listener makes a lost connection again by itself on the next
@@ -356,7 +330,7 @@ async fn serve(
         if held.len() >= MAX_WATCHED {
             break;
         }
-        match hold(listener, pid, payload).await {
+        match on_session(listener, pid, HOLD, payload).await {
             Ok(Some(true)) => {
                 held.insert(payload.clone());
             }
@@ -383,7 +357,7 @@ async fn serve(
                         // Full, or the waiter gave up meanwhile (its Idle follows).
                         Held::No
                     } else {
-                        match hold(listener, pid, &payload).await {
+                        match on_session(listener, pid, HOLD, &payload).await {
                             Ok(Some(true)) => {
                                 held.insert(payload);
                                 Held::Yes
@@ -399,7 +373,7 @@ async fn serve(
                 Some(Command::Idle(payload)) => {
                     // A waiter that came since the last one left keeps the lock.
                     if !watchers.is_watched(&payload) && held.remove(&payload) {
-                        match let_go(listener, pid, &payload).await {
+                        match on_session(listener, pid, LET_GO, &payload).await {
                             Ok(Some(_)) => {}
                             Ok(None) => return Ended::Lost(None),
                             Err(e) => return Ended::Lost(Some(e)),

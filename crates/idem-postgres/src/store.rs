@@ -472,26 +472,18 @@ impl Store for PgStore {
     /// record past its expiry, a lease to take over, or a key a concurrent caller inserted
     /// meanwhile), `begin.sql` decides on the row under its lock.
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        let sent_at = Instant::now();
-        let claimed = self
-            .retrying(|| {
-                self.begin_query(&self.sql.claim, &req)
-                    .fetch_optional(&self.pool)
-            })
-            .await
-            .map_err(error::map)?;
-        if let Some(row) = claimed {
-            return classify_begin(&row, &req, sent_at);
+        for sql in [&self.sql.claim, &self.sql.begin] {
+            let sent_at = Instant::now();
+            let row = self
+                .retrying(|| self.begin_query(sql, &req).fetch_optional(&self.pool))
+                .await
+                .map_err(error::map)?;
+            if let Some(row) = row {
+                return classify_begin(&row, &req, sent_at);
+            }
         }
-        let sent_at = Instant::now();
-        let row = self
-            .retrying(|| {
-                self.begin_query(&self.sql.begin, &req)
-                    .fetch_one(&self.pool)
-            })
-            .await
-            .map_err(error::map)?;
-        classify_begin(&row, &req, sent_at)
+        // begin.sql answers every call with a row.
+        Err(error::map(sqlx::Error::RowNotFound))
     }
 
     async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
