@@ -82,80 +82,64 @@ pub const LATENCY_BUCKETS: [f64; 13] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
-/// The store calls [`Instrumented`] reports, by their `op` names.
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    Begin,
-    Complete,
-    Release,
-    Extend,
-    Get,
-    Evict,
-    Stats,
+/// An enum of span and metric label values: each variant with its name, `COUNT` of them
+/// (the variants index arrays of metric keys), and `as_str`.
+macro_rules! labels {
+    ($(#[$doc:meta])* enum $name:ident { $($variant:ident => $label:literal,)+ }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        enum $name {
+            $($variant,)+
+        }
+
+        impl $name {
+            const COUNT: usize = [$($label),+].len();
+
+            const fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label,)+
+                }
+            }
+        }
+    };
 }
 
-impl Op {
-    /// The number of ops: the last one's discriminant, plus one.
-    const COUNT: usize = Op::Stats as usize + 1;
-
-    const fn as_str(self) -> &'static str {
-        match self {
-            Op::Begin => "begin",
-            Op::Complete => "complete",
-            Op::Release => "release",
-            Op::Extend => "extend",
-            Op::Get => "get",
-            Op::Evict => "evict",
-            Op::Stats => "stats",
-        }
+labels! {
+    /// The store calls [`Instrumented`] reports, by their `op` names.
+    enum Op {
+        Begin => "begin",
+        Complete => "complete",
+        Release => "release",
+        Extend => "extend",
+        Get => "get",
+        Evict => "evict",
+        Stats => "stats",
     }
 }
 
-/// What a store call came to, by the `outcome` names of spans and metrics: the successes,
-/// then the kinds of error.
-#[derive(Debug, Clone, Copy)]
-enum Outcome {
-    Acquired,
-    TookOver,
-    Replay,
-    InFlight,
-    Mismatch,
-    Found,
-    Absent,
-    Evicted,
-    Ok,
-    Unavailable,
-    Backend,
-    Corrupt,
-    LeaseLost,
-    Unsupported,
-    Invalid,
+labels! {
+    /// What a store call came to, by the `outcome` names of spans and metrics: the
+    /// successes, then the kinds of error.
+    enum Outcome {
+        Acquired => "acquired",
+        TookOver => "took_over",
+        Replay => "replay",
+        InFlight => "in_flight",
+        Mismatch => "mismatch",
+        Found => "found",
+        Absent => "absent",
+        Evicted => "evicted",
+        Ok => "ok",
+        Unavailable => "unavailable",
+        Backend => "backend",
+        Corrupt => "corrupt",
+        LeaseLost => "lease_lost",
+        Unsupported => "unsupported",
+        Invalid => "invalid",
+    }
 }
 
 impl Outcome {
-    /// The number of outcomes: the last one's discriminant, plus one.
-    const COUNT: usize = Outcome::Invalid as usize + 1;
-
-    const fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Acquired => "acquired",
-            Outcome::TookOver => "took_over",
-            Outcome::Replay => "replay",
-            Outcome::InFlight => "in_flight",
-            Outcome::Mismatch => "mismatch",
-            Outcome::Found => "found",
-            Outcome::Absent => "absent",
-            Outcome::Evicted => "evicted",
-            Outcome::Ok => "ok",
-            Outcome::Unavailable => "unavailable",
-            Outcome::Backend => "backend",
-            Outcome::Corrupt => "corrupt",
-            Outcome::LeaseLost => "lease_lost",
-            Outcome::Unsupported => "unsupported",
-            Outcome::Invalid => "invalid",
-        }
-    }
-
     fn of_begin(answer: &Begin) -> Self {
         match answer {
             Begin::Acquired(_) => Outcome::Acquired,
