@@ -687,19 +687,14 @@ mod tests {
         }
     }
 
-    /// A fresh key's lease.
-    async fn acquire(store: &MemoryStore, req: BeginRequest<'_>) -> Lease {
-        let Begin::Acquired(lease) = store.begin(req).await.unwrap() else {
-            panic!("fresh key not acquired")
-        };
-        lease
-    }
-
     #[tokio::test]
     async fn endless_durations_do_not_panic() {
         let store = MemoryStore::new();
         let id = id("forever");
-        let lease = acquire(&store, req(&id, Duration::MAX, Duration::MAX)).await;
+        let begun = store.begin(req(&id, Duration::MAX, Duration::MAX)).await;
+        let Ok(Begin::Acquired(lease)) = begun else {
+            panic!("fresh key not acquired: {begun:?}")
+        };
         let lease = store.extend(&lease, Duration::MAX).await.unwrap();
         store
             .complete(
@@ -717,9 +712,7 @@ mod tests {
         let clock = ManualClock::new();
         let store = MemoryStore::with_clock(Arc::new(clock.clone()));
         for i in 0..1000 {
-            let id = id(&format!("k{i}"));
-            let second = Duration::from_secs(1);
-            let lease = acquire(&store, req(&id, second, second)).await;
+            let lease = acquire_key(&store, &format!("k{i}")).await;
             store
                 .complete(
                     &lease,
@@ -733,9 +726,7 @@ mod tests {
         clock.advance(Duration::from_secs(6));
         // Writes sweep as they go: steady traffic keeps the store at its live size.
         for i in 0..200 {
-            let id = id(&format!("n{i}"));
-            let second = Duration::from_secs(1);
-            store.begin(req(&id, second, second)).await.unwrap();
+            begin(&store, &format!("n{i}")).await.unwrap();
         }
         assert!(
             store.len() < 1000,
@@ -749,15 +740,8 @@ mod tests {
 
     /// A begin of `key` on `store`, with a 1 s lease and 1 s retention.
     async fn begin(store: &MemoryStore, key: &str) -> Result<Begin> {
-        let id = id(key);
-        let req = BeginRequest {
-            id: &id,
-            fingerprint: Fingerprint::of_bytes(key.as_bytes()),
-            token: FencingToken::random(),
-            lease: Duration::from_secs(1),
-            retention: Duration::from_secs(1),
-        };
-        store.begin(req).await
+        let second = Duration::from_secs(1);
+        store.begin(req(&id(key), second, second)).await
     }
 
     async fn acquire_key(store: &MemoryStore, key: &str) -> Lease {

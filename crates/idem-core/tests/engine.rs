@@ -12,6 +12,9 @@ use idem_core::{
 };
 use tokio::time::{sleep, Instant};
 
+mod common;
+use common::Hang;
+
 fn id(key: &str) -> RecordId {
     RecordId::new(Scope::new("engine").unwrap(), Key::new(key).unwrap())
 }
@@ -194,35 +197,6 @@ async fn lost_lease_cancels_the_work() {
         .unwrap_err();
     assert!(matches!(err, OnceError::Store(Error::LeaseLost)), "{err:?}");
     assert_eq!(finished.load(Ordering::SeqCst), 0, "work was not cancelled");
-}
-
-/// A store that never answers.
-#[derive(Debug)]
-struct Hang;
-
-#[async_trait]
-impl Store for Hang {
-    fn name(&self) -> &'static str {
-        "hang"
-    }
-    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
-        std::future::pending().await
-    }
-    async fn complete(&self, _: &Lease, _: &Completion, _: Duration) -> Result<(), Error> {
-        std::future::pending().await
-    }
-    async fn release(&self, _: &Lease) -> Result<(), Error> {
-        std::future::pending().await
-    }
-    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, Error> {
-        std::future::pending().await
-    }
-    async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
-        std::future::pending().await
-    }
-    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
-        std::future::pending().await
-    }
 }
 
 #[tokio::test]
