@@ -55,27 +55,10 @@
 //! [`Relay`] copies the committed completions of the outbox table into Redis. Run it as a
 //! worker, one or more per database (any number can run at once: each batch is claimed
 //! with `FOR UPDATE SKIP LOCKED`, so relays share the rows without waiting on each other),
-//! either as `idem relay run` (the `idem` binary, crate `idem-cli`) or in-process with
+//! either as `idem relay run` (the `idem` binary, crate `idem-cli`, whose `--help` and the
+//! README's "Running the relay" give its options, variables and exit codes; its `--prefix`
+//! must match the application's [`idem_redis::RedisConfig::prefix`]) or in-process with
 //! [`Relay::run`].
-//!
-//! ```text
-//! idem relay run --store 'tiered:redis://cache:6379|postgres://app@db/app' \
-//!     [--schema idem] [--prefix idem:] [--batch 500] [--poll-ms 200] \
-//!     [--max-tries 10] [--backoff-ms 1000] [--backoff-cap-ms 60000] \
-//!     [--metrics-listen 127.0.0.1:9187] [--log info]
-//! idem relay dead list [--json] [--limit 100] --store postgres://app@db/app
-//! idem relay dead retry [--id N ...] --store postgres://app@db/app
-//! ```
-//!
-//! `idem relay` reads the variables every `idem` command reads: `IDEM_STORE` for `--store`,
-//! `IDEM_PREFIX`, `IDEM_SCHEMA`, `IDEM_LOG_FORMAT`; the log level comes from
-//! `IDEM_RELAY_LOG`. `--prefix` must match the application's
-//! [`idem_redis::RedisConfig::prefix`]. Redis unreachable at start does not stop `run`: it
-//! logs so, keeps the rows pending and relays once Redis answers. `run --migrate` applies
-//! idem's and the outbox's migrations first (safe while other instances do the same);
-//! without it, a schema that lacks them stops `run` with a message naming `idem migrate`.
-//! Exit codes: 0 on success and on a clean stop, 2 on bad input, 3 on a store or I/O error
-//! at start (once running, the worker logs errors and retries instead of exiting).
 //!
 //! **What a batch does**, in one transaction: claim up to `batch` due rows (`NOT dead AND
 //! next_try_at <= now`, oldest first), delete unapplied those whose record has expired,
@@ -103,10 +86,6 @@
 //! retries of the key see it in flight while Redis still holds the completing lease, and
 //! once that lease expired, get the committed response from PostgreSQL (which also writes
 //! it back into Redis).
-//!
-//! **Redis being down is not a row failure**: the batch is rolled back untouched and the
-//! whole worker backs off (from the poll interval, doubling up to 5 s), so an outage grows
-//! the backlog, which drains when Redis returns; nothing goes dead because of an outage.
 //!
 //! **Shutdown.** On SIGTERM or SIGINT (in-process: when the future passed to
 //! [`Relay::run`] resolves) the relay finishes and commits the batch in hand, then exits 0;

@@ -63,32 +63,13 @@
 //! Each is one statement, so each is atomic; between the two the record may change, which
 //! is as if the call had come a little later.
 //!
-//! - `claim.sql` reads the record in the statement's snapshot. When the record needs no
-//!   change (completed, in flight under a live lease, held by this very token, or created by
-//!   another request) that read is the answer, and nothing is written or locked: replays,
-//!   in-flight answers (a waiter's polling included) and mismatches are plain index
-//!   lookups, and cannot conflict with the holder's `complete`. When the snapshot holds no
-//!   record of the key at all, it inserts one (`ON CONFLICT DO NOTHING`): a new key is one
-//!   plain insert, with none of `begin.sql`'s plan to build (idem-bench's `postgres`
-//!   phase measures it).
-//! - It returns no row when the record needs a change (past its expiry, or an expired lease
-//!   to take over) or when a concurrent caller inserted the key after the snapshot. Then
-//!   `begin.sql` runs `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... RETURNING`. `ON
-//!   CONFLICT DO NOTHING` cannot decide this case at READ COMMITTED: the loser of a race
-//!   gets no row back, and a read in the same statement uses a snapshot taken before the
-//!   winner committed, so it sees no row either. `DO UPDATE` instead waits for the winner's
-//!   transaction, locks the row's latest committed version and always returns it. Its
-//!   `CASE`s decide on that version: take an expired lease over (same fingerprint, another
-//!   token, deadline passed), restart a record past its expiry as a fresh one, or set every
-//!   column to itself (the row changed since the snapshot and needs nothing).
-//!
-//! `claim.sql` inserts only when its snapshot holds no row of the key (`NOT EXISTS`): `ON
-//! CONFLICT`'s own check would otherwise wait for a transaction that holds the row (a
-//! completion written with [`PgStore::complete_in`], not yet committed) before answering.
-//! [`PgStore::begin_in`] sends `begin.sql` alone.
-//!
-//! The returned row is read as one of the five outcomes: the request's own token on it
-//! means it holds the lease (acquired, taken over, or the same attempt sent twice).
+//! `claim.sql` answers from the statement's snapshot when the record needs no change, so
+//! replays, in-flight answers (a waiter's polling included) and mismatches write and lock
+//! nothing, and inserts a new key with one plain insert. When it returns no row (a record
+//! past its expiry, a lease to take over, or a key a concurrent caller inserted meanwhile),
+//! `begin.sql` decides on the row's latest committed version, under its lock (`INSERT ... ON
+//! CONFLICT DO UPDATE`). Each file's header says why it is built as it is, and what it
+//! returns. [`PgStore::begin_in`] sends `begin.sql` alone.
 //!
 //! Under REPEATABLE READ or SERIALIZABLE, PostgreSQL may abort such a statement with a
 //! serialization failure (`40001`) or deadlock (`40P01`). The store's own calls resend it
@@ -192,19 +173,9 @@
 //! ## Table design for churn
 //!
 //! Every key is inserted, updated once or twice and deleted within its retention, so the
-//! table is mostly churn. The migration (`migrations/0001_records.sql`) therefore:
-//!
-//! - sets `fillfactor = 80`, leaving room on each page for the update every record goes
-//!   through (its completion, sometimes an extension or a takeover): the new row version
-//!   lands on the same page, so an update dirties one heap page, and page pruning reclaims
-//!   the old version's space before vacuum comes round;
-//! - has two indexes only: the primary key `(scope, key)`, which `ON CONFLICT` needs, and
-//!   `expires_at`, which lets a purge batch take the oldest expired rows without a scan;
-//! - has no foreign keys or triggers: each write is one row and one row lock;
-//! - tunes autovacuum for the table (vacuum at 2% dead rows and analyze at 5% changed,
-//!   rather than the default 20% and 10%), so dead rows are reclaimed in small steps;
-//! - stores the scope as bytes (any character a scope may hold, NUL included) and the key
-//!   as `text COLLATE "C"` (byte comparison, no locale lookups).
+//! table is mostly churn. The migration (`migrations/postgres/0001_records.sql`, whose header
+//! says why) sets `fillfactor = 80`, keeps two indexes only (the primary key and
+//! `expires_at`), no foreign keys or triggers, and tunes autovacuum for the table.
 //!
 //! ## Throughput
 //!

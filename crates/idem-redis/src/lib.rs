@@ -91,15 +91,11 @@
 //! A property test checks that two different (scope, key) pairs never share a key, whatever
 //! characters they hold, and that the slot is the tag's.
 //!
-//! The value is binary (layout in the `codec` module's source). In progress (59 bytes): a
-//! state tag, the 16-byte fencing token, the margin (how long the record is kept past its
-//! lease deadline), the 32-byte fingerprint and the attempt; it holds no clock reading, so
-//! the client writes it with a plain `SET`, and its lease deadline is the key's expiry (the
-//! server's clock) minus the margin. Completed (41 bytes + headers + body): the tag, the
-//! fingerprint, its expiry (Unix seconds, so that a replay needs no `PTTL`), the attempt,
-//! the status with the completion's kind, the headers and the body. It is a string rather
-//! than a hash because a hash whose body field exceeds `hash-max-listpack-value` (64 bytes
-//! by default) becomes a hash table costing several hundred bytes more per record.
+//! The value is binary (layout in the `codec` module's source): in progress, 59 bytes with
+//! no clock reading (the lease deadline is the key's expiry minus a margin it holds);
+//! completed, 41 bytes plus the headers and the body. It is a string rather than a hash
+//! because a hash whose body field exceeds `hash-max-listpack-value` (64 bytes by default)
+//! becomes a hash table costing several hundred bytes more per record.
 //!
 //! ### Memory per record
 //!
