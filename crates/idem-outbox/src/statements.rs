@@ -2,40 +2,7 @@
 //! contract: parameters, what it returns), with the schema spliced in once: `{outbox}` and
 //! `{records}` become `"<schema>".outbox` and `"<schema>".records`.
 
-/// Declares [`Statements`], a field per statement, named after its file in `src/sql/`.
-macro_rules! statements {
-    ($($(#[$doc:meta])* $name:ident,)+) => {
-        /// The statements for one schema.
-        #[derive(Debug)]
-        pub(crate) struct Statements {
-            $($(#[$doc])* pub(crate) $name: String,)+
-        }
-
-        impl Statements {
-            /// The statements with `quoted_schema` (a quoted identifier, as
-            /// `idem_postgres::PgStore::quoted_schema` gives it) spliced in.
-            pub(crate) fn new(quoted_schema: &str) -> Self {
-                let outbox = format!("{quoted_schema}.outbox");
-                let records = format!("{quoted_schema}.records");
-                let build = |sql: &str| {
-                    sql.replace("{outbox}", &outbox)
-                        .replace("{records}", &records)
-                };
-                Self {
-                    $($name: build(include_str!(concat!("sql/", stringify!($name), ".sql"))),)+
-                }
-            }
-
-            /// Every statement.
-            #[cfg(test)]
-            fn all(&self) -> Vec<&str> {
-                vec![$(&self.$name),+]
-            }
-        }
-    };
-}
-
-statements! {
+idem_postgres::statements! {
     /// The outbox row of a completion, in the business transaction.
     record,
     /// A key's rows, before an operator evicts the key.
@@ -54,6 +21,19 @@ statements! {
     retry_all,
     /// Some dead rows pending again.
     retry_ids,
+}
+
+impl Statements {
+    /// The statements with `quoted_schema` (a quoted identifier, as
+    /// `idem_postgres::PgStore::quoted_schema` gives it) spliced in.
+    pub(crate) fn new(quoted_schema: &str) -> Self {
+        let outbox = format!("{quoted_schema}.outbox");
+        let records = format!("{quoted_schema}.records");
+        Self::build(|sql| {
+            sql.replace("{outbox}", &outbox)
+                .replace("{records}", &records)
+        })
+    }
 }
 
 #[cfg(test)]

@@ -48,40 +48,58 @@ impl Schema {
     }
 }
 
-/// The store's statements with the schema spliced in (`{records}` in the `.sql` files), and
-/// the parts `begin.sql` and `claim.sql` share (`{seen}`, `{answer}`).
-#[derive(Debug)]
-pub(crate) struct Statements {
-    pub(crate) claim: String,
-    pub(crate) begin: String,
-    pub(crate) complete: String,
-    pub(crate) release: String,
-    pub(crate) extend: String,
-    pub(crate) get: String,
-    pub(crate) evict: String,
-    pub(crate) purge: String,
-    pub(crate) stats: String,
+/// Declares the calling module's `Statements`: a `String` field per statement, named after
+/// its file in the module's `sql/` folder; `Statements::build` reads every file through a
+/// splice, and `Statements::all` (in tests) lists them. For this crate and idem-outbox.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! statements {
+    ($($(#[$doc:meta])* $name:ident,)+) => {
+        /// The statements, with the schema spliced in.
+        #[derive(Debug)]
+        pub(crate) struct Statements {
+            $($(#[$doc])* pub(crate) $name: String,)+
+        }
+
+        impl Statements {
+            /// Every statement's file, through `splice`.
+            fn build(splice: impl Fn(&str) -> String) -> Self {
+                Self {
+                    $($name: splice(include_str!(concat!("sql/", stringify!($name), ".sql"))),)+
+                }
+            }
+
+            /// Every statement.
+            #[cfg(test)]
+            fn all(&self) -> Vec<&str> {
+                vec![$(&self.$name),+]
+            }
+        }
+    };
+}
+
+crate::statements! {
+    claim,
+    begin,
+    complete,
+    release,
+    extend,
+    get,
+    evict,
+    purge,
+    stats,
 }
 
 impl Statements {
+    /// The store's statements with the schema spliced in (`{records}` in the `.sql` files),
+    /// and the parts `begin.sql` and `claim.sql` share (`{seen}`, `{answer}`).
     pub(crate) fn new(schema: &Schema) -> Self {
         let table = format!("{}.records", schema.quoted());
-        let build = |sql: &str| {
+        Self::build(|sql| {
             sql.replace("{seen}", include_str!("sql/seen.sql"))
                 .replace("{answer}", include_str!("sql/answer.sql"))
                 .replace("{records}", &table)
-        };
-        Self {
-            claim: build(include_str!("sql/claim.sql")),
-            begin: build(include_str!("sql/begin.sql")),
-            complete: build(include_str!("sql/complete.sql")),
-            release: build(include_str!("sql/release.sql")),
-            extend: build(include_str!("sql/extend.sql")),
-            get: build(include_str!("sql/get.sql")),
-            evict: build(include_str!("sql/evict.sql")),
-            purge: build(include_str!("sql/purge.sql")),
-            stats: build(include_str!("sql/stats.sql")),
-        }
+        })
     }
 }
 
@@ -109,17 +127,7 @@ mod tests {
     #[test]
     fn statements_name_the_schema() {
         let sql = Statements::new(&Schema::new("x\"y").unwrap());
-        for s in [
-            &sql.claim,
-            &sql.begin,
-            &sql.complete,
-            &sql.release,
-            &sql.extend,
-            &sql.get,
-            &sql.evict,
-            &sql.purge,
-            &sql.stats,
-        ] {
+        for s in sql.all() {
             assert!(s.contains("\"x\"\"y\".records"), "{s}");
             assert!(!s.contains('{'), "a part not spliced in: {s}");
         }
