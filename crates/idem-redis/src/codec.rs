@@ -597,6 +597,13 @@ mod tests {
         assert_eq!(expires_at(Duration::MAX), u32::MAX);
     }
 
+    fn id() -> RecordId {
+        RecordId::new(
+            idem_core::Scope::global(),
+            idem_core::Key::new("k").unwrap(),
+        )
+    }
+
     fn held(fp: &Fingerprint, attempt: u32) -> [u8; IN_PROGRESS_LEN] {
         in_progress(&FencingToken::random(), 1000, fp, attempt)
     }
@@ -681,10 +688,7 @@ mod tests {
 
     #[test]
     fn every_tag_passes_the_tag_check() {
-        let id = RecordId::new(
-            idem_core::Scope::global(),
-            idem_core::Key::new("k").unwrap(),
-        );
+        let id = id();
         let fp = Fingerprint::of_bytes(b"x");
         let p = held(&fp, 3);
         let limit = |oversize| BodyLimit {
@@ -813,16 +817,14 @@ mod tests {
             if let Some(first) = record.first_mut() {
                 *first = tag;
             }
-            let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());
-            let _ = decode_record(&id, Bytes::from(record), pttl);
+            let _ = decode_record(&id(), Bytes::from(record), pttl);
         }
 
         #[test]
         fn unknown_tags_are_named(record in proptest::collection::vec(any::<u8>(), 0..120), tag in any::<u8>().prop_filter("not a tag", |t| !b"PCZH".contains(t))) {
             let mut record = record;
             record.insert(0, tag);
-            let id = RecordId::new(idem_core::Scope::global(), idem_core::Key::new("k").unwrap());
-            let Err(Error::Corrupt { detail, .. }) = decode_record(&id, Bytes::from(record), 1000) else {
+            let Err(Error::Corrupt { detail, .. }) = decode_record(&id(), Bytes::from(record), 1000) else {
                 panic!("tag {tag} decoded");
             };
             prop_assert!(detail.contains("unknown record tag"), "{}", detail);
