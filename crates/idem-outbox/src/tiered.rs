@@ -33,12 +33,8 @@ pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
     completion.response.body.len() <= limit.max_bytes || limit.oversize == OversizeBody::Compress
 }
 
-/// A [`Store`] with Redis as the fast path and PostgreSQL as the source of truth.
-///
-/// Redis only ever holds what PostgreSQL granted or committed: a lease PostgreSQL granted,
-/// or a completion it committed. So an answer that refuses or holds a request always rests
-/// on PostgreSQL's decision, even when Redis lost keys (a flush, a failover, eviction) or
-/// stalled.
+/// A [`Store`] with Redis as the fast path and PostgreSQL as the source of truth: Redis only
+/// ever holds a lease PostgreSQL granted or a completion it committed.
 ///
 /// - `begin` reads Redis first, without writing ([`RedisStore::peek`]): a replay, a mismatch
 ///   or an in-flight answer there is the answer (one Redis round trip). Otherwise (the key

@@ -34,15 +34,11 @@ pub const DEFAULT_CONFLICT_RETRIES: u32 = 10;
 
 /// The [`Store`] on PostgreSQL.
 ///
-/// Each statement works on one row, so each is atomic and takes one round trip.
-/// [`Store::begin`] is one statement that answers from a snapshot read or inserts a new
-/// key's in-progress record, and, only when it cannot (an expired lease to take over, an
-/// expired record, a race lost), a second: an `INSERT ... ON CONFLICT DO UPDATE` that
-/// decides on the locked row. Both are correct at READ COMMITTED under any number of
-/// concurrent callers (see the crate docs for why they are built that way). `complete`,
-/// `release` and `extend` are single statements guarded by the lease's fencing token: when
-/// no row matches, the lease was lost and they return [`Error::LeaseLost`]. Deadlines and
-/// expiry come from the database's `clock_timestamp()`, never from the application's clock.
+/// Each statement works on one row, so each is atomic and takes one round trip; the crate
+/// docs say how [`Store::begin`]'s one or two statements stay correct under any number of
+/// concurrent callers. `complete`, `release` and `extend` are guarded by the lease's fencing
+/// token: when no row matches, the lease was lost and they return [`Error::LeaseLost`].
+/// Deadlines and expiry come from the database's `clock_timestamp()`.
 ///
 /// The [`Store`] methods run on the pool, each statement in its own implicit transaction: no
 /// transaction stays open across the protected work. To commit the completed record together
