@@ -21,7 +21,7 @@ use crate::ProxyError;
 /// is one of the layer's [`idem_http::Config::methods`] run under the idempotency layer with
 /// these settings. Every other request is passed through untouched (but for the
 /// hop-by-hop and `Forwarded` headers).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Route {
     /// The path prefix, matched by whole segments: `/payments` matches `/payments` and
@@ -50,18 +50,6 @@ impl Default for Route {
             scope_header: AUTHORIZATION,
             release_unknown: false,
         }
-    }
-}
-
-impl fmt::Debug for Route {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Route")
-            .field("path", &self.path)
-            .field("http", &self.http)
-            .field("engine", &self.engine)
-            .field("scope_header", &self.scope_header)
-            .field("release_unknown", &self.release_unknown)
-            .finish()
     }
 }
 
