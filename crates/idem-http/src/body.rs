@@ -168,7 +168,9 @@ impl Body for Buffered {
     }
 }
 
-/// What was read of a body that turned out too large to store, followed by the rest of it.
+/// What was read of a body that turned out too large to store, followed by the rest of it;
+/// or what was read of a body before it failed, followed by the failure, so that the client
+/// sees the response break off as it would have without the layer.
 pub(crate) struct Prefixed<B> {
     head: Option<Bytes>,
     rest: Pin<Box<B>>,
@@ -202,41 +204,6 @@ where
 
     fn is_end_stream(&self) -> bool {
         self.head.is_none() && self.rest.is_end_stream()
-    }
-}
-
-/// What was read of a body before it failed, followed by the failure: the client sees the
-/// response break off as it would have without the layer.
-pub(crate) struct Broken {
-    head: Option<Bytes>,
-    error: Option<BoxError>,
-}
-
-impl Broken {
-    pub(crate) fn new(head: Bytes, error: BoxError) -> Self {
-        Self {
-            head: Some(head).filter(|h| !h.is_empty()),
-            error: Some(error),
-        }
-    }
-}
-
-impl Body for Broken {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(head) = self.head.take() {
-            return Poll::Ready(Some(Ok(Frame::data(head))));
-        }
-        Poll::Ready(self.error.take().map(Err))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.head.is_none() && self.error.is_none()
     }
 }
 

@@ -11,8 +11,8 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::request::Parts;
 use http::{Request, Response};
-use http_body::Body;
-use http_body_util::{Either, Full};
+use http_body::{Body, Frame};
+use http_body_util::{Either, Full, StreamBody};
 use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BoxError, Error, Fingerprint, Idem, Lease, OnLost, Record, RecordId, RecordState, Scope,
@@ -23,7 +23,7 @@ use tower_service::Service;
 use tracing::field::Empty;
 use tracing::Instrument;
 
-use crate::body::{Broken, Prefixed, RequestBody, ResponseBody};
+use crate::body::{Prefixed, RequestBody, ResponseBody};
 use crate::config::{Anonymous, MissingKey, Unstored};
 use crate::error::Problem;
 use crate::future::{Detach, ResponseFuture};
@@ -370,7 +370,8 @@ where
                 release(&shared.idem, lease, "the response body failed").await;
             }
             shared.observe(Outcome::NotStored);
-            ResponseBody::new(Broken::new(read, e))
+            let failure = futures_util::stream::iter([Err::<Frame<Bytes>, _>(e)]);
+            ResponseBody::new(Prefixed::new(read, Box::pin(StreamBody::new(failure))))
         }
         Buffer::Oversize(read, rest) => {
             let limit = config.max_response_body;
