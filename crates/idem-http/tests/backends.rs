@@ -128,16 +128,12 @@ mod cases {
     }
 
     /// The payments app on `store`, with the default configuration.
-    async fn pay_on(store: Arc<dyn Store>) -> PayServer {
+    async fn pay_on(store: Arc<dyn Store>) -> (Server, Runs, Outcomes) {
         serve_pay(Idem::from_arc(store), Config::default()).await
     }
 
     pub async fn a_burst_of_identical_requests_runs_the_handler_once(store: Arc<dyn Store>) {
-        let PayServer {
-            server,
-            runs,
-            outcomes,
-        } = pay_on(store).await;
+        let (server, runs, outcomes) = pay_on(store).await;
         let headers = [
             ("idempotency-key", "burst-1"),
             ("authorization", "Bearer alice"),
@@ -190,7 +186,7 @@ mod cases {
     pub async fn with_a_wait_every_caller_of_a_burst_gets_the_one_response(store: Arc<dyn Store>) {
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_wait(Duration::from_secs(5)));
-        let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
+        let (server, runs, _) = serve_pay(idem, Config::default()).await;
         let headers = [("idempotency-key", "burst-2"), ("x-delay-ms", "200"), JSON];
         let replies = burst(&server, 12, "/pay", &headers, r#"{"amount": 1}"#).await;
         assert_eq!(runs.get(), 1);
@@ -200,8 +196,7 @@ mod cases {
     }
 
     pub async fn a_replay_is_byte_for_byte_with_allowed_headers_only(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
+        let (runs, outcomes) = (Runs::default(), Outcomes::default());
         let app = Router::new()
             .route(
                 "/blob",
@@ -265,11 +260,7 @@ mod cases {
     }
 
     pub async fn a_key_reused_for_another_request_is_refused_with_422(store: Arc<dyn Store>) {
-        let PayServer {
-            server,
-            runs,
-            outcomes,
-        } = pay_on(store).await;
+        let (server, runs, outcomes) = pay_on(store).await;
         let key = ("idempotency-key", "k-mismatch");
 
         let first = server.post("/pay", &[key, JSON], r#"{"amount": 1}"#).await;
@@ -290,7 +281,7 @@ mod cases {
     }
 
     pub async fn one_scope_never_sees_another_scopes_response(store: Arc<dyn Store>) {
-        let PayServer { server, runs, .. } = pay_on(store).await;
+        let (server, runs, _) = pay_on(store).await;
         let body = r#"{"amount": 5}"#;
         let as_user = |user: &'static str| {
             [
@@ -319,8 +310,7 @@ mod cases {
     }
 
     pub async fn a_5xx_releases_the_key_and_a_4xx_is_stored(store: Arc<dyn Store>) {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
+        let (runs, outcomes) = (Runs::default(), Outcomes::default());
         let r = runs.clone();
         let app = Router::new()
             .route(
@@ -362,7 +352,7 @@ mod cases {
     pub async fn a_slow_handler_keeps_its_lease_alive(store: Arc<dyn Store>) {
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
-        let PayServer { server, runs, .. } = serve_pay(idem, Config::default()).await;
+        let (server, runs, _) = serve_pay(idem, Config::default()).await;
         let server = Arc::new(server);
         let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "2000"), JSON];
 
@@ -440,11 +430,7 @@ mod cases {
     }
 
     pub async fn an_unreachable_store_fails_closed_with_503(store: Arc<dyn Store>) {
-        let PayServer {
-            server,
-            runs,
-            outcomes,
-        } = pay_on(store).await;
+        let (server, runs, outcomes) = pay_on(store).await;
         let started = Instant::now();
         let reply = server
             .post("/pay", &[("idempotency-key", "down-1"), JSON], "{}")

@@ -12,11 +12,7 @@ use support::*;
 #[tokio::test]
 async fn a_full_memory_store_refuses_new_keys_with_503_and_still_replays() {
     let store = MemoryStore::new().with_capacity(MemoryCapacity::default().with_records(2));
-    let PayServer {
-        server,
-        runs,
-        outcomes,
-    } = serve_pay(Idem::new(store), Config::default()).await;
+    let (server, runs, outcomes) = serve_pay(Idem::new(store), Config::default()).await;
     let mut stored = Vec::new();
     for key in ["k1", "k2"] {
         let reply = server

@@ -33,11 +33,8 @@ fn layer(store: impl Store + 'static, config: Config, outcomes: &Outcomes) -> Id
 
 #[tokio::test]
 async fn missing_or_malformed_keys_are_refused_with_400() {
-    let PayServer {
-        server,
-        runs,
-        outcomes,
-    } = serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
+    let (server, runs, outcomes) =
+        serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
 
     let missing = server.post("/pay", &[JSON], "{}").await;
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);
@@ -77,7 +74,7 @@ async fn missing_or_malformed_keys_are_refused_with_400() {
 #[tokio::test]
 async fn an_oversize_request_is_refused_with_413() {
     let config = Config::default().with_max_request_body(1024);
-    let PayServer { server, runs, .. } = serve_pay(Idem::new(MemoryStore::new()), config).await;
+    let (server, runs, _) = serve_pay(Idem::new(MemoryStore::new()), config).await;
     let key = [("idempotency-key", "big-1")];
 
     // Declared length over the limit.
@@ -107,16 +104,17 @@ async fn an_oversize_request_is_refused_with_413() {
 // Store failures
 // ---------------------------------------------------------------------------------------
 
+/// [`serve_pay`] on a memory store that fails when told to, and that store.
+async fn serve_pay_faulty(config: Config) -> (Arc<FaultyStore>, Server, Runs, Outcomes) {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let (server, runs, outcomes) = serve_pay(Idem::from_arc(store.clone()), config).await;
+    (store, server, runs, outcomes)
+}
+
 #[tokio::test]
 async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
-    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let (store, server, runs, outcomes) = serve_pay_faulty(Config::default()).await;
     store.set_begin_down(true);
-    let idem = Idem::from_arc(store.clone());
-    let PayServer {
-        server,
-        runs,
-        outcomes,
-    } = serve_pay(idem.clone(), Config::default()).await;
     let key = [("idempotency-key", "down-1"), JSON];
 
     let reply = server.post("/pay", &key, "{}").await;
@@ -137,6 +135,7 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     // Fail open, by choice.
     store.set_begin_down(true);
     let config = Config::default().with_fail_open(true);
+    let idem = Idem::from_arc(store.clone());
     let open = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
     assert_eq!(
         open.post("/pay", &key, "{}").await.status,
@@ -148,10 +147,8 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
 
 #[tokio::test]
 async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
-    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let (store, server, runs, _) = serve_pay_faulty(Config::default()).await;
     store.fail_next_completes(2);
-    let PayServer { server, runs, .. } =
-        serve_pay(Idem::from_arc(store.clone()), Config::default()).await;
     let key = [("idempotency-key", "flaky-1"), JSON];
 
     let first = server.post("/pay", &key, "{}").await;
@@ -163,14 +160,9 @@ async fn a_brief_store_failure_after_the_handler_is_retried_before_sending() {
 
 #[tokio::test]
 async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun() {
-    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
-    store.set_complete_down(true);
     let config = Config::default().with_store_response_within(Duration::from_millis(300));
-    let PayServer {
-        server,
-        runs,
-        outcomes,
-    } = serve_pay(Idem::from_arc(store.clone()), config).await;
+    let (store, server, runs, outcomes) = serve_pay_faulty(config).await;
+    store.set_complete_down(true);
     let key = [("idempotency-key", "unrecorded-1"), JSON];
 
     let first = server.post("/pay", &key, "{}").await;
@@ -211,8 +203,7 @@ async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun(
 
 #[tokio::test]
 async fn a_panicking_handler_releases_the_key() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let app = Router::new()
         .route(
             "/boom",
@@ -244,8 +235,7 @@ async fn an_oversize_response_is_sent_but_not_stored() {
         (Unstored::KeepLease, StatusCode::CONFLICT, 1),
         (Unstored::Release, StatusCode::OK, 2),
     ] {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
+        let (runs, outcomes) = (Runs::default(), Outcomes::default());
         let app = Router::new()
             .route(
                 "/big",
@@ -274,8 +264,7 @@ async fn an_oversize_response_is_sent_but_not_stored() {
 
 #[tokio::test]
 async fn other_methods_pass_through_untouched() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let r = runs.clone();
     let app = Router::new()
         .route(
@@ -319,9 +308,10 @@ where
     svc.call(req)
 }
 
-/// A bare tower service whose first call fails with an error (not a response).
+/// A bare tower service whose first call fails: with an error (not a response), or when
+/// `.1` is true, with a panic before it returns a future.
 #[derive(Clone)]
-struct FailsOnce(Runs);
+struct FailsOnce(Runs, bool);
 
 impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> for FailsOnce {
     type Response = http::Response<Full<Bytes>>;
@@ -333,7 +323,11 @@ impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> 
     }
 
     fn call(&mut self, _req: http::Request<idem_http::RequestBody<Full<Bytes>>>) -> Self::Future {
-        std::future::ready(if self.0.next() == 1 {
+        let first = self.0.next() == 1;
+        if first && self.1 {
+            panic!("call panicked on purpose (expected in this test)");
+        }
+        std::future::ready(if first {
             Err("inner service failed")
         } else {
             Ok(http::Response::new(Full::new(Bytes::from_static(b"done"))))
@@ -345,10 +339,9 @@ impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> 
 async fn an_inner_service_error_releases_the_key() {
     use tower_layer::Layer;
 
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
-    let mut svc =
-        layer(MemoryStore::new(), Config::default(), &outcomes).layer(FailsOnce(runs.clone()));
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
+    let mut svc = layer(MemoryStore::new(), Config::default(), &outcomes)
+        .layer(FailsOnce(runs.clone(), false));
     let request = || keyed_post("err-1");
     assert_eq!(
         ready_call(&mut svc, request()).await.await.unwrap_err(),
@@ -362,40 +355,14 @@ async fn an_inner_service_error_releases_the_key() {
     assert_eq!(runs.get(), 2);
 }
 
-/// A bare tower service whose first `call` panics before it returns a future.
-#[derive(Clone)]
-struct PanicsInCallOnce(Runs);
-
-impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>>
-    for PanicsInCallOnce
-{
-    type Response = http::Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _req: http::Request<idem_http::RequestBody<Full<Bytes>>>) -> Self::Future {
-        if self.0.next() == 1 {
-            panic!("call panicked on purpose (expected in this test)");
-        }
-        std::future::ready(Ok(http::Response::new(Full::new(Bytes::from_static(
-            b"done",
-        )))))
-    }
-}
-
 #[tokio::test]
 async fn a_service_whose_call_panics_releases_the_key() {
     use futures_util::FutureExt;
     use tower_layer::Layer;
 
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let mut svc = layer(MemoryStore::new(), Config::default(), &outcomes)
-        .layer(PanicsInCallOnce(runs.clone()));
+        .layer(FailsOnce(runs.clone(), true));
     let request = || keyed_post("call-panic-1");
     let first = std::panic::AssertUnwindSafe(ready_call(&mut svc, request()).await)
         .catch_unwind()
@@ -411,13 +378,8 @@ async fn a_service_whose_call_panics_releases_the_key() {
 
 #[tokio::test]
 async fn a_stored_response_whose_answer_was_lost_is_sent() {
-    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let (store, server, runs, outcomes) = serve_pay_faulty(Config::default()).await;
     store.lose_next_complete_answers(1);
-    let PayServer {
-        server,
-        runs,
-        outcomes,
-    } = serve_pay(Idem::from_arc(store.clone()), Config::default()).await;
     let key = [("idempotency-key", "lost-answer-1"), JSON];
 
     // The write landed but was reported failed; the retry of the write finds the record
@@ -437,8 +399,7 @@ async fn a_stored_response_whose_answer_was_lost_is_sent() {
 
 #[tokio::test]
 async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let store = MemoryStore::new();
     let idem = Idem::new(store.clone())
         .with_config(idem_core::Config::default().with_lease(Duration::from_millis(300)));
@@ -502,8 +463,7 @@ fn status_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
 
 #[tokio::test]
 async fn by_default_final_answers_are_stored_and_transient_refusals_are_not() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let server = serve(status_app(
         &runs,
         layer(MemoryStore::new(), Config::default(), &outcomes),
@@ -546,8 +506,7 @@ async fn by_default_final_answers_are_stored_and_transient_refusals_are_not() {
 
 #[tokio::test]
 async fn a_request_without_a_principal_is_refused_with_401_unless_the_route_shares_one() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let refusing = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
         .with_scope(idem_http::bearer_scope)
         .with_observer({
@@ -601,8 +560,7 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
     use std::time::SystemTime;
 
     async fn conflict_hint(lease: Duration, hint: Option<Duration>) -> u64 {
-        let runs = Runs::default();
-        let outcomes = Outcomes::default();
+        let (runs, outcomes) = (Runs::default(), Outcomes::default());
         let idem = Idem::new(MemoryStore::new())
             .with_config(idem_core::Config::default().with_lease(lease));
         let mut config = Config::default();
@@ -634,8 +592,7 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
     assert!(conflict_hint(Duration::from_millis(1200), Some(Duration::from_secs(20))).await <= 2);
 
     // The first response says when the stored response is forgotten, as replays do.
-    let PayServer { server, .. } =
-        serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
+    let (server, ..) = serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
     let headers = [("idempotency-key", "expires-1"), JSON];
     let first = server.post("/pay", &headers, "{}").await;
     let replay = server.post("/pay", &headers, "{}").await;
@@ -649,8 +606,7 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
 
 #[tokio::test]
 async fn a_key_in_structured_field_string_form_is_the_same_key_as_the_plain_token() {
-    let PayServer { server, runs, .. } =
-        serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
+    let (server, runs, _) = serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
     let auth = ("authorization", "Bearer alice");
     let plain = server
         .post("/pay", &[("idempotency-key", "order-7"), JSON, auth], "{}")
@@ -719,8 +675,7 @@ fn unknown_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
 
 #[tokio::test]
 async fn a_response_marked_keep_in_flight_leaves_the_key_held_until_its_lease_ends() {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let idem = Idem::new(MemoryStore::new())
         .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
     let server = serve(unknown_app(

@@ -179,24 +179,12 @@ pub fn pay_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
         .layer(layer)
 }
 
-/// [`pay_app`] served behind [`layer_with`]: the server, the handler's run count and the
-/// layer's outcomes.
-pub struct PayServer {
-    pub server: Server,
-    pub runs: Runs,
-    pub outcomes: Outcomes,
-}
-
-/// Serves [`pay_app`] behind [`layer_with`] on `idem` and `config`.
-pub async fn serve_pay(idem: Idem, config: Config) -> PayServer {
-    let runs = Runs::default();
-    let outcomes = Outcomes::default();
+/// Serves [`pay_app`] behind [`layer_with`] on `idem` and `config`: the server, the
+/// handler's run count and the layer's outcomes.
+pub async fn serve_pay(idem: Idem, config: Config) -> (Server, Runs, Outcomes) {
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let server = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
-    PayServer {
-        server,
-        runs,
-        outcomes,
-    }
+    (server, runs, outcomes)
 }
 
 pub const JSON: (&str, &str) = ("content-type", "application/json");
