@@ -35,12 +35,14 @@ fn request(id: &RecordId, token: FencingToken, lease: Duration) -> BeginRequest<
     }
 }
 
-/// A new `begin` of `id`, with a token of its own.
+/// A new `begin` of `id`, with a token of its own, and its error if it failed.
+async fn try_begin(store: &dyn Store, id: &RecordId) -> Result<Begin, Error> {
+    store.begin(request(id, FencingToken::random(), LONG)).await
+}
+
+/// [`try_begin`], which must succeed.
 async fn begin(store: &dyn Store, id: &RecordId) -> Begin {
-    store
-        .begin(request(id, FencingToken::random(), LONG))
-        .await
-        .expect("begin")
+    try_begin(store, id).await.expect("begin")
 }
 
 async fn acquire(store: &dyn Store, id: &RecordId) -> Lease {
@@ -210,14 +212,7 @@ async fn script_flush_under_load() {
                 runs.fetch_add(1, Ordering::Relaxed);
                 let done = Completion::succeeded(Response::new(200, "ok"));
                 store.complete(&lease, &done, KEEP).await.expect("complete");
-                match store
-                    .begin(request(&id, FencingToken::random(), LONG))
-                    .await
-                    .expect("begin again")
-                {
-                    Begin::Replay(replay) => assert_eq!(replay.completion, done),
-                    other => panic!("expected Replay, got {other:?}"),
-                }
+                assert_eq!(replay(&*store, &id).await.completion, done);
                 let lease = store.extend(&lease, LONG).await;
                 assert!(matches!(lease, Err(Error::LeaseLost)), "{lease:?}");
                 n += 1;
@@ -272,10 +267,7 @@ pub(crate) async fn restart(mut server: RedisServer) {
                 let id = new_id(&format!("w{w}-{n}"));
                 n += 1;
                 let result = async {
-                    let lease = match store
-                        .begin(request(&id, FencingToken::random(), LONG))
-                        .await?
-                    {
+                    let lease = match try_begin(&*store, &id).await? {
                         Begin::Acquired(lease) => lease,
                         other => panic!("expected Acquired, got {other:?}"),
                     };
@@ -306,9 +298,7 @@ pub(crate) async fn restart(mut server: RedisServer) {
     .unwrap();
     // While it is down, calls answer Unavailable within the call timeout.
     let down = Instant::now();
-    let answer = store
-        .begin(request(&new_id("down"), FencingToken::random(), LONG))
-        .await;
+    let answer = try_begin(&*store, &new_id("down")).await;
     assert!(
         matches!(answer, Err(Error::Unavailable { .. })),
         "{answer:?}"
@@ -374,11 +364,7 @@ async fn wait_for_a_real_replica() {
     // Two replicas required, one exists: begin fails and gives its lease back.
     let greedy = waiting_for(2, Duration::from_millis(100)).await.unwrap();
     let other = new_id("other");
-    let error: ReplicationError = unavailable_source(
-        greedy
-            .begin(request(&other, FencingToken::random(), LONG))
-            .await,
-    );
+    let error: ReplicationError = unavailable_source(try_begin(&greedy, &other).await);
     assert_eq!((error.acked, error.wanted, error.step), (1, 2, "begin"));
     assert!(
         greedy.get(&other).await.unwrap().is_none(),
@@ -403,11 +389,7 @@ async fn wait_for_a_real_replica() {
     tokio::task::spawn_blocking(move || drop(replica))
         .await
         .unwrap();
-    let error: ReplicationError = unavailable_source(
-        durable
-            .begin(request(&new_id("alone"), FencingToken::random(), LONG))
-            .await,
-    );
+    let error: ReplicationError = unavailable_source(try_begin(&durable, &new_id("alone")).await);
     assert_eq!((error.acked, error.wanted), (0, 1));
 }
 
@@ -435,9 +417,7 @@ async fn evicting_policy_is_refused_or_warned() {
         .with_eviction_check(EvictionCheck::Refuse)
         .connect_lazy()
         .unwrap();
-    let answer = lazy
-        .begin(request(&new_id("k"), FencingToken::random(), LONG))
-        .await;
+    let answer = try_begin(&lazy, &new_id("k")).await;
     assert!(matches!(answer, Err(Error::Backend { .. })), "{answer:?}");
     // The default warns and works.
     let warned = builder(&server.url()).connect().await.expect("warn only");
@@ -466,9 +446,7 @@ async fn out_of_memory_is_unavailable() {
     let mut conn = raw(&server.url()).await;
     // A limit below what is used: the server is out of memory for every write from now.
     config_set(&mut conn, "maxmemory", 1).await;
-    let answer = store
-        .begin(request(&new_id("new"), FencingToken::random(), LONG))
-        .await;
+    let answer = try_begin(&store, &new_id("new")).await;
     match &answer {
         Err(e @ Error::Unavailable { .. }) => assert!(e.to_string().contains("OOM"), "{e}"),
         other => panic!("expected Unavailable, got {other:?}"),
@@ -511,9 +489,7 @@ async fn corrupt_records_are_reported_and_left_alone() {
             .query_async(&mut conn)
             .await
             .unwrap();
-        let begin = store
-            .begin(request(&id, FencingToken::random(), LONG))
-            .await;
+        let begin = try_begin(&store, &id).await;
         let get = store.get(&id).await;
         assert!(corrupt(&get), "get: {get:?}");
         // A completed-looking record with the right fingerprint but bad metadata is only
@@ -781,16 +757,6 @@ async fn apply_completion_never_overwrites_a_newer_state() {
     let store = builder(&url).connect().await.unwrap();
     let fp = Fingerprint::of_bytes(b"f");
     let done = Completion::succeeded(Response::new(201, Bytes::from_static(b"\0committed\xff")));
-    let replayed = |store: RedisStore, id: RecordId| async move {
-        match store
-            .begin(request(&id, FencingToken::random(), LONG))
-            .await
-            .unwrap()
-        {
-            Begin::Replay(r) => r,
-            other => panic!("expected Replay, got {other:?}"),
-        }
-    };
 
     // Absent (Redis lost it): written, and replayed with its attempt and time to live.
     let id = new_id("absent");
@@ -805,9 +771,9 @@ async fn apply_completion_never_overwrites_a_newer_state() {
         .await
         .unwrap();
     assert_eq!(applied, Applied::Written);
-    let replay = replayed(store.clone(), id.clone()).await;
-    assert_eq!(replay.completion, done);
-    assert!(replay.expires_in <= KEEP && replay.expires_in > KEEP / 2);
+    let replayed = replay(&store, &id).await;
+    assert_eq!(replayed.completion, done);
+    assert!(replayed.expires_in <= KEEP && replayed.expires_in > KEEP / 2);
     assert_eq!(store.get(&id).await.unwrap().unwrap().attempt, 3);
     // Twice is once.
     let again = store
@@ -828,7 +794,7 @@ async fn apply_completion_never_overwrites_a_newer_state() {
         Applied::Written,
         "the in-progress record supplies the identity"
     );
-    assert_eq!(replayed(store.clone(), id.clone()).await.completion, done);
+    assert_eq!(replay(&store, &id).await.completion, done);
 
     // In progress under another lease: left alone.
     let id = new_id("other");
@@ -853,7 +819,7 @@ async fn apply_completion_never_overwrites_a_newer_state() {
         .await
         .unwrap();
     assert_eq!(applied, Applied::AlreadyCompleted);
-    assert_eq!(replayed(store.clone(), id).await.completion, first);
+    assert_eq!(replay(&store, &id).await.completion, first);
 }
 
 /// A channel is subscribed while someone waits for its record, and unsubscribed once the
@@ -938,9 +904,7 @@ async fn a_call_to_a_silent_server_ends_at_the_call_timeout() {
             .connect_lazy()
             .expect("a lazy store builds");
         let started = Instant::now();
-        let answer = store
-            .begin(request(&new_id("silent"), FencingToken::random(), LONG))
-            .await;
+        let answer = try_begin(&store, &new_id("silent")).await;
         let took = started.elapsed();
         match answer {
             Err(Error::Unavailable { source, .. }) => assert!(
