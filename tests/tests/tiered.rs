@@ -362,18 +362,7 @@ mod tiered {
         let racer = {
             let store = store.clone();
             let id = id.clone();
-            tokio::spawn(async move {
-                store
-                    .begin(BeginRequest {
-                        id: &id,
-                        fingerprint: fp(),
-                        token: FencingToken::random(),
-                        lease: lease_len,
-                        retention: KEEP,
-                    })
-                    .await
-                    .expect("begin")
-            })
+            tokio::spawn(async move { begin(&store, &id, lease_len).await })
         };
         // Longer than the racer's whole lease.
         sleep(Duration::from_millis(900)).await;
@@ -411,10 +400,7 @@ mod tiered {
         let lease = acquired(&store, &id, LONG).await;
         store.complete(&lease, &big, KEEP).await.expect("complete");
         for _ in 0..3 {
-            match begin(&store, &id, LONG).await {
-                Begin::Replay(r) => assert_eq!(r.completion, big, "a truncated replay"),
-                other => panic!("expected the full replay, got {other:?}"),
-            }
+            assert_replays(&store, &id, &big, "the full replay").await;
         }
         assert!(store.redis().get(&id).await.expect("get").is_none());
     }
