@@ -311,19 +311,14 @@ mod cases {
 
     pub async fn a_5xx_releases_the_key_and_a_4xx_is_stored(store: Arc<dyn Store>) {
         let (runs, outcomes) = (Runs::default(), Outcomes::default());
-        let r = runs.clone();
         let app = Router::new()
             .route(
                 "/flaky",
-                post(move |body: String| {
-                    let r = r.clone();
-                    async move {
-                        let n = r.next();
-                        match (body.as_str(), n) {
-                            ("client-error", _) => (StatusCode::BAD_REQUEST, format!("bad {n}")),
-                            (_, 1) => (StatusCode::BAD_GATEWAY, format!("down {n}")),
-                            _ => (StatusCode::CREATED, format!("made {n}")),
-                        }
+                post_counted(&runs, |n, _, body| async move {
+                    match (&body[..], n) {
+                        (b"client-error", _) => (StatusCode::BAD_REQUEST, format!("bad {n}")),
+                        (_, 1) => (StatusCode::BAD_GATEWAY, format!("down {n}")),
+                        _ => (StatusCode::CREATED, format!("made {n}")),
                     }
                 }),
             )
