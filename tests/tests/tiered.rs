@@ -99,6 +99,17 @@ mod tiered {
             .expect("begin")
     }
 
+    /// [`begin_for`] in a task of its own.
+    fn spawn_begin(
+        store: &TieredStore,
+        id: &RecordId,
+        fp: Fingerprint,
+        lease: Duration,
+    ) -> tokio::task::JoinHandle<Begin> {
+        let (store, id) = (store.clone(), id.clone());
+        tokio::spawn(async move { begin_for(&store, &id, fp, lease).await })
+    }
+
     async fn acquired(store: &dyn Store, id: &RecordId, lease: Duration) -> Lease {
         match begin(store, id, lease).await {
             Begin::Acquired(lease) | Begin::TookOver(lease) => lease,
@@ -330,11 +341,7 @@ mod tiered {
         let Some(store) = tiered().await else { return };
         let id = id("order-5");
         let tx = open_past_its_lease(&store, &id).await;
-        let racer = {
-            let store = store.clone();
-            let id = id.clone();
-            tokio::spawn(async move { begin(&store, &id, LONG).await })
-        };
+        let racer = spawn_begin(&store, &id, fp(), LONG);
         sleep(Duration::from_millis(300)).await;
         assert!(
             !racer.is_finished(),
@@ -359,11 +366,7 @@ mod tiered {
         let id = id("order-6");
         let lease_len = Duration::from_millis(600);
         let tx = open_past_its_lease(&store, &id).await;
-        let racer = {
-            let store = store.clone();
-            let id = id.clone();
-            tokio::spawn(async move { begin(&store, &id, lease_len).await })
-        };
+        let racer = spawn_begin(&store, &id, fp(), lease_len);
         // Longer than the racer's whole lease.
         sleep(Duration::from_millis(900)).await;
         tx.rollback().await.expect("rollback");
@@ -519,15 +522,10 @@ mod tiered {
 
     // --- Redis answers only from what PostgreSQL granted ------------------------------------
 
-    /// A begin of `id` for the request whose fingerprint is `fp`.
-    async fn begin_as(store: &dyn Store, id: &RecordId, fp: Fingerprint) -> Begin {
-        begin_for(store, id, fp, LONG).await
-    }
-
     /// `id` acquired for the request whose fingerprint is `fp`, and completed with
     /// [`charged`] `body`.
     async fn committed_as(store: &dyn Store, id: &RecordId, fp: Fingerprint, body: &str) {
-        let lease = match begin_as(store, id, fp).await {
+        let lease = match begin_for(store, id, fp, LONG).await {
             Begin::Acquired(lease) => lease,
             other => panic!("expected a lease, got {other:?}"),
         };
@@ -578,7 +576,7 @@ mod tiered {
         // Answered by PostgreSQL alone: the other body is refused, the committed one replayed.
         let during = async {
             assert!(matches!(
-                begin_as(&store, &id, other).await,
+                begin_for(&store, &id, other, LONG).await,
                 Begin::Mismatch
             ));
             assert_replays(&store, &id, &charged("pay_k4"), "during the stall").await;
@@ -616,11 +614,11 @@ mod tiered {
             return;
         };
         let Some(pg) = pg_tier().await else { return };
-        let store = Arc::new(TieredStore::new(redis_tier(&server.url()).await, pg));
+        let store = TieredStore::new(redis_tier(&server.url()).await, pg);
         let paid = Fingerprint::of_bytes(b"500 EUR");
         let other = Fingerprint::of_bytes(b"999 EUR");
         let id = id("k5");
-        committed_as(&*store, &id, paid, "pay_k5").await;
+        committed_as(&store, &id, paid, "pay_k5").await;
         server.cli(&["FLUSHALL"]).expect("FLUSHALL");
 
         // PostgreSQL made slow: every statement on the records table waits for this lock.
@@ -633,15 +631,9 @@ mod tiered {
         .await
         .expect("lock the records table");
 
-        let stranger = {
-            let (store, id) = (store.clone(), id.clone());
-            tokio::spawn(async move { begin_as(&*store, &id, other).await })
-        };
+        let stranger = spawn_begin(&store, &id, other, LONG);
         sleep(Duration::from_millis(300)).await;
-        let retry = {
-            let (store, id) = (store.clone(), id.clone());
-            tokio::spawn(async move { begin_as(&*store, &id, paid).await })
-        };
+        let retry = spawn_begin(&store, &id, paid, LONG);
         sleep(Duration::from_millis(300)).await;
         assert!(
             !retry.is_finished(),
