@@ -204,25 +204,34 @@ impl Default for Config {
 
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
-            .field("header", &self.header)
-            .field("methods", &self.methods)
-            .field("missing_key", &self.missing_key)
-            .field("fingerprint_headers", &self.fingerprint_headers)
-            .field("json_selection", &self.json_selection)
-            .field("max_request_body", &self.max_request_body)
-            .field("max_response_body", &self.max_response_body)
-            .field("unstored", &self.unstored)
-            .field("store_status", &"Fn(StatusCode) -> bool")
-            .field("replay_headers", &self.replay_headers)
-            .field("fail_open", &self.fail_open)
-            .field("store_retry_after", &self.store_retry_after)
-            .field("in_flight_retry_after", &self.in_flight_retry_after)
-            .field("anonymous", &self.anonymous)
-            .field("challenge", &self.challenge)
-            .field("store_response_within", &self.store_response_within)
-            .field("heartbeat", &self.heartbeat)
-            .finish()
+        let mut out = f.debug_struct("Config");
+        // Every field by its name and value, in order; the status filter, a closure, by its
+        // signature.
+        macro_rules! fields {
+            ($($name:ident),*) => { $(out.field(stringify!($name), &self.$name);)* };
+        }
+        fields!(
+            header,
+            methods,
+            missing_key,
+            fingerprint_headers,
+            json_selection,
+            max_request_body,
+            max_response_body,
+            unstored
+        );
+        out.field("store_status", &"Fn(StatusCode) -> bool");
+        fields!(
+            replay_headers,
+            fail_open,
+            store_retry_after,
+            in_flight_retry_after,
+            anonymous,
+            challenge,
+            store_response_within,
+            heartbeat
+        );
+        out.finish()
     }
 }
 
