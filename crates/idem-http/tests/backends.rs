@@ -196,26 +196,25 @@ mod cases {
     }
 
     pub async fn a_replay_is_byte_for_byte_with_allowed_headers_only(store: Arc<dyn Store>) {
-        let (runs, outcomes) = (Runs::default(), Outcomes::default());
-        let app = Router::new()
-            .route(
-                "/blob",
-                post_counted(&runs, |n, _, _| async move {
-                    let n = n as u8;
-                    let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
-                    let mut headers = HeaderMap::new();
-                    headers.insert(
-                        "content-type",
-                        HeaderValue::from_static("application/octet-stream"),
-                    );
-                    headers.insert("location", HeaderValue::from_static("/blob/7"));
-                    headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
-                    headers.insert("x-request-id", HeaderValue::from_static("req-1"));
-                    (StatusCode::ACCEPTED, headers, body).into_response()
-                }),
-            )
-            .layer(layer_on(store, Config::default(), &outcomes));
-        let server = serve(app).await;
+        let (server, runs, outcomes) = serve_counted(
+            Idem::from_arc(store),
+            Config::default(),
+            "/blob",
+            |n, _, _| async move {
+                let n = n as u8;
+                let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
+                let mut headers = HeaderMap::new();
+                headers.insert(
+                    "content-type",
+                    HeaderValue::from_static("application/octet-stream"),
+                );
+                headers.insert("location", HeaderValue::from_static("/blob/7"));
+                headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
+                headers.insert("x-request-id", HeaderValue::from_static("req-1"));
+                (StatusCode::ACCEPTED, headers, body).into_response()
+            },
+        )
+        .await;
         let headers = [("idempotency-key", "\"blob-1\"")];
 
         let first = server.post("/blob", &headers, "").await;
@@ -310,20 +309,19 @@ mod cases {
     }
 
     pub async fn a_5xx_releases_the_key_and_a_4xx_is_stored(store: Arc<dyn Store>) {
-        let (runs, outcomes) = (Runs::default(), Outcomes::default());
-        let app = Router::new()
-            .route(
-                "/flaky",
-                post_counted(&runs, |n, _, body| async move {
-                    match (&body[..], n) {
-                        (b"client-error", _) => (StatusCode::BAD_REQUEST, format!("bad {n}")),
-                        (_, 1) => (StatusCode::BAD_GATEWAY, format!("down {n}")),
-                        _ => (StatusCode::CREATED, format!("made {n}")),
-                    }
-                }),
-            )
-            .layer(layer_on(store, Config::default(), &outcomes));
-        let server = serve(app).await;
+        let (server, runs, outcomes) = serve_counted(
+            Idem::from_arc(store),
+            Config::default(),
+            "/flaky",
+            |n, _, body| async move {
+                match (&body[..], n) {
+                    (b"client-error", _) => (StatusCode::BAD_REQUEST, format!("bad {n}")),
+                    (_, 1) => (StatusCode::BAD_GATEWAY, format!("down {n}")),
+                    _ => (StatusCode::CREATED, format!("made {n}")),
+                }
+            },
+        )
+        .await;
         let key = [("idempotency-key", "five-1")];
 
         let first = server.post("/flaky", &key, "x").await;

@@ -23,6 +23,13 @@ mod support;
 
 use support::*;
 
+/// `POST /pay`, answered by [`pay`] behind `layer`.
+fn pay_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
+    Router::new()
+        .route("/pay", post_counted(runs, pay))
+        .layer(layer)
+}
+
 fn layer(store: impl Store + 'static, config: Config, outcomes: &Outcomes) -> IdempotencyLayer {
     layer_with(Idem::new(store), config, outcomes)
 }
@@ -215,19 +222,18 @@ async fn a_response_that_cannot_be_stored_is_never_sent_as_done_and_never_rerun(
 
 #[tokio::test]
 async fn a_panicking_handler_releases_the_key() {
-    let (runs, outcomes) = (Runs::default(), Outcomes::default());
-    let app = Router::new()
-        .route(
-            "/boom",
-            post_counted(&runs, |n, _, _| async move {
-                if n == 1 {
-                    panic!("handler panicked on purpose (expected in this test)");
-                }
-                (StatusCode::CREATED, "ok")
-            }),
-        )
-        .layer(layer(MemoryStore::new(), Config::default(), &outcomes));
-    let server = serve(app).await;
+    let (server, runs, outcomes) = serve_counted(
+        Idem::new(MemoryStore::new()),
+        Config::default(),
+        "/boom",
+        |n, _, _| async move {
+            if n == 1 {
+                panic!("handler panicked on purpose (expected in this test)");
+            }
+            (StatusCode::CREATED, "ok")
+        },
+    )
+    .await;
     let key = [("idempotency-key", "boom-1")];
 
     // The panic is resumed after the release: the connection breaks, as it would without
@@ -247,20 +253,15 @@ async fn an_oversize_response_is_sent_but_not_stored() {
         (Unstored::KeepLease, StatusCode::CONFLICT, 1),
         (Unstored::Release, StatusCode::OK, 2),
     ] {
-        let (runs, outcomes) = (Runs::default(), Outcomes::default());
-        let app = Router::new()
-            .route(
-                "/big",
-                post_counted(&runs, |_, _, _| async { "z".repeat(4096) }),
-            )
-            .layer(layer(
-                MemoryStore::new(),
-                Config::default()
-                    .with_max_response_body(1024)
-                    .with_unstored(unstored),
-                &outcomes,
-            ));
-        let server = serve(app).await;
+        let (server, runs, outcomes) = serve_counted(
+            Idem::new(MemoryStore::new()),
+            Config::default()
+                .with_max_response_body(1024)
+                .with_unstored(unstored),
+            "/big",
+            |_, _, _| async { "z".repeat(4096) },
+        )
+        .await;
         let key = [("idempotency-key", "big-response")];
 
         let first = server.post("/big", &key, "").await;
@@ -347,13 +348,19 @@ impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> 
     }
 }
 
-#[tokio::test]
-async fn an_inner_service_error_releases_the_key() {
+/// [`FailsOnce`] (panicking when `panics`) behind the layer on a memory store: the service,
+/// its run count and the layer's outcomes.
+fn guarded_fails_once(panics: bool) -> (idem_http::IdempotencyService<FailsOnce>, Runs, Outcomes) {
     use tower_layer::Layer;
 
     let (runs, outcomes) = (Runs::default(), Outcomes::default());
-    let mut svc = layer(MemoryStore::new(), Config::default(), &outcomes)
-        .layer(FailsOnce(runs.clone(), false));
+    let layer = layer(MemoryStore::new(), Config::default(), &outcomes);
+    (layer.layer(FailsOnce(runs.clone(), panics)), runs, outcomes)
+}
+
+#[tokio::test]
+async fn an_inner_service_error_releases_the_key() {
+    let (mut svc, runs, _) = guarded_fails_once(false);
     let request = || keyed_post("err-1");
     assert_eq!(
         ready_call(&mut svc, request()).await.await.unwrap_err(),
@@ -370,11 +377,8 @@ async fn an_inner_service_error_releases_the_key() {
 #[tokio::test]
 async fn a_service_whose_call_panics_releases_the_key() {
     use futures_util::FutureExt;
-    use tower_layer::Layer;
 
-    let (runs, outcomes) = (Runs::default(), Outcomes::default());
-    let mut svc = layer(MemoryStore::new(), Config::default(), &outcomes)
-        .layer(FailsOnce(runs.clone(), true));
+    let (mut svc, runs, outcomes) = guarded_fails_once(true);
     let request = || keyed_post("call-panic-1");
     let first = std::panic::AssertUnwindSafe(ready_call(&mut svc, request()).await)
         .catch_unwind()
@@ -593,31 +597,21 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
 #[tokio::test]
 async fn a_key_in_structured_field_string_form_is_the_same_key_as_the_plain_token() {
     let (server, runs, _) = serve_pay(Idem::new(MemoryStore::new()), Config::default()).await;
-    let auth = ("authorization", "Bearer alice");
-    let plain = server
-        .post("/pay", &[("idempotency-key", "order-7"), JSON, auth], "{}")
-        .await;
+    let as_alice = |key| {
+        [
+            ("idempotency-key", key),
+            JSON,
+            ("authorization", "Bearer alice"),
+        ]
+    };
+    let plain = server.post("/pay", &as_alice("order-7"), "{}").await;
     assert_eq!(plain.status, StatusCode::CREATED);
-    let quoted = server
-        .post(
-            "/pay",
-            &[("idempotency-key", "\"order-7\""), JSON, auth],
-            "{}",
-        )
-        .await;
+    let quoted = server.post("/pay", &as_alice("\"order-7\""), "{}").await;
     assert!(quoted.replayed(), "the quoted form is another key");
     quoted.assert_replay_of(&plain);
     // And the other way round: a key first sent quoted is replayed to its plain form.
-    let first = server
-        .post(
-            "/pay",
-            &[("idempotency-key", "\"order-8\""), JSON, auth],
-            "{}",
-        )
-        .await;
-    let second = server
-        .post("/pay", &[("idempotency-key", "order-8"), JSON, auth], "{}")
-        .await;
+    let first = server.post("/pay", &as_alice("\"order-8\""), "{}").await;
+    let second = server.post("/pay", &as_alice("order-8"), "{}").await;
     second.assert_replay_of(&first);
     assert_eq!(runs.get(), 2);
 }

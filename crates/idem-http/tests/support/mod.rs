@@ -158,33 +158,43 @@ where
     })
 }
 
-/// `POST /pay`: one run of the side effect per call, answering 201 with the run number and
-/// the request body, after `x-delay-ms`.
-pub fn pay_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
-    Router::new()
-        .route(
-            "/pay",
-            post_counted(runs, |n, headers, body| async move {
-                if let Some(ms) = headers.get("x-delay-ms") {
-                    let ms: u64 = ms.to_str().unwrap().parse().unwrap();
-                    tokio::time::sleep(Duration::from_millis(ms)).await;
-                }
-                let doc = serde_json::json!({
-                    "run": n,
-                    "request": String::from_utf8_lossy(&body),
-                });
-                (StatusCode::CREATED, axum::Json(doc))
-            }),
-        )
-        .layer(layer)
+/// Serves `POST path`, answered by `handler` as in [`post_counted`], behind [`layer_with`]
+/// on `idem` and `config`: the server, the handler's run count and the layer's outcomes.
+pub async fn serve_counted<F, Fut, R>(
+    idem: Idem,
+    config: Config,
+    path: &str,
+    handler: F,
+) -> (Server, Runs, Outcomes)
+where
+    F: Fn(usize, HeaderMap, Bytes) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+    R: IntoResponse + 'static,
+{
+    let (runs, outcomes) = (Runs::default(), Outcomes::default());
+    let app = Router::new().route(path, post_counted(&runs, handler));
+    let server = serve(app.layer(layer_with(idem, config, &outcomes))).await;
+    (server, runs, outcomes)
 }
 
-/// Serves [`pay_app`] behind [`layer_with`] on `idem` and `config`: the server, the
+/// The payments handler: one run of the side effect per call (run `n`), answering 201 with
+/// the run number and the request body, after `x-delay-ms`.
+pub async fn pay(n: usize, headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+    if let Some(ms) = headers.get("x-delay-ms") {
+        let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let doc = serde_json::json!({
+        "run": n,
+        "request": String::from_utf8_lossy(&body),
+    });
+    (StatusCode::CREATED, axum::Json(doc))
+}
+
+/// Serves `POST /pay`, answered by [`pay`], behind [`layer_with`] on `idem` and `config`: the server, the
 /// handler's run count and the layer's outcomes.
 pub async fn serve_pay(idem: Idem, config: Config) -> (Server, Runs, Outcomes) {
-    let (runs, outcomes) = (Runs::default(), Outcomes::default());
-    let server = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
-    (server, runs, outcomes)
+    serve_counted(idem, config, "/pay", pay).await
 }
 
 pub const JSON: (&str, &str) = ("content-type", "application/json");
