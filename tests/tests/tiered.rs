@@ -22,7 +22,7 @@ mod tiered {
     use idem_redis::RedisStore;
     use idem_testkit::harness;
     use idem_testkit::postgres as pg;
-    use idem_testkit::redis::throwaway;
+    use idem_testkit::redis::{throwaway, RedisServer};
     use idem_tests::{create_work_table, id, insert_work, runs};
     use sqlx::{PgConnection, PgPool};
     use tokio::time::{sleep, timeout};
@@ -42,6 +42,14 @@ mod tiered {
         let pg = pg::fresh_store(8).await?;
         idem_outbox::migrate(&pg).await.expect("migrate");
         Some(pg)
+    }
+
+    /// A tiered store over a `redis-server` of its own (for the tests that flush or stop it)
+    /// and a fresh schema, and that server.
+    async fn on_a_throwaway_redis() -> Option<(RedisServer, TieredStore)> {
+        let server = throwaway(&[])?;
+        let store = TieredStore::new(redis_tier(&server.url()).await, pg_tier().await?);
+        Some((server, store))
     }
 
     /// A tiered store over the shared Redis and a fresh schema.
@@ -239,11 +247,9 @@ mod tiered {
     /// (the work does not run again), and Redis is repaired.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_flushed_after_completion_replays_from_postgres() {
-        let Some(server) = throwaway(&[]) else {
+        let Some((server, store)) = on_a_throwaway_redis().await else {
             return;
         };
-        let Some(pg) = pg_tier().await else { return };
-        let store = TieredStore::new(redis_tier(&server.url()).await, pg);
         let id = id("order-2");
         let lease = acquired(&store, &id, LONG).await;
         store
@@ -271,11 +277,9 @@ mod tiered {
     /// wait in the outbox.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_down_postgres_answers_alone() {
-        let Some(mut server) = throwaway(&[]) else {
+        let Some((mut server, store)) = on_a_throwaway_redis().await else {
             return;
         };
-        let Some(pg) = pg_tier().await else { return };
-        let store = TieredStore::new(redis_tier(&server.url()).await, pg);
         server.stop();
         let id = id("order-3");
         let lease = acquired(&store, &id, LONG).await;
@@ -610,11 +614,9 @@ mod tiered {
     /// PostgreSQL too, and is replayed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_claim_postgres_has_not_granted_never_refuses_the_committed_request() {
-        let Some(server) = throwaway(&[]) else {
+        let Some((server, store)) = on_a_throwaway_redis().await else {
             return;
         };
-        let Some(pg) = pg_tier().await else { return };
-        let store = TieredStore::new(redis_tier(&server.url()).await, pg);
         let paid = Fingerprint::of_bytes(b"500 EUR");
         let other = Fingerprint::of_bytes(b"999 EUR");
         let id = id("k5");
