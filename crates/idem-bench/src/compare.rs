@@ -44,7 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idemkit::redis::RedisStore;
+use idemkit::redis::{RedisStore, Scripting};
 use idemkit::{
     Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, Response, Scope,
     Store,
@@ -58,35 +58,17 @@ use klauthed_data::idempotency::redis::RedisIdempotencyStore;
 use klauthed_data::idempotency::{IdempotencyStore as _, Outcome};
 use redis::aio::ConnectionManager;
 
+use crate::middleware::process_cpu;
 use crate::phases::drive;
 use crate::redis_floor::{stats_delta, CommandStats, RedisSide};
-use crate::report::PhaseReport;
+use crate::report::{median, PhaseReport};
+use crate::{Args, RETENTION};
 
 /// The request every operation fingerprints (method and path, then the body).
 const OPERATION: &str = "POST /payments";
 
-/// The settings of a comparison run.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    /// The standalone server (`redis://`).
-    pub url: String,
-    /// A Redis Cluster for idem's cluster figures, if any.
-    pub cluster: Option<String>,
-    /// Operations of each phase at `concurrency`.
-    pub keys: usize,
-    /// Operations of each phase at concurrency 1.
-    pub c1_keys: usize,
-    /// Callers of the concurrent phases.
-    pub concurrency: usize,
-    /// Interleaved rounds.
-    pub rounds: usize,
-    /// Bytes of the JSON response body.
-    pub body_bytes: usize,
-    /// How long records are kept.
-    pub retention: Duration,
-    /// This run's id (key prefixes).
-    pub run_id: String,
-}
+/// The JSON response body every side stores: 35 bytes.
+const BODY: &str = r#"{"id":"pay_777777","status":"paid"}"#;
 
 /// One store under comparison.
 #[derive(Clone)]
@@ -126,8 +108,7 @@ impl Side {
     /// call, with how many it sends per operation of each phase; see [`server_usec`].
     fn top_level(&self) -> &'static [(&'static str, f64)] {
         match self {
-            Side::Idem { .. } => IDEM_TOP_LEVEL,
-            Side::Floor(..) => FLOOR_TOP_LEVEL,
+            Side::Idem { .. } | Side::Floor(..) => IDEM_TOP_LEVEL,
             Side::Idempotent(_) | Side::Klauthed(_) => &[],
         }
     }
@@ -137,11 +118,9 @@ impl Side {
 /// on a server without the compare-and-set commands (`begin` is one `SET .. NX GET PX`;
 /// `complete` is `set_if.lua`, whose `GET`, `SET` and `PUBSUB NUMSUB` are counted inside
 /// it; capped at the calls seen). Where the server has the commands, no script runs and
-/// every command is the side's own. Keep in step with `idem-redis`'s `transitions.rs`.
+/// every command is the side's own. Keep in step with `idem-redis`'s `transitions.rs`. The
+/// fenced floor's are the same: its claim's `SET` outside its script.
 pub(crate) const IDEM_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0)];
-
-/// The fenced floor's command outside its script: the claim's `SET`.
-const FLOOR_TOP_LEVEL: &[(&str, f64)] = &[("set", 1.0)];
 
 /// What every side stores and how.
 struct Workload {
@@ -150,7 +129,6 @@ struct Workload {
     json: Arc<serde_json::Value>,
     completion: Arc<Completion>,
     cached: CachedResponse,
-    retention: Duration,
 }
 
 /// The figures of one (side, phase) in one round.
@@ -169,12 +147,11 @@ struct Sample {
 }
 
 /// Runs the comparison and prints (or returns as JSON) its report.
-pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
-    let s = settings;
-    let side = Arc::new(RedisSide::connect(&s.url, &format!("cmp:{}:", s.run_id)).await?);
+pub async fn run(s: &Args, url: &str, run_id: &str) -> Result<(), String> {
+    let side = Arc::new(RedisSide::connect(url, &format!("cmp:{run_id}:")).await?);
     // Prefixes of equal length: idem's `<p>i:`, idempotent's `<p>v` (it adds `-`),
     // klauthed-data's `<p>k:` (it has no prefix: the bench puts it in the key).
-    let p = format!("cmp:{}:", s.run_id);
+    let p = format!("cmp:{run_id}:");
     let prefix: BTreeMap<&'static str, String> = [
         ("idem", format!("{p}i:")),
         ("scripts", format!("{p}s:")),
@@ -183,7 +160,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
         ("floor", format!("{p}f:")),
     ]
     .into();
-    let body = json_body(s.body_bytes);
+    let body = Bytes::from_static(BODY.as_bytes());
     let workload = Arc::new(Workload {
         json: Arc::new(serde_json::from_slice(&body).map_err(|e| e.to_string())?),
         completion: Arc::new(Completion::succeeded(Response::new(201, body.clone()))),
@@ -194,21 +171,20 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
         },
         body,
         prefix,
-        retention: s.retention,
     });
 
-    let idem = RedisStore::builder(&s.url)
-        .with_prefix(&workload.prefix["idem"])
-        .connect()
-        .await
-        .map_err(|e| format!("idem: {e}"))?;
-    let scripts = RedisStore::builder(&s.url)
-        .with_prefix(&workload.prefix["scripts"])
-        .with_scripting(idemkit::redis::Scripting::Scripts)
-        .connect()
-        .await
-        .map_err(|e| format!("idem (scripts): {e}"))?;
-    let client = redis::Client::open(s.url.as_str()).map_err(|e| e.to_string())?;
+    // idem on `url`, under the prefix named `prefix`.
+    let idem = async |name: &'static str, url: &str, prefix: &str, scripting| {
+        let store = RedisStore::builder(url)
+            .with_prefix(&workload.prefix[prefix])
+            .with_scripting(scripting)
+            .connect()
+            .await
+            .map_err(|e| format!("{name} on {url}: {e}"))?;
+        Ok::<_, String>(Side::Idem { store, name })
+    };
+    let (auto, scripts) = (Scripting::Auto, Scripting::Scripts);
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     let valkey = ValkeyStore::with_prefix(client.clone(), Some(&workload.prefix["idempotent"]))
         .await
         .map_err(|e| format!("idempotent: {e}"))?;
@@ -218,32 +194,16 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     let floor = ConnectionManager::new(client)
         .await
         .map_err(|e| format!("fenced floor: {e}"))?;
-    let klauthed = RedisIdempotencyStore::with_ttl_ms(manager, millis(s.retention));
+    let klauthed = RedisIdempotencyStore::with_ttl_ms(manager, millis(RETENTION));
     let sides = vec![
-        Side::Idem {
-            store: idem,
-            name: "idem",
-        },
-        Side::Idem {
-            store: scripts,
-            name: "idem (scripts)",
-        },
+        idem("idem", url, "idem", auto).await?,
+        idem("idem (scripts)", url, "scripts", scripts).await?,
         Side::Idempotent(Arc::new(valkey)),
         Side::Klauthed(klauthed),
         Side::Floor(floor, Arc::new(redis::Script::new(FLOOR_COMPLETE))),
     ];
-    let cluster = match &s.cluster {
-        Some(url) => {
-            let store = RedisStore::builder(url)
-                .with_prefix(&workload.prefix["idem"])
-                .connect()
-                .await
-                .map_err(|e| format!("idem on {url}: {e}"))?;
-            Some(Side::Idem {
-                store,
-                name: "idem (cluster)",
-            })
-        }
+    let cluster = match &s.compare_cluster {
+        Some(url) => Some(idem("idem (cluster)", url, "idem", auto).await?),
         None => None,
     };
 
@@ -258,11 +218,12 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
         run_phase(side_, &workload, &warm).await?;
     }
 
+    let (c, n1) = (s.concurrency, s.c1_keys.min(s.keys));
     let phases = [
-        ("lifecycle", s.concurrency),
-        ("replay", s.concurrency),
-        ("lifecycle", 1),
-        ("replay", 1),
+        ("lifecycle", c, s.keys),
+        ("replay", c, s.keys),
+        ("lifecycle", 1, n1),
+        ("replay", 1, n1),
     ];
     let mut samples: BTreeMap<(String, String), Vec<Sample>> = BTreeMap::new();
     let mut breakdown: BTreeMap<(String, String), String> = BTreeMap::new();
@@ -270,12 +231,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
     for round in 0..s.rounds {
         let mut order = sides.clone();
         order.rotate_left(round % sides.len());
-        for &(phase, c) in &phases {
-            let n = if c == 1 {
-                s.c1_keys.min(s.keys)
-            } else {
-                s.keys
-            };
+        for &(phase, c, n) in &phases {
             // Replays read the keys of this round's concurrent lifecycle.
             let keys = match phase {
                 "lifecycle" if c == 1 => format!("r{round}-l1"),
@@ -291,7 +247,9 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
                     .push(sample);
                 breakdown.insert((side_.name().to_owned(), label), parts);
                 if phase == "lifecycle" && c > 1 {
-                    let bytes = sample_usage(&side, side_, &workload, &run.keys, n).await?;
+                    let key = |i| redis_key(side_, &workload, &format!("{}-{i}", run.keys));
+                    let bytes = side.mean_memory_usage(n, key).await;
+                    let bytes = bytes.map_err(|e| format!("{}: {e}", side_.name()))?;
                     usage
                         .entry(side_.name().to_owned())
                         .or_default()
@@ -307,18 +265,8 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
             }
         }
     }
-    report(s, &sides, &cluster, &samples, &breakdown, &usage, json);
+    report(s, url, &sides, &cluster, &samples, &breakdown, &usage);
     Ok(())
-}
-
-/// A JSON document of about `bytes` bytes: `{"id":"pay_xxxx..","status":"paid"}`.
-fn json_body(bytes: usize) -> Bytes {
-    let fixed = r#"{"id":"pay_","status":"paid"}"#.len();
-    let pad = bytes.saturating_sub(fixed).max(1);
-    Bytes::from(format!(
-        r#"{{"id":"pay_{}","status":"paid"}}"#,
-        "7".repeat(pad)
-    ))
 }
 
 /// One run of a phase: `n` operations of `phase` (`lifecycle` or `replay`), `c` at a time, on
@@ -342,17 +290,17 @@ async fn measure(
     let cpu = server.used_cpu().await?;
     let mem = server.used_memory().await?;
     let tables = keyspace_tables(server).await?;
-    let client = process_cpu_ns();
+    let client = process_cpu();
     let (mut sample, report) = measure_plain(side, w, run).await?;
-    let client = process_cpu_ns()
+    let client = process_cpu()
         .zip(client)
-        .map(|(after, before)| after - before);
+        .map(|(after, before)| after.saturating_sub(before));
     let delta = stats_delta(&stats, &server.command_stats().await?);
     let ops = report.ops().max(1) as f64;
     let (usec, parts) = server_usec(&delta, side.top_level(), ops);
     sample.server_us = usec / ops;
     sample.cpu_us = (server.used_cpu().await? - cpu) * 1e6 / ops;
-    sample.client_us = client.map_or(f64::NAN, |ns| ns as f64 / 1e3 / ops);
+    sample.client_us = client.map_or(f64::NAN, |d| d.as_secs_f64() * 1e6 / ops);
     if run.phase == "lifecycle" {
         let used = server.used_memory().await? as f64 - mem as f64;
         sample.bytes_per_record = used / ops;
@@ -360,18 +308,6 @@ async fn measure(
         sample.bytes_net_of_tables = (used - grown) / ops;
     }
     Ok((sample, parts))
-}
-
-/// This process's CPU time so far, ns: the sum of `/proc/self/task/*/schedstat` (time on a
-/// CPU of every thread; Linux only, `None` elsewhere). Threads that ended are not counted:
-/// tokio's workers live as long as the run.
-fn process_cpu_ns() -> Option<u64> {
-    let mut total = 0;
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
-        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
-    }
-    Some(total)
 }
 
 /// The bytes of the keyspace's bucket arrays (`MEMORY STATS`: every database's
@@ -491,7 +427,7 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
             let id = idem_id(&key)?;
             match idem_begin(store, w, &id).await? {
                 Begin::Acquired(lease) => store
-                    .complete(&lease, &w.completion, w.retention)
+                    .complete(&lease, &w.completion, RETENTION)
                     .await
                     .map(|()| "executed")
                     .map_err(|e| e.to_string()),
@@ -501,7 +437,7 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
         Side::Idempotent(store) => {
             let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
             let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
-            let entry = IdempotencyEntry::new(fp, w.retention);
+            let entry = IdempotencyEntry::new(fp, RETENTION);
             match store.try_insert(&key, entry.clone()).await {
                 Ok(InsertResult::Claimed { fencing_token }) => store
                     .complete(&key, entry.complete(w.cached.clone()), fencing_token)
@@ -528,7 +464,7 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
             let key = format!("{}{key}", w.prefix["floor"]);
             let (fingerprint, token) = floor_identity(w);
             let mut conn = conn.clone();
-            match floor_claim(&mut conn, &key, &fingerprint, &token, w).await? {
+            match floor_claim(&mut conn, &key, &fingerprint, &token).await? {
                 redis::Value::Nil => {}
                 other => {
                     return Err(format!(
@@ -541,7 +477,7 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
             let mut record = Vec::with_capacity(41 + w.body.len());
             record.push(b'C');
             record.extend_from_slice(&fingerprint);
-            record.extend_from_slice(&expires_at(w.retention).to_be_bytes());
+            record.extend_from_slice(&expires_at().to_be_bytes());
             record.push(1);
             record.extend_from_slice(&[0x80, 0, 201]);
             record.extend_from_slice(&w.body);
@@ -549,7 +485,7 @@ async fn lifecycle(side: &Side, w: &Workload, key: String) -> Result<&'static st
                 .key(&key)
                 .arg(head.as_slice())
                 .arg(record)
-                .arg(millis(w.retention))
+                .arg(millis(RETENTION))
                 .invoke_async(&mut conn)
                 .await
                 .map_err(|e| format!("fenced floor: {e}"))?;
@@ -577,12 +513,11 @@ async fn floor_claim(
     key: &str,
     fingerprint: &[u8; 32],
     token: &[u8; 16],
-    w: &Workload,
 ) -> Result<redis::Value, String> {
     let mut record = [0u8; 59];
     record[0] = b'P';
     record[1..17].copy_from_slice(token);
-    record[17..23].copy_from_slice(&millis(w.retention).to_be_bytes()[2..]);
+    record[17..23].copy_from_slice(&millis(RETENTION).to_be_bytes()[2..]);
     record[23..55].copy_from_slice(fingerprint);
     record[55..59].copy_from_slice(&1u32.to_be_bytes());
     redis::cmd("SET")
@@ -591,18 +526,18 @@ async fn floor_claim(
         .arg("NX")
         .arg("GET")
         .arg("PX")
-        .arg(30_000 + millis(w.retention))
+        .arg(30_000 + millis(RETENTION))
         .query_async(conn)
         .await
         .map_err(|e| format!("fenced floor: {e}"))
 }
 
 /// The completed record's expiry, in Unix seconds, as idem writes it.
-fn expires_at(retention: Duration) -> u32 {
+fn expires_at() -> u32 {
     let at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
-        .saturating_add(retention);
+        .saturating_add(RETENTION);
     u32::try_from(at.as_secs()).unwrap_or(u32::MAX)
 }
 
@@ -624,7 +559,7 @@ async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, 
             let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
             let fp = DefaultFingerprintStrategy.compute(OPERATION, &w.body);
             match store
-                .try_insert(&key, IdempotencyEntry::new(fp, w.retention))
+                .try_insert(&key, IdempotencyEntry::new(fp, RETENTION))
                 .await
             {
                 Ok(InsertResult::Exists(ExistingEntry::Completed(entry))) => {
@@ -643,7 +578,7 @@ async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, 
         Side::Floor(conn, _) => {
             let key = format!("{}{key}", w.prefix["floor"]);
             let (fingerprint, token) = floor_identity(w);
-            match floor_claim(&mut conn.clone(), &key, &fingerprint, &token, w).await? {
+            match floor_claim(&mut conn.clone(), &key, &fingerprint, &token).await? {
                 redis::Value::BulkString(record) => {
                     record.get(1..33) == Some(fingerprint.as_slice())
                         && record.get(41..) == Some(&w.body[..])
@@ -657,6 +592,16 @@ async fn replay(side: &Side, w: &Workload, key: String) -> Result<&'static str, 
     } else {
         Err(format!("{}: the replayed response differs", side.name()))
     }
+}
+
+/// The Redis key of a side's record of `key`.
+fn redis_key(side: &Side, w: &Workload, key: &str) -> Result<String, String> {
+    Ok(match side {
+        Side::Idem { store, .. } => store.record_key(&idem_id(key)?),
+        Side::Idempotent(_) => format!("{}-{key}", w.prefix["idempotent"]),
+        Side::Klauthed(_) => format!("{}{key}", w.prefix["klauthed"]),
+        Side::Floor(..) => format!("{}{key}", w.prefix["floor"]),
+    })
 }
 
 fn idem_id(key: &str) -> Result<RecordId, String> {
@@ -683,60 +628,21 @@ async fn idem_begin(store: &RedisStore, w: &Workload, id: &RecordId) -> Result<B
             fingerprint: Fingerprint::of_bytes(&request(w)),
             token: FencingToken::random(),
             lease: Duration::from_secs(30),
-            retention: w.retention,
+            retention: RETENTION,
         })
         .await
         .map_err(|e| format!("idem: {e}"))
 }
 
-/// Mean `MEMORY USAGE` of up to 200 of the records a side's lifecycle wrote under `keys`.
-async fn sample_usage(
-    server: &RedisSide,
-    side: &Side,
-    w: &Workload,
-    keys: &str,
-    n: usize,
-) -> Result<f64, String> {
-    let step = (n / 200).max(1);
-    let (mut total, mut count) = (0u64, 0u64);
-    for i in (0..n).step_by(step).take(200) {
-        let key = format!("{keys}-{i}");
-        let redis_key = match side {
-            Side::Idem { store, .. } => store.record_key(&idem_id(&key)?),
-            Side::Idempotent(_) => format!("{}-{key}", w.prefix["idempotent"]),
-            Side::Klauthed(_) => format!("{}{key}", w.prefix["klauthed"]),
-            Side::Floor(..) => format!("{}{key}", w.prefix["floor"]),
-        };
-        if let Some(bytes) = server.memory_usage(&redis_key).await? {
-            total += bytes;
-            count += 1;
-        }
-    }
-    if count == 0 {
-        return Err(format!("{}: MEMORY USAGE found no record", side.name()));
-    }
-    Ok(total as f64 / count as f64)
-}
-
-pub(crate) fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn report(
-    s: &Settings,
+    s: &Args,
+    url: &str,
     sides: &[Side],
     cluster: &Option<Side>,
     samples: &BTreeMap<(String, String), Vec<Sample>>,
     breakdown: &BTreeMap<(String, String), String>,
     usage: &BTreeMap<String, Vec<f64>>,
-    json: bool,
 ) {
     let labels = [
         format!("lifecycle c={}", s.concurrency),
@@ -757,8 +663,8 @@ fn report(
         .map(Side::name)
         .collect();
     let mut doc = serde_json::json!({
-        "url": s.url, "keys": s.keys, "c1_keys": s.c1_keys, "concurrency": s.concurrency,
-        "rounds": s.rounds, "body_bytes": json_body(s.body_bytes).len(), "phases": [],
+        "url": url, "keys": s.keys, "c1_keys": s.c1_keys, "concurrency": s.concurrency,
+        "rounds": s.rounds, "body_bytes": BODY.len(), "phases": [],
     });
     let mut rows = Vec::new();
     for label in &labels {
@@ -806,18 +712,18 @@ fn report(
             })
             .collect();
     }
-    if json {
+    if s.json {
         println!("{doc:#}");
         return;
     }
     println!(
         "comparison on {}: {} rounds, {} keys (c=1: {}), concurrency {}, body {} B; medians",
-        s.url,
+        url,
         s.rounds,
         s.keys,
         s.c1_keys.min(s.keys),
         s.concurrency,
-        json_body(s.body_bytes).len()
+        BODY.len()
     );
     print!("{:<16}", "phase");
     for n in &names {

@@ -6,7 +6,7 @@
 //! worker from its start until its handler has run for every message. The handler parses
 //! the JSON payload: the cost measured is the worker's and idem's, not the work's.
 //!
-//! Both sides run the very same `Worker` (same reads, batch `--consumer-batch`,
+//! Both sides run the very same `Worker` (same reads, batch [`BATCH`],
 //! `--concurrency` handlers, one task per message, heartbeats, decision and ack); only the
 //! store behind the consumer differs. "With idem" is the Redis store; "without" is
 //! [`NoStore`], which answers every `begin` with a fresh lease at once and keeps nothing.
@@ -31,27 +31,11 @@ use idemkit::{
 };
 use redis::aio::ConnectionManager;
 
-use crate::compare::median;
-use crate::report::{Figure, Target};
+use crate::report::{median, Figure, Target};
+use crate::{Args, RETENTION};
 
-/// What the phase runs against.
-#[derive(Debug)]
-pub struct Settings {
-    /// The Redis server: idem's store, and the Redis Streams broker.
-    pub redis_url: String,
-    /// The NATS server, with JetStream on.
-    pub nats_url: String,
-    /// Messages per run.
-    pub messages: usize,
-    /// Handlers at once.
-    pub concurrency: usize,
-    /// Messages per pull.
-    pub batch: usize,
-    /// Interleaved rounds (one run without idem and one with it each).
-    pub rounds: usize,
-    /// Unique per benchmark run.
-    pub run_id: String,
-}
+/// Messages per pull.
+const BATCH: usize = 16;
 
 /// A store that grants every `begin` a fresh lease without any I/O and keeps nothing: the
 /// worker runs exactly as with idem, minus idem's store round trips.
@@ -125,56 +109,48 @@ fn work(payload: &[u8]) -> Result<u64, Failure<String>> {
 }
 
 /// Runs the phase and prints (or returns as JSON) its figures.
-pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
-    let client = redis::Client::open(settings.redis_url.as_str()).map_err(|e| e.to_string())?;
+pub async fn run(s: &Args, redis_url: &str, run_id: &str) -> Result<(), String> {
+    let client = redis::Client::open(redis_url).map_err(|e| e.to_string())?;
     let conn = client
         .get_connection_manager()
         .await
-        .map_err(|e| format!("{}: {e}", settings.redis_url))?;
-    let nats = async_nats::connect(&settings.nats_url).await.map_err(|e| {
-        format!(
-            "{}: {e} (give the NATS server with --nats-url)",
-            settings.nats_url
-        )
-    })?;
+        .map_err(|e| format!("{redis_url}: {e}"))?;
+    let nats = async_nats::connect(&s.nats_url)
+        .await
+        .map_err(|e| format!("{}: {e} (give the NATS server with --nats-url)", s.nats_url))?;
     let mut brokers = Brokers {
         client,
         conn,
         js: jetstream::new(nats),
     };
-    let store = RedisStore::builder(&settings.redis_url)
-        .with_prefix(format!("idem-bench:{}:", settings.run_id))
+    let store = RedisStore::builder(redis_url)
+        .with_prefix(format!("idem-bench:{run_id}:"))
         .connect()
         .await
-        .map_err(|e| format!("{}: {e}", settings.redis_url))?;
-    let config = Config::default().with_retention(Duration::from_secs(300));
+        .map_err(|e| format!("{redis_url}: {e}"))?;
+    let config = Config::default().with_retention(RETENTION);
     let with_idem = Idem::new(store).with_config(config.clone());
     let without = Idem::new(NoStore).with_config(config);
     let mut figures = Vec::new();
 
     for broker in [Broker::RedisStreams, Broker::JetStream] {
         let (mut bare, mut guarded, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-        for round in 0..settings.rounds {
+        for round in 0..s.rounds {
             let mut rates = [0.0; 2];
             // Alternate which side runs first, so that neither always finds the servers
             // busier (a stream being deleted, records expiring).
-            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            let mut order = [0, 1];
+            order.rotate_left(round % 2);
             for side in order {
                 let idem = if side == 0 { &without } else { &with_idem };
                 // A scope of the run's own: a key completed in an earlier run would be
                 // replayed, and the handler would never run.
-                let name = format!(
-                    "idem-bench-{}-{}-{round}-{side}",
-                    settings.run_id,
-                    broker.tag()
-                );
+                let name = format!("idem-bench-{run_id}-{}-{round}-{side}", broker.tag());
                 let scope = Scope::new(format!("bench-{name}")).map_err(|e| e.to_string())?;
                 let consumer = Consumer::new(idem.clone(), scope);
                 rates[side] = match broker {
-                    Broker::RedisStreams => {
-                        streams_run(settings, &mut brokers, &name, consumer).await?
-                    }
-                    Broker::JetStream => jetstream_run(settings, &brokers, &name, consumer).await?,
+                    Broker::RedisStreams => streams_run(s, &mut brokers, &name, consumer).await?,
+                    Broker::JetStream => jetstream_run(s, &brokers, &name, consumer).await?,
                 };
             }
             bare.push(rates[0]);
@@ -189,43 +165,40 @@ pub async fn run(settings: &Settings, json: bool) -> Result<(), String> {
                 "",
                 format!(
                     "medians of {} rounds: {i:.0}/s with idem vs {b:.0}/s without",
-                    settings.rounds
+                    s.rounds
                 ),
             )
             .target(Target::AtLeast(0.7)),
         );
     }
-    if json {
-        let doc = serde_json::json!({
-            "phase": "consumers",
-            "messages": settings.messages,
-            "concurrency": settings.concurrency,
-            "batch": settings.batch,
-            "rounds": settings.rounds,
-            "figures": figures.iter().map(Figure::to_json).collect::<Vec<_>>(),
-        });
-        println!("{doc:#}");
-    } else {
-        println!(
-            "consumers: {} messages per run, concurrency {}, batch {}, {} rounds",
-            settings.messages, settings.concurrency, settings.batch, settings.rounds
-        );
-        crate::report::print_figures(&figures);
-    }
+    let doc = serde_json::json!({
+        "phase": "consumers",
+        "messages": s.keys,
+        "concurrency": s.concurrency,
+        "batch": BATCH,
+        "rounds": s.rounds,
+    });
+    let header = format!(
+        "consumers: {} messages per run, concurrency {}, batch {BATCH}, {} rounds",
+        s.keys, s.concurrency, s.rounds
+    );
+    crate::report::print(s.json, doc, &header, &[], &figures);
     Ok(())
 }
 
-/// The handler of one timed run, which counts its runs.
-#[derive(Clone)]
+/// The count of a timed run's handler calls, and when the run started.
 struct Counted {
     done: Arc<AtomicUsize>,
+    n: usize,
+    started: Instant,
 }
 
 impl Counted {
-    fn new() -> Self {
-        Self {
-            done: Arc::new(AtomicUsize::new(0)),
-        }
+    /// Starts the clock of a run of `n` messages.
+    fn start(n: usize) -> Self {
+        let done = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        Self { done, n, started }
     }
 
     /// The handler to give the worker.
@@ -243,10 +216,12 @@ impl Counted {
         }
     }
 
-    /// The worker's shutdown: once the handler has run `n` times, or after `limit` (a run
-    /// that stalls ends, and [`Counted::rate`] says so, rather than hanging the benchmark).
-    fn all_done(&self, n: usize, limit: Duration) -> impl Future<Output = ()> + Send + 'static {
-        let done = self.done.clone();
+    /// The worker's shutdown: once the handler has run for every message, or after a limit
+    /// (a run that stalls ends, and [`Counted::rate`] says so, rather than hanging the
+    /// benchmark).
+    fn shutdown(&self) -> impl Future<Output = ()> + Send + 'static {
+        let (done, n) = (self.done.clone(), self.n);
+        let limit = Duration::from_secs(60) + Duration::from_millis(n as u64);
         let deadline = tokio::time::Instant::now() + limit;
         async move {
             while done.load(Ordering::Relaxed) < n && tokio::time::Instant::now() < deadline {
@@ -255,9 +230,10 @@ impl Counted {
         }
     }
 
-    /// Messages per second since `started`; an error when the handler did not run `n` times.
-    fn rate(&self, n: usize, started: Instant, name: &str) -> Result<f64, String> {
-        let elapsed = started.elapsed();
+    /// Messages per second since the start; an error when the handler did not run for
+    /// every message.
+    fn rate(&self, name: &str) -> Result<f64, String> {
+        let (n, elapsed) = (self.n, self.started.elapsed());
         let done = self.done.load(Ordering::Relaxed);
         if done < n {
             return Err(format!(
@@ -270,14 +246,9 @@ impl Counted {
     }
 }
 
-/// How long one timed run may take before it counts as stalled.
-fn run_limit(messages: usize) -> Duration {
-    Duration::from_secs(60) + Duration::from_millis(messages as u64)
-}
-
 /// One timed Redis Streams run on a fresh stream: messages per second.
 async fn streams_run(
-    s: &Settings,
+    s: &Args,
     brokers: &mut Brokers,
     name: &str,
     consumer: Consumer,
@@ -286,7 +257,7 @@ async fn streams_run(
     let topology = redis_streams::Topology::new(name);
     topology.declare(&mut brokers.conn).await.map_err(e)?;
     // Untimed: the entries, with their keys, pipelined.
-    for chunk in (0..s.messages).collect::<Vec<_>>().chunks(1000) {
+    for chunk in (0..s.keys).collect::<Vec<_>>().chunks(1000) {
         let mut pipe = redis::pipe();
         for i in chunk {
             let key = Key::new(format!("m-{i}")).map_err(|e| e.to_string())?;
@@ -302,26 +273,21 @@ async fn streams_run(
             .await
             .map_err(|e| e.to_string())?;
     }
-    let counted = Counted::new();
-    let started = Instant::now();
+    let counted = Counted::start(s.keys);
     redis_streams::Worker::new(consumer, topology.clone())
         .with_concurrency(s.concurrency)
-        .with_batch(s.batch)
-        .run(
-            &brokers.client,
-            counted.handler(),
-            counted.all_done(s.messages, run_limit(s.messages)),
-        )
+        .with_batch(BATCH)
+        .run(&brokers.client, counted.handler(), counted.shutdown())
         .await
         .map_err(e)?;
-    let rate = counted.rate(s.messages, started, name);
+    let rate = counted.rate(name);
     topology.delete(&mut brokers.conn).await.map_err(e)?;
     rate
 }
 
 /// One timed JetStream run on a fresh stream and subject: messages per second.
 async fn jetstream_run(
-    s: &Settings,
+    s: &Args,
     brokers: &Brokers,
     name: &str,
     consumer: Consumer,
@@ -332,7 +298,7 @@ async fn jetstream_run(
     topology.declare(js).await.map_err(e)?;
     // Untimed: the messages, with their keys. Confirmations are awaited in chunks: the
     // client lets at most 5,000 be outstanding, and a publish beyond that waits for one.
-    for chunk in (0..s.messages).collect::<Vec<_>>().chunks(500) {
+    for chunk in (0..s.keys).collect::<Vec<_>>().chunks(500) {
         let mut confirms = Vec::with_capacity(chunk.len());
         for i in chunk {
             let key = Key::new(format!("m-{i}")).map_err(|e| e.to_string())?;
@@ -348,19 +314,14 @@ async fn jetstream_run(
             confirm.await.map_err(|e| e.to_string())?;
         }
     }
-    let counted = Counted::new();
-    let started = Instant::now();
+    let counted = Counted::start(s.keys);
     nats::Worker::new(consumer, topology.clone())
         .with_concurrency(s.concurrency)
-        .with_batch(s.batch)
-        .run(
-            js,
-            counted.handler(),
-            counted.all_done(s.messages, run_limit(s.messages)),
-        )
+        .with_batch(BATCH)
+        .run(js, counted.handler(), counted.shutdown())
         .await
         .map_err(e)?;
-    let rate = counted.rate(s.messages, started, name);
+    let rate = counted.rate(name);
     topology.delete(js).await.map_err(e)?;
     rate
 }

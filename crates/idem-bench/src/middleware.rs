@@ -29,20 +29,26 @@ const BODY: &str =
 /// The benchmark's pooled HTTP/1.1 client.
 pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// Starts the app on a loopback port and returns its `POST` URL.
-async fn serve(app: Router) -> Result<String, String> {
+/// A loopback listener and its `http://` base URL.
+pub(crate) async fn bind() -> Result<(tokio::net::TcpListener, String), String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| format!("binding a loopback port: {e}"))?;
     let addr = listener
         .local_addr()
         .map_err(|e| format!("loopback port: {e}"))?;
+    Ok((listener, format!("http://{addr}")))
+}
+
+/// Starts the app on a loopback port and returns its `POST` URL.
+async fn serve(app: Router) -> Result<String, String> {
+    let (listener, url) = bind().await?;
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             eprintln!("idem-bench: http server: {e}");
         }
     });
-    Ok(format!("http://{addr}/orders"))
+    Ok(format!("{url}/orders"))
 }
 
 /// The trivial handler: 201 and a short text.
@@ -111,24 +117,17 @@ pub async fn run(n: usize, concurrency: usize) -> Result<Vec<PhaseReport>, Strin
         .pool_max_idle_per_host(concurrency)
         .build_http();
     // Untimed: opens the pooled connections to both servers.
-    hammer(
-        "warmup",
-        &client,
-        &bare,
-        "warm",
-        concurrency * 10,
-        concurrency,
-    )
-    .await?;
-    hammer(
-        "warmup",
-        &client,
-        &guarded,
-        "warm",
-        concurrency * 10,
-        concurrency,
-    )
-    .await?;
+    for url in [&bare, &guarded] {
+        hammer(
+            "warmup",
+            &client,
+            url,
+            "warm",
+            concurrency * 10,
+            concurrency,
+        )
+        .await?;
+    }
     let mut rounds: [Vec<PhaseReport>; 3] = Default::default();
     let mut cpu: [Vec<Duration>; 3] = Default::default();
     for round in 0..ROUNDS {
@@ -167,18 +166,16 @@ pub async fn run(n: usize, concurrency: usize) -> Result<Vec<PhaseReport>, Strin
     Ok(rounds.into_iter().map(median).collect())
 }
 
-/// The CPU time this process has used (user and system, every thread), from
-/// `/proc/self/stat`; `None` where that is not available.
+/// This process's CPU time so far: the sum of `/proc/self/task/*/schedstat` (time on a CPU
+/// of every thread; Linux only, `None` elsewhere). Threads that ended are not counted:
+/// tokio's workers live as long as the run.
 pub(crate) fn process_cpu() -> Option<Duration> {
-    // Linux's USER_HZ: 100 on every architecture it exports to user space.
-    const TICK: Duration = Duration::from_millis(10);
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The command name (field 2) may hold spaces: count fields after its closing `)`.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace().skip(11);
-    let utime: u32 = fields.next()?.parse().ok()?;
-    let stime: u32 = fields.next()?.parse().ok()?;
-    Some(TICK * utime.checked_add(stime)?)
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
 }
 
 /// The report of median throughput.

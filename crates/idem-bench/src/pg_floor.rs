@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use idemkit::postgres::PgStore;
 use idemkit::FencingToken;
-use sqlx::postgres::types::PgInterval;
 use sqlx::PgPool;
 
 use crate::phases::drive;
@@ -27,7 +26,7 @@ impl PgSide {
     /// defaults (`LIKE ... INCLUDING ALL`), so both write the same rows into the same
     /// index shape.
     pub async fn create(store: &PgStore) -> Result<Self, String> {
-        let schema = quote(store.schema());
+        let schema = store.quoted_schema().to_owned();
         let table = format!("{schema}.floor");
         sqlx::query(&format!(
             "CREATE TABLE {table} (LIKE {schema}.records INCLUDING ALL)"
@@ -78,8 +77,8 @@ impl PgSide {
                     .bind(&key)
                     .bind(&[7u8; 32][..])
                     .bind(token)
-                    .bind(interval(Duration::from_secs(30)))
-                    .bind(interval(Duration::from_secs(600)))
+                    .bind(Duration::from_secs(30))
+                    .bind(Duration::from_secs(600))
                     .execute(&pool)
                     .await
                     .map_err(err)?;
@@ -92,7 +91,7 @@ impl PgSide {
                     .bind(token)
                     .bind(&b"meta"[..])
                     .bind(&body[..])
-                    .bind(interval(Duration::from_secs(600)))
+                    .bind(Duration::from_secs(600))
                     .execute(&pool)
                     .await
                     .map_err(err)?;
@@ -109,27 +108,5 @@ impl PgSide {
             .await
             .map(|_| ())
             .map_err(|e| format!("postgres: dropping schema {}: {e}", self.schema))
-    }
-}
-
-fn interval(d: Duration) -> PgInterval {
-    PgInterval {
-        months: 0,
-        days: 0,
-        microseconds: i64::try_from(d.as_micros()).unwrap_or(i64::MAX),
-    }
-}
-
-/// A quoted identifier.
-fn quote(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn identifiers_are_quoted() {
-        assert_eq!(super::quote("idem_bench"), "\"idem_bench\"");
-        assert_eq!(super::quote("a\"b"), "\"a\"\"b\"");
     }
 }

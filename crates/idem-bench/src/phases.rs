@@ -88,7 +88,8 @@ impl Bench {
         Ok(RecordId::new(self.scope.clone(), key))
     }
 
-    async fn begin(&self, id: &RecordId) -> Result<Begin, String> {
+    /// `begin` on `id`, with the phases' fingerprint, lease and retention.
+    pub async fn begin(&self, id: &RecordId) -> Result<Begin, String> {
         self.store
             .begin(BeginRequest {
                 id,
@@ -129,12 +130,7 @@ impl Bench {
         .await
     }
 
-    /// Completes the `n` keys [`Bench::replay`] replays (a lifecycle phase of its own).
-    pub async fn prepare_replay(&self, n: usize, concurrency: usize) -> Result<(), String> {
-        self.lifecycle("replay", n, concurrency).await.map(drop)
-    }
-
-    /// `begin` on `n` completed keys: run [`Bench::prepare_replay`] first.
+    /// `begin` on `n` completed keys: complete them first with `lifecycle("replay", ..)`.
     pub async fn replay(&self, n: usize, concurrency: usize) -> Result<PhaseReport, String> {
         let this = Arc::new(self.clone());
         drive("replay", n, concurrency, move |i| {

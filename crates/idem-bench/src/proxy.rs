@@ -21,20 +21,9 @@ use idem_proxy::{Proxy, Route, UpstreamConfig};
 use idemkit::http::Anonymous;
 use idemkit::{MemoryStore, Store};
 
-use crate::middleware::{hammer, process_cpu, HttpClient};
+use crate::middleware::{bind, hammer, process_cpu, HttpClient};
 use crate::redis_floor::RedisSide;
 use crate::report::{Figure, PhaseReport, Target};
-
-/// A loopback listener and its `http://` base URL.
-async fn bind() -> Result<(tokio::net::TcpListener, String), String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| format!("binding a loopback port: {e}"))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| format!("loopback port: {e}"))?;
-    Ok((listener, format!("http://{addr}")))
-}
 
 /// The minimal upstream: HTTP/1.1 keep-alive, 201 and `created` to every request.
 async fn upstream() -> Result<String, String> {
@@ -214,29 +203,14 @@ pub async fn run(
             .into_iter()
             .chain(nginx.as_ref().map(|n| &n.url))
             .chain(targets.iter().map(|(_, u)| u));
+        let warm = format!("warm{c}");
         for base in bases {
-            hammer(
-                "warmup",
-                &client,
-                &orders(base),
-                &format!("warm{c}"),
-                c * 20,
-                c,
-            )
-            .await?;
+            hammer("warmup", &client, &orders(base), &warm, c * 20, c).await?;
         }
         let name = |what: &str| format!("proxy C={c}: {what}");
         let mut run = async |what: &str, base: &str, keys: &str| {
-            timed(
-                &mut figures,
-                &name(what),
-                &client,
-                &orders(base),
-                keys,
-                n,
-                c,
-            )
-            .await
+            let (what, url) = (name(what), orders(base));
+            timed(&mut figures, &what, &client, &url, keys, n, c).await
         };
         let direct = run("direct to upstream", &up, "d").await?;
         let passed = run("pass-through", &pass, "p").await?;
@@ -244,31 +218,18 @@ pub async fn run(
             Some(nginx) => Some(run("nginx (reference)", &nginx.url, "x").await?),
             None => None,
         };
-        let pass_rate = passed.throughput();
+        let (pass_rate, direct_rate) = (passed.throughput(), direct.throughput());
         let pass_is = "requests through the proxy, unguarded";
         let direct_is = "requests straight to the upstream";
-        let ratio = Figure::ratio(
-            name("pass-through / direct"),
-            pass_rate,
-            direct.throughput(),
-            direct_is,
-        );
-        figures.push(ratio);
+        let what = name("pass-through / direct");
+        figures.push(Figure::ratio(what, pass_rate, direct_rate, direct_is));
         if let Some(reference) = &reference {
-            let (rate, direct_rate) = (reference.throughput(), direct.throughput());
-            figures.push(Figure::ratio(
-                name("nginx / direct"),
-                rate,
-                direct_rate,
-                direct_is,
-            ));
+            let rate = reference.throughput();
+            let what = name("nginx / direct");
+            figures.push(Figure::ratio(what, rate, direct_rate, direct_is));
             let what = name("pass-through / nginx");
-            figures.push(Figure::ratio(
-                what,
-                pass_rate,
-                rate,
-                "requests through nginx",
-            ));
+            let nginx_is = "requests through nginx";
+            figures.push(Figure::ratio(what, pass_rate, rate, nginx_is));
         }
         // One Redis round trip from this process, to set the guarded rows against.
         let ping = match &redis {
@@ -282,18 +243,13 @@ pub async fn run(
         for (store, base) in &targets {
             let (url, keys) = (orders(base), format!("k{c}"));
             // The store's server, for the commands each request sends.
-            let side = redis.as_ref().filter(|_| store != "memory");
+            let side = redis.as_deref().filter(|_| store != "memory");
             let mut phase = async |what: &str| {
                 let what = name(&format!("guarded {what}, {store}"));
-                let before = match side {
-                    Some(side) => Some(side.command_stats().await?),
-                    None => None,
-                };
-                let report = timed(&mut figures, &what, &client, &url, &keys, n, c).await?;
-                if let (Some(side), Some(before)) = (side, before) {
-                    let after = side.command_stats().await?;
-                    crate::cpu_figure(&mut figures, &what, &report, &before, &after);
-                }
+                let mut server = Vec::new();
+                let report = timed(&mut figures, &what, &client, &url, &keys, n, c);
+                let report = crate::with_cpu(&mut server, side, &what, report).await?;
+                figures.extend(server);
                 Ok::<_, String>(report)
             };
             let new = phase("new keys").await?;

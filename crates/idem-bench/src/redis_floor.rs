@@ -34,15 +34,8 @@ pub struct RedisSide {
     prefix: String,
 }
 
-impl std::fmt::Debug for RedisSide {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let nodes: Vec<&str> = self.primaries.iter().map(|(a, _)| a.as_str()).collect();
-        f.debug_struct("RedisSide")
-            .field("primaries", &nodes)
-            .field("prefix", &self.prefix)
-            .finish()
-    }
-}
+/// How many keys [`RedisSide::mean_memory_usage`] samples.
+pub const SAMPLES: usize = 200;
 
 /// Calls and microseconds of each command, summed over the primaries.
 pub type CommandStats = BTreeMap<String, (u64, u64)>;
@@ -183,7 +176,7 @@ impl RedisSide {
     pub async fn used_memory(&self) -> Result<u64, String> {
         let mut total = 0;
         for (addr, text) in self.info("memory").await? {
-            total += info_field(&text, "used_memory")
+            total += info_field::<u64>(&text, "used_memory")
                 .ok_or_else(|| format!("redis {addr}: INFO memory has no used_memory"))?;
         }
         Ok(total)
@@ -195,10 +188,7 @@ impl RedisSide {
         let mut total = 0.0;
         for (addr, text) in self.info("cpu").await? {
             for field in ["used_cpu_sys", "used_cpu_user"] {
-                total += text
-                    .lines()
-                    .find_map(|l| l.trim().strip_prefix(field)?.strip_prefix(':'))
-                    .and_then(|v| v.parse::<f64>().ok())
+                total += info_field::<f64>(&text, field)
                     .ok_or_else(|| format!("redis {addr}: INFO cpu has no {field}"))?;
             }
         }
@@ -219,12 +209,27 @@ impl RedisSide {
         Ok(out)
     }
 
-    /// `MEMORY USAGE key SAMPLES 0` (the whole value counted); the cluster client routes it
-    /// to the key's node.
-    pub async fn memory_usage(&self, key: &str) -> Result<Option<u64>, String> {
-        let mut cmd = redis::cmd("MEMORY");
-        cmd.arg("USAGE").arg(key).arg("SAMPLES").arg(0);
-        self.query(&cmd).await
+    /// The mean `MEMORY USAGE key SAMPLES 0` (the whole value counted; the cluster client
+    /// routes it to the key's node) of up to [`SAMPLES`] keys spread evenly over
+    /// `key(0..n)`.
+    pub async fn mean_memory_usage(
+        &self,
+        n: usize,
+        key: impl Fn(usize) -> Result<String, String>,
+    ) -> Result<f64, String> {
+        let (mut total, mut count) = (0u64, 0u64);
+        for i in (0..n).step_by((n / SAMPLES).max(1)).take(SAMPLES) {
+            let mut cmd = redis::cmd("MEMORY");
+            cmd.arg("USAGE").arg(key(i)?).arg("SAMPLES").arg(0);
+            if let Some(bytes) = self.query::<Option<u64>>(&cmd).await? {
+                total += bytes;
+                count += 1;
+            }
+        }
+        if count == 0 {
+            return Err("MEMORY USAGE found none of the sampled keys".into());
+        }
+        Ok(total as f64 / count as f64)
     }
 
     async fn info(&self, section: &str) -> Result<Vec<(String, String)>, String> {
@@ -303,7 +308,8 @@ pub fn stats_delta(before: &CommandStats, after: &CommandStats) -> CommandStats 
         .collect()
 }
 
-fn info_field(text: &str, key: &str) -> Option<u64> {
+/// The value of `key` in an `INFO` reply.
+fn info_field<T: std::str::FromStr>(text: &str, key: &str) -> Option<T> {
     text.lines()
         .find_map(|l| l.trim().strip_prefix(key)?.strip_prefix(':'))
         .and_then(|v| v.parse().ok())
@@ -342,6 +348,6 @@ mod tests {
     fn info_fields_by_exact_name() {
         let text = "# Memory\r\nused_memory:1000\r\nused_memory_human:1000B\r\n";
         assert_eq!(info_field(text, "used_memory"), Some(1000));
-        assert_eq!(info_field(text, "used_memory_rss"), None);
+        assert_eq!(info_field::<u64>(text, "used_memory_rss"), None);
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemkit::outbox::{Relay, TieredStore};
-use idemkit::{Begin, BeginRequest, FencingToken, Fingerprint, Store};
+use idemkit::Begin;
 use tokio::sync::Semaphore;
 
 use crate::phases::{drive, Bench};
@@ -19,17 +19,7 @@ async fn complete_unpublished(
     phase: &str,
     i: usize,
 ) -> Result<(), String> {
-    let id = bench.id(phase, i)?;
-    let begin = tiered
-        .begin(BeginRequest {
-            id: &id,
-            fingerprint: Fingerprint::of_bytes(b"bench"),
-            token: FencingToken::random(),
-            lease: bench.lease,
-            retention: bench.retention,
-        })
-        .await
-        .map_err(|e| e.to_string())?;
+    let begin = bench.begin(&bench.id(phase, i)?).await?;
     let Begin::Acquired(lease) = begin else {
         return Err(format!("a new key was not acquired: {begin:?}"));
     };
@@ -103,15 +93,14 @@ pub async fn drain(
     ))
 }
 
-/// Runs the relay while completions arrive at `rate` per second for `seconds`; samples the
-/// age of the oldest waiting outbox row every 10 ms. The report's "latencies" are those
-/// samples (an upper bound on each record's lag at that moment).
-pub async fn lag(
-    bench: &Bench,
-    tiered: &TieredStore,
-    rate: u32,
-    seconds: u64,
-) -> Result<PhaseReport, String> {
+/// Completions per second while [`lag`] measures.
+pub const RATE: u32 = 1_000;
+
+/// Runs the relay while completions arrive at [`RATE`] per second for 5 s; samples the age
+/// of the oldest waiting outbox row every 10 ms. The report's "latencies" are those samples
+/// (an upper bound on each record's lag at that moment).
+pub async fn lag(bench: &Bench, tiered: &TieredStore) -> Result<PhaseReport, String> {
+    let (rate, seconds) = (RATE, 5);
     let relay = Arc::new(Relay::new(tiered.pg().clone(), tiered.redis().clone()));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let worker = {

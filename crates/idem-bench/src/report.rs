@@ -96,8 +96,43 @@ impl PhaseReport {
     }
 }
 
+/// Prints a run: one JSON document (`doc`, with the phases and the figures added), or
+/// `header`, then the phases' table (when there are any) and the figures.
+pub fn print(
+    json: bool,
+    mut doc: serde_json::Value,
+    header: &str,
+    reports: &[PhaseReport],
+    figures: &[Figure],
+) {
+    if json {
+        if !reports.is_empty() {
+            doc["phases"] = reports.iter().map(PhaseReport::to_json).collect();
+        }
+        doc["figures"] = figures.iter().map(Figure::to_json).collect();
+        println!("{doc:#}");
+        return;
+    }
+    println!("{header}");
+    if !reports.is_empty() {
+        print_table(reports);
+    }
+    print_figures(figures);
+}
+
+/// The median of `values` (NaN when there are none).
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// Prints the phases as an aligned table.
-pub fn print_table(reports: &[PhaseReport]) {
+fn print_table(reports: &[PhaseReport]) {
     println!(
         "{:<22} {:>4} {:>8} {:>10} {:>9} {:>9} {:>9}  outcomes",
         "phase", "C", "ops", "ops/s", "p50 µs", "p99 µs", "p99.9 µs"
@@ -202,7 +237,7 @@ impl Figure {
 }
 
 /// Prints the derived figures, one a line.
-pub fn print_figures(figures: &[Figure]) {
+fn print_figures(figures: &[Figure]) {
     if figures.is_empty() {
         return;
     }
