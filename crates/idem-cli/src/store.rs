@@ -114,26 +114,4 @@ mod tests {
             assert!(!msg.contains("hunter2"), "{msg}");
         }
     }
-
-    #[tokio::test]
-    async fn opening_an_unreachable_store_names_it_without_its_password() {
-        // A port nothing listens on.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let args = StoreArg {
-            store: format!("redis://:hunter2@127.0.0.1:{port}"),
-            prefix: None,
-            schema: None,
-        };
-        let url = parse(&args.store).unwrap();
-        let Err(CliError::Open(msg)) = open(&url, &args, SchemaMode::Require, false).await else {
-            panic!("nothing listens on port {port}")
-        };
-        assert!(msg.contains("redis://:***@127.0.0.1:"), "{msg}");
-        assert!(msg.contains("connection refused"), "{msg}");
-        assert!(!msg.contains("hunter2"), "{msg}");
-    }
 }

@@ -5,150 +5,41 @@
 //! PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`) and the tiered store of both
 //! (`mod tiered`); `scripts/test` provides the URLs.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+mod support;
+
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use hyper::StatusCode;
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
+use idem_testkit::harness::eventually;
+use support::{
+    call, client, exits, idem, json, ms, ok_json, request, run, run_with, secs, send, HttpClient,
+    Proc, Reply, BIN,
+};
 
-const BIN: &str = env!("CARGO_BIN_EXE_idem");
-
-/// The server process; killed if a test fails before stopping it.
-struct Served {
-    child: Option<Child>,
-    base: String,
-}
-
-impl Served {
-    /// Kills the server as a crash would (SIGKILL: no shutdown code runs) and reaps it.
-    fn kill_9(&mut self) {
-        let mut child = self.child.take().expect("the server is running");
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn spawn_serve() -> Served {
+/// `idem serve --store memory` on a free port.
+fn spawn_serve() -> Proc {
     spawn_serve_on("memory")
 }
 
 /// `idem serve --store <store>` on a free port.
-fn spawn_serve_on(store: &str) -> Served {
+fn spawn_serve_on(store: &str) -> Proc {
     spawn_serve_with(store, &[])
 }
 
-/// `idem serve --store <store> --migrate <extra>` on a free port.
-fn spawn_serve_with(store: &str, extra: &[&str]) -> Served {
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-            store,
-            "--migrate",
-        ])
-        .args(extra)
-        .env_remove("IDEM_STORE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn idem serve");
-    let stdout = child.stdout.take().unwrap();
-    // The first line names the URL; port 0 let the OS pick a free one.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let mut served = Served {
-        child: Some(child),
-        base: String::new(),
-    };
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("idem serve printed no URL within 30 s");
-    let Some(base) = line.split_whitespace().find(|w| w.starts_with("http://")) else {
-        // It stopped (say, the store could not be opened): show why.
-        let mut child = served.child.take().unwrap();
-        let _ = child.kill();
-        let out = child.wait_with_output().unwrap();
-        panic!(
-            "idem serve printed no URL ({line:?}); stderr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    served.base = base.to_owned();
-    served
-}
-
-type Request = hyper::Request<Full<Bytes>>;
-
-struct Reply {
-    status: StatusCode,
-    headers: hyper::HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-}
-
-/// The [`request`] sent, and its reply; the test fails if the connection breaks.
-async fn call(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    method: &str,
-    url: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Reply {
-    send(client, request(method, url, headers, body))
-        .await
-        .unwrap()
-}
-
-/// The request `method url` with `headers` and `body`.
-fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Request {
-    let mut req = hyper::Request::builder().method(method).uri(url);
-    for (n, v) in headers {
-        req = req.header(*n, *v);
-    }
-    req.body(Full::new(Bytes::from(body.to_owned()))).unwrap()
-}
-
-/// Sends `req`, for a request whose connection may break: the error as text then.
-async fn send(client: &Client<HttpConnector, Full<Bytes>>, req: Request) -> Result<Reply, String> {
-    let response = client.request(req).await.map_err(|e| e.to_string())?;
-    let (parts, body) = response.into_parts();
-    Ok(Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.map_err(|e| e.to_string())?.to_bytes(),
-    })
+/// `idem serve --store <store> --migrate <extra>` on a free port; its base URL is
+/// `Proc::printed`.
+fn spawn_serve_with(store: &str, extra: &[&str]) -> Proc {
+    let args = ["serve", "--listen", "127.0.0.1:0", "--store", store];
+    let mut command = idem(&args);
+    command.arg("--migrate").args(extra);
+    Proc::listening(command)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     let mut served = spawn_serve();
     let client = client();
-    let payments = format!("{}/payments", served.base);
+    let payments = format!("{}/payments", served.printed);
     let alice = "Bearer alice";
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
 
@@ -215,16 +106,26 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     );
 
     // The side effect ran once per key: two payments for alice, none for bob.
-    assert_eq!(list(&client, &served.base, alice).await["count"], 2);
+    assert_eq!(list(&client, &served.printed, alice).await["count"], 2);
     let one = format!("{payments}/{id}");
     let alices = call(&client, "GET", &one, &[("authorization", alice)], "").await;
     assert_eq!(alices.json()["id"], id.as_str());
-    assert_eq!(list(&client, &served.base, "Bearer bob").await["count"], 0);
+    assert_eq!(
+        list(&client, &served.printed, "Bearer bob").await["count"],
+        0
+    );
     let bob = ("authorization", "Bearer bob");
     let not_bobs = call(&client, "GET", &one, &[bob], "").await;
     assert_eq!(not_bobs.status, StatusCode::NOT_FOUND);
 
-    let metrics = call(&client, "GET", &format!("{}/metrics", served.base), &[], "").await;
+    let metrics = call(
+        &client,
+        "GET",
+        &format!("{}/metrics", served.printed),
+        &[],
+        "",
+    )
+    .await;
     let text = String::from_utf8(metrics.body.to_vec()).unwrap();
     let metric = |outcome: &str| -> u64 {
         let prefix = format!("idem_http_requests_total{{outcome=\"{outcome}\"}} ");
@@ -251,103 +152,51 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     );
 
     // SIGTERM: a clean stop.
-    let mut child = served.child.take().unwrap();
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
+    let exit = tokio::task::spawn_blocking(move || served.terminate())
+        .await
         .unwrap();
-    assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let exit = loop {
-        if let Some(exit) = child.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "idem serve did not stop on SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
     assert!(exit.success(), "exit status {exit}");
-}
-
-/// `idem <args>` to its end: its exit code, stdout and stderr. A command still running after
-/// two minutes (a `serve` that should have refused to start, a hung command) is killed and
-/// reported with the code -1, so the test fails instead of hanging.
-fn run(args: &[&str]) -> (i32, String, String) {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .env_remove("IDEM_STORE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Read both pipes while the command runs, so a long output never blocks it.
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = Vec::new();
-            let _ = pipe.read_to_end(&mut text);
-            String::from_utf8_lossy(&text).into_owned()
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let status = child.wait().unwrap();
-    (
-        status.code().unwrap_or(-1),
-        stdout.join().unwrap(),
-        stderr.join().unwrap(),
-    )
 }
 
 #[test]
 fn operator_commands_say_clearly_what_they_cannot_do() {
-    let (code, _, err) = run(&["inspect", "order-1", "--scope", "alice"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("memory store lives inside one"), "{err}");
-
     // A store nothing answers for: exit 3, naming the store but not its password.
-    let closed = format!(
-        "redis://:hunter2@127.0.0.1:{}",
-        idem_testkit::harness::free_port()
-    );
-    let (code, _, err) = run(&["evict", "order-1", "--store", &closed]);
-    assert_eq!(code, 3, "{err}");
-    assert!(
-        err.contains("cannot open store redis://:***@127.0.0.1:"),
-        "{err}"
-    );
-    assert!(!err.contains("hunter2"), "{err}");
-    let (code, _, err) = run(&["serve", "--store", &closed.replace("redis", "postgres")]);
-    assert_eq!(code, 3, "{err}");
-    assert!(err.contains("cannot open store postgres://:***@"), "{err}");
-
-    let (code, _, err) = run(&["stats"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("memory store lives inside one"), "{err}");
+    let port = idem_testkit::harness::free_port();
+    let closed = format!("redis://:hunter2@127.0.0.1:{port}");
+    let closed_pg = closed.replace("redis", "postgres");
+    let cases: [(&[&str], i32, &str); 7] = [
+        (
+            &["inspect", "order-1", "--scope", "alice"],
+            2,
+            "memory store lives inside one",
+        ),
+        (
+            &["evict", "order-1", "--store", &closed],
+            3,
+            "cannot open store redis://:***@127.0.0.1:",
+        ),
+        (
+            &["serve", "--store", &closed_pg],
+            3,
+            "cannot open store postgres://:***@",
+        ),
+        (&["stats", "--store", &closed], 3, "(connection refused)"),
+        (&["stats"], 2, "memory store lives inside one"),
+        (&["inspect", "has space"], 2, "invalid key"),
+        (&["serve", "--store", "mysql://x"], 2, "unknown store"),
+    ];
+    for (args, code, says) in cases {
+        let (got, _, err) = run(args);
+        assert_eq!(got, code, "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("hunter2"), "{args:?}: {err}");
+    }
 
     // `--help` names IDEM_STORE but never prints its value, which may hold a password.
-    let out = Command::new(BIN)
-        .args(["inspect", "--help"])
-        .env("IDEM_STORE", "postgres://app:hunter2@db/pay")
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&out.stdout);
+    let store = ("IDEM_STORE", "postgres://app:hunter2@db/pay");
+    let (_, help, _) = run_with(&["inspect", "--help"], &[store]);
     assert!(help.contains("IDEM_STORE"), "{help}");
     assert!(!help.contains("hunter2"), "{help}");
-
-    let (code, _, err) = run(&["inspect", "has space"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("invalid key"), "{err}");
-
-    let (code, _, err) = run(&["serve", "--store", "mysql://x"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("unknown store"), "{err}");
 }
 
 /// The operator commands against a shared store, next to `idem serve` on the same store:
@@ -357,7 +206,7 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
 async fn operator_commands_over(store: &str) {
     let served = spawn_serve_on(store);
     let client = client();
-    let payments = format!("{}/payments", served.base);
+    let payments = format!("{}/payments", served.printed);
     let caller = format!("ops-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {caller}");
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
@@ -375,28 +224,21 @@ async fn operator_commands_over(store: &str) {
             call(&client, "POST", &payments, &headers, order).await
         })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let in_flight = loop {
+    let inspect = || async {
         let (code, out, err) = cmd(&["inspect", "order-1", "--scope", &caller, "--json"]);
-        if code == 0 {
-            break serde_json::from_str::<serde_json::Value>(&out).unwrap();
+        if code != 0 {
+            assert_eq!(code, 1, "{err}");
+            assert!(err.contains("no record for"), "{err}");
         }
-        assert_eq!(code, 1, "{err}");
-        assert!(err.contains("no record for"), "{err}");
-        assert!(
-            Instant::now() < deadline,
-            "the request never reached the store"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        (code == 0).then(|| json(&out))
     };
+    let in_flight = eventually("the request in the store", secs(10), ms(50), inspect).await;
     assert_eq!(in_flight["state"], "in_progress", "{in_flight}");
     assert_eq!(in_flight["scope"], caller.as_str());
     assert_eq!(in_flight["attempt"], 1);
     assert_eq!(in_flight["lease"]["expired"], false, "{in_flight}");
     assert!(in_flight["lease"]["remaining_ms"].as_u64().unwrap() > 0);
-    let (code, out, err) = cmd(&["stats", "--scope", &caller, "--json"]);
-    assert_eq!(code, 0, "{err}");
-    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let stats = ok_json(cmd(&["stats", "--scope", &caller, "--json"]));
     assert_eq!(stats["in_flight"], 1, "{stats}");
     assert_eq!(stats["succeeded"], 0, "{stats}");
 
@@ -405,9 +247,7 @@ async fn operator_commands_over(store: &str) {
     let payment_id = first.json()["id"].as_str().unwrap().to_owned();
 
     // Completed: the stored response is the one the client got.
-    let (code, out, err) = cmd(&["inspect", "order-1", "--scope", &caller, "--json"]);
-    assert_eq!(code, 0, "{err}");
-    let done: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let done = ok_json(cmd(&["inspect", "order-1", "--scope", &caller, "--json"]));
     assert_eq!(done["state"], "completed", "{done}");
     assert_eq!(done["completion"]["kind"], "succeeded");
     assert_eq!(done["completion"]["status"], 201);
@@ -424,9 +264,7 @@ async fn operator_commands_over(store: &str) {
     );
     assert!(text.contains(&payment_id), "{text}");
 
-    let (code, out, err) = cmd(&["stats", "--scope", &caller, "--json"]);
-    assert_eq!(code, 0, "{err}");
-    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let stats = ok_json(cmd(&["stats", "--scope", &caller, "--json"]));
     assert_eq!(stats["in_flight"], 0, "{stats}");
     assert_eq!(stats["succeeded"], 1, "{stats}");
     assert_eq!(stats["failed"], 0, "{stats}");
@@ -447,13 +285,9 @@ async fn operator_commands_over(store: &str) {
         out,
         format!("evicted key \"order-1\" in scope \"{caller}\"\n")
     );
-    let (code, _, err) = cmd(&["inspect", "order-1", "--scope", &caller]);
-    assert_eq!(code, 1, "{err}");
-    let (code, _, err) = cmd(&["evict", "order-1", "--scope", &caller]);
-    assert_eq!(code, 1, "{err}");
-    let (code, out, err) = cmd(&["stats", "--scope", &caller, "--json"]);
-    assert_eq!(code, 0, "{err}");
-    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    exits(1, cmd(&["inspect", "order-1", "--scope", &caller]));
+    exits(1, cmd(&["evict", "order-1", "--scope", &caller]));
+    let stats = ok_json(cmd(&["stats", "--scope", &caller, "--json"]));
     assert_eq!(stats["succeeded"], 0, "{stats}");
 
     let again = call(&client, "POST", &payments, &headers, order).await;
@@ -464,7 +298,7 @@ async fn operator_commands_over(store: &str) {
         payment_id.as_str(),
         "the key did not run again"
     );
-    assert_eq!(list(&client, &served.base, &auth).await["count"], 2);
+    assert_eq!(list(&client, &served.printed, &auth).await["count"], 2);
 }
 
 /// A payer of the test's own: its name (`<prefix>-<random>`, as the demo's rows name their
@@ -473,11 +307,6 @@ fn payer(prefix: &str) -> (String, String) {
     let owner = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {owner}");
     (owner, auth)
-}
-
-/// A client for the tests' requests.
-fn client() -> Arc<Client<HttpConnector, Full<Bytes>>> {
-    Arc::new(Client::builder(TokioExecutor::new()).build_http())
 }
 
 /// The headers of a JSON payment by `auth` (`Bearer <name>`) under `key`, then `extra`.
@@ -496,11 +325,7 @@ fn payment<'a>(
 }
 
 /// `GET /payments` as `auth`: the caller's payments, as the server lists them.
-async fn list(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    base: &str,
-    auth: &str,
-) -> serde_json::Value {
+async fn list(client: &HttpClient, base: &str, auth: &str) -> serde_json::Value {
     let url = format!("{base}/payments");
     let reply = call(client, "GET", &url, &[("authorization", auth)], "").await;
     assert_eq!(reply.status, StatusCode::OK);
@@ -516,16 +341,37 @@ async fn payment_rows(pool: &sqlx::PgPool, owner: &str) -> i64 {
         .unwrap()
 }
 
+/// `send()` again every 200 ms while it answers `status`, for 20 s at most: the last reply.
+async fn retry_while<F>(status: u16, mut send: impl FnMut() -> F) -> Reply
+where
+    F: std::future::Future<Output = Reply>,
+{
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let reply = send().await;
+        if reply.status != status || Instant::now() > deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `order` paid by `auth` under `key` through `served`.
+async fn pay(client: &HttpClient, served: &Proc, auth: &str, key: &str, order: &str) -> Reply {
+    let url = format!("{}/payments", served.printed);
+    call(client, "POST", &url, &payment(auth, key, &[]), order).await
+}
+
 /// `order` paid by `auth` under the key `order-1` with the `extra` header, sent in the
 /// background to `served`, which the test kills mid-request (so the reply may be an error).
 fn pay_in_background(
-    client: &Arc<Client<HttpConnector, Full<Bytes>>>,
-    served: &Served,
+    client: &HttpClient,
+    served: &Proc,
     auth: &str,
     extra: (&str, &str),
     order: &str,
 ) -> tokio::task::JoinHandle<Result<Reply, String>> {
-    let url = format!("{}/payments", served.base);
+    let url = format!("{}/payments", served.printed);
     let req = request("POST", &url, &payment(auth, "order-1", &[extra]), order);
     let client = client.clone();
     tokio::spawn(async move { send(&client, req).await })
@@ -543,29 +389,17 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
 
     let hold_after_commit = ("x-demo-delay-after-commit-ms", "30000");
     let first = pay_in_background(&client, &served, &auth, hold_after_commit, order);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while payment_rows(&pool, &owner).await == 0 {
-        assert!(Instant::now() < deadline, "the payment was never committed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let committed = || async { (payment_rows(&pool, &owner).await > 0).then_some(()) };
+    eventually("the payment committed", secs(20), ms(20), committed).await;
     // The payment is committed and its response not yet written: kill -9.
     served.kill_9();
     assert!(first.await.unwrap().is_err(), "the killed server answered");
 
     let served = spawn_serve_on(store);
-    let payments = format!("{}/payments", served.base);
-    let headers = payment(&auth, "order-1", &[]);
     // On the tiered store the killed process's Redis lease answers 409 until the relay
     // copies the committed completion into Redis (as the README says): retry as a client
     // would, after Retry-After. PostgreSQL alone replays at once.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let retry = loop {
-        let reply = call(&client, "POST", &payments, &headers, order).await;
-        if reply.status != StatusCode::CONFLICT || Instant::now() > deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let retry = retry_while(409, || pay(&client, &served, &auth, "order-1", order)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(
@@ -573,7 +407,7 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
         1,
         "the payment was made twice"
     );
-    let listed = list(&client, &served.base, &auth).await;
+    let listed = list(&client, &served.printed, &auth).await;
     assert_eq!(listed["count"], 1);
     assert_eq!(listed["payments"][0]["id"], retry.json()["id"]);
 }
@@ -596,11 +430,9 @@ async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database
     assert!(first.await.unwrap().is_err(), "the killed server answered");
 
     let served = spawn_serve_with(store, &["--lease", "2"]);
-    let url = format!("{}/payments", served.base);
-    let headers = payment(&auth, "order-1", &[]);
     let mut refused = 0;
     let retry = loop {
-        let reply = call(&client, "POST", &url, &headers, order).await;
+        let reply = pay(&client, &served, &auth, "order-1", order).await;
         if reply.status != StatusCode::CONFLICT {
             break reply;
         }
@@ -625,10 +457,8 @@ async fn serve_purges_expired_records(store: &str, database: &str) {
     let client = client();
     let (owner, auth) = payer("purge");
     let served = spawn_serve_with(store, &["--retention", "1", "--purge-every", "1"]);
-    let url = format!("{}/payments", served.base);
-    let headers = payment(&auth, "order-1", &[]);
     let order = r#"{"amount": 100, "currency": "EUR"}"#;
-    let made = call(&client, "POST", &url, &headers, order).await;
+    let made = pay(&client, &served, &auth, "order-1", order).await;
     assert_eq!(made.status, StatusCode::CREATED, "{:?}", made.body);
     let records = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idem.records WHERE scope = $1")
@@ -638,14 +468,8 @@ async fn serve_purges_expired_records(store: &str, database: &str) {
             .unwrap()
     };
     assert_eq!(records().await, 1, "the completed record was not stored");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while records().await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the expired record is still there 15 s later"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let purged = || async { (records().await == 0).then_some(()) };
+    eventually("the expired record purged", secs(15), ms(200), purged).await;
     // The payment itself stays: only idempotency records expire.
     assert_eq!(payment_rows(&pool, &owner).await, 1);
 }
@@ -661,7 +485,7 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
 
     let mut tasks = Vec::new();
     for i in 0..40 {
-        let url = format!("{}/payments", servers[i % 2].base);
+        let url = format!("{}/payments", servers[i % 2].printed);
         let (client, auth) = (client.clone(), auth.clone());
         tasks.push(tokio::spawn(async move {
             let headers = payment(&auth, "race-40", &[("x-demo-delay-ms", "300")]);
@@ -685,7 +509,7 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
         "the race paid more than once"
     );
     for server in &servers {
-        let listed = list(&client, &server.base, &auth).await;
+        let listed = list(&client, &server.printed, &auth).await;
         assert_eq!(listed["count"], 1);
         assert_eq!(listed["payments"][0]["id"], created[0]);
     }
@@ -808,32 +632,25 @@ mod tiered {
         let mut served = super::spawn_serve_on(&store);
         let client = super::client();
         let (_, auth) = super::payer("down");
-        let url = format!("{}/payments", served.base);
         let order = r#"{"amount": 300, "currency": "EUR"}"#;
-        let headers = super::payment(&auth, "order-1", &[]);
-        let first = super::call(&client, "POST", &url, &headers, order).await;
-        assert_eq!(first.status, super::StatusCode::CREATED, "{:?}", first.body);
-        let again = super::call(&client, "POST", &url, &headers, order).await;
-        assert_eq!(again.status, super::StatusCode::CREATED, "{:?}", again.body);
-        assert_eq!(again.headers["idempotent-replayed"], "true");
+        let pay = |key| super::pay(&client, &served, &auth, key, order);
+        for replayed in [false, true] {
+            let paid = pay("order-1").await;
+            assert_eq!(paid.status, 201, "{:?}", paid.body);
+            assert_eq!(paid.replayed(), replayed);
+        }
 
         redis.start_again().expect("restart redis-server");
         // The server notices within its one-second probe.
         tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
-        let headers = super::payment(&auth, "order-2", &[]);
-        let second = super::call(&client, "POST", &url, &headers, order).await;
+        let second = pay("order-2").await;
+        assert_eq!(second.status, 201, "{:?}", second.body);
         assert_eq!(
-            second.status,
-            super::StatusCode::CREATED,
-            "{:?}",
-            second.body
+            super::list(&client, &served.printed, &auth).await["count"],
+            2
         );
-        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 2);
 
-        let mut child = served.child.take().unwrap();
-        child.kill().unwrap();
-        let out = child.wait_with_output().unwrap();
-        let log = String::from_utf8_lossy(&out.stderr);
+        let log = served.stop();
         assert!(log.contains("Redis unreachable at start"), "{log}");
         assert!(log.contains("Redis reachable"), "{log}");
     }
@@ -889,30 +706,6 @@ mod tls {
         );
         super::operator_commands_over(&url).await;
     }
-}
-
-/// `idem` with `args` and extra environment variables.
-fn run_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
-    let out = Command::new(BIN)
-        .args(args)
-        .env_remove("IDEM_STORE")
-        .env_remove("IDEM_PREFIX")
-        .env_remove("IDEM_SCHEMA")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// The JSON document of `text`: stdout, or the last line of stderr (the error after the
-/// log lines, all JSON with `--json`).
-fn json(text: &str) -> serde_json::Value {
-    let text = text.trim().lines().last().unwrap_or_default();
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"))
 }
 
 /// Records written through the library, as an application would.
@@ -990,19 +783,10 @@ mod redis_persistence {
             // One payment, so that every store has been used (a store may check its server
             // on first use rather than at start).
             let (_, auth) = super::payer("persist");
-            let paid = super::call(
-                &client,
-                "POST",
-                &format!("{}/payments", served.base),
-                &super::payment(&auth, "k", &[]),
-                r#"{"amount": 1, "currency": "EUR"}"#,
-            )
-            .await;
+            let order = r#"{"amount": 1, "currency": "EUR"}"#;
+            let paid = super::pay(&client, &served, &auth, "k", order).await;
             assert_eq!(paid.status, 201, "{store}");
-            let mut child = served.child.take().unwrap();
-            child.kill().unwrap();
-            let out = child.wait_with_output().unwrap();
-            let log = String::from_utf8_lossy(&out.stderr);
+            let log = served.stop();
             assert_eq!(
                 log.contains("REDIS PERSISTS NOTHING"),
                 warned,
@@ -1010,8 +794,7 @@ mod redis_persistence {
             );
         }
         // An operator's command starts no store: reading a record is no moment to warn.
-        let (code, _, err) = super::run(&["stats", "--store", &bare.url()]);
-        assert_eq!(code, 0, "{err}");
+        let err = super::exits(0, super::run(&["stats", "--store", &bare.url()]));
         assert!(!err.contains("REDIS PERSISTS NOTHING"), "{err}");
     }
 }
@@ -1027,7 +810,7 @@ mod memory {
         let served = super::spawn_serve();
         let client = super::client();
         let (_, auth) = super::payer("final");
-        let url = format!("{}/payments", served.base);
+        let url = format!("{}/payments", served.printed);
         let order = r#"{"amount": 300, "currency": "EUR"}"#;
 
         let bad = super::payment(&auth, "order-1", &[("x-demo-delay-ms", "soon")]);
@@ -1035,26 +818,26 @@ mod memory {
         assert_eq!(refused.status, 400, "{:?}", refused.body);
         assert_eq!(refused.headers["content-type"], "application/problem+json");
         // The header fixed: the payment runs, rather than the 400 being replayed.
-        let fixed = super::payment(&auth, "order-1", &[]);
-        let paid = super::call(&client, "POST", &url, &fixed, order).await;
+        let paid = super::pay(&client, &served, &auth, "order-1", order).await;
         assert_eq!(paid.status, 201, "{:?}", paid.body);
-        assert!(paid.headers.get("idempotent-replayed").is_none());
+        assert!(!paid.replayed());
 
         let one = format!("{url}/pay_0000000000000000");
         let patch = super::payment(&auth, "order-2", &[]);
         let not_allowed = super::call(&client, "PATCH", &one, &patch, order).await;
         assert_eq!(not_allowed.status, 405);
-        assert_eq!(
-            not_allowed.headers["content-type"],
-            "application/problem+json"
-        );
+        let problem = Some("application/problem+json");
+        assert_eq!(not_allowed.header("content-type"), problem);
         assert!(not_allowed.headers.contains_key("allow"));
         assert_eq!(not_allowed.json()["status"], 405);
         // The same key on the right route runs: no 405 was stored under it (that would
         // answer 422, another request under the same key).
         let paid = super::call(&client, "POST", &url, &patch, order).await;
         assert_eq!(paid.status, 201, "{:?}", paid.body);
-        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 2);
+        assert_eq!(
+            super::list(&client, &served.printed, &auth).await["count"],
+            2
+        );
     }
 }
 
@@ -1080,8 +863,7 @@ mod redis_password {
             .query::<()>(&mut conn)
             .expect("set a password");
         let url = server.url().replacen("redis://", "redis://:wrong@", 1);
-        let (code, _, err) = super::run(&["stats", "--store", &url]);
-        assert_eq!(code, 3, "{err}");
+        let err = super::exits(3, super::run(&["stats", "--store", &url]));
         assert!(!err.contains("maxmemory"), "{err}");
         assert!(err.to_lowercase().contains("pass"), "{err}");
         assert!(!err.contains(":wrong@"), "{err}");
@@ -1105,37 +887,25 @@ mod redis_outage {
         let mut served = super::spawn_serve_on(&redis.url());
         let client = super::client();
         let (_, auth) = super::payer("outage");
-        let url = format!("{}/payments", served.base);
         let order = r#"{"amount": 300, "currency": "EUR"}"#;
-        let headers = super::payment(&auth, "order-1", &[]);
-        let refused = super::call(&client, "POST", &url, &headers, order).await;
+        let pay = || super::pay(&client, &served, &auth, "order-1", order);
+        let refused = pay().await;
+        assert_eq!(refused.status, 503, "{:?}", refused.body);
         assert_eq!(
-            refused.status,
-            super::StatusCode::SERVICE_UNAVAILABLE,
-            "{:?}",
-            refused.body
+            super::list(&client, &served.printed, &auth).await["count"],
+            0
         );
-        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 0);
 
         redis.start_again().expect("restart redis-server");
         // The store reconnects on its next call; allow it a few tries.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let paid = loop {
-            let reply = super::call(&client, "POST", &url, &headers, order).await;
-            if reply.status != super::StatusCode::SERVICE_UNAVAILABLE
-                || std::time::Instant::now() > deadline
-            {
-                break reply;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        };
-        assert_eq!(paid.status, super::StatusCode::CREATED, "{:?}", paid.body);
-        assert_eq!(super::list(&client, &served.base, &auth).await["count"], 1);
+        let paid = super::retry_while(503, pay).await;
+        assert_eq!(paid.status, 201, "{:?}", paid.body);
+        assert_eq!(
+            super::list(&client, &served.printed, &auth).await["count"],
+            1
+        );
 
-        let mut child = served.child.take().unwrap();
-        child.kill().unwrap();
-        let out = child.wait_with_output().unwrap();
-        let log = String::from_utf8_lossy(&out.stderr);
+        let log = served.stop();
         assert_eq!(
             log.matches("Redis unreachable at start").count(),
             1,
@@ -1306,9 +1076,7 @@ mod redis_broken {
             super::run(&all)
         };
 
-        let (code, out, err) = cmd(&["stats", "--stuck-after", "0", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stats", "--stuck-after", "0", "--json"]));
         assert_eq!(doc["succeeded"], 1, "{doc}");
         assert_eq!(doc["stuck"], 1, "{doc}");
         assert_eq!(doc["corrupt"], 5, "{doc}");
@@ -1318,9 +1086,7 @@ mod redis_broken {
         assert!(text.contains("corrupt         5"), "{text}");
         assert!(text.contains("ALARM"), "{text}");
 
-        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stuck", "--stuck-after", "0", "--json"]));
         let rows = doc["records"].as_array().unwrap();
         let of = |problem: &str| -> Vec<&serde_json::Value> {
             rows.iter().filter(|r| r["problem"] == problem).collect()
@@ -1347,22 +1113,18 @@ mod redis_broken {
         assert!(text.contains("idem evict"), "{text}");
 
         // `inspect` names what is wrong, and how to clear it.
-        let (code, _, err) = cmd(&["inspect", "tag", "--scope", "s"]);
-        assert_eq!(code, 4, "{err}");
+        let err = super::exits(4, cmd(&["inspect", "tag", "--scope", "s"]));
         assert!(err.contains("unknown record tag 'v'"), "{err}");
         assert!(err.contains("idem evict tag --scope s"), "{err}");
-        let (code, _, err) = cmd(&["inspect", "hash", "--scope", "s"]);
-        assert_eq!(code, 4, "{err}");
+        let err = super::exits(4, cmd(&["inspect", "hash", "--scope", "s"]));
         assert!(err.contains("another type"), "{err}");
-        let (code, _, err) = cmd(&["inspect", "meta", "--scope", "s", "--json"]);
-        assert_eq!(code, 4, "{err}");
+        let err = super::exits(4, cmd(&["inspect", "meta", "--scope", "s", "--json"]));
         let doc = super::json(&err);
         assert_eq!(doc["error"]["kind"], "corrupt");
         assert_eq!(doc["error"]["exit_code"], 4);
 
         // Evicted, the key is no longer counted.
-        let (code, _, err) = cmd(&["evict", "tag", "--scope", "s"]);
-        assert_eq!(code, 0, "{err}");
+        super::exits(0, cmd(&["evict", "tag", "--scope", "s"]));
         let (_, out, _) = cmd(&["stats", "--json"]);
         assert_eq!(super::json(&out)["corrupt"], 4);
 
@@ -1430,15 +1192,13 @@ mod postgres_schema {
             "a read-only command (or serve without --migrate) created the schema"
         );
 
-        let (code, out, err) = cmd(&["migrate", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        assert_eq!(super::json(&out)["applied"], serde_json::json!([1]));
+        let doc = super::ok_json(cmd(&["migrate", "--json"]));
+        assert_eq!(doc["applied"], serde_json::json!([1]));
         assert!(exists().await);
         let (code, out, _) = cmd(&["migrate"]);
         assert_eq!(code, 0);
         assert!(out.contains("up to date"), "{out}");
-        let (code, _, err) = cmd(&["inspect", "k"]);
-        assert_eq!(code, 1, "{err}");
+        super::exits(1, cmd(&["inspect", "k"]));
 
         let store = PgStore::connect(&url)
             .await
@@ -1450,9 +1210,7 @@ mod postgres_schema {
         records::expired(store.clone(), &records::id("s", "old")).await;
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
 
-        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stuck", "--stuck-after", "0", "--json"]));
         let rows = doc["records"].as_array().unwrap();
         assert_eq!(rows.len(), 1, "{doc}");
         assert_eq!(rows[0]["key"], "gone");
@@ -1477,12 +1235,9 @@ mod postgres_schema {
         );
         assert_eq!(doc["corrupt"], 1, "{doc}");
         assert_eq!(doc["foreign"], serde_json::Value::Null, "{doc}");
-        let (code, _, err) = cmd(&["inspect", "bad", "--scope", "s"]);
-        assert_eq!(code, 4, "{err}");
+        let err = super::exits(4, cmd(&["inspect", "bad", "--scope", "s"]));
         assert!(err.contains("unknown completion kind"), "{err}");
-        let (code, out, err) = cmd(&["stuck", "--stuck-after", "0", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stuck", "--stuck-after", "0", "--json"]));
         let problems: Vec<(&str, &str)> = doc["records"]
             .as_array()
             .unwrap()
@@ -1491,15 +1246,11 @@ mod postgres_schema {
             .collect();
         assert_eq!(problems, [("gone", "stuck"), ("bad", "corrupt")], "{doc}");
 
-        let (code, out, err) = cmd(&["purge", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        assert_eq!(super::json(&out)["purged"], 1);
+        assert_eq!(super::ok_json(cmd(&["purge", "--json"]))["purged"], 1);
         let (_, out, _) = cmd(&["purge"]);
         assert!(out.contains("purged 0 expired records"), "{out}");
 
-        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-            .execute(&pool)
-            .await;
+        idem_testkit::postgres::drop_schema(&store).await;
     }
 }
 
@@ -1544,8 +1295,7 @@ mod errors {
             format!("postgres://postgres@127.0.0.1:{closed}/test"),
             format!("redis://127.0.0.1:{closed}"),
         ] {
-            let (code, _, err) = super::run(&["stats", "--store", &url, "--json"]);
-            assert_eq!(code, 3, "{err}");
+            let err = super::exits(3, super::run(&["stats", "--store", &url, "--json"]));
             let doc = super::json(&err);
             assert_eq!(doc["error"]["kind"], "open");
             assert_eq!(doc["error"]["exit_code"], 3);
@@ -1567,8 +1317,7 @@ mod errors {
             format!("redis://127.0.0.1:{silent_port}"),
             format!("postgres://postgres@127.0.0.1:{silent_port}/test"),
         ] {
-            let (code, _, err) = super::run(&["stats", "--store", &url]);
-            assert_eq!(code, 3, "{err}");
+            let err = super::exits(3, super::run(&["stats", "--store", &url]));
             assert!(
                 err.contains("answered nothing in time (timed out)"),
                 "{url}: {err}"
@@ -1608,15 +1357,16 @@ mod errors {
     #[test]
     fn a_new_users_mistakes_are_named_with_their_fix() {
         // A host name in --listen is resolved (the store error comes next, not --listen's).
-        let (code, _, err) = super::run(&["serve", "--listen", "localhost:0", "--store", "x:"]);
-        assert_eq!(code, 2, "{err}");
+        let err = super::exits(
+            2,
+            super::run(&["serve", "--listen", "localhost:0", "--store", "x:"]),
+        );
         assert!(!err.contains("--listen"), "{err}");
 
         // A PostgreSQL URL at a broker's port.
         let amqp = fake_amqp();
         let url = format!("postgres://postgres@127.0.0.1:{amqp}/test");
-        let (code, _, err) = super::run(&["stats", "--store", &url]);
-        assert_eq!(code, 3, "{err}");
+        let err = super::exits(3, super::run(&["stats", "--store", &url]));
         assert!(
             err.contains("speaks AMQP (RabbitMQ) and this URL expects PostgreSQL"),
             "{err}"
@@ -1626,14 +1376,12 @@ mod errors {
             return;
         };
         // The demo keys records by caller: a key looked up in the global scope says so.
-        let (code, _, err) = super::run(&["inspect", "order-1", "--store", &redis]);
-        assert_eq!(code, 1, "{err}");
+        let err = super::exits(1, super::run(&["inspect", "order-1", "--store", &redis]));
         assert!(err.contains("--scope alice"), "{err}");
 
         // TLS asked of a plain-text Redis.
         let plain = redis.replacen("redis://", "rediss://", 1);
-        let (code, _, err) = super::run(&["stats", "--store", &plain]);
-        assert_eq!(code, 3, "{err}");
+        let err = super::exits(3, super::run(&["stats", "--store", &plain]));
         assert!(err.contains("without TLS"), "{err}");
         assert!(err.contains("use redis://"), "{err}");
     }
@@ -1644,12 +1392,9 @@ mod errors {
             return;
         };
         let prefix = format!("ops-env-{}:", uuid::Uuid::new_v4().simple());
-        let (code, out, err) = super::run_with(
-            &["stats", "--json"],
-            &[("IDEM_STORE", &redis), ("IDEM_PREFIX", &prefix)],
-        );
-        assert_eq!(code, 0, "{err}");
-        assert_eq!(super::json(&out)["keys_read"], 0);
+        let env = [("IDEM_STORE", redis.as_str()), ("IDEM_PREFIX", &prefix)];
+        let doc = super::ok_json(super::run_with(&["stats", "--json"], &env));
+        assert_eq!(doc["keys_read"], 0);
         let (_, help, _) = super::run(&["stats", "--help"]);
         for var in ["IDEM_STORE", "IDEM_PREFIX", "IDEM_SCHEMA"] {
             assert!(help.contains(var), "{help}");
@@ -1681,9 +1426,8 @@ mod tiered_evict {
             all.extend(["--store", &url, "--schema", &schema, "--prefix", &prefix]);
             super::run(&all)
         };
-        let (code, out, err) = cmd(&["migrate", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        assert_eq!(super::json(&out)["applied"], serde_json::json!([1, 1001]));
+        let doc = super::ok_json(cmd(&["migrate", "--json"]));
+        assert_eq!(doc["applied"], serde_json::json!([1, 1001]));
 
         let pg = PgStore::connect(&pg_url)
             .await
@@ -1717,17 +1461,13 @@ mod tiered_evict {
         let mut raw = client.get_multiplexed_async_connection().await.unwrap();
         let broken = records::id("s", "broken");
         let _: () = raw.set(redis.record_key(&broken), "garbage").await.unwrap();
-        let (code, out, err) = cmd(&["stats", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stats", "--json"]));
         assert_eq!(
             (doc["succeeded"].as_u64(), doc["corrupt"].as_u64()),
             (Some(1), Some(1)),
             "{doc}"
         );
-        let (code, out, err) = cmd(&["stuck", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stuck", "--json"]));
         assert_eq!(doc["records"][0]["key"], "broken", "{doc}");
         assert_eq!(doc["records"][0]["problem"], "corrupt", "{doc}");
         let _: () = raw.del(redis.record_key(&broken)).await.unwrap();
@@ -1739,12 +1479,7 @@ mod tiered_evict {
         assert!(pg.get(&id).await.unwrap().is_none(), "left in PostgreSQL");
         assert_eq!(outbox_rows().await, 0, "outbox rows left for the relay");
 
-        let _ = sqlx::query(&format!(
-            "DROP SCHEMA IF EXISTS {} CASCADE",
-            pg.quoted_schema()
-        ))
-        .execute(pg.pool())
-        .await;
+        idem_testkit::postgres::drop_schema(&pg).await;
         let _: () = raw.del(redis.record_key(&id)).await.unwrap();
     }
 }

@@ -6,105 +6,18 @@
 //! after them (`redis`, `redis_cluster`, `postgres`, `tiered`); `scripts/test` provides the
 //! URLs, and with `IDEM_TEST_REQUIRE_BACKENDS=1` a missing server fails the test.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod support;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use std::process::Command;
+use std::time::Duration;
+
 use hyper::StatusCode;
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use idem_testkit::harness::eventually;
+use support::{call, client, idem, ms, request, run, secs, send, HttpClient, Proc, Reply};
 
-const BIN: &str = env!("CARGO_BIN_EXE_idem");
 const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
-
-/// A child process, killed (SIGKILL) and reaped when dropped.
-struct Proc {
-    child: Option<Child>,
-    /// The URL or port it printed.
-    printed: String,
-}
-
-impl Proc {
-    /// Spawns `command` and waits for a line of its stdout holding `marker`.
-    fn spawn(mut command: Command, marker: &str) -> Proc {
-        let mut child = command
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let marker = marker.to_owned();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            while let Some(Ok(line)) = lines.next() {
-                if line.contains(&marker) {
-                    let _ = tx.send(line);
-                    break;
-                }
-            }
-            // Keep reading, so that the child never blocks on a full pipe.
-            for _ in lines {}
-        });
-        let mut proc = Proc {
-            child: Some(child),
-            printed: String::new(),
-        };
-        match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) => proc.printed = line,
-            Err(_) => {
-                let mut child = proc.child.take().unwrap();
-                let _ = child.kill();
-                let out = child.wait_with_output().unwrap();
-                panic!(
-                    "{command:?} did not start; stderr: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-        }
-        proc
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// SIGKILL, as a crash: no shutdown code runs.
-    fn kill_9(&mut self) {
-        let mut child = self.child.take().expect("running");
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
-
-    /// SIGTERM, then its exit status (within 30 s).
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let mut child = self.child.take().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "no exit 30 s after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
 
 /// The Python upstream on `port` (0: a free one); its base URL is `Upstream::url`.
 struct Upstream {
@@ -128,33 +41,13 @@ fn upstream() -> Upstream {
     upstream_on(0)
 }
 
-/// `idem proxy --upstream <upstream> --store <store> <extra>` on a free port; its base URL
-/// is `Proc::printed`.
+/// `idem proxy --upstream <upstream> --store <store> --migrate <extra>` on a free port; its
+/// base URL is `Proc::printed`.
 fn proxy(upstream: &str, store: &str, extra: &[&str]) -> Proc {
-    let mut command = Command::new(BIN);
-    command
-        .args([
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            upstream,
-            "--store",
-            store,
-        ])
-        .args(["--migrate"])
-        .args(extra)
-        .env_remove("IDEM_STORE");
-    let mut proc = Proc::spawn(command, "listening on http://");
-    let url = proc
-        .printed
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .trim_end_matches(',')
-        .to_owned();
-    proc.printed = url;
-    proc
+    let args = ["proxy", "--listen", "127.0.0.1:0", "--upstream", upstream];
+    let mut command = idem(&args);
+    command.args(["--store", store, "--migrate"]).args(extra);
+    Proc::listening(command)
 }
 
 /// `text` in a file named `name` in a directory of its own under the system's temporary
@@ -165,60 +58,6 @@ fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
     path
-}
-
-#[derive(Debug, Clone, PartialEq)]
-struct Reply {
-    status: StatusCode,
-    headers: hyper::HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {self:?}"))
-    }
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|v| v.to_str().unwrap())
-    }
-    fn replayed(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
-    }
-    fn problem_type(&self) -> String {
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
-        self.json()["type"].as_str().unwrap().to_owned()
-    }
-}
-
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new()).build_http()
-}
-
-async fn call(
-    client: &HttpClient,
-    method: &str,
-    url: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Reply {
-    let mut req = hyper::Request::builder().method(method).uri(url);
-    for (n, v) in headers {
-        req = req.header(*n, *v);
-    }
-    let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
-    let response = client.request(req).await.unwrap();
-    let (parts, body) = response.into_parts();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
 }
 
 /// `POST <proxy>/charge` as alice with `key`, the upstream taking `delay_ms`.
@@ -240,17 +79,16 @@ async fn charge(client: &HttpClient, proxy: &str, key: &str, delay_ms: u64) -> R
     .await
 }
 
+/// `POST <url>` as alice with `key` and the body `{}`.
+async fn post(client: &HttpClient, url: &str, key: &str) -> Reply {
+    let headers = [("authorization", "Bearer alice"), ("idempotency-key", key)];
+    call(client, "POST", url, &headers, "{}").await
+}
+
 /// How many times `key` ran upstream, and the `Idempotency-Attempt` of each run.
 async fn runs(client: &HttpClient, upstream: &Upstream, key: &str) -> (u64, Vec<String>) {
-    let doc = call(
-        client,
-        "GET",
-        &format!("{}/count?key={key}", upstream.url),
-        &[],
-        "",
-    )
-    .await
-    .json();
+    let url = format!("{}/count?key={key}", upstream.url);
+    let doc = call(client, "GET", &url, &[], "").await.json();
     let attempts = doc["attempts"]
         .as_array()
         .unwrap()
@@ -326,47 +164,27 @@ async fn a_killed_proxy_leaves_its_key_to_the_lease(upstream: &Upstream, mut a: 
                 ("idempotency-key", key.as_str()),
                 ("x-delay-ms", "3000"),
             ];
-            let mut req = hyper::Request::post(format!("{base}/charge"));
-            for (n, v) in headers {
-                req = req.header(n, v);
-            }
-            client
-                .request(req.body(Full::new(Bytes::from("{}"))).unwrap())
+            let url = format!("{base}/charge");
+            send(&client, request("POST", &url, &headers, "{}"))
                 .await
                 .is_ok()
         })
     };
     // The upstream counts the run as soon as the request arrives.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while runs(&client, upstream, &key).await.0 == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the request never reached the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let arrived = || async { (runs(&client, upstream, &key).await.0 > 0).then_some(()) };
+    eventually("the request upstream", secs(10), ms(50), arrived).await;
     a.kill_9();
     assert!(!slow.await.unwrap(), "the killed proxy answered");
-    let retry = || async {
-        let headers = [
-            ("authorization", "Bearer alice"),
-            ("idempotency-key", key.as_str()),
-        ];
-        let url = format!("{}/charge", b.printed);
-        call(&client, "POST", &url, &headers, "{}").await
-    };
+    let url = format!("{}/charge", b.printed);
+    let retry = || post(&client, &url, &key);
     let first = retry().await;
     assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
     // 409 until the lease ends (2 s after its last renewal), then one run, attempt 2.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let taken_over = loop {
+    let answered = || async {
         let reply = retry().await;
-        if reply.status != StatusCode::CONFLICT {
-            break reply;
-        }
-        assert!(Instant::now() < deadline, "still 409 after 10 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        (reply.status != StatusCode::CONFLICT).then_some(reply)
     };
+    let taken_over = eventually("an answer but 409", secs(10), ms(200), answered).await;
     assert_eq!(taken_over.status, StatusCode::CREATED, "{taken_over:?}");
     assert_eq!(taken_over.json()["attempt"], "2");
     assert_eq!(
@@ -381,18 +199,23 @@ async fn a_killed_proxy_leaves_its_key_to_the_lease(upstream: &Upstream, mut a: 
 mod memory {
     use super::*;
 
+    /// An upstream, one proxy in front of it on the memory store with `extra` flags, and a
+    /// client.
+    fn memory_proxy(extra: &[&str]) -> (Upstream, Proc, HttpClient) {
+        let up = upstream();
+        let p = proxy(&up.url, "memory", extra);
+        (up, p, client())
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_duplicates_run_once_and_replay_byte_for_byte() {
-        let up = upstream();
-        let p = proxy(&up.url, "memory", &[]);
+        let (up, p, _) = memory_proxy(&[]);
         concurrent_duplicates_run_once(&up, [&p.printed, &p.printed]).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_client_that_disconnects_gets_the_stored_response_on_retry() {
-        let up = upstream();
-        let p = proxy(&up.url, "memory", &[]);
-        let client = client();
+        let (up, p, client) = memory_proxy(&[]);
         // The client gives up after 300 ms; the upstream takes 1 s.
         let gave_up = tokio::time::timeout(
             Duration::from_millis(300),
@@ -432,39 +255,23 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_upstream_timing_out_after_receiving_leaves_the_key_in_flight() {
-        let up = upstream();
-        let p = proxy(
-            &up.url,
-            "memory",
-            &["--upstream-timeout", "0.5", "--lease", "30"],
-        );
-        let client = client();
-        let headers = [
-            ("authorization", "Bearer alice"),
-            ("idempotency-key", "hang-1"),
-        ];
+        let (up, p, client) = memory_proxy(&["--upstream-timeout", "0.5", "--lease", "30"]);
         let url = format!("{}/hang", p.printed);
-        let first = call(&client, "POST", &url, &headers, "{}").await;
+        let first = post(&client, &url, "hang-1").await;
         assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
         assert_eq!(first.problem_type(), "urn:idem:problem:upstream-timeout");
         // The upstream may have acted: the key is neither stored nor released.
-        let retry = call(&client, "POST", &url, &headers, "{}").await;
+        let retry = post(&client, &url, "hang-1").await;
         assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
         assert_eq!(runs(&client, &up, "hang-1").await.0, 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_upstream_500_is_passed_on_and_not_stored() {
-        let up = upstream();
-        let p = proxy(&up.url, "memory", &[]);
-        let client = client();
-        let headers = [
-            ("authorization", "Bearer alice"),
-            ("idempotency-key", "five-1"),
-        ];
+        let (up, p, client) = memory_proxy(&[]);
         let url = format!("{}/status/500", p.printed);
         for n in 1..=2 {
-            let reply = call(&client, "POST", &url, &headers, "{}").await;
+            let reply = post(&client, &url, "five-1").await;
             assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
             assert!(!reply.replayed());
             assert_eq!(runs(&client, &up, "five-1").await.0, n);
@@ -489,13 +296,9 @@ mod memory {
             &["--config", config, "--upstream-timeout", "0.5"],
         );
         let client = client();
-        let post = |path: &str, key: &str| {
-            let url = format!("{}{path}", p.printed);
-            let (client, key) = (client.clone(), key.to_owned());
-            async move {
-                let headers = [("authorization", "Bearer alice"), ("idempotency-key", &key)];
-                call(&client, "POST", &url, &headers, "{}").await
-            }
+        let post = |path: &str, key: &'static str| {
+            let (client, url) = (client.clone(), format!("{}{path}", p.printed));
+            async move { post(&client, &url, key).await }
         };
         // Nothing listens: the proxy's 502, not stored.
         let refused = post("/charge", "k5-refused").await;
@@ -527,9 +330,7 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mismatches_and_missing_principals_never_reach_the_upstream() {
-        let up = upstream();
-        let p = proxy(&up.url, "memory", &[]);
-        let client = client();
+        let (up, p, client) = memory_proxy(&[]);
         let first = charge(&client, &p.printed, "mm-1", 0).await;
         assert_eq!(first.status, StatusCode::CREATED);
         let other_body = [
@@ -563,9 +364,7 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pass_through_requests_are_forwarded_untouched() {
-        let up = upstream();
-        let p = proxy(&up.url, "memory", &[]);
-        let client = client();
+        let (_up, p, client) = memory_proxy(&[]);
         let url = format!("{}/echo/a%20b?x=1&y=%2F", p.printed);
         let headers = [
             ("x-custom", "kept"),
@@ -625,13 +424,16 @@ mod memory {
             "good.toml",
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\npath = \"/payments\"\nmethods = [\"POST\"]\nscope_header = \"X-Api-Key\"\n",
         );
-        let out = Command::new(BIN)
-            .args(["proxy", "--check-config", "--config"])
-            .arg(&good)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{out:?}");
+        let check = |file: &std::path::Path| {
+            run(&[
+                "proxy",
+                "--check-config",
+                "--config",
+                file.to_str().unwrap(),
+            ])
+        };
+        let (code, stdout, err) = check(&good);
+        assert_eq!(code, 0, "{err}");
         assert!(
             stdout.contains("config OK") && stdout.contains("route POST /payments"),
             "{stdout}"
@@ -642,13 +444,8 @@ mod memory {
             "bad.toml",
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\nlease_sec = 5\n",
         );
-        let out = Command::new(BIN)
-            .args(["proxy", "--check-config", "--config"])
-            .arg(&bad)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        let (code, _, stderr) = check(&bad);
+        assert_eq!(code, 2, "{stderr}");
         assert!(stderr.contains("bad.toml, line 5"), "{stderr}");
         assert!(
             stderr.contains("lease_sec") && stderr.contains("lease_secs"),
@@ -656,12 +453,9 @@ mod memory {
         );
 
         // No upstream anywhere.
-        let out = Command::new(BIN)
-            .args(["proxy", "--check-config"])
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(2));
-        assert!(String::from_utf8_lossy(&out.stderr).contains("--upstream"));
+        let (code, _, stderr) = run(&["proxy", "--check-config"]);
+        assert_eq!(code, 2);
+        assert!(stderr.contains("--upstream"));
         for file in [good, bad] {
             let _ = std::fs::remove_dir_all(file.parent().unwrap());
         }
@@ -669,24 +463,21 @@ mod memory {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn http2_clients_over_cleartext_are_guarded_alike() {
-        let up = upstream();
-        let p = proxy(&up.url, "memory", &[]);
+        let (up, p, client) = memory_proxy(&[]);
         let h2: HttpClient = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .build_http();
         let first = charge(&h2, &p.printed, "h2-1", 0).await;
         assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-        let retry = charge(&client(), &p.printed, "h2-1", 0).await;
+        let retry = charge(&client, &p.printed, "h2-1", 0).await;
         assert!(retry.replayed(), "{retry:?}");
         assert_eq!(retry.body, first.body);
-        assert_eq!(runs(&client(), &up, "h2-1").await.0, 1);
+        assert_eq!(runs(&client, &up, "h2-1").await.0, 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sigterm_under_load_answers_every_request_in_flight() {
-        let up = upstream();
-        let mut p = proxy(&up.url, "memory", &["--shutdown-timeout", "10"]);
-        let client = client();
+        let (_up, mut p, client) = memory_proxy(&["--shutdown-timeout", "10"]);
         let mut tasks = Vec::new();
         for i in 0..10 {
             let client = client.clone();
@@ -707,11 +498,6 @@ mod memory {
     }
 }
 
-/// A unique Redis key prefix or PostgreSQL schema for one test.
-fn unique(prefix: &str) -> String {
-    idem_testkit::harness::unique_name(prefix)
-}
-
 /// A store that two proxies share: its `--store` URL and the flags that give one test keys
 /// of its own; `None` (the test returns) when its server is missing and not required.
 struct SharedStore {
@@ -722,20 +508,21 @@ struct SharedStore {
 }
 
 impl SharedStore {
-    /// The store at `url`, with `flags` on each proxy.
+    /// The store at `url`; each of `flags` (`--prefix`, `--schema`) names a fresh key
+    /// prefix or schema, one name for all (`--migrate` creates the schema).
     fn on(url: String, flags: &[&str]) -> Option<Self> {
-        let flags = flags.iter().map(|f| (*f).to_owned()).collect();
+        let name = idem_testkit::harness::unique_name("idem_proxy_");
+        let flags = flags.iter().flat_map(|f| [f.to_string(), name.clone()]);
         Some(Self {
             url,
-            flags,
+            flags: flags.collect(),
             _cluster: None,
         })
     }
 
-    /// Redis at `IDEM_TEST_REDIS_URL`, under a key prefix of its own.
+    /// Redis at `IDEM_TEST_REDIS_URL`.
     async fn redis() -> Option<Self> {
-        let url = idem_testkit::harness::redis_url()?;
-        Self::on(url, &["--prefix", &unique("idem_proxy_")])
+        Self::on(idem_testkit::harness::redis_url()?, &["--prefix"])
     }
 
     /// A throwaway 3-primary Redis Cluster of this test's own.
@@ -747,26 +534,23 @@ impl SharedStore {
             .await
             .unwrap()
             .expect("start a 3-primary cluster");
-        let mut store = Self::on(cluster.url(), &[])?;
-        store._cluster = Some(cluster);
-        Some(store)
+        let url = cluster.url();
+        Some(Self {
+            _cluster: Some(cluster),
+            ..Self::on(url, &[])?
+        })
     }
 
-    /// PostgreSQL at `IDEM_TEST_DATABASE_URL`, in a fresh schema (`--migrate` creates it).
+    /// PostgreSQL at `IDEM_TEST_DATABASE_URL`.
     async fn postgres() -> Option<Self> {
-        let url = idem_testkit::harness::database_url()?;
-        Self::on(url, &["--schema", &unique("idem_proxy_")])
+        Self::on(idem_testkit::harness::database_url()?, &["--schema"])
     }
 
-    /// The tiered store on both: a fresh schema and a key prefix of the same name.
+    /// The tiered store on both.
     async fn tiered() -> Option<Self> {
         let redis = idem_testkit::harness::redis_url()?;
         let pg = idem_testkit::harness::database_url()?;
-        let name = unique("idem_proxy_");
-        Self::on(
-            format!("tiered:{redis}|{pg}"),
-            &["--schema", &name, "--prefix", &name],
-        )
+        Self::on(format!("tiered:{redis}|{pg}"), &["--schema", "--prefix"])
     }
 
     /// Two proxies on this store with a 2 s lease (so that a dead proxy's key is taken over
@@ -831,22 +615,17 @@ mod admin {
         let admin_addr = format!("127.0.0.1:{admin_port}");
         let p = proxy(&up.url, &redis.url(), &["--admin-listen", &admin_addr]);
         let client = client();
-        let admin = |path: &str| format!("http://{admin_addr}{path}");
-        assert_eq!(
-            call(&client, "GET", &admin("/livez"), &[], "").await.status,
-            StatusCode::OK
-        );
-        assert_eq!(
-            call(&client, "GET", &admin("/readyz"), &[], "")
-                .await
-                .status,
-            StatusCode::OK
-        );
+        let admin = |path: &'static str| {
+            let (client, url) = (client.clone(), format!("http://{admin_addr}{path}"));
+            async move { call(&client, "GET", &url, &[], "").await }
+        };
+        assert_eq!(admin("/livez").await.status, StatusCode::OK);
+        assert_eq!(admin("/readyz").await.status, StatusCode::OK);
         assert_eq!(
             charge(&client, &p.printed, "adm-1", 0).await.status,
             StatusCode::CREATED
         );
-        let metrics = call(&client, "GET", &admin("/metrics"), &[], "").await;
+        let metrics = admin("/metrics").await;
         let text = String::from_utf8_lossy(&metrics.body);
         assert!(
             text.contains("idem_proxy_upstream_duration_seconds"),
@@ -863,13 +642,10 @@ mod admin {
         })
         .await
         .unwrap();
-        let down = call(&client, "GET", &admin("/readyz"), &[], "").await;
+        let down = admin("/readyz").await;
         assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE, "{down:?}");
         assert_eq!(down.problem_type(), "urn:idem:problem:store-unavailable");
-        assert_eq!(
-            call(&client, "GET", &admin("/livez"), &[], "").await.status,
-            StatusCode::OK
-        );
+        assert_eq!(admin("/livez").await.status, StatusCode::OK);
         // Fail closed: a guarded request is refused, and never reaches the upstream.
         let refused = charge(&client, &p.printed, "adm-2", 0).await;
         assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -882,18 +658,8 @@ mod admin {
         })
         .await
         .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let ready = call(&client, "GET", &admin("/readyz"), &[], "").await;
-            if ready.status == StatusCode::OK {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "not ready 10 s after the store returned: {ready:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let ready = || async { (admin("/readyz").await.status == StatusCode::OK).then_some(()) };
+        eventually("ready once the store returned", secs(10), ms(100), ready).await;
     }
 }
 
@@ -909,12 +675,8 @@ mod express {
     /// `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
     fn install() -> bool {
         let found = |tool: &str| {
-            Command::new(tool)
-                .arg("--version")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
+            let version = Command::new(tool).arg("--version").output();
+            version.is_ok_and(|out| out.status.success())
         };
         if !idem_testkit::harness::present(
             found("node") && found("npm"),
@@ -942,14 +704,8 @@ mod express {
         }
         let mut node = Command::new("node");
         node.arg("server.js").current_dir(EXAMPLE).env("PORT", "0");
-        let service = Proc::spawn(node, "listening on http://");
-        let url = service
-            .printed
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap()
-            .to_owned();
-        let p = proxy(&url, "memory", &[]);
+        let service = Proc::listening(node);
+        let p = proxy(&service.printed, "memory", &[]);
         let client = client();
         let headers = [
             ("authorization", "Bearer alice"),
@@ -977,14 +733,8 @@ mod express {
         assert!(first.replayed(), "{first:?}");
         assert_eq!(first.json()["idempotencyKey"], "order-1");
         assert_eq!(first.json()["attempt"], 1);
-        let listed = call(
-            &client,
-            "GET",
-            &pay,
-            &[("authorization", "Bearer alice")],
-            "",
-        )
-        .await;
+        let alice = [("authorization", "Bearer alice")];
+        let listed = call(&client, "GET", &pay, &alice, "").await;
         assert_eq!(listed.json()["count"], 1, "{listed:?}");
     }
 }

@@ -18,6 +18,7 @@ mod relay {
         Response, Scope, Store,
     };
     use idem_testkit::harness;
+    use idem_testkit::postgres::drop_schema;
     use idem_testkit::redis::{self as testing, RedisServer};
     use idemkit::outbox::TieredStore;
     use idemkit::postgres::PgStore;
@@ -57,7 +58,12 @@ mod relay {
 
     /// `idem relay <args>` run to its end: its exit code, stdout and stderr.
     async fn relay_output(args: &[&str]) -> (Option<i32>, String, String) {
-        let out = timeout(PATIENCE, relay(args).output())
+        output(relay(args)).await
+    }
+
+    /// `command` run to its end: its exit code, stdout and stderr.
+    async fn output(mut command: Command) -> (Option<i32>, String, String) {
+        let out = timeout(PATIENCE, command.output())
             .await
             .expect("idem relay ends in time")
             .expect("idem relay runs");
@@ -71,25 +77,11 @@ mod relay {
     /// A PostgreSQL store on `db_url` in a schema of its own, with idem's and the outbox's
     /// tables.
     async fn migrated(db_url: &str) -> PgStore {
-        let pool = PgStore::pool_options()
-            .max_connections(10)
-            .connect(db_url)
-            .await
-            .expect("connect to IDEM_TEST_DATABASE_URL");
-        let pg = PgStore::new(pool)
+        let pg = PgStore::new(idem_testkit::postgres::connect(db_url, 10).await)
             .with_schema(&harness::unique_name("idem_t_"))
             .expect("a valid schema name");
         idemkit::outbox::migrate(&pg).await.expect("migrate");
         pg
-    }
-
-    async fn drop_schema(pg: &PgStore) {
-        let _ = sqlx::query(&format!(
-            "DROP SCHEMA IF EXISTS {} CASCADE",
-            pg.quoted_schema()
-        ))
-        .execute(pg.pool())
-        .await;
     }
 
     async fn outbox_rows(pg: &PgStore) -> i64 {
@@ -455,22 +447,11 @@ mod relay {
         };
         let pg = migrated(&db_url).await;
         let schema = pg.schema().to_owned();
-        let dead_list = |args: &'static [&'static str]| {
-            let (db_url, schema) = (db_url.clone(), schema.clone());
-            async move {
-                let out = relay(&["dead"])
-                    .args(args)
-                    .env("IDEM_STORE", &db_url)
-                    .env("IDEM_SCHEMA", &schema)
-                    .output()
-                    .await
-                    .expect("idem relay dead runs");
-                (
-                    out.status.code(),
-                    String::from_utf8_lossy(&out.stdout).into_owned(),
-                    String::from_utf8_lossy(&out.stderr).into_owned(),
-                )
-            }
+        let dead_list = |args: &[&str]| {
+            let mut command = relay(&["dead"]);
+            command.args(args).env("IDEM_STORE", &db_url);
+            command.env("IDEM_SCHEMA", &schema);
+            output(command)
         };
         let (code, out, err) = dead_list(&["list"]).await;
         assert_eq!(code, Some(0), "{err}");

@@ -20,6 +20,8 @@
 //! IDEM_SOAK_SECS=300 IDEM_SOAK_SEED=7 cargo test -p idem-cli --test soak -- --nocapture
 //! ```
 
+mod support;
+
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::Write;
@@ -31,12 +33,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
 use idem_testkit::postgres::PgServer;
 use idem_testkit::redis::RedisServer;
-
-const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+use support::{HttpClient, Request};
 
 /// Keys paid during a run; each is paid by an owner of its own, so `idem_demo.payments`
 /// counts the payments of one key by its owner.
@@ -220,17 +219,15 @@ impl Schedule {
 #[derive(Debug)]
 struct Process {
     name: String,
-    program: PathBuf,
     args: Vec<String>,
     dir: PathBuf,
     child: Option<Child>,
 }
 
 impl Process {
-    fn new(name: &str, program: &Path, args: &[&str], dir: &Path) -> Self {
+    fn new(name: &str, args: &[&str], dir: &Path) -> Self {
         Self {
             name: name.to_owned(),
-            program: program.to_owned(),
             args: args.iter().map(|a| a.to_string()).collect(),
             dir: dir.to_owned(),
             child: None,
@@ -245,16 +242,13 @@ impl Process {
             .append(true)
             .open(self.log_path())
             .expect("open the log file");
-        let child = Command::new(&self.program)
-            .args(&self.args)
-            .env_remove("IDEM_STORE")
-            .env_remove("IDEM_PREFIX")
-            .env_remove("IDEM_SCHEMA")
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let child = support::idem(&args)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(log)
             .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", self.program.display()));
+            .unwrap_or_else(|e| panic!("start idem {}: {e}", self.name));
         self.child = Some(child);
     }
 
@@ -375,16 +369,7 @@ impl Servers {
             postgres.port()
         );
 
-        let migrate = Command::new(IDEM)
-            .args(["migrate", "--store", &store])
-            .env_remove("IDEM_STORE")
-            .output()
-            .expect("run idem migrate");
-        assert!(
-            migrate.status.success(),
-            "idem migrate: {}",
-            String::from_utf8_lossy(&migrate.stderr)
-        );
+        support::exits(0, support::run(&["migrate", "--store", &store]));
 
         let lease = LEASE.as_secs().to_string();
         let serve_args = [
@@ -399,18 +384,12 @@ impl Servers {
         let bases = Bases::default();
         let mut serve = Vec::new();
         for n in 0..2 {
-            let mut process =
-                Process::new(&format!("serve-{n}"), Path::new(IDEM), &serve_args, dir);
+            let mut process = Process::new(&format!("serve-{n}"), &serve_args, dir);
             process.start();
             bases.set(n, Some(process.url()));
             serve.push(process);
         }
-        let mut relay = Process::new(
-            "relay",
-            Path::new(IDEM),
-            &["relay", "run", "--store", &store],
-            dir,
-        );
+        let mut relay = Process::new("relay", &["relay", "run", "--store", &store], dir);
         relay.start();
         Self {
             redis,
@@ -499,28 +478,19 @@ impl Servers {
         by_key
     }
 
-    /// The lines of every process's log that say it panicked.
-    fn panics(&self) -> Vec<String> {
+    /// The lines of every process's log that hold `text`, each after the process's name.
+    fn log_lines(&self, text: &str) -> Vec<String> {
         self.serve
             .iter()
             .chain([&self.relay])
             .flat_map(|p| {
                 p.log()
                     .lines()
-                    .filter(|l| l.contains("panicked"))
+                    .filter(|l| l.contains(text))
                     .map(|l| format!("{}: {l}", p.name))
                     .collect::<Vec<_>>()
             })
             .collect()
-    }
-
-    /// How many lines of every process's log hold `text`.
-    fn log_lines(&self, text: &str) -> usize {
-        self.serve
-            .iter()
-            .chain([&self.relay])
-            .map(|p| p.log().lines().filter(|l| l.contains(text)).count())
-            .sum()
     }
 }
 
@@ -603,7 +573,7 @@ impl fmt::Display for Answer {
 /// What the clients share: where to send, what came back, which keys were paid.
 #[derive(Clone)]
 struct Clients {
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: HttpClient,
     bases: Bases,
     answers: Arc<Mutex<Vec<Answer>>>,
     paid: Arc<Vec<AtomicBool>>,
@@ -723,8 +693,6 @@ impl Clients {
     }
 }
 
-type Request = hyper::Request<Full<Bytes>>;
-
 /// `POST <base>/payments` of `key` with `body`, the handler held for `delay`.
 fn request(base: &str, key: Key, body: Body, delay: Option<Duration>) -> Request {
     let mut request = hyper::Request::post(format!("{base}/payments"))
@@ -741,7 +709,7 @@ fn request(base: &str, key: Key, body: Body, delay: Option<Duration>) -> Request
 
 /// Sends `request`: its status and, on a 2xx, the payment id its body names.
 async fn send(
-    http: &Client<HttpConnector, Full<Bytes>>,
+    http: &HttpClient,
     request: Request,
 ) -> Result<(Option<u16>, Option<String>), String> {
     let response = http.request(request).await.map_err(|e| e.to_string())?;
@@ -905,7 +873,7 @@ async fn soak(settings: Settings) {
     .expect("start the servers");
 
     let clients = Clients {
-        http: Client::builder(TokioExecutor::new()).build_http(),
+        http: support::client(),
         bases: servers.bases.clone(),
         answers: Arc::default(),
         paid: Arc::new((0..KEYS).map(|_| AtomicBool::new(false)).collect()),
@@ -951,7 +919,12 @@ async fn soak(settings: Settings) {
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
     let payments = servers.payments().await;
-    let violations = check(&answers, &payments, &paid_before_final, &servers.panics());
+    let violations = check(
+        &answers,
+        &payments,
+        &paid_before_final,
+        &servers.log_lines("panicked"),
+    );
 
     let mut report = format!("soak, seed {seed}, {faults_for:?} of faults:\n");
     for (kind, n) in &faults {
@@ -961,7 +934,7 @@ async fn soak(settings: Settings) {
     report.push_str(&format!(
         "  payments: {}; log lines \"Redis unavailable\": {}\n",
         payments.values().map(Vec::len).sum::<usize>(),
-        servers.log_lines("Redis unavailable")
+        servers.log_lines("Redis unavailable").len()
     ));
     println!("{report}");
     let _ = std::io::stdout().flush();
@@ -1002,36 +975,37 @@ fn the_checker_names_each_broken_rule() {
     };
     let fine = answer(1, Body::Own, Phase::Faults, 409, None);
     assert_eq!(rules(fine.clone(), &payments, &[]), Vec::<&str>::new());
-
     let mut twice = payments.clone();
     twice.insert(3, vec!["pay_3".into(), "pay_x".into()]);
     assert_eq!(
         rules(fine.clone(), &twice, &[]),
         ["not exactly one payment per key"]
     );
-    let other_id = answer(1, Body::Own, Phase::Faults, 201, Some("pay_x"));
-    assert_eq!(
-        rules(other_id, &payments, &[]),
-        ["a 2xx to a key's own body names another payment than the database"]
-    );
-    let mismatch = answer(1, Body::Own, Phase::Faults, 422, None);
-    assert_eq!(rules(mismatch, &payments, &[]), ["422 to a key's own body"]);
-    let late_conflict = answer(1, Body::Own, Phase::Final, 409, None);
-    assert_eq!(
-        rules(late_conflict, &payments, &[]),
-        ["409 to a paid key after the settle period"]
-    );
-    let other_paid = answer(1, Body::Other, Phase::Faults, 201, Some("pay_y"));
-    assert_eq!(rules(other_paid, &payments, &[]), ["2xx to another body"]);
-    let error = answer(1, Body::Other, Phase::Faults, 500, None);
-    assert_eq!(rules(error, &payments, &[]), ["a 5xx other than 503"]);
-    let odd = answer(1, Body::Own, Phase::Faults, 400, None);
-    assert_eq!(rules(odd, &payments, &[]), ["an unexpected status"]);
     let panicked = ["serve-0: thread 'main' panicked".to_owned()];
     assert_eq!(
         rules(fine.clone(), &payments, &panicked),
         ["a process panicked"]
     );
+    let (own, other, faults) = (Body::Own, Body::Other, Phase::Faults);
+    for (extra, rule) in [
+        (
+            answer(1, own, faults, 201, Some("pay_x")),
+            "a 2xx to a key's own body names another payment than the database",
+        ),
+        (answer(1, own, faults, 422, None), "422 to a key's own body"),
+        (
+            answer(1, own, Phase::Final, 409, None),
+            "409 to a paid key after the settle period",
+        ),
+        (
+            answer(1, other, faults, 201, Some("pay_y")),
+            "2xx to another body",
+        ),
+        (answer(1, other, faults, 500, None), "a 5xx other than 503"),
+        (answer(1, own, faults, 400, None), "an unexpected status"),
+    ] {
+        assert_eq!(rules(extra, &payments, &[]), [rule]);
+    }
     let found = check(&clean[1..], &payments, &[], &[]);
     assert_eq!(
         found.0.into_keys().collect::<Vec<_>>(),

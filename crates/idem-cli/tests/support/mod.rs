@@ -1,0 +1,269 @@
+//! What the tests of the `idem` binary share: `idem` run to its end, a child process killed
+//! when dropped, and an HTTP client that reads whole replies.
+#![allow(dead_code)] // each test file uses a part
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::StatusCode;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_idem");
+
+/// `n` seconds.
+pub fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// `n` milliseconds.
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// `idem <args>`, without the `IDEM_*` variables of the environment the tests run in.
+pub fn idem(args: &[&str]) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .env_remove("IDEM_STORE")
+        .env_remove("IDEM_PREFIX")
+        .env_remove("IDEM_SCHEMA");
+    command
+}
+
+/// `idem <args>` to its end: its exit code, stdout and stderr.
+pub fn run(args: &[&str]) -> (i32, String, String) {
+    run_with(args, &[])
+}
+
+/// `idem <args>` with the variables `env` to its end. A command still running after two
+/// minutes (a `serve` that should have refused to start, a hung command) is killed and
+/// reported with the code -1, so the test fails instead of hanging.
+pub fn run_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut child = idem(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read both pipes while the command runs, so a long output never blocks it.
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = pipe.read_to_end(&mut text);
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let status = child.wait().unwrap();
+    (
+        status.code().unwrap_or(-1),
+        stdout.join().unwrap(),
+        stderr.join().unwrap(),
+    )
+}
+
+/// The JSON document of `text`: stdout, or the last line of stderr (the error after the
+/// log lines, all JSON with `--json`).
+#[track_caller]
+pub fn json(text: &str) -> serde_json::Value {
+    let text = text.trim().lines().last().unwrap_or_default();
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"))
+}
+
+/// The stderr of a [`run`] that must exit with `code`.
+#[track_caller]
+pub fn exits(code: i32, (got, _, err): (i32, String, String)) -> String {
+    assert_eq!(got, code, "{err}");
+    err
+}
+
+/// The JSON stdout of a [`run`] that must exit 0.
+#[track_caller]
+pub fn ok_json((code, out, err): (i32, String, String)) -> serde_json::Value {
+    assert_eq!(code, 0, "{err}");
+    json(&out)
+}
+
+/// A child process, killed (SIGKILL) and reaped when dropped.
+pub struct Proc {
+    child: Option<Child>,
+    /// The line it printed that [`Proc::spawn`] waited for, or the URL in it.
+    pub printed: String,
+}
+
+impl Proc {
+    /// Spawns `command` and waits for a line of its stdout holding `marker`.
+    pub fn spawn(mut command: Command, marker: &str) -> Proc {
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let marker = marker.to_owned();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Some(Ok(line)) = lines.next() {
+                if line.contains(&marker) {
+                    let _ = tx.send(line);
+                    break;
+                }
+            }
+            // Keep reading, so that the child never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let mut proc = Proc {
+            child: Some(child),
+            printed: String::new(),
+        };
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => proc.printed = line,
+            // It stopped (say, the store could not be opened) or hangs: show why.
+            Err(_) => panic!("{command:?} did not start; stderr: {}", proc.stop()),
+        }
+        proc
+    }
+
+    /// Spawns `command`, a server that prints `listening on http://...`; `printed` is
+    /// that URL.
+    pub fn listening(command: Command) -> Proc {
+        let mut proc = Proc::spawn(command, "listening on http://");
+        let url = proc
+            .printed
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap()
+            .trim_end_matches(',')
+            .to_owned();
+        proc.printed = url;
+        proc
+    }
+
+    /// SIGKILL, as a crash: no shutdown code runs.
+    pub fn kill_9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// SIGKILL, then what it wrote on stderr.
+    pub fn stop(&mut self) -> String {
+        let mut child = self.child.take().expect("running");
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    /// SIGTERM, then its exit status (within 30 s).
+    pub fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit 30 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A reply, read whole.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {self:?}"))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// The problem type of an `application/problem+json` reply.
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        self.json()["type"].as_str().unwrap().to_owned()
+    }
+}
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+pub type Request = hyper::Request<Full<Bytes>>;
+
+/// A client for the tests' requests.
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// The request `method url` with `headers` and `body`.
+pub fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Request {
+    let mut req = hyper::Request::builder().method(method).uri(url);
+    for (n, v) in headers {
+        req = req.header(*n, *v);
+    }
+    req.body(Full::new(Bytes::from(body.to_owned()))).unwrap()
+}
+
+/// Sends `req`, for a request whose connection may break: the error as text then.
+pub async fn send(client: &HttpClient, req: Request) -> Result<Reply, String> {
+    let response = client.request(req).await.map_err(|e| e.to_string())?;
+    let (parts, body) = response.into_parts();
+    Ok(Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.map_err(|e| e.to_string())?.to_bytes(),
+    })
+}
+
+/// The [`request`] sent, and its reply; the test fails if the connection breaks.
+pub async fn call(
+    client: &HttpClient,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    send(client, request(method, url, headers, body))
+        .await
+        .unwrap()
+}
