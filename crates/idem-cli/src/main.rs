@@ -590,16 +590,13 @@ fn listen_address(flag: &str, text: &str) -> Result<SocketAddr, String> {
              0.0.0.0:{text} (every interface)"
         ));
     }
-    let Some((host, port)) = text.rsplit_once(':') else {
+    let host_port = text.rsplit_once(':');
+    let Some((host, port)) = host_port.filter(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    else {
         return Err(format!(
             "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
         ));
     };
-    if host.is_empty() || port.parse::<u16>().is_err() {
-        return Err(format!(
-            "HOST:PORT expected (e.g. 127.0.0.1:8080, [::1]:8080 or localhost:8080), not {text:?}"
-        ));
-    }
     match std::net::ToSocketAddrs::to_socket_addrs(text).map(|mut addrs| addrs.next()) {
         Ok(Some(addr)) => Ok(addr),
         Ok(None) | Err(_) => Err(format!(

@@ -22,13 +22,24 @@ pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<Str
         .await
         .map_err(|e| unreadable(id, e))?
         .ok_or_else(|| CliError::NotFound(absent(id)))?;
-    Ok(if json {
-        let mut doc = record_json(&record).to_string();
-        doc.push('\n');
-        doc
+    Ok(render(
+        json,
+        || record_json(&record),
+        || record_text(&record),
+    ))
+}
+
+/// The output of a command: `doc` as one line of JSON with `--json`, else `text`.
+fn render(
+    json: bool,
+    doc: impl FnOnce() -> serde_json::Value,
+    text: impl FnOnce() -> String,
+) -> String {
+    if json {
+        format!("{}\n", doc())
     } else {
-        record_text(&record)
-    })
+        text()
+    }
 }
 
 /// Deletes one record whatever its state.
@@ -40,18 +51,11 @@ pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Strin
     if !store.evict(id).await? {
         return Err(CliError::NotFound(absent(id)));
     }
-    Ok(if json {
-        format!(
-            "{}\n",
-            serde_json::json!({
-                "evicted": true,
-                "scope": id.scope().as_str(),
-                "key": id.key().as_str(),
-            })
-        )
-    } else {
-        format!("evicted {}\n", describe(id))
-    })
+    let doc = || {
+        let (scope, key) = (id.scope().as_str(), id.key().as_str());
+        serde_json::json!({"evicted": true, "scope": scope, "key": key})
+    };
+    Ok(render(json, doc, || format!("evicted {}\n", describe(id))))
 }
 
 /// What `stats` and `stuck` look at, and for how long.
@@ -166,16 +170,16 @@ async fn db_stats(opened: &Opened, survey: &Survey<'_>) -> Result<idem_core::Sta
 /// How many records [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) finds, within
 /// `survey.timeout`.
 async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey<'_>) -> Result<u64, CliError> {
-    pg_corrupt_list(pg, survey, 0).await.map(|(total, _)| total)
+    let (total, _) = within(survey, pg.corrupt(survey.scope, 0)).await?;
+    Ok(total)
 }
 
-/// [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) within `survey.timeout`.
-async fn pg_corrupt_list(
-    pg: &idemkit::postgres::PgStore,
+/// PostgreSQL's `answer` within `survey.timeout`.
+async fn within<T>(
     survey: &Survey<'_>,
-    limit: u32,
-) -> Result<(u64, Vec<RecordId>), CliError> {
-    tokio::time::timeout(survey.timeout, pg.corrupt(survey.scope, limit))
+    answer: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, CliError> {
+    tokio::time::timeout(survey.timeout, answer)
         .await
         .map_err(|_| {
             CliError::Store(Error::unavailable(
@@ -361,17 +365,7 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
     let started = Instant::now();
     let mut rows: Vec<serde_json::Value> = Vec::new();
     if let Some(pg) = opened.pg() {
-        let found = tokio::time::timeout(
-            survey.timeout,
-            pg.stuck(survey.scope, survey.stuck_after, limit),
-        )
-        .await
-        .map_err(|_| {
-            CliError::Store(Error::unavailable(
-                "postgres",
-                format!("no answer within --timeout {}", human(survey.timeout)),
-            ))
-        })??;
+        let found = within(survey, pg.stuck(survey.scope, survey.stuck_after, limit)).await?;
         for record in found {
             rows.push(serde_json::json!({
                 "scope": record.id.scope().as_str(),
@@ -382,7 +376,7 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
             }));
         }
         let room = u32::try_from(rows.len()).map_or(0, |n| limit.saturating_sub(n));
-        let (_, corrupt) = pg_corrupt_list(pg, survey, room).await?;
+        let (_, corrupt) = within(survey, pg.corrupt(survey.scope, room)).await?;
         for id in corrupt {
             rows.push(serde_json::json!({
                 "scope": id.scope().as_str(),
@@ -412,19 +406,17 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
             "no stuck records to list here".into(),
         ));
     }
-    let output = if survey.json {
-        format!(
-            "{}\n",
-            serde_json::json!({
-                "complete": complete,
-                "stuck_after_ms": millis(survey.stuck_after),
-                "limit": limit,
-                "records": rows,
-            })
-        )
-    } else {
-        stuck_text(&rows, complete, survey, limit)
+    let doc = || {
+        serde_json::json!({
+            "complete": complete,
+            "stuck_after_ms": millis(survey.stuck_after),
+            "limit": limit,
+            "records": rows,
+        })
     };
+    let output = render(survey.json, doc, || {
+        stuck_text(&rows, complete, survey, limit)
+    });
     Ok(Done::partial_unless(complete, output))
 }
 
@@ -525,14 +517,8 @@ pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Don
     let Some(pg) = opened.pg() else {
         let text =
             "Redis deletes expired records itself (each has a time to live): nothing to purge";
-        return Ok(Done::ok(if json {
-            format!(
-                "{}\n",
-                serde_json::json!({"purged": 0, "complete": true, "note": text})
-            )
-        } else {
-            format!("{text}\n")
-        }));
+        let doc = || serde_json::json!({"purged": 0, "complete": true, "note": text});
+        return Ok(Done::ok(render(json, doc, || format!("{text}\n"))));
     };
     const BATCH: u32 = 1000;
     let deadline = Instant::now() + timeout;
@@ -550,22 +536,18 @@ pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Don
             Err(_) => break false,
         }
     };
-    let output = if json {
-        format!(
-            "{}\n",
-            serde_json::json!({"purged": purged, "complete": complete, "schema": pg.schema()})
-        )
+    let doc = || serde_json::json!({"purged": purged, "complete": complete, "schema": pg.schema()});
+    let partial = if complete {
+        ""
     } else {
+        "PARTIAL (stopped at --timeout): "
+    };
+    let output = render(json, doc, || {
         format!(
-            "{}purged {purged} expired records from schema {:?}\n",
-            if complete {
-                ""
-            } else {
-                "PARTIAL (stopped at --timeout): "
-            },
+            "{partial}purged {purged} expired records from schema {:?}\n",
             pg.schema()
         )
-    };
+    });
     Ok(Done::partial_unless(complete, output))
 }
 
@@ -581,11 +563,8 @@ pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
         Opened::Tiered(tiered) => (tiered.pg(), true),
         _ => {
             let text = "Redis keeps no schema: nothing to migrate";
-            return Ok(Done::ok(if json {
-                format!("{}\n", serde_json::json!({"applied": [], "note": text}))
-            } else {
-                format!("{text}\n")
-            }));
+            let doc = || serde_json::json!({"applied": [], "note": text});
+            return Ok(Done::ok(render(json, doc, || format!("{text}\n"))));
         }
     };
     let pending = opened.pending_migrations().await?;
@@ -594,16 +573,14 @@ pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
     } else {
         pg.migrate().await?;
     }
-    Ok(Done::ok(if json {
-        format!(
-            "{}\n",
-            serde_json::json!({"schema": pg.schema(), "applied": pending})
-        )
-    } else if pending.is_empty() {
-        format!("schema {:?} is up to date: nothing to apply\n", pg.schema())
-    } else {
-        format!("schema {:?}: applied migrations {pending:?}\n", pg.schema())
-    }))
+    let doc = || serde_json::json!({"schema": pg.schema(), "applied": pending});
+    Ok(Done::ok(render(json, doc, || {
+        if pending.is_empty() {
+            format!("schema {:?} is up to date: nothing to apply\n", pg.schema())
+        } else {
+            format!("schema {:?}: applied migrations {pending:?}\n", pg.schema())
+        }
+    })))
 }
 
 /// A record that cannot be read says what is wrong with it and how to clear it.

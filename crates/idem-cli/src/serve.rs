@@ -483,11 +483,7 @@ mod tests {
 
     #[test]
     fn callers() {
-        let h = |v: &str| {
-            let mut m = HeaderMap::new();
-            m.insert(AUTHORIZATION, HeaderValue::from_str(v).unwrap());
-            caller(&m)
-        };
+        let h = |v: &str| caller(&HeaderMap::from_iter([(AUTHORIZATION, v.parse().unwrap())]));
         assert_eq!(h("Bearer alice"), Some("alice".into()));
         assert_eq!(h("bearer bob"), Some("bob".into()));
         assert_eq!(h("Basic x"), None);
