@@ -684,15 +684,12 @@ mod express {
         ) {
             return false;
         }
-        let out = Command::new("npm")
-            .args(["ci", "--no-audit", "--no-fund", "--ignore-scripts"])
-            .current_dir(EXAMPLE)
-            .output()
-            .expect("run npm ci");
+        // npm's complaints go to the test's own stderr.
+        let ci = ["ci", "--no-audit", "--no-fund", "--ignore-scripts"];
+        let npm = Command::new("npm").args(ci).current_dir(EXAMPLE).status();
         assert!(
-            out.status.success(),
-            "npm ci in examples/express failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+            npm.expect("run npm ci").success(),
+            "npm ci in examples/express"
         );
         true
     }

@@ -244,35 +244,35 @@ mod relay {
 
     #[tokio::test]
     async fn errors_say_what_to_write() {
-        let (code, _, err) = relay_output(&["run", "--metrics-listen", "9187"]).await;
-        assert_eq!(code, Some(2), "{err}");
-        assert!(err.contains("--metrics-listen 127.0.0.1:9187"), "{err}");
-
-        // No store: `dead` needs only PostgreSQL, and the error says so.
-        let (code, _, err) = relay_output(&["dead", "list"]).await;
-        assert_eq!(code, Some(2), "{err}");
-        assert!(err.contains("postgres:// URL"), "{err}");
-        assert!(err.contains("tiered:REDIS_URL|POSTGRES_URL"), "{err}");
-
-        // `run` needs both halves.
-        let (code, _, err) =
-            relay_output(&["run", "--store", "postgres://app:hunter2@127.0.0.1:1/x"]).await;
-        assert_eq!(code, Some(2), "{err}");
-        assert!(err.contains("tiered:REDIS_URL|POSTGRES_URL"), "{err}");
-        assert!(!err.contains("hunter2"), "{err}");
-
-        let (code, _, err) = relay_output(&[
-            "run",
-            "--store",
-            "tiered:redis://127.0.0.1:1|postgres://a@127.0.0.1:1/x",
-            "--backoff-ms",
-            "100",
-            "--backoff-cap-ms",
-            "10",
-        ])
-        .await;
-        assert_eq!(code, Some(2), "{err}");
-        assert!(err.contains("--backoff-cap-ms (10)"), "{err}");
+        let tiered = "tiered:redis://127.0.0.1:1|postgres://a@127.0.0.1:1/x";
+        let backoff = ["--backoff-ms", "100", "--backoff-cap-ms", "10"];
+        for (args, says) in [
+            (
+                vec!["run", "--metrics-listen", "9187"],
+                &["--metrics-listen 127.0.0.1:9187"][..],
+            ),
+            // No store: `dead` needs only PostgreSQL, and the error says so.
+            (
+                vec!["dead", "list"],
+                &["postgres:// URL", "tiered:REDIS_URL|POSTGRES_URL"],
+            ),
+            // `run` needs both halves.
+            (
+                vec!["run", "--store", "postgres://app:hunter2@127.0.0.1:1/x"],
+                &["tiered:REDIS_URL|POSTGRES_URL"],
+            ),
+            (
+                [&["run", "--store", tiered][..], &backoff].concat(),
+                &["--backoff-cap-ms (10)"],
+            ),
+        ] {
+            let (code, _, err) = relay_output(&args).await;
+            assert_eq!(code, Some(2), "{args:?}: {err}");
+            for text in says {
+                assert!(err.contains(text), "{args:?}: {err}");
+            }
+            assert!(!err.contains("hunter2"), "{err}");
+        }
     }
 
     #[tokio::test]
