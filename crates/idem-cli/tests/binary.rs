@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use hyper::StatusCode;
 use idem_testkit::harness::eventually;
 use support::{
-    call, client, exits, idem, json, ms, ok_json, request, run, run_with, secs, send, HttpClient,
-    Proc, Reply, BIN,
+    call, client, exits, idem, json, ms, ok, ok_json, request, run, run_with, secs, send,
+    HttpClient, Proc, Reply, BIN,
 };
 
 /// `idem serve --store memory` on a free port.
@@ -256,8 +256,7 @@ async fn operator_commands_over(store: &str) {
         &first.body[..]
     );
     assert_eq!(done["fingerprint"], in_flight["fingerprint"]);
-    let (code, text, err) = cmd(&["inspect", "order-1", "--scope", &caller]);
-    assert_eq!(code, 0, "{err}");
+    let text = ok(cmd(&["inspect", "order-1", "--scope", &caller]));
     assert!(
         text.contains("state        completed (succeeded, status 201)"),
         "{text}"
@@ -269,8 +268,7 @@ async fn operator_commands_over(store: &str) {
     assert_eq!(stats["succeeded"], 1, "{stats}");
     assert_eq!(stats["failed"], 0, "{stats}");
     assert_eq!(stats["stuck"], 0, "{stats}");
-    let (code, text, err) = cmd(&["stats", "--scope", &caller]);
-    assert_eq!(code, 0, "{err}");
+    let text = ok(cmd(&["stats", "--scope", &caller]));
     assert!(text.contains("succeeded       1"), "{text}");
 
     // A retry is a replay; once evicted, the key runs again.
@@ -279,8 +277,7 @@ async fn operator_commands_over(store: &str) {
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay.body, first.body);
 
-    let (code, out, err) = cmd(&["evict", "order-1", "--scope", &caller]);
-    assert_eq!(code, 0, "{err}");
+    let out = ok(cmd(&["evict", "order-1", "--scope", &caller]));
     assert_eq!(
         out,
         format!("evicted key \"order-1\" in scope \"{caller}\"\n")
@@ -1191,8 +1188,7 @@ mod postgres_schema {
         let doc = super::ok_json(cmd(&["migrate", "--json"]));
         assert_eq!(doc["applied"], serde_json::json!([1]));
         assert!(exists().await);
-        let (code, out, _) = cmd(&["migrate"]);
-        assert_eq!(code, 0);
+        let out = super::ok(cmd(&["migrate"]));
         assert!(out.contains("up to date"), "{out}");
         super::exits(1, cmd(&["inspect", "k"]));
 
@@ -1221,9 +1217,7 @@ mod postgres_schema {
         .execute(&pool)
         .await
         .unwrap();
-        let (code, out, _) = cmd(&["stats", "--stuck-after", "0", "--json"]);
-        assert_eq!(code, 0);
-        let doc = super::json(&out);
+        let doc = super::ok_json(cmd(&["stats", "--stuck-after", "0", "--json"]));
         assert_eq!(
             (doc["stuck"].as_u64(), doc["succeeded"].as_u64()),
             (Some(1), Some(1)),
@@ -1458,8 +1452,7 @@ mod tiered_evict {
         assert_eq!(doc["records"][0]["problem"], "corrupt", "{doc}");
         let _: () = raw.del(redis.record_key(&broken)).await.unwrap();
 
-        let (code, out, err) = cmd(&["evict", "paid", "--scope", "s"]);
-        assert_eq!(code, 0, "{err}");
+        let out = super::ok(cmd(&["evict", "paid", "--scope", "s"]));
         assert_eq!(out, "evicted key \"paid\" in scope \"s\"\n");
         assert!(redis.get(&id).await.unwrap().is_none(), "left in Redis");
         assert!(pg.get(&id).await.unwrap().is_none(), "left in PostgreSQL");

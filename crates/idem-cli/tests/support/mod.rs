@@ -88,11 +88,17 @@ pub fn exits(code: i32, (got, _, err): (i32, String, String)) -> String {
     err
 }
 
+/// The stdout of a [`run`] that must exit 0.
+#[track_caller]
+pub fn ok((code, out, err): (i32, String, String)) -> String {
+    assert_eq!(code, 0, "{err}");
+    out
+}
+
 /// The JSON stdout of a [`run`] that must exit 0.
 #[track_caller]
-pub fn ok_json((code, out, err): (i32, String, String)) -> serde_json::Value {
-    assert_eq!(code, 0, "{err}");
-    json(&out)
+pub fn ok_json(result: (i32, String, String)) -> serde_json::Value {
+    json(&ok(result))
 }
 
 /// A child process, killed (SIGKILL) and reaped when dropped.
