@@ -678,25 +678,13 @@ mod tls {
     //! it makes, reached through `rediss://...?tls_ca_file=` and
     //! `postgres://...?sslmode=verify-full&sslrootcert=`.
 
-    use idem_testkit::postgres::{self as pg, PgServer};
-    use idem_testkit::redis::{self as testing, RedisServer};
-    use idem_testkit::tls::Pki;
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_inspect_stats_evict() {
-        if !testing::available() || !pg::available() {
+        let Some(servers) = super::support::TlsServers::start() else {
             return;
-        }
-        let pki = Pki::new();
-        let ca = pki.path("ca.pem");
-        let (_redis, tls_port) =
-            RedisServer::start_tls_with(&pki).expect("start redis-server with TLS");
-        let postgres = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
-        let url = format!(
-            "tiered:rediss://localhost:{tls_port}/?tls_ca_file={ca}|\
-             postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}",
-            postgres.port()
-        );
+        };
+        let ca = servers.pki.path("ca.pem");
+        let url = servers.tiered_url(&ca, &ca);
         super::operator_commands_over(&url).await;
     }
 }

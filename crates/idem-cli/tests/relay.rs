@@ -8,6 +8,8 @@
 //! own and a Redis key prefix of its own. The relay worker's own behaviour (outages, several
 //! relays, shutdown mid-batch) is tested in crates/idem-outbox/tests/relay.rs.
 
+mod support;
+
 mod relay {
     use std::process::Stdio;
     use std::sync::{Arc, Mutex};
@@ -592,26 +594,11 @@ mod relay {
     /// cleanly; trusting another authority, it refuses to start.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn runs_over_tls() {
-        use idem_testkit::postgres::{self as pg, PgServer};
-        use idem_testkit::tls::Pki;
-
-        if !testing::available() || !pg::available() {
+        let Some(servers) = super::support::TlsServers::start() else {
             return;
-        }
-        let pki = Pki::new();
-        let ca = pki.path("ca.pem");
-        let (_redis, tls_port) =
-            RedisServer::start_tls_with(&pki).expect("start redis-server with TLS");
-        let postgres = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
-        let store = |redis_ca: &str, pg_ca: &str| {
-            tiered_url(
-                &format!("rediss://localhost:{tls_port}/?tls_ca_file={redis_ca}"),
-                &format!(
-                    "postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={pg_ca}",
-                    postgres.port()
-                ),
-            )
         };
+        let ca = servers.pki.path("ca.pem");
+        let store = |redis_ca: &str, pg_ca: &str| servers.tiered_url(redis_ca, pg_ca);
         let start = |store: String| {
             relay(&["run", "--migrate", "--store", &store])
                 .args(["--metrics-listen", "127.0.0.1:0", "--log", "warn"])
@@ -643,7 +630,7 @@ mod relay {
         assert!(wait_exit(&mut child).await.success());
 
         // Trusting another authority, for either store: the relay refuses to start (3).
-        let other = pki.path("other-ca.pem");
+        let other = servers.pki.path("other-ca.pem");
         for store in [store(&ca, &other), store(&other, &ca)] {
             let out = timeout(PATIENCE, start(store).wait_with_output())
                 .await

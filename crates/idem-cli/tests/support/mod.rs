@@ -11,8 +11,49 @@ use http_body_util::{BodyExt, Full};
 use hyper::StatusCode;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
+use idem_testkit::postgres::PgServer;
+use idem_testkit::redis::RedisServer;
+use idem_testkit::tls::Pki;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_idem");
+
+/// A `redis-server` with a TLS port and a PostgreSQL with `ssl=on`, with certificates of
+/// `pki`; both stopped when dropped. `None` (the test returns) when either cannot be run.
+pub struct TlsServers {
+    pub pki: Pki,
+    _redis: RedisServer,
+    redis_tls_port: u16,
+    postgres: PgServer,
+}
+
+impl TlsServers {
+    pub fn start() -> Option<Self> {
+        if !idem_testkit::redis::available() || !idem_testkit::postgres::available() {
+            return None;
+        }
+        let pki = Pki::new();
+        let (redis, redis_tls_port) =
+            RedisServer::start_tls_with(&pki).expect("start redis-server with TLS");
+        let postgres = PgServer::start_tls(&pki).expect("start PostgreSQL with ssl=on");
+        Some(Self {
+            pki,
+            _redis: redis,
+            redis_tls_port,
+            postgres,
+        })
+    }
+
+    /// The tiered store of both over TLS with certificate verification on, Redis trusting
+    /// the authority file `redis_ca`, PostgreSQL `pg_ca`.
+    pub fn tiered_url(&self, redis_ca: &str, pg_ca: &str) -> String {
+        format!(
+            "tiered:rediss://localhost:{}/?tls_ca_file={redis_ca}|\
+             postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={pg_ca}",
+            self.redis_tls_port,
+            self.postgres.port()
+        )
+    }
+}
 
 /// `n` seconds.
 pub fn secs(n: u64) -> Duration {
