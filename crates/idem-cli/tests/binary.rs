@@ -1140,15 +1140,7 @@ mod postgres_schema {
             super::run(&all)
         };
         let pool = sqlx::PgPool::connect(&url).await.unwrap();
-        let exists = || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
-            )
-            .bind(&schema)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        };
+        let exists = || super::support::schema_exists(&url, &schema);
 
         for args in [
             &["stats"][..],

@@ -29,7 +29,6 @@ mod relay {
     use tokio::process::{Child, Command};
     use tokio::time::timeout;
 
-    const BIN: &str = env!("CARGO_BIN_EXE_idem");
     /// The longest any test waits: generous for a loaded 2-core machine; nothing here
     /// asserts speed.
     const PATIENCE: Duration = Duration::from_secs(30);
@@ -42,19 +41,13 @@ mod relay {
     /// with no input; killed when its handle is dropped, so a failing test leaves no relay
     /// running.
     fn relay(args: &[&str]) -> Command {
-        let mut cmd = Command::new(BIN);
-        for var in [
-            "IDEM_STORE",
-            "IDEM_SCHEMA",
-            "IDEM_PREFIX",
-            "IDEM_LOG_FORMAT",
-            "IDEM_RELAY_LOG",
-            "RUST_LOG",
-        ] {
+        let mut cmd = super::support::idem(&["relay"]);
+        for var in ["IDEM_LOG_FORMAT", "IDEM_RELAY_LOG", "RUST_LOG"] {
             cmd.env_remove(var);
         }
-        cmd.arg("relay").args(args);
-        cmd.stdin(Stdio::null()).kill_on_drop(true);
+        cmd.args(args).stdin(Stdio::null());
+        let mut cmd = Command::from(cmd);
+        cmd.kill_on_drop(true);
         cmd
     }
 
@@ -575,13 +568,7 @@ mod relay {
         let (code, _, err) = relay_output(&["run", "--store", &store, "--schema", &schema]).await;
         assert_eq!(code, Some(3), "{err}");
         assert!(err.contains("run `idem migrate"), "{err}");
-        let pool = sqlx::PgPool::connect(&db_url).await.unwrap();
-        let exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-                .bind(&schema)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let exists = super::support::schema_exists(&db_url, &schema).await;
         assert!(
             !exists,
             "idem relay run created schema {schema} without --migrate"

@@ -55,6 +55,16 @@ impl TlsServers {
     }
 }
 
+/// Whether the PostgreSQL database at `url` has the schema `schema`.
+pub async fn schema_exists(url: &str, schema: &str) -> bool {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+        .bind(schema)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+}
+
 /// `n` seconds.
 pub fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
@@ -65,7 +75,8 @@ pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
-/// `idem <args>`, without the `IDEM_*` variables of the environment the tests run in.
+/// `idem <args>`, without the `IDEM_STORE`, `IDEM_PREFIX` and `IDEM_SCHEMA` of the
+/// environment the tests run in.
 pub fn idem(args: &[&str]) -> Command {
     let mut command = Command::new(BIN);
     command
