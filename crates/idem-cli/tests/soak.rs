@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use idem_testkit::postgres::PgServer;
 use idem_testkit::redis::RedisServer;
 use support::{HttpClient, Request};
@@ -712,20 +712,14 @@ async fn send(
     http: &HttpClient,
     request: Request,
 ) -> Result<(Option<u16>, Option<String>), String> {
-    let response = http.request(request).await.map_err(|e| e.to_string())?;
-    let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    let payment = status
+    let reply = support::send(http, request).await?;
+    let payment = reply
+        .status
         .is_success()
-        .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
+        .then(|| serde_json::from_slice::<serde_json::Value>(&reply.body).ok())
         .flatten()
         .and_then(|json| json["id"].as_str().map(str::to_owned));
-    Ok((Some(status.as_u16()), payment))
+    Ok((Some(reply.status.as_u16()), payment))
 }
 
 // ---------------------------------------------------------------------------------------
