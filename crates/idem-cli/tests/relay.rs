@@ -185,11 +185,7 @@ mod relay {
 
     fn sigterm(child: &Child) {
         let pid = child.id().expect("idem relay still running");
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {pid}");
+        super::support::signal(pid, "TERM");
     }
 
     /// [`harness::eventually`] within [`PATIENCE`].

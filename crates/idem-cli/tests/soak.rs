@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -320,23 +320,13 @@ impl Bases {
     }
 }
 
-/// Sends `signal` (`STOP`, `CONT`) to `pid`.
-fn signal(pid: u32, signal: &str) {
-    let sent = Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg(pid.to_string())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(sent, "kill -{signal} {pid} failed");
-}
-
 /// A Redis stopped with `SIGSTOP`: continued when dropped, so that a failing run never
 /// leaves a stopped server behind (its watchdog could not stop it).
 struct Stopped(u32);
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        signal(self.0, "CONT");
+        support::signal(self.0, "CONT");
     }
 }
 
@@ -443,7 +433,7 @@ impl Servers {
     }
 
     fn stop_redis(&self, stalled: Duration) {
-        signal(self.redis_pid, "STOP");
+        support::signal(self.redis_pid, "STOP");
         let stopped = Stopped(self.redis_pid);
         std::thread::sleep(stalled);
         drop(stopped);

@@ -153,6 +153,16 @@ pub fn ok_json(result: (i32, String, String)) -> serde_json::Value {
     json(&ok(result))
 }
 
+/// Sends `signal` (`TERM`, `STOP`, `CONT`) to `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let sent = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(sent, "kill -{signal} {pid} failed");
+}
+
 /// A child process, killed (SIGKILL) and reaped when dropped.
 pub struct Proc {
     child: Option<Child>,
@@ -227,11 +237,7 @@ impl Proc {
     /// SIGTERM, then its exit status (within 30 s).
     pub fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("running");
-        let status = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        signal(child.id(), "TERM");
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = child.try_wait().unwrap() {
