@@ -101,31 +101,22 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     let anonymous = call(&client, "POST", &payments, &anonymous, order).await;
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
     assert_eq!(
-        anonymous.json()["type"],
+        anonymous.problem_type(),
         "urn:idem:problem:principal-missing"
     );
 
     // The side effect ran once per key: two payments for alice, none for bob.
-    assert_eq!(list(&client, &served.printed, alice).await["count"], 2);
+    assert_eq!(list(&client, &served, alice).await["count"], 2);
     let one = format!("{payments}/{id}");
     let alices = call(&client, "GET", &one, &[("authorization", alice)], "").await;
     assert_eq!(alices.json()["id"], id.as_str());
-    assert_eq!(
-        list(&client, &served.printed, "Bearer bob").await["count"],
-        0
-    );
+    assert_eq!(list(&client, &served, "Bearer bob").await["count"], 0);
     let bob = ("authorization", "Bearer bob");
     let not_bobs = call(&client, "GET", &one, &[bob], "").await;
     assert_eq!(not_bobs.status, StatusCode::NOT_FOUND);
 
-    let metrics = call(
-        &client,
-        "GET",
-        &format!("{}/metrics", served.printed),
-        &[],
-        "",
-    )
-    .await;
+    let metrics = format!("{}/metrics", served.printed);
+    let metrics = call(&client, "GET", &metrics, &[], "").await;
     let text = String::from_utf8(metrics.body.to_vec()).unwrap();
     let metric = |outcome: &str| -> u64 {
         let prefix = format!("idem_http_requests_total{{outcome=\"{outcome}\"}} ");
@@ -295,7 +286,7 @@ async fn operator_commands_over(store: &str) {
         payment_id.as_str(),
         "the key did not run again"
     );
-    assert_eq!(list(&client, &served.printed, &auth).await["count"], 2);
+    assert_eq!(list(&client, &served, &auth).await["count"], 2);
 }
 
 /// A payer of the test's own: its name (`<prefix>-<random>`, as the demo's rows name their
@@ -322,8 +313,8 @@ fn payment<'a>(
 }
 
 /// `GET /payments` as `auth`: the caller's payments, as the server lists them.
-async fn list(client: &HttpClient, base: &str, auth: &str) -> serde_json::Value {
-    let url = format!("{base}/payments");
+async fn list(client: &HttpClient, served: &Proc, auth: &str) -> serde_json::Value {
+    let url = format!("{}/payments", served.printed);
     let reply = call(client, "GET", &url, &[("authorization", auth)], "").await;
     assert_eq!(reply.status, StatusCode::OK);
     reply.json()
@@ -404,7 +395,7 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
         1,
         "the payment was made twice"
     );
-    let listed = list(&client, &served.printed, &auth).await;
+    let listed = list(&client, &served, &auth).await;
     assert_eq!(listed["count"], 1);
     assert_eq!(listed["payments"][0]["id"], retry.json()["id"]);
 }
@@ -506,7 +497,7 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
         "the race paid more than once"
     );
     for server in &servers {
-        let listed = list(&client, &server.printed, &auth).await;
+        let listed = list(&client, server, &auth).await;
         assert_eq!(listed["count"], 1);
         assert_eq!(listed["payments"][0]["id"], created[0]);
     }
@@ -642,10 +633,7 @@ mod tiered {
         tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
         let second = pay("order-2").await;
         assert_eq!(second.status, 201, "{:?}", second.body);
-        assert_eq!(
-            super::list(&client, &served.printed, &auth).await["count"],
-            2
-        );
+        assert_eq!(super::list(&client, &served, &auth).await["count"], 2);
 
         let log = served.stop();
         assert!(log.contains("Redis unreachable at start"), "{log}");
@@ -815,10 +803,7 @@ mod memory {
         // answer 422, another request under the same key).
         let paid = super::call(&client, "POST", &url, &patch, order).await;
         assert_eq!(paid.status, 201, "{:?}", paid.body);
-        assert_eq!(
-            super::list(&client, &served.printed, &auth).await["count"],
-            2
-        );
+        assert_eq!(super::list(&client, &served, &auth).await["count"], 2);
     }
 }
 
@@ -872,19 +857,13 @@ mod redis_outage {
         let pay = || super::pay(&client, &served, &auth, "order-1", order);
         let refused = pay().await;
         assert_eq!(refused.status, 503, "{:?}", refused.body);
-        assert_eq!(
-            super::list(&client, &served.printed, &auth).await["count"],
-            0
-        );
+        assert_eq!(super::list(&client, &served, &auth).await["count"], 0);
 
         redis.start_again().expect("restart redis-server");
         // The store reconnects on its next call; allow it a few tries.
         let paid = super::retry_while(503, pay).await;
         assert_eq!(paid.status, 201, "{:?}", paid.body);
-        assert_eq!(
-            super::list(&client, &served.printed, &auth).await["count"],
-            1
-        );
+        assert_eq!(super::list(&client, &served, &auth).await["count"], 1);
 
         let log = served.stop();
         assert_eq!(

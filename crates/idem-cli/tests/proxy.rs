@@ -69,14 +69,8 @@ async fn charge(client: &HttpClient, proxy: &str, key: &str, delay_ms: u64) -> R
         ("content-type", "application/json"),
         ("x-delay-ms", delay.as_str()),
     ];
-    call(
-        client,
-        "POST",
-        &format!("{proxy}/charge"),
-        &headers,
-        r#"{"amount": 1250}"#,
-    )
-    .await
+    let url = format!("{proxy}/charge");
+    call(client, "POST", &url, &headers, r#"{"amount": 1250}"#).await
 }
 
 /// `POST <url>` as alice with `key` and the body `{}`.
