@@ -65,19 +65,8 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
     assert_eq!(mismatch.headers["content-type"], "application/problem+json");
 
     // A race: eight identical slow requests, one payment.
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
-        let (client, payments) = (client.clone(), payments.clone());
-        tasks.push(tokio::spawn(async move {
-            let slow = payment(alice, "race-1", &[("x-demo-delay-ms", "300")]);
-            let usd = r#"{"amount": 500, "currency": "USD"}"#;
-            call(&client, "POST", &payments, &slow, usd).await
-        }));
-    }
-    let mut statuses = Vec::new();
-    for task in tasks {
-        statuses.push(task.await.unwrap().status);
-    }
+    let race = race(&client, &[&served], alice, "race-1", 8).await;
+    let statuses: Vec<StatusCode> = race.iter().map(|r| r.status).collect();
     assert!(statuses.contains(&StatusCode::CREATED));
     assert!(statuses
         .iter()
@@ -344,6 +333,31 @@ where
     }
 }
 
+/// `n` identical slow payments (300 ms in the handler) by `auth` under `key`, sent at once
+/// and spread over `servers`: their replies.
+async fn race(
+    client: &HttpClient,
+    servers: &[&Proc],
+    auth: &str,
+    key: &str,
+    n: usize,
+) -> Vec<Reply> {
+    let slow = payment(auth, key, &[("x-demo-delay-ms", "300")]);
+    let order = r#"{"amount": 500, "currency": "USD"}"#;
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let url = format!("{}/payments", servers[i % servers.len()].printed);
+            let (client, req) = (client.clone(), request("POST", &url, &slow, order));
+            tokio::spawn(async move { send(&client, req).await.unwrap() })
+        })
+        .collect();
+    let mut replies = Vec::new();
+    for task in tasks {
+        replies.push(task.await.unwrap());
+    }
+    replies
+}
+
 /// `order` paid by `auth` under `key` through `served`.
 async fn pay(client: &HttpClient, served: &Proc, auth: &str, key: &str, order: &str) -> Reply {
     let url = format!("{}/payments", served.printed);
@@ -469,20 +483,9 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
     let client = client();
     let servers = [spawn_serve_on(store), spawn_serve_on(store)];
     let (owner, auth) = payer("race");
-    let order = r#"{"amount": 500, "currency": "USD"}"#;
 
-    let mut tasks = Vec::new();
-    for i in 0..40 {
-        let url = format!("{}/payments", servers[i % 2].printed);
-        let (client, auth) = (client.clone(), auth.clone());
-        tasks.push(tokio::spawn(async move {
-            let headers = payment(&auth, "race-40", &[("x-demo-delay-ms", "300")]);
-            call(&client, "POST", &url, &headers, order).await
-        }));
-    }
     let mut created = Vec::new();
-    for task in tasks {
-        let reply = task.await.unwrap();
+    for reply in race(&client, &[&servers[0], &servers[1]], &auth, "race-40", 40).await {
         match reply.status {
             StatusCode::CREATED => created.push(reply.json()["id"].clone()),
             StatusCode::CONFLICT => assert_eq!(reply.headers["retry-after"], "1"),
