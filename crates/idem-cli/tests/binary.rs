@@ -12,23 +12,13 @@ use std::time::{Duration, Instant};
 use hyper::StatusCode;
 use idem_testkit::harness::eventually;
 use support::{
-    call, client, exits, idem, json, ms, ok, ok_json, request, run, run_with, secs, send,
+    call, client, exits, idem, json, ms, ok, ok_json, request, run, run_on, run_with, secs, send,
     HttpClient, Proc, Reply, BIN,
 };
 
-/// `idem serve --store memory` on a free port.
-fn spawn_serve() -> Proc {
-    spawn_serve_on("memory")
-}
-
-/// `idem serve --store <store>` on a free port.
-fn spawn_serve_on(store: &str) -> Proc {
-    spawn_serve_with(store, &[])
-}
-
 /// `idem serve --store <store> --migrate <extra>` on a free port; its base URL is
 /// `Proc::printed`.
-fn spawn_serve_with(store: &str, extra: &[&str]) -> Proc {
+fn serve(store: &str, extra: &[&str]) -> Proc {
     let args = ["serve", "--listen", "127.0.0.1:0", "--store", store];
     let mut command = idem(&args);
     command.arg("--migrate").args(extra);
@@ -37,7 +27,7 @@ fn spawn_serve_with(store: &str, extra: &[&str]) -> Proc {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
-    let mut served = spawn_serve();
+    let mut served = serve("memory", &[]);
     let client = client();
     let payments = format!("{}/payments", served.printed);
     let alice = "Bearer alice";
@@ -184,23 +174,19 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
 /// that the same key runs again. The caller (the Bearer token, hence the scope) is unique
 /// to the call, so tests sharing a server never count each other's records.
 async fn operator_commands_over(store: &str) {
-    let served = spawn_serve_on(store);
+    let served = serve(store, &[]);
     let client = client();
     let payments = format!("{}/payments", served.printed);
     let caller = format!("ops-{}", uuid::Uuid::new_v4().simple());
     let auth = format!("Bearer {caller}");
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
-    let cmd = |args: &[&str]| {
-        let mut all = args.to_vec();
-        all.extend(["--store", store]);
-        run(&all)
-    };
+    let cmd = run_on(["--store", store]);
 
     // A slow first request: while it runs, the record is in progress under a lease.
     let first = {
         let (client, payments, auth) = (client.clone(), payments.clone(), auth.clone());
         tokio::spawn(async move {
-            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "2500")]);
+            let headers = payment(&auth, "order-1", &[("x-demo-delay-ms", "4000")]);
             call(&client, "POST", &payments, &headers, order).await
         })
     };
@@ -218,9 +204,16 @@ async fn operator_commands_over(store: &str) {
     assert_eq!(in_flight["attempt"], 1);
     assert_eq!(in_flight["lease"]["expired"], false, "{in_flight}");
     assert!(in_flight["lease"]["remaining_ms"].as_u64().unwrap() > 0);
+    let text = ok(cmd(&["inspect", "order-1", "--scope", &caller]));
+    let token = in_flight["lease"]["token"].as_str().unwrap();
+    for line in ["state        in progress", token, "attempt      1"] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
     let stats = ok_json(cmd(&["stats", "--scope", &caller, "--json"]));
     assert_eq!(stats["in_flight"], 1, "{stats}");
     assert_eq!(stats["succeeded"], 0, "{stats}");
+    let text = ok(cmd(&["stats", "--scope", &caller]));
+    assert!(text.contains("in flight       1"), "{text}");
 
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
@@ -236,6 +229,13 @@ async fn operator_commands_over(store: &str) {
         &first.body[..]
     );
     assert_eq!(done["fingerprint"], in_flight["fingerprint"]);
+    let stored = done["completion"]["headers"].as_array().unwrap();
+    assert!(stored.iter().any(|h| h[0] == "content-type"), "{done}");
+    let expires = done["expires_in_ms"].as_u64().unwrap();
+    assert!(
+        (23 * 3600 * 1000..=24 * 3600 * 1000).contains(&expires),
+        "{done}"
+    );
     let text = ok(cmd(&["inspect", "order-1", "--scope", &caller]));
     assert!(
         text.contains("state        completed (succeeded, status 201)"),
@@ -248,8 +248,18 @@ async fn operator_commands_over(store: &str) {
     assert_eq!(stats["succeeded"], 1, "{stats}");
     assert_eq!(stats["failed"], 0, "{stats}");
     assert_eq!(stats["stuck"], 0, "{stats}");
+    assert_eq!(
+        (&stats["scope"], &stats["complete"]),
+        (&caller.as_str().into(), &true.into())
+    );
     let text = ok(cmd(&["stats", "--scope", &caller]));
     assert!(text.contains("succeeded       1"), "{text}");
+    assert!(
+        !text.contains("ALARM") && !text.contains("PARTIAL"),
+        "{text}"
+    );
+    let all = ok_json(cmd(&["stats", "--json"]));
+    assert_eq!(all["scope"], serde_json::Value::Null, "{all}");
 
     // A retry is a replay; once evicted, the key runs again.
     let headers = payment(&auth, "order-1", &[]);
@@ -387,17 +397,17 @@ async fn a_crash_after_the_commit_loses_nothing(store: &str, database: &str) {
     let client = client();
     let (owner, auth) = payer("crash");
     let order = r#"{"amount": 1250, "currency": "EUR"}"#;
-    let mut served = spawn_serve_on(store);
+    let mut served = serve(store, &[]);
 
     let hold_after_commit = ("x-demo-delay-after-commit-ms", "30000");
     let first = pay_in_background(&client, &served, &auth, hold_after_commit, order);
     let committed = || async { (payment_rows(&pool, &owner).await > 0).then_some(()) };
     eventually("the payment committed", secs(20), ms(20), committed).await;
     // The payment is committed and its response not yet written: kill -9.
-    served.kill_9();
+    served.stop();
     assert!(first.await.unwrap().is_err(), "the killed server answered");
 
-    let served = spawn_serve_on(store);
+    let served = serve(store, &[]);
     // On the tiered store the killed process's Redis lease answers 409 until the relay
     // copies the committed completion into Redis (as the README says): retry as a client
     // would, after Retry-After. PostgreSQL alone replays at once.
@@ -423,15 +433,15 @@ async fn a_crash_mid_handler_frees_the_key_after_the_lease(store: &str, database
     let client = client();
     let (owner, auth) = payer("lease");
     let order = r#"{"amount": 700, "currency": "EUR"}"#;
-    let mut served = spawn_serve_with(store, &["--lease", "2"]);
+    let mut served = serve(store, &["--lease", "2"]);
     let first = pay_in_background(&client, &served, &auth, ("x-demo-delay-ms", "30000"), order);
     // Let the first request take the key, then kill -9 the server mid-handler.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    served.kill_9();
+    served.stop();
     let killed = Instant::now();
     assert!(first.await.unwrap().is_err(), "the killed server answered");
 
-    let served = spawn_serve_with(store, &["--lease", "2"]);
+    let served = serve(store, &["--lease", "2"]);
     let mut refused = 0;
     let retry = loop {
         let reply = pay(&client, &served, &auth, "order-1", order).await;
@@ -458,7 +468,7 @@ async fn serve_purges_expired_records(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
     let client = client();
     let (owner, auth) = payer("purge");
-    let served = spawn_serve_with(store, &["--retention", "1", "--purge-every", "1"]);
+    let served = serve(store, &["--retention", "1", "--purge-every", "1"]);
     let order = r#"{"amount": 100, "currency": "EUR"}"#;
     let made = pay(&client, &served, &auth, "order-1", order).await;
     assert_eq!(made.status, StatusCode::CREATED, "{:?}", made.body);
@@ -481,7 +491,7 @@ async fn serve_purges_expired_records(store: &str, database: &str) {
 async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
     let pool = sqlx::PgPool::connect(database).await.unwrap();
     let client = client();
-    let servers = [spawn_serve_on(store), spawn_serve_on(store)];
+    let servers = [serve(store, &[]), serve(store, &[])];
     let (owner, auth) = payer("race");
 
     let mut created = Vec::new();
@@ -506,27 +516,29 @@ async fn a_race_across_two_processes_runs_once(store: &str, database: &str) {
     }
 }
 
+/// A backend module's test `serve_inspect_stats_evict`: [`operator_commands_over`] on the
+/// store `$open` gives, with what keeps its servers up, when it gives one.
+macro_rules! serve_inspect_stats_evict {
+    ($open:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn serve_inspect_stats_evict() {
+            if let Some((url, _servers)) = $open {
+                super::operator_commands_over(&url).await;
+            }
+        }
+    };
+}
+
 mod redis {
     //! Against `IDEM_TEST_REDIS_URL`.
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_inspect_stats_evict() {
-        let Some(url) = idem_testkit::harness::redis_url() else {
-            return;
-        };
-        super::operator_commands_over(&url).await;
-    }
+    serve_inspect_stats_evict!(idem_testkit::harness::redis_url().map(|url| (url, ())));
 }
 
 mod postgres {
     //! Against `IDEM_TEST_DATABASE_URL` (idem's tables in schema `idem` there).
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_inspect_stats_evict() {
-        if let Some(url) = idem_testkit::harness::database_url() {
-            super::operator_commands_over(&url).await;
-        }
-    }
+    serve_inspect_stats_evict!(idem_testkit::harness::database_url().map(|url| (url, ())));
 
     /// One test per case of the parent module, each run with `IDEM_TEST_DATABASE_URL` as
     /// both the store and the database the case reads; without one, the harness has said
@@ -556,17 +568,14 @@ mod redis_cluster {
 
     use idem_testkit::redis::{self as testing, RedisCluster};
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_inspect_stats_evict() {
-        if !testing::available() {
-            return;
+    serve_inspect_stats_evict!(match testing::available() {
+        false => None,
+        true => {
+            let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3)).await;
+            let cluster = cluster.unwrap().expect("start a 3-primary cluster");
+            Some((cluster.url(), cluster))
         }
-        let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
-            .await
-            .unwrap()
-            .expect("start a 3-primary cluster");
-        super::operator_commands_over(&cluster.url()).await;
-    }
+    });
 }
 
 /// `IDEM_TEST_REDIS_URL` and `IDEM_TEST_DATABASE_URL`, when both are set.
@@ -580,13 +589,7 @@ fn both_urls() -> Option<(String, String)> {
 mod tiered {
     //! The tiered store: `tiered:<IDEM_TEST_REDIS_URL>|<IDEM_TEST_DATABASE_URL>`.
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_inspect_stats_evict() {
-        let Some((redis, postgres)) = super::both_urls() else {
-            return;
-        };
-        super::operator_commands_over(&format!("tiered:{redis}|{postgres}")).await;
-    }
+    serve_inspect_stats_evict!(super::both_urls().map(|(r, p)| (format!("tiered:{r}|{p}"), ())));
 
     /// The relay of the tiered store, in this process, as it runs next to the services:
     /// it copies committed completions into Redis, where a killed process left its lease.
@@ -620,7 +623,7 @@ mod tiered {
         let mut redis = RedisServer::start().expect("start redis-server");
         redis.stop();
         let store = format!("tiered:{}|{postgres}", redis.url());
-        let mut served = super::spawn_serve_on(&store);
+        let mut served = super::serve(&store, &[]);
         let client = super::client();
         let (_, auth) = super::payer("down");
         let order = r#"{"amount": 300, "currency": "EUR"}"#;
@@ -669,15 +672,10 @@ mod tls {
     //! it makes, reached through `rediss://...?tls_ca_file=` and
     //! `postgres://...?sslmode=verify-full&sslrootcert=`.
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn serve_inspect_stats_evict() {
-        let Some(servers) = super::support::TlsServers::start() else {
-            return;
-        };
+    serve_inspect_stats_evict!(super::support::TlsServers::start().map(|servers| {
         let ca = servers.pki.path("ca.pem");
-        let url = servers.tiered_url(&ca, &ca);
-        super::operator_commands_over(&url).await;
-    }
+        (servers.tiered_url(&ca, &ca), servers)
+    }));
 }
 
 /// Records written through the library, as an application would.
@@ -751,7 +749,7 @@ mod redis_persistence {
         }
         let client = super::client();
         for (store, warned) in stores {
-            let mut served = super::spawn_serve_on(&store);
+            let mut served = super::serve(&store, &[]);
             // One payment, so that every store has been used (a store may check its server
             // on first use rather than at start).
             let (_, auth) = super::payer("persist");
@@ -779,7 +777,7 @@ mod memory {
     /// problem+json like every other refusal.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_demo_stores_only_what_is_final_for_the_request() {
-        let served = super::spawn_serve();
+        let served = super::serve("memory", &[]);
         let client = super::client();
         let (_, auth) = super::payer("final");
         let url = format!("{}/payments", served.printed);
@@ -853,7 +851,7 @@ mod redis_outage {
         }
         let mut redis = RedisServer::start().expect("start redis-server");
         redis.stop();
-        let mut served = super::spawn_serve_on(&redis.url());
+        let mut served = super::serve(&redis.url(), &[]);
         let client = super::client();
         let (_, auth) = super::payer("outage");
         let order = r#"{"amount": 300, "currency": "EUR"}"#;
@@ -1013,31 +1011,18 @@ mod redis_broken {
             ("meta", meta_past_end),
             ("lz4", lz4),
         ];
+        let mut writes = redis::pipe();
         for (key, value) in &corrupt {
-            let _: () = raw
-                .set(store.record_key(&records::id("s", key)), value)
-                .await
-                .unwrap();
+            writes.set(store.record_key(&records::id("s", key)), value);
         }
         // Three foreign keys: a hash and a list at records' keys, a string whose name is
         // not a record's.
-        let _: () = raw
+        writes
             .hset(store.record_key(&records::id("s", "hash")), "f", "v")
-            .await
-            .unwrap();
-        let _: () = raw
             .rpush(store.record_key(&records::id("s", "list")), "v")
-            .await
-            .unwrap();
-        let _: () = raw
-            .set(format!("{prefix}{{00000000}}odd"), "v")
-            .await
-            .unwrap();
-        let cmd = |args: &[&str]| {
-            let mut all = args.to_vec();
-            all.extend(["--store", url.as_str(), "--prefix", prefix.as_str()]);
-            super::run(&all)
-        };
+            .set(format!("{prefix}{{00000000}}odd"), "v");
+        let _: () = writes.query_async(&mut raw).await.unwrap();
+        let cmd = super::run_on(["--store", &url, "--prefix", &prefix]);
 
         let doc = super::ok_json(cmd(&["stats", "--stuck-after", "0", "--json"]));
         assert_eq!(doc["succeeded"], 1, "{doc}");
@@ -1116,11 +1101,7 @@ mod postgres_schema {
             return;
         };
         let schema = idem_testkit::harness::unique_name("idem_ops_");
-        let cmd = |args: &[&str]| {
-            let mut all = args.to_vec();
-            all.extend(["--store", url.as_str(), "--schema", schema.as_str()]);
-            super::run(&all)
-        };
+        let cmd = super::run_on(["--store", &url, "--schema", &schema]);
         let pool = sqlx::PgPool::connect(&url).await.unwrap();
         let exists = || super::support::schema_exists(&url, &schema);
 
@@ -1363,11 +1344,7 @@ mod tiered_evict {
         let schema = idem_testkit::harness::unique_name("idem_ops_");
         let prefix = format!("ops-{}:", uuid::Uuid::new_v4().simple());
         let url = format!("tiered:{redis_url}|{pg_url}");
-        let cmd = |args: &[&str]| {
-            let mut all = args.to_vec();
-            all.extend(["--store", &url, "--schema", &schema, "--prefix", &prefix]);
-            super::run(&all)
-        };
+        let cmd = super::run_on(["--store", &url, "--schema", &schema, "--prefix", &prefix]);
         let doc = super::ok_json(cmd(&["migrate", "--json"]));
         assert_eq!(doc["applied"], serde_json::json!([1, 1001]));
 
@@ -1384,15 +1361,7 @@ mod tiered_evict {
         let tiered = TieredStore::new(redis.clone(), pg.clone());
         let id = records::id("s", "paid");
         records::completed(tiered.clone(), &id).await;
-        let outbox_rows = || async {
-            sqlx::query_scalar::<_, i64>(&format!(
-                "SELECT count(*) FROM {}.outbox WHERE key = 'paid'",
-                pg.quoted_schema()
-            ))
-            .fetch_one(pg.pool())
-            .await
-            .unwrap()
-        };
+        let outbox_rows = || super::support::outbox_rows(&pg, Some("paid"));
         // Completed in both tiers, its outbox row not yet relayed (no relay runs here).
         assert!(redis.get(&id).await.unwrap().is_some());
         assert!(pg.get(&id).await.unwrap().is_some());

@@ -37,10 +37,6 @@ fn upstream_on(port: u16) -> Upstream {
     }
 }
 
-fn upstream() -> Upstream {
-    upstream_on(0)
-}
-
 /// `idem proxy --upstream <upstream> --store <store> --migrate <extra>` on a free port; its
 /// base URL is `Proc::printed`.
 fn proxy(upstream: &str, store: &str, extra: &[&str]) -> Proc {
@@ -167,7 +163,7 @@ async fn a_killed_proxy_leaves_its_key_to_the_lease(upstream: &Upstream, mut a: 
     // The upstream counts the run as soon as the request arrives.
     let arrived = || async { (runs(&client, upstream, &key).await.0 > 0).then_some(()) };
     eventually("the request upstream", secs(10), ms(50), arrived).await;
-    a.kill_9();
+    a.stop();
     assert!(!slow.await.unwrap(), "the killed proxy answered");
     let url = format!("{}/charge", b.printed);
     let retry = || post(&client, &url, &key);
@@ -196,7 +192,7 @@ mod memory {
     /// An upstream, one proxy in front of it on the memory store with `extra` flags, and a
     /// client.
     fn memory_proxy(extra: &[&str]) -> (Upstream, Proc, HttpClient) {
-        let up = upstream();
+        let up = upstream_on(0);
         let p = proxy(&up.url, "memory", extra);
         (up, p, client())
     }
@@ -546,7 +542,7 @@ impl SharedStore {
     fn two_proxies(&self) -> (Upstream, Proc, Proc) {
         let mut extra: Vec<&str> = self.flags.iter().map(String::as_str).collect();
         extra.extend(["--lease", "2"]);
-        let up = upstream();
+        let up = upstream_on(0);
         let a = proxy(&up.url, &self.url, &extra);
         let b = proxy(&up.url, &self.url, &extra);
         (up, a, b)
@@ -598,7 +594,7 @@ mod admin {
             .await
             .unwrap()
             .expect("start redis-server");
-        let up = upstream();
+        let up = upstream_on(0);
         let admin_port = idem_testkit::harness::free_port().to_string();
         let admin_addr = format!("127.0.0.1:{admin_port}");
         let p = proxy(&up.url, &redis.url(), &["--admin-listen", &admin_addr]);

@@ -15,6 +15,7 @@ mod relay {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
+    use super::support::{ms, outbox_rows};
     use idem_core::{
         Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, RecordState,
         Response, Scope, Store,
@@ -25,7 +26,7 @@ mod relay {
     use idemkit::outbox::TieredStore;
     use idemkit::postgres::PgStore;
     use idemkit::redis::RedisStore;
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::io::{AsyncBufReadExt, BufReader};
     use tokio::process::{Child, Command};
     use tokio::time::timeout;
 
@@ -51,11 +52,6 @@ mod relay {
         cmd
     }
 
-    /// `idem relay <args>` run to its end: its exit code, stdout and stderr.
-    async fn relay_output(args: &[&str]) -> (Option<i32>, String, String) {
-        output(relay(args)).await
-    }
-
     /// `command` run to its end: its exit code, stdout and stderr.
     async fn output(mut command: Command) -> (Option<i32>, String, String) {
         let out = timeout(PATIENCE, command.output())
@@ -77,20 +73,6 @@ mod relay {
             .expect("a valid schema name");
         idemkit::outbox::migrate(&pg).await.expect("migrate");
         pg
-    }
-
-    async fn outbox_rows(pg: &PgStore) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {}.outbox",
-            pg.quoted_schema()
-        ))
-        .fetch_one(pg.pool())
-        .await
-        .expect("count outbox rows")
-    }
-
-    fn tiered_url(redis: &str, pg: &str) -> String {
-        format!("tiered:{redis}|{pg}")
     }
 
     fn completion(i: usize) -> Completion {
@@ -158,7 +140,7 @@ mod relay {
             .expect("connect to Redis");
         Some(Env {
             tiered: TieredStore::new(redis, pg),
-            store: tiered_url(&redis_url, &db_url),
+            store: format!("tiered:{redis_url}|{db_url}"),
             prefix,
             scope: Scope::new(format!("relay-{}", uuid::Uuid::new_v4().simple())).unwrap(),
         })
@@ -183,9 +165,10 @@ mod relay {
             .expect("wait for idem relay")
     }
 
-    fn sigterm(child: &Child) {
-        let pid = child.id().expect("idem relay still running");
-        super::support::signal(pid, "TERM");
+    /// SIGTERM, then the exit status.
+    async fn terminate(child: &mut Child) -> std::process::ExitStatus {
+        super::support::signal(child.id().expect("idem relay still running"), "TERM");
+        wait_exit(child).await
     }
 
     /// [`harness::eventually`] within [`PATIENCE`].
@@ -211,24 +194,17 @@ mod relay {
             .ok_or(line)
     }
 
-    /// `GET path` on `addr`: the whole response.
-    async fn get(addr: &str, path: &str) -> String {
-        let mut stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .expect("connect to the metrics endpoint");
-        stream
-            .write_all(
-                format!("GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
-                    .as_bytes(),
-            )
-            .await
-            .expect("send");
-        let mut response = String::new();
-        stream
-            .read_to_string(&mut response)
-            .await
-            .expect("read the response");
-        response
+    /// `GET http://<addr><path>`: the status, and the content type and the body, each
+    /// starting a line.
+    async fn get(addr: &str, path: &str) -> (u16, String) {
+        let url = format!("http://{addr}{path}");
+        let reply = super::support::call(&super::support::client(), "GET", &url, &[], "").await;
+        let body = String::from_utf8_lossy(&reply.body);
+        let text = format!(
+            "{}\n{body}",
+            reply.header("content-type").unwrap_or_default()
+        );
+        (reply.status.as_u16(), text)
     }
 
     // --- tests ---------------------------------------------------------------------------------
@@ -257,7 +233,7 @@ mod relay {
                 &["--backoff-cap-ms (10)"],
             ),
         ] {
-            let (code, _, err) = relay_output(&args).await;
+            let (code, _, err) = output(relay(&args)).await;
             assert_eq!(code, Some(2), "{args:?}: {err}");
             for text in says {
                 assert!(err.contains(text), "{args:?}: {err}");
@@ -274,7 +250,7 @@ mod relay {
         let redis = RedisServer::start().expect("start redis-server");
         let port = redis.url().rsplit(':').next().unwrap().to_owned();
         let url = format!("postgres://postgres:hunter2@127.0.0.1:{port}/test");
-        let (code, _, err) = relay_output(&["dead", "list", "--store", &url]).await;
+        let (code, _, err) = output(relay(&["dead", "list", "--store", &url])).await;
         assert_eq!(code, Some(3), "{err}");
         assert!(
             err.contains("speaks Redis and this URL expects PostgreSQL"),
@@ -299,7 +275,7 @@ mod relay {
         server.stop();
 
         let mut relay = relay(&["run"])
-            .env("IDEM_STORE", tiered_url(&redis_url, &db_url))
+            .env("IDEM_STORE", format!("tiered:{redis_url}|{db_url}"))
             .env("IDEM_PREFIX", &prefix)
             .env("IDEM_SCHEMA", pg.schema())
             .args(["--poll-ms", "50", "--backoff-ms", "50", "--log", "info"])
@@ -321,7 +297,7 @@ mod relay {
             let lines = lines.clone();
             async move {
                 let what = format!("idem relay logging {text:?}");
-                eventually(&what, Duration::from_millis(50), || async {
+                eventually(&what, ms(50), || async {
                     let lines = lines.lock().unwrap();
                     lines.iter().any(|l| l.contains(text)).then_some(())
                 })
@@ -348,18 +324,15 @@ mod relay {
 
         // Redis returns: the relay says so and writes the completion into it.
         server.start_again().expect("restart redis-server");
-        eventually(
-            "the completion in Redis",
-            Duration::from_millis(100),
-            || async { redis.get(&id(&scope, 0)).await.ok().flatten() },
-        )
+        eventually("the completion in Redis", ms(100), || async {
+            redis.get(&id(&scope, 0)).await.ok().flatten()
+        })
         .await;
         assert_in_redis(&redis, &scope, 0).await;
         logged("Redis reachable").await;
         assert!(relay.try_wait().unwrap().is_none(), "the relay stopped");
 
-        sigterm(&relay);
-        assert!(wait_exit(&mut relay).await.success());
+        assert!(terminate(&mut relay).await.success());
         assert!(
             lines
                 .lock()
@@ -395,19 +368,19 @@ mod relay {
             writer.await.expect("writer task");
         }
         let pg = tiered.pg();
-        assert_eq!(outbox_rows(pg).await, ROWS as i64);
+        assert_eq!(outbox_rows(pg, None).await, ROWS as i64);
 
         let mut first = env.spawn_run(&["--batch", "10", "--poll-ms", "50"]);
         // Kill it once it has relayed a few batches, while most of the backlog is left.
-        let left = eventually("the relay started", Duration::from_millis(2), || async {
-            let left = outbox_rows(pg).await;
+        let left = eventually("the relay started", ms(2), || async {
+            let left = outbox_rows(pg, None).await;
             (left <= (ROWS - 30) as i64).then_some(left)
         })
         .await;
         first.start_kill().expect("kill -9 the relay");
         let status = wait_exit(&mut first).await;
         assert!(!status.success(), "killed, not exited: {status:?}");
-        let left_at_kill = outbox_rows(pg).await;
+        let left_at_kill = outbox_rows(pg, None).await;
         assert!(
             left_at_kill > 0,
             "the relay finished before the kill ({left} left when it was sent): nothing was tested"
@@ -416,12 +389,11 @@ mod relay {
         // A new process takes over and drains what is left, including any batch the dead one
         // had claimed (its transaction died with its connection).
         let mut second = env.spawn_run(&["--batch", "100", "--poll-ms", "50"]);
-        eventually("the outbox empty", Duration::from_millis(50), || async {
-            (outbox_rows(pg).await == 0).then_some(())
+        eventually("the outbox empty", ms(50), || async {
+            (outbox_rows(pg, None).await == 0).then_some(())
         })
         .await;
-        sigterm(&second);
-        assert!(wait_exit(&mut second).await.success());
+        assert!(terminate(&mut second).await.success());
 
         for i in 0..ROWS {
             assert_in_redis(tiered.redis(), &scope, i).await;
@@ -478,16 +450,16 @@ mod relay {
         assert_eq!(line["key"], "broken");
 
         // Retried by id, the store given by flag: pending again, tries reset.
-        let (code, out, err) = relay_output(&[
+        let (code, out, err) = output(relay(&[
             "dead",
             "retry",
             "--id",
             &id.to_string(),
             "--store",
-            &tiered_url("redis://127.0.0.1:1", &db_url),
+            &format!("tiered:redis://127.0.0.1:1|{db_url}"),
             "--schema",
             &schema,
-        ])
+        ]))
         .await;
         assert_eq!(code, Some(0), "{err}");
         assert!(
@@ -519,16 +491,17 @@ mod relay {
         let schema = tiered.pg().schema();
         // The counter is bumped after the commit that emptied the outbox: give it a moment.
         let relayed = format!("idem_relay_relayed_total{{schema=\"{schema}\"}} 1");
-        let response = eventually("the row relayed", Duration::from_millis(50), || async {
-            let response = get(&addr, "/metrics").await;
-            response.contains(&relayed).then_some(response)
+        let (status, response) = eventually("the row relayed", ms(50), || async {
+            let (status, response) = get(&addr, "/metrics").await;
+            response.contains(&relayed).then_some((status, response))
         })
         .await;
         assert_in_redis(tiered.redis(), scope, 7).await;
-        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
-        assert!(response
-            .to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"));
+        assert_eq!(status, 200, "{response}");
+        assert!(
+            response.starts_with("text/plain; version=0.0.4"),
+            "{response}"
+        );
         for (name, value) in [
             ("idem_relay_failed_total", "0"),
             ("idem_relay_dead", "0"),
@@ -541,10 +514,9 @@ mod relay {
                 "missing {sample:?} in\n{response}"
             );
         }
-        assert!(get(&addr, "/nope").await.starts_with("HTTP/1.1 404 "));
+        assert_eq!(get(&addr, "/nope").await.0, 404);
 
-        sigterm(&child);
-        let status = wait_exit(&mut child).await;
+        let status = terminate(&mut child).await;
         assert!(status.success(), "SIGTERM gives exit 0: {status:?}");
         drop_schema(tiered.pg()).await;
     }
@@ -560,8 +532,8 @@ mod relay {
         let schema = harness::unique_name("idem_relay_nomig_");
         // No Redis listens on port 1: the relay would start without it, so only the schema
         // check can stop it.
-        let store = tiered_url("redis://127.0.0.1:1", &db_url);
-        let (code, _, err) = relay_output(&["run", "--store", &store, "--schema", &schema]).await;
+        let store = format!("tiered:redis://127.0.0.1:1|{db_url}");
+        let (code, _, err) = output(relay(&["run", "--store", &store, "--schema", &schema])).await;
         assert_eq!(code, Some(3), "{err}");
         assert!(err.contains("run `idem migrate"), "{err}");
         let exists = super::support::schema_exists(&db_url, &schema).await;
@@ -603,14 +575,13 @@ mod relay {
             }
         };
         // The gauges come from PostgreSQL at every scrape: over TLS.
-        let response = get(&addr, "/metrics").await;
-        assert!(response.starts_with("HTTP/1.1 200 "), "{response}");
+        let (status, response) = get(&addr, "/metrics").await;
+        assert_eq!(status, 200, "{response}");
         assert!(
             response.contains("\nidem_relay_backlog{schema=\"idem\"} 0\n"),
             "{response}"
         );
-        sigterm(&child);
-        assert!(wait_exit(&mut child).await.success());
+        assert!(terminate(&mut child).await.success());
 
         // Trusting another authority, for either store: the relay refuses to start (3).
         let other = servers.pki.path("other-ca.pem");

@@ -31,11 +31,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::Full;
 use idem_testkit::postgres::PgServer;
 use idem_testkit::redis::RedisServer;
-use support::{HttpClient, Request};
+use support::HttpClient;
 
 /// Keys paid during a run; each is paid by an owner of its own, so `idem_demo.payments`
 /// counts the payments of one key by its owner.
@@ -62,23 +60,9 @@ mod tiered {
         if !idem_testkit::redis::available() || !idem_testkit::postgres::available() {
             return;
         }
-        super::soak(super::Settings::from_env()).await;
-    }
-}
-
-/// What a run is made of: the seed and the length of its fault phase.
-#[derive(Debug, Clone, Copy)]
-struct Settings {
-    seed: u64,
-    faults_for: Duration,
-}
-
-impl Settings {
-    fn from_env() -> Self {
-        Self {
-            seed: env_number("IDEM_SOAK_SEED", 31),
-            faults_for: Duration::from_secs(env_number("IDEM_SOAK_SECS", 40)),
-        }
+        let seed = super::env_number("IDEM_SOAK_SEED", 31);
+        let faults_for = std::time::Duration::from_secs(super::env_number("IDEM_SOAK_SECS", 40));
+        super::soak(seed, faults_for).await;
     }
 }
 
@@ -162,22 +146,6 @@ impl Fault {
             Self::StopRedis { stalled } | Self::FlushAndStopRedis { stalled } => stalled,
             Self::FlushRedis => Duration::ZERO,
             Self::RestartPostgresFast | Self::RestartPostgresImmediate => Duration::from_secs(1),
-        }
-    }
-}
-
-impl fmt::Display for Fault {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::KillServer { server, down } => {
-                write!(f, "kill -9 idem serve #{server}, down {down:?}")
-            }
-            Self::KillRelay { down } => write!(f, "kill -9 idem relay, down {down:?}"),
-            Self::StopRedis { stalled } => write!(f, "Redis SIGSTOP for {stalled:?}"),
-            Self::FlushAndStopRedis { stalled } => {
-                write!(f, "Redis FLUSHALL and SIGSTOP for {stalled:?}")
-            }
-            other => f.write_str(other.kind()),
         }
     }
 }
@@ -300,16 +268,12 @@ impl Drop for Process {
 }
 
 /// The base URLs clients send to: one per `idem serve`, `None` while it is down.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Bases(Arc<Mutex<Vec<Option<String>>>>);
 
 impl Bases {
     fn set(&self, server: usize, base: Option<String>) {
-        let mut bases = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if bases.len() <= server {
-            bases.resize(server + 1, None);
-        }
-        bases[server] = base;
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)[server] = base;
     }
 
     /// A server that is up, drawn with `rng`.
@@ -371,7 +335,7 @@ impl Servers {
             "--lease",
             &lease,
         ];
-        let bases = Bases::default();
+        let bases = Bases(Arc::new(Mutex::new(vec![None; 2])));
         let mut serve = Vec::new();
         for n in 0..2 {
             let mut process = Process::new(&format!("serve-{n}"), &serve_args, dir);
@@ -397,7 +361,7 @@ impl Servers {
     fn run(&mut self, schedule: &Schedule, done: &mut BTreeMap<&'static str, usize>) {
         for (pause, fault) in &schedule.steps {
             std::thread::sleep(*pause);
-            println!("[{:>6.1?}] {fault}", self.started.elapsed());
+            println!("[{:>6.1?}] {fault:?}", self.started.elapsed());
             self.inflict(*fault);
             *done.entry(fault.kind()).or_default() += 1;
         }
@@ -586,8 +550,8 @@ impl Clients {
         let (status, payment) = match self.bases.pick(rng) {
             None => (None, None),
             Some(base) => {
-                let request = request(&base, key, body, delay);
-                match tokio::time::timeout(patience, send(&self.http, request)).await {
+                let sent = send(&self.http, &base, (key, body), delay);
+                match tokio::time::timeout(patience, sent).await {
                     Ok(Ok(reply)) => reply,
                     Ok(Err(_)) | Err(_) => (None, None),
                 }
@@ -683,25 +647,24 @@ impl Clients {
     }
 }
 
-/// `POST <base>/payments` of `key` with `body`, the handler held for `delay`.
-fn request(base: &str, key: Key, body: Body, delay: Option<Duration>) -> Request {
-    let mut request = hyper::Request::post(format!("{base}/payments"))
-        .header("authorization", key.auth())
-        .header("content-type", "application/json")
-        .header("idempotency-key", format!("order-{}", key.0));
-    if let Some(delay) = delay {
-        request = request.header("x-demo-delay-ms", delay.as_millis().to_string());
-    }
-    request
-        .body(Full::new(Bytes::from(key.body(body))))
-        .expect("a valid request")
-}
-
-/// Sends `request`: its status and, on a 2xx, the payment id its body names.
+/// `POST <base>/payments` of `key` with `body`, the handler held for `delay`: its status
+/// and, on a 2xx, the payment id its body names.
 async fn send(
     http: &HttpClient,
-    request: Request,
+    base: &str,
+    (key, body): (Key, Body),
+    delay: Option<Duration>,
 ) -> Result<(Option<u16>, Option<String>), String> {
+    let (auth, order) = (key.auth(), format!("order-{}", key.0));
+    let delay = delay.map(|d| d.as_millis().to_string());
+    let mut headers = vec![
+        ("authorization", auth.as_str()),
+        ("content-type", "application/json"),
+        ("idempotency-key", order.as_str()),
+    ];
+    headers.extend(delay.as_deref().map(|ms| ("x-demo-delay-ms", ms)));
+    let url = format!("{base}/payments");
+    let request = support::request("POST", &url, &headers, &key.body(body));
     let reply = support::send(http, request).await?;
     let payment = reply
         .status
@@ -836,8 +799,8 @@ fn summary(answers: &[Answer]) -> String {
 // ---------------------------------------------------------------------------------------
 // The run.
 
-async fn soak(settings: Settings) {
-    let Settings { seed, faults_for } = settings;
+/// The soak of `faults_for` of faults drawn from `seed`.
+async fn soak(seed: u64, faults_for: Duration) {
     println!(
         "soak: seed {seed} (IDEM_SOAK_SEED), faults for {faults_for:?} (IDEM_SOAK_SECS); \
          replay with IDEM_SOAK_SEED={seed} IDEM_SOAK_SECS={}",

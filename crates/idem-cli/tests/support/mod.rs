@@ -65,6 +65,17 @@ pub async fn schema_exists(url: &str, schema: &str) -> bool {
         .unwrap()
 }
 
+/// The outbox rows in the schema of `pg`, of `key` only when given.
+pub async fn outbox_rows(pg: &idemkit::postgres::PgStore, key: Option<&str>) -> i64 {
+    let table = format!("{}.outbox", pg.quoted_schema());
+    let sql = format!("SELECT count(*) FROM {table} WHERE $1::text IS NULL OR key = $1");
+    sqlx::query_scalar(&sql)
+        .bind(key)
+        .fetch_one(pg.pool())
+        .await
+        .unwrap()
+}
+
 /// `n` seconds.
 pub fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
@@ -90,6 +101,14 @@ pub fn idem(args: &[&str]) -> Command {
 /// `idem <args>` to its end: its exit code, stdout and stderr.
 pub fn run(args: &[&str]) -> (i32, String, String) {
     run_with(args, &[])
+}
+
+/// `idem <args> <common>` to its end, for a test whose commands all take the same
+/// `--store` and naming flags.
+pub fn run_on<'a, const N: usize>(
+    common: [&'a str; N],
+) -> impl Fn(&[&str]) -> (i32, String, String) + 'a {
+    move |args| run(&[args, &common[..]].concat())
 }
 
 /// `idem <args>` with the variables `env` to its end. A command still running after two
@@ -219,14 +238,7 @@ impl Proc {
         proc
     }
 
-    /// SIGKILL, as a crash: no shutdown code runs.
-    pub fn kill_9(&mut self) {
-        let mut child = self.child.take().expect("running");
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
-
-    /// SIGKILL, then what it wrote on stderr.
+    /// SIGKILL, as a crash (no shutdown code runs), then what it wrote on stderr.
     pub fn stop(&mut self) -> String {
         let mut child = self.child.take().expect("running");
         let _ = child.kill();
