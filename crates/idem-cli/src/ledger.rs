@@ -1,12 +1,7 @@
-//! Where the demo's payments live, next to the store of `--store`:
-//!
-//! - on `postgres://` and `tiered:` stores, rows of `idem_demo.payments` in the same
-//!   database, each written in the transaction that completes the request's idempotency
-//!   record (`complete_in`): both commit or neither does, so a crash after the commit
-//!   loses nothing and a retry replays the payment instead of making a second one. Every
-//!   `idem serve` process on the database sees the same payments;
-//! - on the memory and Redis stores, a list in this process's memory: a restart forgets
-//!   it, and two processes each have their own.
+//! Where the demo's payments live (README, "Where the demo's payments live"): rows of
+//! `idem_demo.payments` on `postgres://` and `tiered:` stores, each committed in the
+//! transaction that completes its idempotency record (`complete_in`); else this process's
+//! memory.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -17,7 +12,6 @@ use idemkit::outbox::TieredStore;
 use idemkit::postgres::{map_error, PgStore};
 use idemkit::url::StoreUrl;
 use serde::Serialize;
-use sqlx::PgPool;
 
 use crate::store::Opened;
 use crate::CliError;
@@ -52,9 +46,9 @@ impl Backend {
     /// [`CliError::Open`] when the payments table cannot be created.
     pub async fn open(url: &StoreUrl, opened: Opened) -> Result<Self, CliError> {
         let store = opened.store();
-        let records = match opened {
-            Opened::Postgres(pg) => Records::Pg(pg),
-            Opened::Tiered(tiered) => Records::Tiered(tiered),
+        let (pg, tiered) = match opened {
+            Opened::Postgres(pg) => (pg, None),
+            Opened::Tiered(tiered) => (tiered.pg().clone(), Some(tiered)),
             // The memory and Redis stores: the payments live in this process.
             _ => {
                 return Ok(Self {
@@ -63,7 +57,7 @@ impl Backend {
                 })
             }
         };
-        let ledger = Postgres { records };
+        let ledger = Postgres { pg, tiered };
         ledger.migrate().await.map_err(|e| {
             // Drivers may quote the URL they were given: never let its password through.
             let detail = url.scrub(&e.to_string());
@@ -141,7 +135,7 @@ impl Ledger {
                 .filter(|p| p.owner == owner)
                 .cloned()
                 .collect()),
-            Self::Postgres(pg) => pg.select(owner, None).await,
+            Self::Postgres(pg) => pg.select(owner).await,
         }
     }
 
@@ -151,29 +145,16 @@ impl Ledger {
     ///
     /// Database errors.
     pub async fn find(&self, owner: &str, id: &str) -> Result<Option<Payment>, Error> {
-        match self {
-            Self::Memory(payments) => Ok(payments
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .iter()
-                .find(|p| p.id == id && p.owner == owner)
-                .cloned()),
-            Self::Postgres(pg) => Ok(pg.select(owner, Some(id)).await?.pop()),
-        }
+        Ok(self.list(owner).await?.into_iter().find(|p| p.id == id))
     }
-}
-
-/// The store whose `complete_in` writes the record in the payment's transaction.
-#[derive(Debug, Clone)]
-enum Records {
-    Pg(PgStore),
-    Tiered(TieredStore),
 }
 
 /// The payments table in the store's database.
 #[derive(Debug)]
 pub struct Postgres {
-    records: Records,
+    pg: PgStore,
+    /// On a tiered store, the store whose `complete_in` also writes the outbox row.
+    tiered: Option<TieredStore>,
 }
 
 /// Creates the demo's table; idempotent.
@@ -194,15 +175,8 @@ CREATE INDEX IF NOT EXISTS payments_owner ON idem_demo.payments (owner, seq);
 type Row = (String, i64, String, String, String, String);
 
 impl Postgres {
-    fn pool(&self) -> &PgPool {
-        match &self.records {
-            Records::Pg(pg) => pg.pool(),
-            Records::Tiered(tiered) => tiered.pg().pool(),
-        }
-    }
-
     async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.pool().begin().await.map_err(map_error)?;
+        let mut tx = self.pg.pool().begin().await.map_err(map_error)?;
         // Two processes starting at once would race on CREATE ... IF NOT EXISTS.
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem_demo.payments'))")
             .execute(&mut *tx)
@@ -221,7 +195,7 @@ impl Postgres {
         lease: Option<(&LeaseHandle, &Completion)>,
         pause: Option<Duration>,
     ) -> Result<(), Error> {
-        let mut tx = self.pool().begin().await.map_err(map_error)?;
+        let mut tx = self.pg.pool().begin().await.map_err(map_error)?;
         sqlx::query(
             "INSERT INTO idem_demo.payments (id, owner, amount, currency, status, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6)",
@@ -239,9 +213,13 @@ impl Postgres {
             // The record completed in the payment's transaction. LeaseLost (another
             // request took the key over) returns here and drops `tx`: no payment.
             let (held, retention) = (lease.lease(), lease.retention());
-            match &self.records {
-                Records::Pg(pg) => pg.complete_in(&mut tx, held, completion, retention).await?,
-                Records::Tiered(t) => t.complete_in(&mut tx, held, completion, retention).await?,
+            match &self.tiered {
+                None => {
+                    self.pg
+                        .complete_in(&mut tx, held, completion, retention)
+                        .await?
+                }
+                Some(t) => t.complete_in(&mut tx, held, completion, retention).await?,
             }
         }
         tx.commit().await.map_err(map_error)?;
@@ -250,7 +228,7 @@ impl Postgres {
         }
         if let Some((lease, completion)) = lease {
             lease.committed(completion);
-            if let Records::Tiered(tiered) = &self.records {
+            if let Some(tiered) = &self.tiered {
                 // Redis answers retries from now on; the relay would copy it later anyway.
                 if let Err(e) = tiered
                     .publish(lease.lease(), completion, lease.retention())
@@ -263,14 +241,13 @@ impl Postgres {
         Ok(())
     }
 
-    async fn select(&self, owner: &str, id: Option<&str>) -> Result<Vec<Payment>, Error> {
+    async fn select(&self, owner: &str) -> Result<Vec<Payment>, Error> {
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, amount, currency, status, created_at, owner FROM idem_demo.payments \
-             WHERE owner = $1 AND ($2::text IS NULL OR id = $2) ORDER BY seq",
+             WHERE owner = $1 ORDER BY seq",
         )
         .bind(owner)
-        .bind(id)
-        .fetch_all(self.pool())
+        .fetch_all(self.pg.pool())
         .await
         .map_err(map_error)?;
         Ok(rows

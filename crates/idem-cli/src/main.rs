@@ -1,10 +1,6 @@
 //! `idem`: the demo payments service behind the idempotency middleware, the HTTP gateway
-//! (`proxy`), the tiered store's relay (`relay`), and the operator commands.
-//!
-//! Exit codes: 0 success; 1 no such record; 2 bad input, or a command or backend this
-//! build does not support; 3 a store or I/O error (unreachable store, missing schema, port
-//! in use); 4 a corrupt record (`inspect`), or an incomplete answer (`stats`, `stuck`,
-//! `purge` stopped at `--timeout`: the output is printed, marked partial).
+//! (`proxy`), the tiered store's relay (`relay`), and the operator commands; its exit codes
+//! are [`EXIT_CODES`].
 
 use std::fmt;
 use std::io::Write as _;
@@ -24,6 +20,7 @@ mod relay;
 mod serve;
 mod store;
 
+use idemkit::postgres::{PurgeConfig, PurgeHandle};
 use idemkit::url::StoreUrl;
 
 /// The exit codes, as `--help` and the README list them.
@@ -95,7 +92,7 @@ enum Command {
     /// A stuck record's worker died or gave up and no retry came to take it over. On Redis
     /// the count reads the keyspace a page at a time, with progress on stderr when it is a
     /// terminal; at --timeout it prints what it counted, marked partial, and exits 4.
-    Stats(StatsArgs),
+    Stats(SurveyArgs),
     /// List the stuck records (lease expired long ago, no retry), the corrupt ones (Redis
     /// and PostgreSQL), and on Redis the foreign keys under the prefix.
     Stuck(StuckArgs),
@@ -141,26 +138,18 @@ impl StoreArg {
         &self,
         migrate: bool,
         purge_every: Duration,
-    ) -> Result<
-        (
-            StoreUrl,
-            store::Opened,
-            Option<idemkit::postgres::PurgeHandle>,
-        ),
-        CliError,
-    > {
+    ) -> Result<(StoreUrl, store::Opened, Option<PurgeHandle>), CliError> {
         let url = store::parse(&self.store)?;
         let schema_mode = store::SchemaMode::migrate_if(migrate);
         let opened = store::open(&url, self, schema_mode, true).await?;
         // Expired records are deleted in the background; Redis expires its own, the memory
         // store sweeps as it writes.
-        let purge =
-            match opened.pg() {
-                Some(pg) if !purge_every.is_zero() => Some(pg.spawn_purge(
-                    idemkit::postgres::PurgeConfig::default().with_interval(purge_every),
-                )),
-                _ => None,
-            };
+        let purge = match opened.pg() {
+            Some(pg) if !purge_every.is_zero() => {
+                Some(pg.spawn_purge(PurgeConfig::default().with_interval(purge_every)))
+            }
+            _ => None,
+        };
         Ok((url, opened, purge))
     }
 }
@@ -219,12 +208,6 @@ struct SurveyArgs {
     /// marked partial (exit 4).
     #[arg(long, default_value = "300", value_name = "SECS", value_parser = parse_secs)]
     timeout: Duration,
-}
-
-#[derive(Debug, Args)]
-struct StatsArgs {
-    #[command(flatten)]
-    survey: SurveyArgs,
 }
 
 #[derive(Debug, Args)]
@@ -289,25 +272,16 @@ pub enum CliError {
 }
 
 impl CliError {
-    fn exit_code(&self) -> u8 {
+    /// The kind's name in a JSON error, and its exit code.
+    fn kind(&self) -> (&'static str, u8) {
         match self {
-            Self::NotFound(_) => 1,
-            Self::Usage(_) | Self::Unsupported(_) => 2,
-            Self::Store(_) | Self::Open(_) | Self::Io(_) => 3,
-            Self::Corrupt(_) => 4,
-        }
-    }
-
-    /// The kind's name in a JSON error.
-    fn kind(&self) -> &'static str {
-        match self {
-            Self::NotFound(_) => "not_found",
-            Self::Usage(_) => "usage",
-            Self::Unsupported(_) => "unsupported",
-            Self::Store(_) => "store",
-            Self::Open(_) => "open",
-            Self::Io(_) => "io",
-            Self::Corrupt(_) => "corrupt",
+            Self::NotFound(_) => ("not_found", 1),
+            Self::Usage(_) => ("usage", 2),
+            Self::Unsupported(_) => ("unsupported", 2),
+            Self::Store(_) => ("store", 3),
+            Self::Open(_) => ("open", 3),
+            Self::Io(_) => ("io", 3),
+            Self::Corrupt(_) => ("corrupt", 4),
         }
     }
 }
@@ -395,9 +369,9 @@ fn main() -> ExitCode {
             ExitCode::from(done.code)
         }
         Err(e) => {
-            let code = e.exit_code();
+            let (kind, code) = e.kind();
             let line = if json {
-                json_error(e.kind(), &e.to_string(), code)
+                json_error(kind, &e.to_string(), code)
             } else {
                 format!("idem: {e}")
             };
@@ -418,13 +392,12 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| listen_error(args.listen, &e))?;
-            let exporter = install_exporter()?;
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
                 lease: args.lease,
                 retention: args.retention,
                 store: url.to_string(),
-                exporter: Some(exporter),
+                exporter: install_exporter()?,
             };
             tracing::info!(
                 store = %options.store,
@@ -449,17 +422,12 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
                 .map(Done::ok)
         }
         Command::Stats(args) => {
-            let (opened, scope) = open_for_survey(&args.survey).await?;
-            ops::stats(&opened, &survey(&args.survey, scope.as_ref(), json)).await
+            let (opened, survey) = open_for_survey(args, json).await?;
+            ops::stats(&opened, &survey).await
         }
         Command::Stuck(args) => {
-            let (opened, scope) = open_for_survey(&args.survey).await?;
-            ops::stuck(
-                &opened,
-                &survey(&args.survey, scope.as_ref(), json),
-                args.limit,
-            )
-            .await
+            let (opened, survey) = open_for_survey(args.survey, json).await?;
+            ops::stuck(&opened, &survey, args.limit).await
         }
         Command::Purge(args) => {
             let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
@@ -473,25 +441,24 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
     }
 }
 
-fn survey<'a>(args: &SurveyArgs, scope: Option<&'a Scope>, json: bool) -> ops::Survey<'a> {
-    ops::Survey {
-        scope,
-        stuck_after: Duration::from_secs(args.stuck_after),
-        timeout: args.timeout,
-        json,
-    }
-}
-
-/// Opens the store of an operator command that reads records, without migrating.
-async fn open_for_survey(args: &SurveyArgs) -> Result<(store::Opened, Option<Scope>), CliError> {
+/// Opens the store of `stats` or `stuck`, without migrating, and what they look at.
+async fn open_for_survey(
+    args: SurveyArgs,
+    json: bool,
+) -> Result<(store::Opened, ops::Survey), CliError> {
     let scope = args
         .scope
-        .clone()
         .map(Scope::new)
         .transpose()
         .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
     let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
-    Ok((opened, scope))
+    let survey = ops::Survey {
+        scope,
+        stuck_after: Duration::from_secs(args.stuck_after),
+        timeout: args.timeout,
+        json,
+    };
+    Ok((opened, survey))
 }
 
 /// Opens a shared store (refusing the memory store) for an operator command.
@@ -500,7 +467,14 @@ async fn open_shared(
     schema_mode: store::SchemaMode,
 ) -> Result<store::Opened, CliError> {
     let url = store::parse(&args.store)?;
-    refuse_memory(&url)?;
+    // The memory store lives inside one process: another has nothing to read.
+    if url == StoreUrl::Memory {
+        return Err(CliError::Unsupported(
+            "the memory store lives inside one `idem serve` process and cannot be read from \
+             another; pass --store with a shared store (redis://..., postgres://...)"
+                .into(),
+        ));
+    }
     store::open(&url, args, schema_mode, false).await
 }
 
@@ -512,19 +486,6 @@ async fn open_for_record(args: &RecordArgs) -> Result<(store::Opened, RecordId),
         .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
     let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
     Ok((opened, RecordId::new(scope, key)))
-}
-
-/// The operator commands refuse the memory store: it lives inside one process, so another
-/// process has nothing to read.
-fn refuse_memory(url: &StoreUrl) -> Result<(), CliError> {
-    if *url == StoreUrl::Memory {
-        return Err(CliError::Unsupported(
-            "the memory store lives inside one `idem serve` process and cannot be read from \
-             another; pass --store with a shared store (redis://..., postgres://...)"
-                .into(),
-        ));
-    }
-    Ok(())
 }
 
 /// Resolves on Ctrl-C (SIGINT) or SIGTERM, and says so on stderr as `<who>: shutting down`.
@@ -675,7 +636,7 @@ mod tests {
         let addr = taken.local_addr().unwrap();
         let e = tokio::net::TcpListener::bind(addr).await.unwrap_err();
         let err = listen_error(addr, &e);
-        assert_eq!(err.exit_code(), 3);
+        assert_eq!(err.kind(), ("open", 3));
         assert!(err.to_string().contains("in use"), "{err}");
     }
 }

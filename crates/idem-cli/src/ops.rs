@@ -60,9 +60,9 @@ pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Strin
 
 /// What `stats` and `stuck` look at, and for how long.
 #[derive(Debug, Clone)]
-pub struct Survey<'a> {
+pub struct Survey {
     /// One scope, or all.
-    pub scope: Option<&'a Scope>,
+    pub scope: Option<Scope>,
     /// In-progress records whose lease expired longer ago than this are stuck.
     pub stuck_after: Duration,
     /// The whole command's time limit: at it, the counts so far are printed, marked
@@ -93,47 +93,33 @@ struct Counted {
 /// # Errors
 ///
 /// Store errors; on PostgreSQL, a count that does not end within `timeout`.
-pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliError> {
+pub async fn stats(opened: &Opened, survey: &Survey) -> Result<Done, CliError> {
     let started = Instant::now();
-    let counted = match opened {
-        Opened::Redis(redis) => {
-            let mut scan = redis.scan(survey.scope, survey.stuck_after);
-            let complete = walk(&mut scan, survey.timeout, "stats").await?;
-            Counted {
-                stats: scan.counts().stats,
-                redis: Some(scan.counts().clone()),
-                pg_corrupt: None,
-                complete,
-                primaries: scan.primaries(),
-            }
-        }
-        Opened::Tiered(tiered) => {
-            // The states from PostgreSQL, the arbiter; the broken keys from Redis, where a
-            // corrupt record fails the requests that read it first.
-            let stats = db_stats(opened, survey).await?;
-            let pg_corrupt = pg_corrupt(tiered.pg(), survey).await?;
-            let mut scan = tiered.redis().scan(survey.scope, survey.stuck_after);
-            let left = survey.timeout.saturating_sub(started.elapsed());
-            let complete = walk(&mut scan, left, "stats").await?;
-            Counted {
-                stats,
-                redis: Some(scan.counts().clone()),
-                pg_corrupt: Some(pg_corrupt),
-                complete,
-                primaries: scan.primaries(),
-            }
-        }
-        other => Counted {
-            stats: db_stats(other, survey).await?,
-            redis: None,
-            pg_corrupt: match other.pg() {
-                Some(pg) => Some(pg_corrupt(pg, survey).await?),
-                None => None,
-            },
-            complete: true,
-            primaries: (0, 0),
-        },
+    let mut counted = Counted {
+        stats: idem_core::Stats::default(),
+        redis: None,
+        pg_corrupt: None,
+        complete: true,
+        primaries: (0, 0),
     };
+    // On a tiered store the states come from PostgreSQL, the arbiter, and the broken keys
+    // from Redis, where a corrupt record fails the requests that read it first.
+    if !matches!(opened, Opened::Redis(_)) {
+        counted.stats = db_stats(opened, survey).await?;
+    }
+    if let Some(pg) = opened.pg() {
+        counted.pg_corrupt = Some(pg_corrupt(pg, survey).await?);
+    }
+    if let Some(redis) = redis_tier(opened) {
+        let mut scan = redis.scan(survey.scope.as_ref(), survey.stuck_after);
+        let left = survey.timeout.saturating_sub(started.elapsed());
+        counted.complete = walk(&mut scan, left, "stats").await?;
+        if let Opened::Redis(_) = opened {
+            counted.stats = scan.counts().stats;
+        }
+        counted.redis = Some(scan.counts().clone());
+        counted.primaries = scan.primaries();
+    }
     let output = if survey.json {
         stats_json(&counted, survey)
     } else {
@@ -142,50 +128,50 @@ pub async fn stats(opened: &Opened, survey: &Survey<'_>) -> Result<Done, CliErro
     Ok(Done::partial_unless(counted.complete, output))
 }
 
+/// The Redis store, alone or the tiered store's first tier.
+fn redis_tier(opened: &Opened) -> Option<&idemkit::redis::RedisStore> {
+    match opened {
+        Opened::Redis(redis) => Some(redis),
+        Opened::Tiered(tiered) => Some(tiered.redis()),
+        _ => None,
+    }
+}
+
 /// [`Store::stats`] on a store that counts in one call (PostgreSQL, memory), within
 /// `survey.timeout`.
-async fn db_stats(opened: &Opened, survey: &Survey<'_>) -> Result<idem_core::Stats, CliError> {
+async fn db_stats(opened: &Opened, survey: &Survey) -> Result<idem_core::Stats, CliError> {
     let store: std::sync::Arc<dyn Store> = match opened.pg() {
         Some(pg) => std::sync::Arc::new(pg.clone()),
         None => opened.store(),
     };
-    tokio::time::timeout(
-        survey.timeout,
-        store.stats(survey.scope, survey.stuck_after),
-    )
-    .await
-    .map_err(|_| {
-        CliError::Store(Error::unavailable(
-            store.name(),
-            format!(
-                "the count did not end within --timeout {} (it is one statement on \
-                 PostgreSQL); raise --timeout",
-                human(survey.timeout)
-            ),
-        ))
-    })?
-    .map_err(CliError::from)
+    let count = store.stats(survey.scope.as_ref(), survey.stuck_after);
+    let late = "the count did not end within --timeout {} (it is one statement on PostgreSQL); \
+        raise --timeout";
+    within(survey, count, (store.name(), late)).await
 }
 
 /// How many records [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) finds, within
 /// `survey.timeout`.
-async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey<'_>) -> Result<u64, CliError> {
-    let (total, _) = within(survey, pg.corrupt(survey.scope, 0)).await?;
+async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey) -> Result<u64, CliError> {
+    let count = pg.corrupt(survey.scope.as_ref(), 0);
+    let (total, _) = within(survey, count, POSTGRES_LATE).await?;
     Ok(total)
 }
 
-/// PostgreSQL's `answer` within `survey.timeout`.
+/// PostgreSQL's answer late: the store and the message, `{}` the timeout.
+const POSTGRES_LATE: (&str, &str) = ("postgres", "no answer within --timeout {}");
+
+/// The store's `answer` within `survey.timeout`; else unavailable, as `late` says.
 async fn within<T>(
-    survey: &Survey<'_>,
+    survey: &Survey,
     answer: impl std::future::Future<Output = Result<T, Error>>,
+    (store, late): (&'static str, &str),
 ) -> Result<T, CliError> {
     tokio::time::timeout(survey.timeout, answer)
         .await
         .map_err(|_| {
-            CliError::Store(Error::unavailable(
-                "postgres",
-                format!("no answer within --timeout {}", human(survey.timeout)),
-            ))
+            let message = late.replace("{}", &human(survey.timeout));
+            CliError::Store(Error::unavailable(store, message))
         })?
         .map_err(CliError::from)
 }
@@ -201,11 +187,11 @@ fn corrupt(counted: &Counted) -> Option<u64> {
     }
 }
 
-fn stats_json(counted: &Counted, survey: &Survey<'_>) -> String {
+fn stats_json(counted: &Counted, survey: &Survey) -> String {
     let stats = &counted.stats;
     let mut doc = serde_json::json!({
         "complete": counted.complete,
-        "scope": survey.scope.map(Scope::as_str),
+        "scope": survey.scope.as_ref().map(Scope::as_str),
         "in_flight": stats.in_flight,
         "expired_leases": stats.expired_leases,
         "stuck": stats.stuck,
@@ -233,7 +219,7 @@ fn stats_json(counted: &Counted, survey: &Survey<'_>) -> String {
     format!("{doc}\n")
 }
 
-fn stats_text(counted: &Counted, survey: &Survey<'_>) -> String {
+fn stats_text(counted: &Counted, survey: &Survey) -> String {
     let stats = &counted.stats;
     let mut out = String::new();
     if !counted.complete {
@@ -249,11 +235,14 @@ fn stats_text(counted: &Counted, survey: &Survey<'_>) -> String {
     let _ = writeln!(
         out,
         "scope           {}",
-        survey.scope.map_or("(all)", |s| if s.as_str().is_empty() {
-            "(global)"
-        } else {
-            s.as_str()
-        })
+        survey
+            .scope
+            .as_ref()
+            .map_or("(all)", |s| if s.as_str().is_empty() {
+                "(global)"
+            } else {
+                s.as_str()
+            })
     );
     let _ = writeln!(out, "in flight       {}", stats.in_flight);
     let _ = writeln!(out, "expired leases  {}", stats.expired_leases);
@@ -361,11 +350,12 @@ impl Progress {
 /// # Errors
 ///
 /// Store errors; on PostgreSQL, a listing that does not end within `timeout`.
-pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<Done, CliError> {
+pub async fn stuck(opened: &Opened, survey: &Survey, limit: u32) -> Result<Done, CliError> {
     let started = Instant::now();
     let mut rows: Vec<serde_json::Value> = Vec::new();
     if let Some(pg) = opened.pg() {
-        let found = within(survey, pg.stuck(survey.scope, survey.stuck_after, limit)).await?;
+        let stuck = pg.stuck(survey.scope.as_ref(), survey.stuck_after, limit);
+        let found = within(survey, stuck, POSTGRES_LATE).await?;
         for record in found {
             rows.push(serde_json::json!({
                 "scope": record.id.scope().as_str(),
@@ -376,7 +366,8 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
             }));
         }
         let room = u32::try_from(rows.len()).map_or(0, |n| limit.saturating_sub(n));
-        let (_, corrupt) = within(survey, pg.corrupt(survey.scope, room)).await?;
+        let corrupt = pg.corrupt(survey.scope.as_ref(), room);
+        let (_, corrupt) = within(survey, corrupt, POSTGRES_LATE).await?;
         for id in corrupt {
             rows.push(serde_json::json!({
                 "scope": id.scope().as_str(),
@@ -387,16 +378,11 @@ pub async fn stuck(opened: &Opened, survey: &Survey<'_>, limit: u32) -> Result<D
         }
     }
     // Redis: its stuck records (alone), its corrupt and foreign keys (alone or tiered).
-    let redis = match opened {
-        Opened::Redis(redis) => Some(redis),
-        Opened::Tiered(tiered) => Some(tiered.redis()),
-        _ => None,
-    };
     let mut complete = true;
-    if let Some(redis) = redis {
+    if let Some(redis) = redis_tier(opened) {
         let room = (limit as usize).saturating_sub(rows.len());
         let mut scan = redis
-            .scan(survey.scope, survey.stuck_after)
+            .scan(survey.scope.as_ref(), survey.stuck_after)
             .with_findings(room);
         let left = survey.timeout.saturating_sub(started.elapsed());
         complete = walk(&mut scan, left, "stuck").await?;
@@ -452,12 +438,7 @@ fn finding_row(finding: &idemkit::redis::Finding) -> serde_json::Value {
     row
 }
 
-fn stuck_text(
-    rows: &[serde_json::Value],
-    complete: bool,
-    survey: &Survey<'_>,
-    limit: u32,
-) -> String {
+fn stuck_text(rows: &[serde_json::Value], complete: bool, survey: &Survey, limit: u32) -> String {
     let mut out = String::new();
     if !complete {
         let _ = writeln!(
@@ -757,103 +738,6 @@ fn human(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idem_core::{Begin, Fingerprint, Idem, Key, Lease, MemoryStore, Response, Scope};
-
-    fn id(key: &str) -> RecordId {
-        RecordId::new(Scope::new("alice").unwrap(), Key::new(key).unwrap())
-    }
-
-    /// A memory store, and an `Idem` over it.
-    fn memory_store() -> (MemoryStore, Idem) {
-        let store = MemoryStore::new();
-        (store.clone(), Idem::new(store))
-    }
-
-    /// Claims `key`, which must be free.
-    async fn acquire(idem: &Idem, key: &str, fp: Fingerprint) -> Lease {
-        match idem.begin(&id(key), fp).await.unwrap() {
-            Begin::Acquired(lease) => lease,
-            other => panic!("fresh key {key}: {other:?}"),
-        }
-    }
-
-    #[tokio::test]
-    async fn inspect_and_evict_over_a_store() {
-        let (store, idem) = memory_store();
-        let fp = Fingerprint::of_bytes(b"req");
-
-        let lease = acquire(&idem, "k1", fp).await;
-        let text = inspect(&store, &id("k1"), false).await.unwrap();
-        assert!(text.contains("state        in progress"), "{text}");
-        assert!(text.contains(&lease.token().to_string()), "{text}");
-        assert!(text.contains("attempt      1"), "{text}");
-
-        let response =
-            Response::new(201, r#"{"id":"pay_1"}"#).with_header("content-type", "application/json");
-        idem.complete(&lease, response).await.unwrap();
-        let doc: serde_json::Value =
-            serde_json::from_str(&inspect(&store, &id("k1"), true).await.unwrap()).unwrap();
-        assert_eq!(doc["state"], "completed");
-        assert_eq!(doc["scope"], "alice");
-        assert_eq!(doc["completion"]["status"], 201);
-        assert_eq!(doc["completion"]["body"], r#"{"id":"pay_1"}"#);
-        assert_eq!(doc["completion"]["headers"][0][0], "content-type");
-        assert_eq!(doc["fingerprint"], fp.to_hex());
-        let expires = doc["expires_in_ms"].as_u64().unwrap();
-        assert!(expires > 23 * 3600 * 1000 && expires <= 24 * 3600 * 1000);
-
-        assert!(matches!(
-            inspect(&store, &id("absent"), false).await,
-            Err(CliError::NotFound(_))
-        ));
-        assert_eq!(
-            evict(&store, &id("k1"), false).await.unwrap(),
-            "evicted key \"k1\" in scope \"alice\"\n"
-        );
-        assert!(matches!(
-            evict(&store, &id("k1"), false).await,
-            Err(CliError::NotFound(_))
-        ));
-        // Evicted: the key runs again.
-        assert!(matches!(
-            idem.begin(&id("k1"), fp).await.unwrap(),
-            Begin::Acquired(_)
-        ));
-    }
-
-    #[tokio::test]
-    async fn stats_over_a_store() {
-        let (store, idem) = memory_store();
-        let fp = Fingerprint::of_bytes(b"req");
-        let _held = acquire(&idem, "k1", fp).await;
-        let done = acquire(&idem, "k2", fp).await;
-        idem.complete(&done, Response::new(201, "ok"))
-            .await
-            .unwrap();
-        let scope = Scope::new("alice").unwrap();
-        let opened = Opened::Memory(std::sync::Arc::new(store));
-        let mut survey = Survey {
-            scope: Some(&scope),
-            stuck_after: Duration::from_secs(300),
-            timeout: Duration::from_secs(10),
-            json: false,
-        };
-        let done = stats(&opened, &survey).await.unwrap();
-        let text = done.output;
-        assert_eq!(done.code, 0);
-        assert!(text.contains("in flight       1"), "{text}");
-        assert!(text.contains("succeeded       1"), "{text}");
-        assert!(!text.contains("ALARM"), "{text}");
-        assert!(!text.contains("PARTIAL"), "{text}");
-        survey.scope = None;
-        survey.json = true;
-        let doc: serde_json::Value =
-            serde_json::from_str(&stats(&opened, &survey).await.unwrap().output).unwrap();
-        assert_eq!(doc["in_flight"], 1);
-        assert_eq!(doc["stuck"], 0);
-        assert_eq!(doc["complete"], true);
-        assert_eq!(doc["scope"], serde_json::Value::Null);
-    }
 
     #[test]
     fn durations() {

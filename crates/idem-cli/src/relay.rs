@@ -50,7 +50,7 @@ pub struct RunArgs {
     backoff_cap_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9187; port 0 picks
     /// a free port, printed on standard output).
-    #[arg(long, value_name = "ADDR", value_parser = parse_metrics_listen)]
+    #[arg(long, value_name = "ADDR", value_parser = |s: &str| crate::listen_address("--metrics-listen", s))]
     metrics_listen: Option<SocketAddr>,
     /// Log level: error, warn, info, debug or trace (`RUST_LOG`, when set, filters instead).
     #[arg(long, env = "IDEM_RELAY_LOG", default_value = "info")]
@@ -77,12 +77,6 @@ pub enum DeadCommand {
         #[arg(long = "id", value_name = "ID")]
         ids: Vec<i64>,
     },
-}
-
-/// `--metrics-listen`: a socket address or a host name and port, with a hint for a bare
-/// port.
-fn parse_metrics_listen(text: &str) -> Result<SocketAddr, String> {
-    crate::listen_address("--metrics-listen", text)
 }
 
 /// Runs an `idem relay` command.

@@ -1,25 +1,15 @@
-//! `idem serve`: a small payments API behind the idempotency middleware.
-//!
-//! - `POST /payments` `{"amount": 1250, "currency": "EUR"}` creates a payment (the side
-//!   effect) and answers 201 with it; `Idempotency-Key` is required, `Authorization:
-//!   Bearer <name>` names the caller and scopes the keys, `X-Demo-Delay-Ms: <n>` makes the
-//!   handler take that long, to show races; `X-Demo-Delay-After-Commit-Ms: <n>` makes it
-//!   wait that long after the payment is committed and before it answers, to show a crash
-//!   in that window.
-//! - Where payments live: see [`crate::ledger`]. On `postgres://` and `tiered:` stores each
-//!   payment is a row committed in one transaction with its idempotency record.
-//! - `GET /payments/{id}` reads one of the caller's payments; `GET /payments` lists them,
-//!   so anyone can count how many times the side effect really ran.
-//! - `GET /metrics`: Prometheus text of every metric the process records (requests by
-//!   outcome, handler and store latency, payments created), from
-//!   `metrics-exporter-prometheus`.
+//! `idem serve`: the demo payments API (README, "Two commands") behind the idempotency
+//! middleware. `POST /payments` makes a payment, the side effect; `GET /payments` and
+//! `GET /payments/{id}` read the caller's (`Authorization: Bearer <name>`, which also scopes
+//! the keys); `GET /metrics` renders every metric the process records. The demo headers hold
+//! the handler before or after the payment commits; where payments live: [`crate::ledger`].
 
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, LOCATION};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -44,11 +34,11 @@ const MAX_DELAY: Duration = Duration::from_secs(60);
 #[derive(Debug)]
 pub struct Demo {
     ledger: Ledger,
-    exporter: Option<PrometheusHandle>,
+    exporter: PrometheusHandle,
 }
 
 /// Settings of the demo service.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// When set, a request for a key in flight waits this long for the first one's response
     /// instead of answering 409 at once.
@@ -59,8 +49,8 @@ pub struct Options {
     pub retention: Duration,
     /// The store as printed at start-up: its URL without the password.
     pub store: String,
-    /// What `GET /metrics` renders; without one it answers 404.
-    pub exporter: Option<PrometheusHandle>,
+    /// What `GET /metrics` renders.
+    pub exporter: PrometheusHandle,
 }
 
 /// The demo's router over the store and payments of `backend`.
@@ -261,20 +251,9 @@ async fn create_payment(
             )
         }
     };
-    let (delay, after_commit) = match (
-        demo_delay(&headers, DELAY_HEADER),
-        demo_delay(&headers, AFTER_COMMIT_HEADER),
-    ) {
-        (Ok(delay), Ok(after_commit)) => (delay, after_commit),
-        (Err(detail), _) | (_, Err(detail)) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-delay",
-                "Invalid delay",
-                detail,
-            )
-        }
-    };
+    // `check_demo_headers` refused a bad delay before the key was claimed.
+    let delay = demo_delay(&headers, DELAY_HEADER).unwrap_or_default();
+    let after_commit = demo_delay(&headers, AFTER_COMMIT_HEADER).unwrap_or_default();
     if let Some(delay) = delay {
         tokio::time::sleep(delay).await;
     }
@@ -407,20 +386,8 @@ async fn list_payments(State(demo): State<Arc<Demo>>, headers: HeaderMap) -> Res
 }
 
 async fn metrics(State(demo): State<Arc<Demo>>) -> Response {
-    let Some(exporter) = &demo.exporter else {
-        return problem(
-            StatusCode::NOT_FOUND,
-            "not-found",
-            "Not found",
-            "no metrics exporter in this process",
-        );
-    };
-    let mut response = Response::new(Body::from(exporter.render()));
-    response.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
-    response
+    let content_type = "text/plain; version=0.0.4; charset=utf-8";
+    ([(CONTENT_TYPE, content_type)], demo.exporter.render()).into_response()
 }
 
 /// `2025-01-31T12:34:56Z` from a system time (UTC, whole seconds).
