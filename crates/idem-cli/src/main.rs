@@ -411,15 +411,11 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
         Command::Proxy(args) => proxy::run(*args).await,
         Command::Inspect(args) => {
             let (opened, id) = open_for_record(&args).await?;
-            ops::inspect(opened.store().as_ref(), &id, json)
-                .await
-                .map(Done::ok)
+            ops::inspect(opened.store().as_ref(), &id, json).await
         }
         Command::Evict(args) => {
             let (opened, id) = open_for_record(&args).await?;
-            ops::evict(opened.store().as_ref(), &id, json)
-                .await
-                .map(Done::ok)
+            ops::evict(opened.store().as_ref(), &id, json).await
         }
         Command::Stats(args) => {
             let (opened, survey) = open_for_survey(args, json).await?;

@@ -16,17 +16,14 @@ use crate::{CliError, Done};
 /// # Errors
 ///
 /// [`CliError::NotFound`] when the record is absent or expired; store errors.
-pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<String, CliError> {
+pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<Done, CliError> {
     let record = store
         .get(id)
         .await
         .map_err(|e| unreadable(id, e))?
         .ok_or_else(|| CliError::NotFound(absent(id)))?;
-    Ok(render(
-        json,
-        || record_json(&record),
-        || record_text(&record),
-    ))
+    let text = || record_text(&record);
+    Ok(Done::ok(render(json, || record_json(&record), text)))
 }
 
 /// The output of a command: `doc` as one line of JSON with `--json`, else `text`.
@@ -47,7 +44,7 @@ fn render(
 /// # Errors
 ///
 /// [`CliError::NotFound`] when there was none; store errors.
-pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<String, CliError> {
+pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Done, CliError> {
     if !store.evict(id).await? {
         return Err(CliError::NotFound(absent(id)));
     }
@@ -55,7 +52,8 @@ pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Strin
         let (scope, key) = (id.scope().as_str(), id.key().as_str());
         serde_json::json!({"evicted": true, "scope": scope, "key": key})
     };
-    Ok(render(json, doc, || format!("evicted {}\n", describe(id))))
+    let text = || format!("evicted {}\n", describe(id));
+    Ok(Done::ok(render(json, doc, text)))
 }
 
 /// What `stats` and `stuck` look at, and for how long.
@@ -120,11 +118,8 @@ pub async fn stats(opened: &Opened, survey: &Survey) -> Result<Done, CliError> {
         counted.redis = Some(scan.counts().clone());
         counted.primaries = scan.primaries();
     }
-    let output = if survey.json {
-        stats_json(&counted, survey)
-    } else {
-        stats_text(&counted, survey)
-    };
+    let json = || stats_json(&counted, survey);
+    let output = render(survey.json, json, || stats_text(&counted, survey));
     Ok(Done::partial_unless(counted.complete, output))
 }
 
@@ -187,7 +182,7 @@ fn corrupt(counted: &Counted) -> Option<u64> {
     }
 }
 
-fn stats_json(counted: &Counted, survey: &Survey) -> String {
+fn stats_json(counted: &Counted, survey: &Survey) -> serde_json::Value {
     let stats = &counted.stats;
     let mut doc = serde_json::json!({
         "complete": counted.complete,
@@ -216,7 +211,7 @@ fn stats_json(counted: &Counted, survey: &Survey) -> String {
             "primaries": counted.primaries.1,
         });
     }
-    format!("{doc}\n")
+    doc
 }
 
 fn stats_text(counted: &Counted, survey: &Survey) -> String {
@@ -413,27 +408,22 @@ fn finding_row(finding: &idemkit::redis::Finding) -> serde_json::Value {
         "scope": finding.id.as_ref().map(|id| id.scope().as_str()),
         "key": finding.id.as_ref().map(|id| id.key().as_str()),
     });
-    match &finding.problem {
+    let (problem, detail) = match &finding.problem {
         Problem::Stuck {
             expired_for,
             attempt,
         } => {
-            row["problem"] = "stuck".into();
             row["attempt"] = (*attempt).into();
             row["expired_for_ms"] = millis(*expired_for).into();
+            ("stuck", None)
         }
-        Problem::Corrupt(why) => {
-            row["problem"] = "corrupt".into();
-            row["detail"] = why.as_str().into();
-        }
-        Problem::Foreign(what) => {
-            row["problem"] = "foreign".into();
-            row["detail"] = what.as_str().into();
-        }
-        other => {
-            row["problem"] = "other".into();
-            row["detail"] = other.to_string().into();
-        }
+        Problem::Corrupt(why) => ("corrupt", Some(why.clone())),
+        Problem::Foreign(what) => ("foreign", Some(what.clone())),
+        other => ("other", Some(other.to_string())),
+    };
+    row["problem"] = problem.into();
+    if let Some(detail) = detail {
+        row["detail"] = detail.into();
     }
     row
 }

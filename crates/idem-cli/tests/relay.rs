@@ -171,14 +171,6 @@ mod relay {
         wait_exit(child).await
     }
 
-    /// [`harness::eventually`] within [`PATIENCE`].
-    async fn eventually<T, F>(what: &str, every: Duration, check: impl FnMut() -> F) -> T
-    where
-        F: std::future::Future<Output = Option<T>>,
-    {
-        harness::eventually(what, PATIENCE, every, check).await
-    }
-
     /// The address of the metrics endpoint, from the first line `idem relay run
     /// --metrics-listen` prints; what it wrote on stderr when it printed none.
     async fn metrics_address(child: &mut Child) -> Result<String, String> {
@@ -297,7 +289,7 @@ mod relay {
             let lines = lines.clone();
             async move {
                 let what = format!("idem relay logging {text:?}");
-                eventually(&what, ms(50), || async {
+                harness::eventually(&what, PATIENCE, ms(50), || async {
                     let lines = lines.lock().unwrap();
                     lines.iter().any(|l| l.contains(text)).then_some(())
                 })
@@ -324,7 +316,7 @@ mod relay {
 
         // Redis returns: the relay says so and writes the completion into it.
         server.start_again().expect("restart redis-server");
-        eventually("the completion in Redis", ms(100), || async {
+        harness::eventually("the completion in Redis", PATIENCE, ms(100), || async {
             redis.get(&id(&scope, 0)).await.ok().flatten()
         })
         .await;
@@ -372,7 +364,7 @@ mod relay {
 
         let mut first = env.spawn_run(&["--batch", "10", "--poll-ms", "50"]);
         // Kill it once it has relayed a few batches, while most of the backlog is left.
-        let left = eventually("the relay started", ms(2), || async {
+        let left = harness::eventually("the relay started", PATIENCE, ms(2), || async {
             let left = outbox_rows(pg, None).await;
             (left <= (ROWS - 30) as i64).then_some(left)
         })
@@ -389,7 +381,7 @@ mod relay {
         // A new process takes over and drains what is left, including any batch the dead one
         // had claimed (its transaction died with its connection).
         let mut second = env.spawn_run(&["--batch", "100", "--poll-ms", "50"]);
-        eventually("the outbox empty", ms(50), || async {
+        harness::eventually("the outbox empty", PATIENCE, ms(50), || async {
             (outbox_rows(pg, None).await == 0).then_some(())
         })
         .await;
@@ -491,11 +483,12 @@ mod relay {
         let schema = tiered.pg().schema();
         // The counter is bumped after the commit that emptied the outbox: give it a moment.
         let relayed = format!("idem_relay_relayed_total{{schema=\"{schema}\"}} 1");
-        let (status, response) = eventually("the row relayed", ms(50), || async {
-            let (status, response) = get(&addr, "/metrics").await;
-            response.contains(&relayed).then_some((status, response))
-        })
-        .await;
+        let (status, response) =
+            harness::eventually("the row relayed", PATIENCE, ms(50), || async {
+                let (status, response) = get(&addr, "/metrics").await;
+                response.contains(&relayed).then_some((status, response))
+            })
+            .await;
         assert_in_redis(tiered.redis(), scope, 7).await;
         assert_eq!(status, 200, "{response}");
         assert!(
