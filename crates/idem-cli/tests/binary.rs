@@ -591,23 +591,6 @@ mod tiered {
 
     serve_inspect_stats_evict!(super::both_urls().map(|(r, p)| (format!("tiered:{r}|{p}"), ())));
 
-    /// The relay of the tiered store, in this process, as it runs next to the services:
-    /// it copies committed completions into Redis, where a killed process left its lease.
-    async fn relay(redis: &str, postgres: &str) -> tokio::sync::oneshot::Sender<()> {
-        let pg = idemkit::postgres::PgStore::connect(postgres).await.unwrap();
-        let redis = idemkit::redis::RedisStore::connect(redis).await.unwrap();
-        let relay = idemkit::outbox::Relay::new(pg, redis);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            relay
-                .run(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        stop
-    }
-
     /// `idem serve` on the tiered store while its Redis is down: it starts, says so, takes
     /// payments on PostgreSQL alone, and says when Redis answers again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -651,8 +634,12 @@ mod tiered {
         let Some((redis, postgres)) = super::both_urls() else {
             return;
         };
-        let _relay = relay(&redis, &postgres).await;
         let store = format!("tiered:{redis}|{postgres}");
+        // The relay, as it runs next to the services, copies committed completions into
+        // Redis, where the killed process left its lease.
+        let mut relay = super::idem(&["relay", "run", "--store", &store]);
+        relay.args(["--metrics-listen", "127.0.0.1:0"]);
+        let _relay = super::Proc::spawn(relay, "metrics on http://");
         super::a_crash_after_the_commit_loses_nothing(&store, &postgres).await;
     }
 
