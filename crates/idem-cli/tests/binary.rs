@@ -807,15 +807,8 @@ mod redis_password {
         }
         let server = RedisServer::start().expect("start redis-server");
         // The password set once the server is up (its readiness check needs none).
-        let mut conn = redis::Client::open(server.url())
-            .and_then(|client| client.get_connection())
-            .expect("connect to redis-server");
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("requirepass")
-            .arg("right")
-            .query::<()>(&mut conn)
-            .expect("set a password");
+        let set = server.cli(&["CONFIG", "SET", "requirepass", "right"]);
+        assert_eq!(set.expect("redis-cli").trim(), "OK", "set a password");
         let url = server.url().replacen("redis://", "redis://:wrong@", 1);
         let err = super::exits(3, super::run(&["stats", "--store", &url]));
         assert!(!err.contains("maxmemory"), "{err}");
@@ -896,16 +889,9 @@ mod redis_keyspace {
         let url = server.url();
 
         let started = Instant::now();
-        let (code, out, err) = super::run(&[
-            "stats",
-            "--store",
-            &url,
-            "--stuck-after",
-            "0",
-            "--timeout",
-            "600",
-            "--json",
-        ]);
+        let stats = super::run_on(["--store", &url]);
+        let (code, out, err) =
+            stats(&["stats", "--stuck-after", "0", "--timeout", "600", "--json"]);
         let took = started.elapsed();
         assert_eq!(code, 0, "{err}");
         let doc = super::json(&out);
@@ -921,15 +907,14 @@ mod redis_keyspace {
         eprintln!("idem stats over 2,000,003 keys: {took:?}");
 
         // A limit far below what the walk takes: the counts so far, marked, exit 4.
-        let (code, out, err) =
-            super::run(&["stats", "--store", &url, "--timeout", "0.2", "--json"]);
+        let (code, out, err) = stats(&["stats", "--timeout", "0.2", "--json"]);
         assert_eq!(code, 4, "{err}");
         let doc = super::json(&out);
         assert_eq!(doc["complete"], false, "{doc}");
         assert_eq!(doc["stopped"]["reason"], "timeout", "{doc}");
         assert_eq!(doc["stopped"]["timeout_ms"], 200, "{doc}");
         assert!(doc["keys_read"].as_u64().unwrap() < 200_003, "{doc}");
-        let (code, text, _) = super::run(&["stats", "--store", &url, "--timeout", "0.2"]);
+        let (code, text, _) = stats(&["stats", "--timeout", "0.2"]);
         assert_eq!(code, 4);
         assert!(text.starts_with("PARTIAL"), "{text}");
         assert!(text.contains("lower bound"), "{text}");
