@@ -31,14 +31,8 @@
 //! ## Schema and migrations
 //!
 //! The table lives in its own schema, `idem` by default ([`PgStore::with_schema`] picks
-//! another), and the migrations that create it are the `.sql` files of the repository's
-//! top-level `migrations/` folder, embedded at build time with `sqlx::migrate!`.
-//! [`migrate`] (or [`PgStore::migrate`]) creates the schema, points a dedicated
-//! connection's `search_path` at it and applies the migrations there, so sqlx's ledger is
-//! `idem._sqlx_migrations`: it never meets the application's own `_sqlx_migrations`, and
-//! the application can keep running `sqlx::migrate!()` on its own schema as before. Many
-//! instances may call it at once at startup: sqlx holds an advisory lock while migrating,
-//! and a second run finds nothing to do.
+//! another), with its own migration ledger: [`migrate`] (or [`PgStore::migrate`]) says how,
+//! and why it never meets the application's `_sqlx_migrations`.
 //!
 //! ```no_run
 //! # async fn run(pool: sqlx::PgPool) -> Result<(), idem_core::Error> {
@@ -51,11 +45,8 @@
 //! ## Waiters
 //!
 //! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken with
-//! `LISTEN`/`NOTIFY` by default: its store listens on a connection of its own and holds an
-//! advisory lock on each record waited for, and `complete`/`release` send `pg_notify` (on
-//! commit) only for a record whose lock is held, so a completion nobody waits for sends
-//! nothing. [`notify`] has the protocol and why it misses no completion;
-//! [`PgStore::with_notify`] turns it off (waiters then poll).
+//! `LISTEN`/`NOTIFY`, sent only for records someone waits for: [`notify`] has the protocol,
+//! [`PgStore::with_notify`] turns it off.
 //!
 //! ## How `begin` stays atomic
 //!
@@ -71,10 +62,9 @@
 //! CONFLICT DO UPDATE`). Each file's header says why it is built as it is, and what it
 //! returns. [`PgStore::begin_in`] sends `begin.sql` alone.
 //!
-//! Under REPEATABLE READ or SERIALIZABLE, PostgreSQL may abort such a statement with a
-//! serialization failure (`40001`) or deadlock (`40P01`). The store's own calls resend it
-//! (up to [`PgStore::with_conflict_retries`] times); in a caller's transaction it cannot be
-//! resent, and the error says so (see [`is_transaction_conflict`]).
+//! A serialization failure or deadlock under a stricter isolation level is resent by the
+//! store's own calls ([`PgStore::with_conflict_retries`]), never inside a caller's
+//! transaction ([`is_transaction_conflict`]).
 //!
 //! Every deadline and expiry is computed by the database's `clock_timestamp()`, read once
 //! per statement: never the application's clock, and never `now()`, which in a long
@@ -134,33 +124,14 @@
 //! }
 //! ```
 //!
-//! [`PgStore::begin_in`] claims the key inside the transaction too. Then nothing at all is
-//! visible until the commit, and a rollback leaves the key exactly as it was; the price is
-//! that a duplicate request's `begin` waits on the row until the first transaction ends
-//! (bound it with `SET LOCAL lock_timeout`), and that the transaction stays open across the
-//! work. With [`idem_core::Idem`] and the [`idem_core::Store`] methods, each statement is
-//! its own implicit transaction and none is held across the work.
+//! [`PgStore::begin_in`] claims the key inside the transaction too, holding it open across
+//! the work; its docs say what that costs.
 //!
 //! ## Purging expired records
 //!
-//! Expired records behave as absent at once; deleting them only reclaims space.
-//! [`PgStore::purge_expired`] deletes a bounded batch, oldest first, skipping rows that
-//! live traffic holds; [`PgStore::spawn_purge`] runs it periodically in a background task
-//! with a clean [`PurgeHandle::shutdown`]:
-//!
-//! ```no_run
-//! # async fn run(store: idem_postgres::PgStore) -> Result<(), idem_core::Error> {
-//! use std::time::Duration;
-//! use idem_postgres::PurgeConfig;
-//!
-//! // Either by hand, from a scheduler of your own:
-//! while store.purge_expired(1000).await? == 1000 {}
-//! // or in the background:
-//! let purge = store.spawn_purge(PurgeConfig::default().with_interval(Duration::from_secs(30)));
-//! // ... at shutdown:
-//! purge.shutdown().await;
-//! # Ok(()) }
-//! ```
+//! Expired records behave as absent at once; deleting them only reclaims space, in bounded
+//! batches: [`PgStore::purge_expired`] by hand (`while store.purge_expired(1000).await? ==
+//! 1000 {}`), or [`PgStore::spawn_purge`] in the background.
 //!
 //! ## Operators
 //!
@@ -172,19 +143,12 @@
 //!
 //! ## Table design for churn
 //!
-//! Every key is inserted, updated once or twice and deleted within its retention, so the
-//! table is mostly churn. The migration (`migrations/postgres/0001_records.sql`, whose header
-//! says why) sets `fillfactor = 80`, keeps two indexes only (the primary key and
-//! `expires_at`), no foreign keys or triggers, and tunes autovacuum for the table.
+//! The table is mostly churn: the migration `migrations/postgres/0001_records.sql` says in
+//! its header how it is tuned for that (fillfactor, two indexes, autovacuum).
 //!
 //! ## Throughput
 //!
-//! `examples/throughput.rs` measures it: `IDEM_BENCH_DATABASE_URL=postgres://... cargo run
-//! --release -p idem-postgres --example throughput 16 500`. On a 2-core VM shared with other
-//! builds (load average about 5), against a local PostgreSQL 15 with default durability
-//! settings: with 16 tasks, about 2,500 fresh keys/s (begin + complete, two commits each)
-//! and 7,600 replays/s; with one task, about 700 keys/s and 3,800 replays/s. Treat these as
-//! an order of magnitude, not a promise.
+//! `idem-bench --store postgres://...` measures lifecycles and replays: see BENCHMARKS.md.
 //!
 //! ## Errors
 //!

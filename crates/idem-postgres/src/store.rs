@@ -103,13 +103,8 @@ impl PgStore {
     /// `LISTEN`/`NOTIFY` when the holder completes or releases, and so answer within about a
     /// millisecond instead of at their next poll. Default: on.
     ///
-    /// On, the store opens one connection of its own (outside the pool) at its first wait,
-    /// which listens and holds an advisory lock per record waited for (see
-    /// [`crate::notify`]). `complete` and `release` (and their `*_in` forms) call
-    /// `pg_notify` only for a record with such a waiter, in any store on the database, so a
-    /// completion nobody waits for costs one advisory lock taken and freed in memory, and
-    /// sends nothing (notifying commits are serialised by PostgreSQL; idem-bench's `wait`
-    /// phase measures both ways).
+    /// On, the store opens one listening connection of its own at its first wait, and a
+    /// completion nobody waits for sends nothing ([`crate::notify`] has the protocol).
     ///
     /// Off, this store's waiters poll (2 ms doubling to [`idem_core::Config::max_poll`])
     /// and it opens no listening connection (for a connection pooler that cannot keep a
