@@ -49,7 +49,7 @@ pub struct RelayMetrics {
 
 /// One relay's counters and last gauges, kept for [`RelayMetrics`] and recorded through the
 /// `metrics` facade as they change.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Counters {
     /// The `schema` label of every series.
     schema: String,
@@ -74,14 +74,7 @@ impl Counters {
     pub(crate) fn new(schema: &str) -> Self {
         Self {
             schema: schema.to_owned(),
-            relayed: AtomicU64::new(0),
-            expired: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            dead_marked: AtomicU64::new(0),
-            outages: AtomicU64::new(0),
-            dead: AtomicU64::new(0),
-            backlog: AtomicU64::new(0),
-            lag: AtomicU64::new(0),
+            ..Self::default()
         }
     }
 
