@@ -9,10 +9,6 @@
 //! five messages for three payments (a publisher that retried sends a payment twice, with
 //! the same `x-idempotency-key` as the HTTP request that created it), consumes them until
 //! they are all settled or Ctrl-C, prints what happened, and deletes its queues.
-//!
-//! The store here is in memory, which is right for one process only: consumers in several
-//! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
-//! process is recognised.
 
 mod shared;
 
@@ -38,8 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_expires(Duration::from_secs(600));
     topology.declare(&channel).await?;
 
-    // What `POST /payments` would publish: the request's idempotency key travels in a
-    // header. A retried request publishes the same payment again.
+    // The request's idempotency key travels in a header (see `shared::PAYMENTS`).
     for (key, amount) in shared::PAYMENTS {
         let properties = with_idempotency_key(BasicProperties::default(), &Key::new(key)?, None);
         let payload = shared::payment(amount);

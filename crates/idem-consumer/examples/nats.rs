@@ -9,10 +9,6 @@
 //! five messages for three payments (a publisher that retried sends a payment twice, with
 //! the same `x-idempotency-key` as the HTTP request that created it), consumes them for two
 //! seconds or until Ctrl-C, prints what happened, and deletes its streams.
-//!
-//! The store here is in memory, which is right for one process only: workers in several
-//! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
-//! process is recognised.
 
 mod shared;
 
@@ -30,8 +26,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let topology = Topology::new(format!("PAYMENTS-{id}"), format!("payments-{id}.requested"));
     topology.declare(&js).await?;
 
-    // What `POST /payments` would publish: the request's idempotency key travels in a
-    // header. A retried request publishes the same payment again.
+    // The request's idempotency key travels in a header (see `shared::PAYMENTS`).
     for (key, amount) in shared::PAYMENTS {
         let headers = with_idempotency_key(async_nats::HeaderMap::new(), &Key::new(key)?, None);
         let payload = shared::payment(amount);

@@ -9,10 +9,6 @@
 //! payments to a stream of its own (a publisher that retried adds a payment twice, with the
 //! same `x-idempotency-key` as the HTTP request that created it), consumes them for two
 //! seconds or until Ctrl-C, prints what happened, and deletes its streams.
-//!
-//! The store here is in memory, which is right for one process only: workers in several
-//! processes must share a store (Redis, PostgreSQL) so that a duplicate delivered to another
-//! process is recognised.
 
 mod shared;
 
@@ -30,8 +26,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let topology = Topology::new(format!("idem-example-payments-{}", std::process::id()));
     topology.declare(&mut conn).await?;
 
-    // What `POST /payments` would add: the request's idempotency key travels in a field.
-    // A retried request adds the same payment again.
+    // The request's idempotency key travels in a field (see `shared::PAYMENTS`).
     for (key, amount) in shared::PAYMENTS {
         let payload = shared::payment(amount);
         let key = Key::new(key)?;

@@ -282,29 +282,8 @@ impl Context {
 /// The engine's [`Config`](idem_core::Config) is used as given (its lease, extended while the
 /// handler runs; its retention, which must outlast the broker's redelivery window; its
 /// `wait`, which makes a duplicate wait for the holder's result instead of being requeued),
-/// except its [`FailurePolicy`], which [`Policy::on_terminal`] decides.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use idem_consumer::{Consumer, Delivery, Message, Outcome, IDEMPOTENCY_KEY_HEADER};
-/// use idem_core::{Failure, Idem, MemoryStore, Scope};
-///
-/// let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("billing").unwrap());
-/// let msg = Message::new(br#"{"charge": 1250}"#.to_vec())
-///     .with_header(IDEMPOTENCY_KEY_HEADER, "3f9c-payment");
-///
-/// let first = consumer
-///     .process(&msg, |_ctx| async { Ok::<_, Failure<String>>("ch_1".to_string()) })
-///     .await;
-/// assert!(matches!(first, Delivery::Ack(Outcome::Executed { attempt: 1, .. })));
-///
-/// // The broker delivers it again: acked with the stored value, the handler does not run.
-/// let again = consumer
-///     .process(&msg, |_ctx| async { panic!("not run for a duplicate") as Result<String, Failure<String>> })
-///     .await;
-/// assert!(matches!(again, Delivery::Ack(Outcome::Replayed(ref v)) if v == "ch_1"));
-/// # }
-/// ```
+/// except its [`FailurePolicy`], which [`Policy::on_terminal`] decides. The crate docs'
+/// quick start shows a duplicate acked with the stored value.
 #[derive(Debug, Clone)]
 pub struct Consumer {
     idem: Idem,

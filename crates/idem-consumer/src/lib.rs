@@ -26,21 +26,9 @@
 //!   idempotency boundary) or from a canonical hash of chosen payload fields
 //!   ([`KeySource::PayloadHash`], volatile fields left out). [`child_key`] derives stable
 //!   keys for the calls a handler makes downstream.
-//! - Three workers carry the decisions out on a broker, each behind a feature: with
-//!   `rabbitmq`, `rabbitmq::Worker` on RabbitMQ through lapin (prefetch, delayed retries
-//!   through a retry queue, a dead-letter queue); with `nats`, `nats::Worker` on a NATS
-//!   JetStream durable pull consumer through async-nats (NAKs with a delay, "work in
-//!   progress" while a handler runs, a dead-letter stream); with `redis-streams`,
-//!   `redis_streams::Worker` on a Redis Streams consumer group (entries left pending and
-//!   claimed back with `XAUTOCLAIM`, copies and acks in one transaction). Each has
-//!   concurrency, a run that counts what it did (`Summary`) and a clean shutdown; their
-//!   module docs say what each decision does on the broker. A worker publishes a copy (a
-//!   retry, a dead letter) before it acks the original, so a crash in between leaves a
-//!   harmless duplicate, and a copy the broker refuses hands the original back: a message is
-//!   never dropped. A worker that dies has its messages delivered again; a copy finds the
-//!   key held by the dead worker's lease and is handed back until that lease runs out, then
-//!   takes the key over as an attempt, so a message that kills every worker is
-//!   dead-lettered after [`Policy::max_attempts`].
+//! - Three workers carry the decisions out on a broker, each behind a feature (`rabbitmq`,
+//!   `nats`, `redis-streams`): README's "Message consumers" table says what each decision
+//!   does on each broker, and each module's docs say how.
 //!
 //! Use a consumer scope of its own (the consumer group or queue): the record of a message is
 //! not the record of the HTTP request that published it, even though both have the same key.
@@ -81,10 +69,7 @@
 //!
 //! ## Attempts
 //!
-//! An attempt is counted when the handler starts. The count is the failed attempts carried
-//! in [`ATTEMPT_HEADER`] (an integration that delays a retry by republishing sets it from
-//! [`Delivery::Nack`]) plus the acquisitions of the key in the store (1, plus one for every
-//! takeover of a consumer that died or lost its lease while running the handler). Broker
+//! An attempt is counted when the handler starts ([`Policy::max_attempts`] says how). Broker
 //! counters such as `x-delivery-count` are not used: requeueing a copy of a message in
 //! progress elsewhere is not a failed attempt.
 #![cfg_attr(docsrs, feature(doc_cfg))]

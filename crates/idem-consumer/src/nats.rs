@@ -20,18 +20,10 @@
 //!                                                   with x-idem-dead-letter-reason, then ack
 //! ```
 //!
-//! - **Ack** ([`Delivery::Ack`](crate::Delivery::Ack)): `+ACK`.
-//! - **Requeue** ([`Delivery::Requeue`](crate::Delivery::Requeue): another worker holds the key, or the store is
-//!   down): `-NAK` with the delay; JetStream delivers the message again after it. Not an
-//!   attempt. Nothing is held in the worker.
-//! - **Retry** ([`Delivery::Nack`](crate::Delivery::Nack): a retryable failure, its key released): a copy goes to
-//!   the message's subject with [`ATTEMPT_HEADER`] set to the attempts made and
-//!   [`RETRY_AT_HEADER`] to when it is due; once the stream confirms the copy, the original
-//!   is acked. A worker that receives the copy early NAKs it with the time left (not an
-//!   attempt).
-//! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy goes to `<subject>.dead` (stored in
-//!   the dead-letter stream) with [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once
-//!   confirmed, the original is acked.
+//! README's "Message consumers" table says what each [`Delivery`](crate::Delivery) does
+//! here. A copy (retry, dead letter) carries [`ATTEMPT_HEADER`], and [`RETRY_AT_HEADER`] or
+//! [`DEAD_LETTER_REASON_HEADER`]; the original is acked once the stream confirmed the copy.
+//! A worker that receives a retry early NAKs it with the time left (not an attempt).
 //!
 //! A copy carries the original's headers, but its `Nats-Msg-Id` moves to
 //! `x-idem-nats-msg-id` (read back as `Nats-Msg-Id` by [`message_of`]), so that the stream's
@@ -236,33 +228,7 @@ impl Topology {
 
 /// Pulls from a durable consumer and runs each message through a [`Consumer`]. See the
 /// [module docs](self) for what each decision does on the broker, and for shutdown.
-///
-/// ```no_run
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// use idem_consumer::nats::{Topology, Worker};
-/// use idem_consumer::Consumer;
-/// use idem_core::{Failure, Idem, MemoryStore, Scope};
-///
-/// let client = async_nats::connect("nats://127.0.0.1:4222").await?;
-/// let js = async_nats::jetstream::new(client);
-/// let topology = Topology::new("PAYMENTS", "payments.requested");
-/// topology.declare(&js).await?;
-/// // MemoryStore is per process: give workers in several processes a shared store.
-/// let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("payments-worker").unwrap());
-/// let summary = Worker::new(consumer, topology)
-///     .with_concurrency(8)
-///     .run(
-///         &js,
-///         |message, ctx| async move {
-///             // ... charge the card with ctx.child_key("charge") as the provider's key ...
-///             Ok::<_, Failure<String>>(message.payload().len())
-///         },
-///         async { tokio::signal::ctrl_c().await.ok(); },
-///     )
-///     .await?;
-/// println!("{summary:?}");
-/// # Ok(()) }
-/// ```
+/// `examples/nats.rs` runs one from a fresh clone.
 #[derive(Debug, Clone)]
 pub struct Worker {
     consumer: Consumer,

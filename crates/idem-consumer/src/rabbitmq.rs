@@ -19,22 +19,14 @@
 //!                                     x-dead-letter-routing-key <queue>)
 //! ```
 //!
-//! - **Ack** ([`Delivery::Ack`](crate::Delivery::Ack)): `basic.ack`.
-//! - **Requeue** ([`Delivery::Requeue`](crate::Delivery::Requeue): another consumer holds the key, or the store is
-//!   down): the delivery is held for `after` (without a concurrency slot, but within the
-//!   prefetch window), then `basic.nack` with `requeue = true`. Not an attempt, so the
-//!   attempt header is unchanged. On shutdown the sleep is cut short.
-//! - **Retry** ([`Delivery::Nack`](crate::Delivery::Nack): a retryable failure, its key released): a copy goes to
-//!   the retry queue with a per-message TTL of the backoff and [`ATTEMPT_HEADER`] set to the
-//!   attempts made; once the copy is confirmed by the broker, the original is acked. When the
-//!   TTL runs out the broker dead-letters the copy back to the main queue. This counts
-//!   attempts on any queue type (classic or quorum).
-//!   RabbitMQ expires messages only at the head of a queue, so a copy with a short TTL
-//!   behind one with a long TTL waits for it: a retry may come later than its backoff,
-//!   never earlier, and is never lost.
-//! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy goes to the dead-letter queue with
-//!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]; once confirmed, the original is
-//!   acked.
+//! README's "Message consumers" table says what each [`Delivery`](crate::Delivery) does
+//! here. A requeue is held for its delay without a concurrency slot, but within the prefetch
+//! window (cut short on shutdown). A retry is a copy in the retry queue with a TTL of the
+//! backoff and [`ATTEMPT_HEADER`], which the broker dead-letters back to the main queue:
+//! this counts attempts on any queue type (classic or quorum). RabbitMQ expires messages
+//! only at the head of a queue, so a retry may come later than its backoff, never earlier.
+//! A dead letter carries [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`]. The original
+//! is acked once the broker confirmed the copy.
 //!
 //! A dead-letter queue may hold a copy twice (a crash between the copy and the ack). If the
 //! broker refuses a copy, the original is requeued instead of acked. The broker redelivers
@@ -203,37 +195,7 @@ impl Topology {
 
 /// Consumes a queue and runs each delivery through a [`Consumer`]. See the
 /// [module docs](self) for what each decision does on the broker, and for shutdown.
-///
-/// ```no_run
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// use idem_consumer::rabbitmq::{Topology, Worker};
-/// use idem_consumer::Consumer;
-/// use idem_core::{Failure, Idem, MemoryStore, Scope};
-///
-/// let conn = lapin::Connection::connect(
-///     "amqp://guest:guest@127.0.0.1:5672/%2f",
-///     lapin::ConnectionProperties::default(),
-/// )
-/// .await?;
-/// let topology = Topology::for_queue("payments");
-/// topology.declare(&conn.create_channel().await?).await?;
-/// // MemoryStore is per process: give consumers in several processes a shared store.
-/// let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("payments-worker").unwrap());
-/// let summary = Worker::new(consumer, topology)
-///     .with_prefetch(32)
-///     .with_concurrency(8)
-///     .run(
-///         &conn,
-///         |message, ctx| async move {
-///             // ... charge the card with ctx.child_key("charge") as the provider's key ...
-///             Ok::<_, Failure<String>>(message.payload().len())
-///         },
-///         async { tokio::signal::ctrl_c().await.ok(); },
-///     )
-///     .await?;
-/// println!("{summary:?}");
-/// # Ok(()) }
-/// ```
+/// `examples/consumer.rs` runs one from a fresh clone.
 #[derive(Debug, Clone)]
 pub struct Worker {
     consumer: Consumer,

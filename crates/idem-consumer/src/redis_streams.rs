@@ -21,18 +21,12 @@
 //!                                    XACK the original, EXEC
 //! ```
 //!
-//! - **Ack** ([`Delivery::Ack`](crate::Delivery::Ack)): `XACK`.
-//! - **Requeue** ([`Delivery::Requeue`](crate::Delivery::Requeue): another worker holds the key, or the store is
-//!   down): the entry is left pending, with its idle time set (`XCLAIM .. IDLE`) so that it
-//!   becomes claimable after the delay (at most [`Topology::claim_idle`]); a worker of the
-//!   group then claims it with `XAUTOCLAIM`. Not an attempt.
-//! - **Retry** ([`Delivery::Nack`](crate::Delivery::Nack): a retryable failure, its key released): a copy is added
-//!   to the stream with [`ATTEMPT_HEADER`] set to the attempts made and [`RETRY_AT_HEADER`]
-//!   to when it is due, and the original acknowledged, in one `MULTI`/`EXEC`. A worker
-//!   that reads the copy early leaves it pending until then (not an attempt).
-//! - **Dead letter** ([`Delivery::DeadLetter`](crate::Delivery::DeadLetter)): a copy is added to `<stream>.dead` with
-//!   [`DEAD_LETTER_REASON_HEADER`] and [`ATTEMPT_HEADER`], and the original acknowledged,
-//!   in one `MULTI`/`EXEC`: both happen or neither does.
+//! README's "Message consumers" table says what each [`Delivery`](crate::Delivery) does
+//! here. A requeued entry is left pending and made claimable after the delay (at most
+//! [`Topology::claim_idle`]). A copy (retry, dead letter) carries [`ATTEMPT_HEADER`], and
+//! [`RETRY_AT_HEADER`] or [`DEAD_LETTER_REASON_HEADER`]; it is added and the original
+//! acknowledged in one `MULTI`/`EXEC`: both happen or neither does. A worker that reads a
+//! retry early leaves it pending until it is due (not an attempt).
 //!
 //! Acknowledged entries stay in the stream until it is trimmed (`XADD .. MAXLEN`, `XTRIM`):
 //! trim it as you would without idem. On Redis Cluster, give the stream a hash tag
@@ -189,32 +183,7 @@ impl Topology {
 /// Reads a stream as a member of a consumer group and runs each entry through a
 /// [`Consumer`]. See the [module docs](self) for what each decision does on the stream, and
 /// for shutdown.
-///
-/// ```no_run
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// use idem_consumer::redis_streams::{Topology, Worker};
-/// use idem_consumer::Consumer;
-/// use idem_core::{Failure, Idem, MemoryStore, Scope};
-///
-/// let client = redis::Client::open("redis://127.0.0.1:6379")?;
-/// let topology = Topology::new("payments");
-/// topology.declare(&mut client.get_connection_manager().await?).await?;
-/// // MemoryStore is per process: give workers in several processes a shared store.
-/// let consumer = Consumer::new(Idem::new(MemoryStore::new()), Scope::new("payments-worker").unwrap());
-/// let summary = Worker::new(consumer, topology)
-///     .with_concurrency(8)
-///     .run(
-///         &client,
-///         |message, ctx| async move {
-///             // ... charge the card with ctx.child_key("charge") as the provider's key ...
-///             Ok::<_, Failure<String>>(message.payload().len())
-///         },
-///         async { tokio::signal::ctrl_c().await.ok(); },
-///     )
-///     .await?;
-/// println!("{summary:?}");
-/// # Ok(()) }
-/// ```
+/// `examples/redis_streams.rs` runs one from a fresh clone.
 #[derive(Debug, Clone)]
 pub struct Worker {
     consumer: Consumer,

@@ -44,7 +44,9 @@ pub async fn charge(message: Message, ctx: Context) -> Result<String, Failure<St
 }
 
 /// The worker's consumer. Records live in the worker's own scope (not the HTTP requests'),
-/// for 24 h by default; a lease of 30 s is renewed while a handler runs.
+/// for 24 h by default; a lease of 30 s is renewed while a handler runs. The store is in
+/// memory, right for one process only: workers in several processes must share a store
+/// (Redis, PostgreSQL) so that a duplicate delivered to another process is recognised.
 pub fn consumer() -> Result<Consumer, KeyError> {
     let idem = Idem::new(MemoryStore::new()).with_config(Config::default());
     Ok(Consumer::new(idem, Scope::new("payments-worker")?).with_policy(Policy::default()))
