@@ -1,11 +1,6 @@
 //! The JetStream worker against a real `nats-server -js` (`IDEM_TEST_NATS_URL`, e.g.
-//! `nats://127.0.0.1:4222`). Without it each test prints why and returns, or fails when
-//! `IDEM_TEST_REQUIRE_BACKENDS=1`.
-//!
-//! Every test creates its own uniquely named streams and deletes them at the end. The
-//! crash test runs worker *processes* (this test binary again, running the ignored test
-//! `child_worker_process`), sharing their store in Redis (`IDEM_TEST_REDIS_URL`); the
-//! store-outage test stops a Redis server of its own.
+//! `nats://127.0.0.1:4222`), through the shared broker tests (`support/broker.rs`, whose
+//! docs say how they run); every test creates its own streams and deletes them.
 
 #![cfg(feature = "nats")]
 

@@ -1,14 +1,8 @@
 //! The RabbitMQ worker against a real broker (`IDEM_TEST_AMQP_URL`, e.g.
-//! `amqp://guest:guest@127.0.0.1:5672/%2f`). Without it each test prints why and returns,
-//! or fails when `IDEM_TEST_REQUIRE_BACKENDS=1`.
-//!
-//! Every test declares its own uniquely named queues (with `x-expires`, so a failed test
-//! leaves nothing behind for long) and deletes them at the end.
-//!
-//! The crash test runs consumer *processes*: this test binary, re-executed to run the
-//! ignored test `child_worker_process` with its settings in the environment. They share
-//! their idempotency store through [`SharedStore`]: Redis (`IDEM_TEST_REDIS_URL`) under a
-//! key prefix of the test's own.
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`), through the shared broker tests
+//! (`support/broker.rs`, whose docs say how they run) and tests of its own. Every test
+//! declares its own queues (with `x-expires`, so a failed test leaves nothing behind for
+//! long) and deletes them.
 
 #![cfg(feature = "rabbitmq")]
 

@@ -1,12 +1,7 @@
 //! The Redis Streams worker against a real Redis (`IDEM_TEST_REDIS_URL`, e.g.
-//! `redis://127.0.0.1:6379`). Without it each test prints why and returns, or fails when
-//! `IDEM_TEST_REQUIRE_BACKENDS=1`.
-//!
-//! Every test adds to its own uniquely named streams and deletes them at the end. The
-//! crash test runs worker *processes* (this test binary again, running the ignored test
-//! `child_worker_process`), sharing their store in the same Redis under a key prefix of
-//! their own; the store-outage test stops a Redis server of its own (the store's), while
-//! the stream stays on `IDEM_TEST_REDIS_URL`.
+//! `redis://127.0.0.1:6379`), through the shared broker tests (`support/broker.rs`, whose
+//! docs say how they run); every test adds to its own streams and deletes them. The
+//! store-outage test stops a Redis of its own (the store's); the stream stays.
 
 #![cfg(feature = "redis-streams")]
 

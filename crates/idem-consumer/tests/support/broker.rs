@@ -1,5 +1,9 @@
 //! The worker tests that read the same on every broker, written once against
-//! [`TestBroker`]; each broker's test file implements it and runs them.
+//! [`TestBroker`]; each broker's test file implements it and runs them. Without the broker's
+//! server a test prints why and returns, or fails when `IDEM_TEST_REQUIRE_BACKENDS=1`. The
+//! crash test runs worker *processes* (the test binary again, running the ignored test
+//! `child_worker_process`) that share their store in Redis (`IDEM_TEST_REDIS_URL`, see
+//! [`SharedStore`]); the store-outage test stops a Redis server of its own.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -15,9 +19,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep, timeout, Instant};
 
 use super::{
-    check_crash, check_dead_letters, check_retry_runs, counting, failing, retry_keys, retry_policy,
-    start_and_kill_a, start_b, stop_child, wait_until, ChildFiles, ChildSetup, Effects, Handler,
-    Runs, SharedStore, CHILD_CONCURRENCY, CHILD_REDELIVERY, CRASH_MESSAGES,
+    check_crash, counting, failing, retry_keys, start_and_kill_a, start_b, stop_child, wait_until,
+    ChildFiles, ChildSetup, Effects, Handler, Runs, SharedStore, CHILD_CONCURRENCY,
+    CHILD_REDELIVERY, CRASH_MESSAGES,
 };
 
 /// A broker with a fresh topology of one test's own, as the shared tests use it.
@@ -231,7 +235,13 @@ pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered<B: Te
         Idem::new(MemoryStore::new()),
         Scope::new("retry-test").unwrap(),
     )
-    .with_policy(retry_policy());
+    // 3 attempts, 200 ms then 400 ms apart.
+    .with_policy(
+        Policy::default()
+            .with_max_attempts(3)
+            .with_retry_delay(Duration::from_millis(200))
+            .with_max_retry_delay(Duration::from_millis(400)),
+    );
     let runs: Runs = Arc::default();
     let effects: Effects = Arc::default();
     let worker = broker.spawn_worker(consumer, tuning(2, 16), failing(&runs, &effects));
@@ -242,10 +252,38 @@ pub async fn transient_failures_retry_and_permanent_ones_are_dead_lettered<B: Te
     wait_for_effects(&effects, 5, "the flaky ones succeed").await;
     wait_until_settled(broker, Duration::from_secs(30)).await;
     let summary = worker.stop().await;
-    check_retry_runs(&runs, &effects, &summary);
+    // Every retried key ran 3 times, with the policy's backoff between attempts; the flaky
+    // ones had their effect once; `declined` ran once.
+    let runs = runs.lock().unwrap().clone();
+    let attempts = |key: &str| runs[key].iter().map(|(a, _)| *a).collect::<Vec<_>>();
+    for key in flaky.iter().chain(&broken) {
+        assert_eq!(attempts(key), vec![1, 2, 3], "{key}");
+        let at: Vec<_> = runs[key].iter().map(|(_, t)| *t).collect();
+        assert!(at[1] - at[0] >= Duration::from_millis(190), "{key}: {at:?}");
+        assert!(at[2] - at[1] >= Duration::from_millis(390), "{key}: {at:?}");
+    }
+    for key in &flaky {
+        assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
+    }
+    assert_eq!(
+        attempts("declined"),
+        vec![1],
+        "a terminal failure is not retried"
+    );
+    assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
+    assert_eq!(summary.dead_lettered, 4, "{summary:?}");
+    assert_eq!(summary.acked, 5, "{summary:?}");
     // The 9 originals and 16 retry copies, all acked.
     broker.check_all_acked(9 + 16).await;
-    check_dead_letters(&broker.dead_letters().await);
+    // The three broken keys exhausted after 3 attempts, `declined` terminal.
+    let dead = broker.dead_letters().await;
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    for key in &broken {
+        let (reason, attempt) = &dead[key];
+        assert!(reason.starts_with("attempts exhausted"), "{reason}");
+        assert_eq!(attempt, "3");
+    }
+    assert_eq!(dead["declined"].0, "terminal failure: card declined");
     broker.delete().await;
 }
 

@@ -243,14 +243,6 @@ pub fn retry_keys() -> (Vec<String>, Vec<String>) {
     (flaky, broken)
 }
 
-/// The retry tests' policy: 3 attempts, 200 ms then 400 ms apart.
-pub fn retry_policy() -> Policy {
-    Policy::default()
-        .with_max_attempts(3)
-        .with_retry_delay(Duration::from_millis(200))
-        .with_max_retry_delay(Duration::from_millis(400))
-}
-
 /// Each key's attempts, and when they started.
 pub type Runs = Arc<Mutex<BTreeMap<String, Vec<(u32, std::time::Instant)>>>>;
 
@@ -279,44 +271,6 @@ pub fn failing(runs: &Runs, effects: &Effects) -> Handler {
             Ok(ctx.attempt())
         })
     })
-}
-
-/// What the retry tests' worker did: every retried key ran 3 times, with the policy's
-/// backoff between attempts; the flaky ones had their effect once; `declined` ran once.
-pub fn check_retry_runs(runs: &Runs, effects: &Effects, summary: &Summary) {
-    let (flaky, broken) = retry_keys();
-    let runs = runs.lock().unwrap().clone();
-    let attempts = |key: &str| runs[key].iter().map(|(a, _)| *a).collect::<Vec<_>>();
-    for key in flaky.iter().chain(&broken) {
-        assert_eq!(attempts(key), vec![1, 2, 3], "{key}");
-        let at: Vec<_> = runs[key].iter().map(|(_, t)| *t).collect();
-        assert!(at[1] - at[0] >= Duration::from_millis(190), "{key}: {at:?}");
-        assert!(at[2] - at[1] >= Duration::from_millis(390), "{key}: {at:?}");
-    }
-    for key in &flaky {
-        assert_eq!(effects.lock().unwrap()[key], 1, "{key}");
-    }
-    assert_eq!(
-        attempts("declined"),
-        vec![1],
-        "a terminal failure is not retried"
-    );
-    assert_eq!(summary.retried, 5 * 2 + 3 * 2, "{summary:?}");
-    assert_eq!(summary.dead_lettered, 4, "{summary:?}");
-    assert_eq!(summary.acked, 5, "{summary:?}");
-}
-
-/// The dead letters of the retry tests, as key -> (reason, attempt): the three broken keys
-/// exhausted after 3 attempts, `declined` terminal.
-pub fn check_dead_letters(dead: &BTreeMap<String, (String, String)>) {
-    let (_, broken) = retry_keys();
-    assert_eq!(dead.len(), 4, "{dead:?}");
-    for key in &broken {
-        let (reason, attempt) = &dead[key];
-        assert!(reason.starts_with("attempts exhausted"), "{reason}");
-        assert_eq!(attempt, "3");
-    }
-    assert_eq!(dead["declined"].0, "terminal failure: card declined");
 }
 
 // --- The crash tests -----------------------------------------------------------------------
