@@ -130,10 +130,8 @@ impl ConnectOptions {
 /// | `postgres://user@host/db`, `postgresql://...` | PostgreSQL, schema `idem`, migrated on connect | `postgres` |
 /// | `tiered:<redis URL>\|<postgres URL>` | the tiered store: Redis first, PostgreSQL the arbiter (migrated on connect) | `outbox` |
 ///
-/// with the default [`ConnectOptions`]: PostgreSQL is migrated (idem's schema and tables
-/// are created or updated; [`SchemaMode::Require`] only checks them), and
-/// expired records of PostgreSQL and of the memory store are purged in the background
-/// every 60 s while the store is in use.
+/// with the default [`ConnectOptions`] (PostgreSQL migrated, expired records purged in the
+/// background while the store is in use).
 ///
 /// The store is shared (`Arc<dyn Store>`): hand it to the engine with [`Idem::from_arc`].
 ///
