@@ -10,26 +10,13 @@
 //!
 //! ## Which path
 //!
-//! When it connects, the store reads every primary's name and version (`INFO server`; again
-//! whenever a node refuses a command, as after a failover onto an older server) and logs
-//! what it chose, per [`RedisConfig::scripting`] ([`Scripting::Auto`] by default):
-//!
-//! | servers | complete, extend, takeover | release | scripts sent |
-//! |---|---|---|---|
-//! | Valkey 9.0+ | `SET .. IFEQ <held record> GET PX` | `DELIFEQ` | none |
-//! | Redis 8.4+ | `SET .. IFEQ <held record> GET PX` | `DELEX .. IFEQ` | none |
-//! | Valkey 8.1, or primaries of both kinds | `SET .. IFEQ <held record> GET PX` | `SET .. IFEQ` to a released value living 1 ms | none |
-//! | Redis 7.x, Valkey 7.2–8.0, a server hiding `INFO` | `set_if.lua` | `end_if.lua` | these two ([`lua`]) |
-//!
-//! The compare is with the whole in-progress record the lease holds, rebuilt from the lease
-//! (token, fingerprint, attempt) and the margin of the store's `begin`s; when it differs,
-//! the same command hands back what is there, and goes once more when that is still the
-//! lease's record. A `begin` that finds a record in progress reads its `PTTL` (the deadline
-//! is the key's expiry minus the record's margin) and takes an expired lease over with a
-//! compare-and-set of the record read. A heartbeat on the commands' path is the record set
-//! again with its new expiry, which a server out of memory refuses (the script's
-//! `PEXPIRE` runs). The scripts are sent through redis-rs's `Script::invoke_async`, which
-//! loads them again after a restart, a failover or `SCRIPT FLUSH`.
+//! When it connects (and again whenever a node refuses a command, as after a failover onto
+//! an older server) the store reads every primary's `INFO server` and logs what it chose,
+//! per [`RedisConfig::scripting`]: `SET .. IFEQ` with `DELIFEQ` or `DELEX .. IFEQ` on
+//! Valkey 8.1+ and Redis 8.4+, the [`lua`] scripts on older servers (README.md, "Choosing a
+//! backend", gives the table). Each compare is with the whole in-progress record the lease
+//! holds, rebuilt from the lease; the scripts go through redis-rs's
+//! `Script::invoke_async`, which loads them again after a restart or `SCRIPT FLUSH`.
 //!
 //! ## Quick start
 //!
@@ -64,12 +51,8 @@
 //!
 //! [`RedisStore::connect`] connects at once and fails with [`idem_core::Error::Unavailable`]
 //! when Redis cannot be reached; [`RedisStoreBuilder::connect_lazy`] builds the store without
-//! a server and connects on the first call. Every call is bounded: a connection attempt by
-//! [`RedisConfig::connect_timeout`] (1 s), each command by
-//! [`RedisConfig::response_timeout`] (2 s), a whole call by [`RedisConfig::call_timeout`]
-//! (4 s); an unreachable Redis answers `Unavailable` within that, never hangs. The call's
-//! own timer is armed only when a call waits a second time: a call answered in one round
-//! trip, nearly every call, pays only for redis-rs's timer around its command.
+//! a server and connects on the first call. Every call is bounded by the timeouts of
+//! [`RedisConfig`]: an unreachable Redis answers `Unavailable` within them, never hangs.
 //!
 //! When the connection fails under a call (refused, reset, dropped), the call is sent once
 //! more on a fresh connection, marked as re-sent, and answered as if only one had run:
@@ -119,19 +102,9 @@
 //! records and plain strings alike. Reproduce with
 //! `cargo test -p idem-tests --test redis completed_record_memory -- --nocapture`.
 //!
-//! ### Large bodies
-//!
-//! [`RedisConfig::body`] limits the stored body (default 1 MiB). Above the limit,
-//! [`OversizeBody`] decides: compress with LZ4 (the default; refused when still over the
-//! limit), keep status and headers only, or refuse the completion with
-//! [`idem_core::Error::Invalid`].
+//! [`RedisConfig::body`] limits the stored body; [`OversizeBody`] says what happens above it.
 //!
 //! ## Deadlines
-//!
-//! `evict` is a plain `DEL`; `get` a `GET` and a `PTTL` in one round trip; `stats`, an
-//! operator's tool, `SCAN`s every primary for the prefix (and scope) and reads each key's
-//! type and value, a pipelined page at a time ([`RedisStore::scan`]: counts by state,
-//! corrupt and foreign keys, and the stuck ones).
 //!
 //! Deadlines are expiries: set with `PX` and read back with `PTTL`, both by the server's
 //! clock; no application instance's clock decides anything. In a cluster each record lives
@@ -170,31 +143,9 @@
 //! ## Waiters
 //!
 //! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken by
-//! pub/sub: the channel of a record is its key, the store subscribes to it on a subscribing
-//! connection of its own (one per store, shared by its waiters, made again when lost), and
-//! every write that completes, releases or applies a record counts the channel's
-//! subscribers in the same round trip (`PUBSUB NUMSUB` pipelined behind the command, or
-//! inside the script) and publishes only when there are some: a completion nobody waits
-//! for publishes, replicates and appends nothing.
-//!
-//! - One server: `SUBSCRIBE`, counted with `PUBSUB NUMSUB`, sent with `PUBLISH`.
-//! - A cluster: sharded pub/sub. A classic `PUBLISH` there is broadcast to every node and
-//!   `PUBSUB NUMSUB` counts only the node's own subscribers, so the store subscribes with
-//!   `SSUBSCRIBE` on the primary that owns the record's slot (a RESP3 cluster connection of
-//!   its own, which follows the slot map), and counts with `PUBSUB SHARDNUMSUB` and sends
-//!   with `SPUBLISH` on that node. When the slot moves (a failover, a resharding) the
-//!   subscriptions are made again on its new primary, then the waiters look at their
-//!   records.
-//!
-//! A notification lost meanwhile costs the waiter its safety-net poll
-//! ([`idem_core::Config::safety_poll`]).
-//!
-//! ## Testing
-//!
-//! `idem_testkit::redis` and `idem_testkit::valkey` start throwaway `redis-server` and
-//! `valkey-server` processes (one server, a replica, a cluster) for tests. The conformance
-//! suite of `idem-testkit` runs against Redis 7.0 and Valkey 9.1, each as one server and a
-//! 3-primary cluster, in the workspace's `tests` package.
+//! pub/sub on the record's key (sharded pub/sub on a cluster), published only when the
+//! write counts a subscriber: README.md, "Waiting for the holder's result". The conformance
+//! suite runs against Redis 7.0 and Valkey 9.1, one server and a 3-primary cluster each.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 

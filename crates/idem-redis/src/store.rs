@@ -62,21 +62,8 @@ pub(crate) use call;
 /// The idempotency [`idem_core::Store`] on Redis or Valkey: one round trip per transition
 /// in the common case, lease deadlines by the server's clock.
 ///
-/// Cheap to clone (clones share the connection). See the [crate docs](crate) for the
-/// paths per server, the key layout, the memory per record and the durability option.
-///
-/// ```no_run
-/// # async fn example() -> Result<(), idem_core::Error> {
-/// use idem_core::Idem;
-/// use idem_redis::RedisStore;
-///
-/// // One server (a ConnectionManager that reconnects by itself)...
-/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
-/// // ...or Redis Cluster, from any of its nodes.
-/// let cluster = RedisStore::connect("redis+cluster://127.0.0.1:7000,127.0.0.1:7001").await?;
-/// let idem = Idem::new(store);
-/// # let _ = (idem, cluster); Ok(()) }
-/// ```
+/// Cheap to clone (clones share the connection). See the [crate docs](crate) for a quick
+/// start, the paths per server, the key layout, the memory per record and durability.
 #[derive(Clone)]
 pub struct RedisStore {
     pub(crate) inner: Arc<Inner>,
