@@ -59,37 +59,15 @@
 //! `principal-missing`, `request-in-flight`, `store-unavailable`, `store-error`,
 //! `outcome-not-recorded`, `stored-response-invalid`.
 //!
-//! ## Work outlives the connection
+//! ## Work outlives the connection, scope, fingerprint, what is stored
 //!
-//! Once the key is claimed, the handler and the storing of its response are work that
-//! outlives the response future: the response future polls it in place, and should it be
-//! dropped first, the work moves to a task of its own. A client that disconnects (a
-//! timeout, a closed tab) drops the response future, not the work: the handler runs to its end, its
-//! response is stored, and the client's retry gets it replayed (or a 409 with a short
-//! `Retry-After` while it still runs, or the response itself with
-//! [`idem_core::Config::wait`]). Before the key is claimed (reading the key and the body)
-//! nothing is held, and a disconnect there leaves nothing behind.
-//!
-//! ## Scope and fingerprint
-//!
-//! Every key is scoped by [`IdempotencyLayer::with_scope`], typically by the authenticated
-//! principal, so one tenant can never be handed another tenant's stored response
-//! ([`bearer_scope`] is a ready-made extractor). The fingerprint covers the method, the
-//! path with its query, the headers of [`Config::fingerprint_headers`] and the body, in
-//! canonical form when its content type is JSON (`application/json` or `*/*+json`; key
-//! order and whitespace do not count, and [`Config::json_selection`] can leave volatile
-//! fields out).
-//!
-//! ## What is stored
-//!
-//! By default 2xx responses and the 4xx that are final for the request are stored and
-//! replayed; 401, 403, 408, 409, 423, 425 and 429 never are, as a retry may well succeed
-//! (the table: [`default_store_status`]; change it with [`Config::with_store_status`]).
-//! For a response not stored, an error of the inner service or a panic (caught, the key
-//! released, then the panic resumed) the key is released, so a retry runs the handler
-//! again. Only the headers of [`Config::replay_headers`] are stored: `Set-Cookie` and
-//! hop-by-hop headers are sent with the first response only, unless listed. Response
-//! trailers are never stored.
+//! README.md, "HTTP middleware", says these once: the claimed work runs to its end when the
+//! client disconnects; keys are scoped by [`IdempotencyLayer::with_scope`] ([`bearer_scope`]
+//! is ready-made); the fingerprint covers the method, the path with its query,
+//! [`Config::fingerprint_headers`] and the body (canonical JSON, [`Config::json_selection`]);
+//! [`default_store_status`] says which responses are stored, and the key is released for the
+//! others, for an error of the inner service and for a panic (resumed after the release).
+//! Only [`Config::replay_headers`] are stored; trailers never are.
 //!
 //! An inner service that cannot know its outcome (a proxy whose upstream connection broke
 //! after the request was sent) marks its response with [`KeepInFlight`]: the layer then
@@ -108,18 +86,11 @@
 //!
 //! ## Completing in the handler's transaction
 //!
-//! When the handler writes to PostgreSQL and the keys live there too (`PgStore`, or the
-//! tiered store's `TieredStore`), the handler can commit the completed record **in the same
-//! transaction as its business write**: the [`LeaseHandle`] in its request extensions
-//! hands it the lease, `complete_in` writes the record on the handler's transaction, and
-//! [`LeaseHandle::committed`] tells the layer, which then sends the response without
-//! storing it again. A crash between the commit and the response loses nothing: the retry
-//! gets the committed response replayed, and the payment is never made twice. A handler
-//! that returns without completing leaves the storing to the layer; on stores without
-//! transactions (memory, Redis) the layer stores the response as usual.
-//!
-//! In axum, take the handle with `Extension<LeaseHandle>`, or, with this crate's `axum`
-//! feature, as `LeaseHandle` (or `Option<LeaseHandle>`) directly:
+//! On `PgStore` and the tiered store the handler can commit the completed record in the
+//! same transaction as its business write (README.md, "HTTP middleware"): the
+//! [`LeaseHandle`] in its request extensions (an axum extractor with the `axum` feature)
+//! hands it the lease, and [`LeaseHandle::committed`] tells the layer not to store the
+//! response again. A handler that does not complete leaves the storing to the layer.
 //!
 //! ```no_run
 //! use axum::extract::{Extension, State};
