@@ -1,23 +1,6 @@
 //! The routes file (`idem proxy --config FILE`): TOML, every field checked, and an error
-//! that names the file, the line, the field and what is expected.
-//!
-//! ```toml
-//! [upstream]
-//! url = "http://127.0.0.1:3000"
-//! timeout_secs = 30
-//! host = "keep"                  # or "upstream"
-//!
-//! [defaults]                     # for every route; flags override these
-//! lease_secs = 30
-//!
-//! [[route]]
-//! path = "/payments"
-//! methods = ["POST"]
-//! scope_header = "X-Api-Key"
-//! fingerprint_headers = ["X-Currency"]
-//! ignore_json = ["/sent_at"]
-//! store_status = ["2xx", "4xx"]
-//! ```
+//! that names the file, the line, the field and what is expected. README.md, "idem proxy:
+//! any HTTP service", shows a file with every field.
 
 use std::path::Path;
 use std::time::Duration;

@@ -6,19 +6,9 @@
 //! around a service that forwards to the upstream ([`Forward`]): the guarded path is the
 //! layer's, with nothing written twice. The `idem proxy` command runs it.
 //!
-//! - **Routes** ([`Route`]): which methods and paths are guarded (POST and PATCH on every
-//!   path by default), the key header, the scope (a request header, `Authorization` by
-//!   default, hashed), the fingerprint, limits, statuses stored. Other requests pass
-//!   through, untouched but for the hop-by-hop headers.
-//! - **Forwarding** (RFC 9110): hop-by-hop headers and those a `Connection` header names
-//!   are dropped; `Forwarded`, `X-Forwarded-For`, `-Proto` and `-Host` added; `Host` kept
-//!   or set to the upstream's ([`HostHeader`]). A guarded request carries its
-//!   `Idempotency-Key` and an `Idempotency-Attempt` header ([`ATTEMPT`]).
-//! - **Unknown outcomes are never guessed**: nothing sent (connection refused) is a 502
-//!   and the key is released; a connection lost or a timeout after the request was sent is
-//!   a 502 or 504 and the key stays in flight until its lease ends
-//!   ([`idem_http::KeepInFlight`]); an upstream 5xx is passed on and not stored (unless a
-//!   route stores 5xx: the upstream's then, never the proxy's own 502 or 504).
+//! Routes ([`Route`]), forwarding by RFC 9110 ([`HostHeader`], the [`ATTEMPT`] header) and
+//! what becomes of a key when the outcome is unknown ([`idem_http::KeepInFlight`]): README.md,
+//! "idem proxy: any HTTP service".
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
