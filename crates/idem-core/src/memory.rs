@@ -106,13 +106,6 @@ pub struct CapacityError {
 /// by a hash table and an expiry index that hold no copy of it: 428 bytes of resident
 /// memory for a demo payment's record (a 155 B body and two headers), 273 beyond the body
 /// (`idem-bench --phases memory --keys 200000 --body-bytes 155`).
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use idem_core::{MemoryStore, Idem};
-/// let idem = Idem::new(MemoryStore::new());
-/// # let _ = idem; }
-/// ```
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
     inner: Arc<Inner>,

@@ -17,14 +17,8 @@
 //! | `attempt` | the lease's attempt, where there is one |
 //! | `elapsed_us` | how long the store took |
 //!
-//! and records these metrics (names follow Prometheus conventions; the Prometheus exporter
-//! adds `_bucket`/`_sum`/`_count` to histograms):
-//!
-//! | metric | kind | labels |
-//! |---|---|---|
-//! | `idem_store_calls_total` | counter | `store`, `op`, `outcome` |
-//! | `idem_store_call_duration_seconds` | histogram | `store`, `op` |
-//! | `idem_lease_lost_total` | counter | `store`, `op` |
+//! and records `idem_store_calls_total`, `idem_store_call_duration_seconds` and
+//! `idem_lease_lost_total` (README.md, "Metrics", gives their kinds and labels).
 //!
 //! Bodies, fingerprints and keys are never recorded.
 

@@ -1,11 +1,7 @@
 //! Notifications for waiters: a [`Watch`] is what [`Store::watch`](crate::Store::watch)
 //! hands out, and [`Watchers`] is the registry a store builds its watches with.
 //!
-//! A caller waiting for another worker's result ([`crate::Config::wait`]) registers a watch on
-//! the record, looks at the record once more (so that a completion just before the
-//! registration is not missed), then waits for the watch to fire, for the holder's lease to
-//! run out, or for a coarse safety-net pause ([`crate::Config::safety_poll`]), whichever
-//! comes first: a notification can be lost (a dropped connection), never a result.
+//! How a waiter uses it: [`crate::Idem::begin`].
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
