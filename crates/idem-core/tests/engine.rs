@@ -1,19 +1,22 @@
 //! The engine's own behaviour on top of a store: waiting, execute_once's mapping of every
-//! outcome, heartbeats, and time limits on store calls.
+//! outcome, heartbeats, time limits on store calls, and the span and metrics of every store
+//! call, neither of which gives the key away.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::telemetry::{Instrumented, KeyHash};
 use idem_core::{
-    Begin, BeginRequest, Completion, Config, Error, Failure, FailurePolicy, Fingerprint, Idem, Key,
-    Lease, MemoryStore, Once, OnceError, Record, RecordId, Response, Scope, Store,
+    Begin, BeginRequest, Completion, Config, Error, Failure, FailurePolicy, FencingToken,
+    Fingerprint, Idem, Key, Lease, MemoryStore, Once, OnceError, Record, RecordId, Response, Scope,
+    Store,
 };
+use idem_testkit::telemetry::{logs_of, metrics_of, FmtSpan, Level};
+use metrics_util::debugging::{DebugValue, Snapshot};
+use metrics_util::MetricKind;
 use tokio::time::{sleep, Instant};
-
-mod common;
-use common::Hang;
 
 fn id(key: &str) -> RecordId {
     RecordId::new(Scope::new("engine").unwrap(), Key::new(key).unwrap())
@@ -318,4 +321,187 @@ async fn a_claim_whose_answer_was_lost_is_given_back() {
             other => panic!("the key is still blocked: {other:?}"),
         }
     }
+}
+
+/// A store that never answers.
+#[derive(Debug)]
+struct Hang;
+
+#[async_trait]
+impl Store for Hang {
+    fn name(&self) -> &'static str {
+        "hang"
+    }
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, Error> {
+        std::future::pending().await
+    }
+    async fn complete(&self, _: &Lease, _: &Completion, _: Duration) -> Result<(), Error> {
+        std::future::pending().await
+    }
+    async fn release(&self, _: &Lease) -> Result<(), Error> {
+        std::future::pending().await
+    }
+    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, Error> {
+        std::future::pending().await
+    }
+    async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
+        std::future::pending().await
+    }
+    async fn evict(&self, _: &RecordId) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+}
+
+/// A record whose key must never appear in spans or metrics.
+fn secret_id() -> RecordId {
+    RecordId::new(
+        Scope::new("tenant-7").unwrap(),
+        Key::new("secret-order-key").unwrap(),
+    )
+}
+
+async fn lifecycle(store: &Instrumented) {
+    let id = secret_id();
+    let req = || BeginRequest {
+        id: &id,
+        fingerprint: fp(),
+        token: FencingToken::random(),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(60),
+    };
+    let Begin::Acquired(lease) = store.begin(req()).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    let done = Completion::succeeded(Response::new(201, "card-number-4111"));
+    store
+        .complete(&lease, &done, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(req()).await.unwrap(),
+        Begin::Replay(_)
+    ));
+    assert!(matches!(store.release(&lease).await, Err(Error::LeaseLost)));
+}
+
+/// The counters of `snapshot` as sorted `name label=value,... count` lines, and the samples
+/// of the one histogram, `idem_store_call_duration_seconds`.
+fn counters_and_samples(snapshot: Snapshot) -> (Vec<String>, usize) {
+    let mut counters = Vec::new();
+    let mut samples = 0;
+    for (key, _, _, value) in snapshot.into_vec() {
+        let (kind, key) = key.into_parts();
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        match (kind, value) {
+            (MetricKind::Counter, DebugValue::Counter(n)) => {
+                counters.push(format!("{} {} {n}", key.name(), labels.join(",")));
+            }
+            (MetricKind::Histogram, DebugValue::Histogram(values)) => {
+                assert_eq!(key.name(), "idem_store_call_duration_seconds");
+                samples += values.len();
+            }
+            other => panic!("unexpected metric {other:?}"),
+        }
+    }
+    counters.sort();
+    (counters, samples)
+}
+
+#[test]
+fn metrics_count_every_call_by_outcome() {
+    let store = Instrumented::new(Arc::new(MemoryStore::new()));
+    let (counters, samples) = counters_and_samples(metrics_of(lifecycle(&store)));
+    assert_eq!(
+        counters,
+        [
+            "idem_lease_lost_total store=memory,op=release 1",
+            "idem_store_calls_total store=memory,op=begin,outcome=acquired 1",
+            "idem_store_calls_total store=memory,op=begin,outcome=replay 1",
+            "idem_store_calls_total store=memory,op=complete,outcome=ok 1",
+            "idem_store_calls_total store=memory,op=release,outcome=lease_lost 1",
+        ]
+    );
+    assert_eq!(samples, 4, "one latency sample per call");
+}
+
+#[test]
+fn spans_name_the_key_by_its_hash_only() {
+    let store = Instrumented::new(Arc::new(MemoryStore::new()));
+    let out = logs_of(Level::DEBUG, FmtSpan::CLOSE, lifecycle(&store));
+    let hash = KeyHash::of(&secret_id()).to_string();
+    assert_eq!(out.matches("idem.store").count(), 4, "{out}");
+    assert_eq!(out.matches(&format!("key_hash={hash}")).count(), 4, "{out}");
+    for field in [
+        "store=\"memory\"",
+        "op=\"begin\"",
+        "scope=tenant-7",
+        "outcome=\"acquired\"",
+        "outcome=\"replay\"",
+        "outcome=\"lease_lost\"",
+        "attempt=1",
+        "elapsed_us=",
+    ] {
+        assert!(out.contains(field), "no {field} in {out}");
+    }
+    assert!(!out.contains("secret-order-key"), "the key leaked: {out}");
+    assert!(!out.contains("card-number"), "the body leaked: {out}");
+}
+
+/// `Idem` reports its store calls, and a call cut off by the time limit counts as
+/// unavailable.
+#[test]
+fn idem_reports_its_calls_and_their_time_limit() {
+    let snapshot = metrics_of(async {
+        let idem = Idem::new(MemoryStore::new());
+        assert!(matches!(
+            idem.begin(&secret_id(), fp()).await.unwrap(),
+            Begin::Acquired(_)
+        ));
+        let hang = Idem::new(Hang)
+            .with_config(Config::default().with_store_timeout(Duration::from_millis(20)));
+        assert!(matches!(
+            hang.begin(&secret_id(), fp()).await,
+            Err(Error::Unavailable { store: "hang", .. })
+        ));
+    });
+    let (counters, _) = counters_and_samples(snapshot);
+    assert_eq!(
+        counters,
+        [
+            "idem_store_calls_total store=hang,op=begin,outcome=unavailable 1",
+            "idem_store_calls_total store=memory,op=begin,outcome=acquired 1",
+        ]
+    );
+}
+
+/// A full memory store refusing new keys is not an outage: no "unavailable" warning, no
+/// "answers again" line, while it keeps answering the keys it holds.
+#[test]
+fn a_full_memory_store_is_not_logged_as_an_outage() {
+    let full =
+        MemoryStore::new().with_capacity(idem_core::MemoryCapacity::default().with_records(1));
+    let idem = Idem::new(full);
+    let out = logs_of(Level::INFO, FmtSpan::NONE, async {
+        assert!(matches!(
+            idem.begin(&secret_id(), fp()).await.unwrap(),
+            Begin::Acquired(_)
+        ));
+        for i in 0..3 {
+            let other = RecordId::new(Scope::global(), Key::new(format!("k{i}")).unwrap());
+            let refused = idem.begin(&other, fp()).await;
+            assert!(
+                matches!(refused, Err(Error::Unavailable { .. })),
+                "{refused:?}"
+            );
+            assert!(matches!(
+                idem.begin(&secret_id(), fp()).await.unwrap(),
+                Begin::InFlight { .. }
+            ));
+        }
+    });
+    assert!(!out.contains("unavailable"), "{out}");
+    assert!(!out.contains("answers again"), "{out}");
 }
