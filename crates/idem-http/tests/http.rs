@@ -2,7 +2,8 @@
 //! client, the in-memory store (wrapped where a test needs the store to fail): refusals,
 //! failures injected at chosen steps, what is stored. The cases that depend on the store
 //! (races, replay, mismatch, scopes, release, lease renewal, an unreachable store) run
-//! against every backend in `backends.rs`.
+//! against every backend in `backends.rs`. Last, the span and metrics of every guarded
+//! request, neither of which gives the key away.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,9 +16,14 @@ use axum::Router;
 use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
-use idem_core::{Idem, MemoryStore, RecordId, Scope, Store};
+use idem_core::telemetry::KeyHash;
+use idem_core::{Idem, Key, MemoryCapacity, MemoryStore, RecordId, Scope, Store};
 use idem_http::{Config, IdempotencyLayer, MissingKey, Outcome, Unstored};
 use idem_testkit::faults::FaultyStore;
+use idem_testkit::telemetry::{logs_of, metrics_of, FmtSpan, Level};
+use metrics_util::debugging::DebugValue;
+use tower_layer::Layer;
+use tower_service::Service;
 
 mod support;
 
@@ -150,6 +156,35 @@ async fn an_unavailable_store_fails_closed_with_503_or_open_when_asked() {
     );
     assert_eq!(runs.get(), 2);
     assert_eq!(outcomes.count(Outcome::Unguarded), 1);
+}
+
+/// The in-memory store at its capacity: a new key gets 503 problem+json with `Retry-After`
+/// and the handler does not run, while the keys already stored still replay.
+#[tokio::test]
+async fn a_full_memory_store_refuses_new_keys_with_503_and_still_replays() {
+    let store = MemoryStore::new().with_capacity(MemoryCapacity::default().with_records(2));
+    let (server, runs, outcomes) = serve_pay(Idem::new(store), Config::default()).await;
+    let mut stored = Vec::new();
+    for key in ["k1", "k2"] {
+        let reply = server
+            .post("/pay", &[("idempotency-key", key), JSON], "{}")
+            .await;
+        assert_eq!(reply.status, 201, "{reply:?}");
+        stored.push(reply);
+    }
+    let refused = server
+        .post("/pay", &[("idempotency-key", "k3"), JSON], "{}")
+        .await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.problem_type(), "urn:idem:problem:store-unavailable");
+    assert!(refused.header("retry-after").is_some(), "{refused:?}");
+    assert_eq!(runs.get(), 2, "the handler ran for a refused key");
+    assert_eq!(outcomes.count(Outcome::StoreError), 1);
+    let again = server
+        .post("/pay", &[("idempotency-key", "k1"), JSON], "{}")
+        .await;
+    again.assert_replay_of(&stored[0]);
+    assert_eq!(runs.get(), 2);
 }
 
 /// A store failure after the handler ran is retried before the response is sent: a brief
@@ -351,8 +386,6 @@ impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> 
 /// [`FailsOnce`] (panicking when `panics`) behind the layer on a memory store: the service,
 /// its run count and the layer's outcomes.
 fn guarded_fails_once(panics: bool) -> (idem_http::IdempotencyService<FailsOnce>, Runs, Outcomes) {
-    use tower_layer::Layer;
-
     let (runs, outcomes) = (Runs::default(), Outcomes::default());
     let layer = layer(MemoryStore::new(), Config::default(), &outcomes);
     (layer.layer(FailsOnce(runs.clone(), panics)), runs, outcomes)
@@ -696,4 +729,81 @@ async fn a_response_marked_keep_in_flight_leaves_the_key_held_until_its_lease_en
         send().await;
         assert_eq!(runs.get(), if body == "lost" { 2 } else { 4 });
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Telemetry
+// ---------------------------------------------------------------------------------------
+
+const KEY: &str = "secret-order-key-7";
+
+/// The same request twice through the layer: the handler runs, then its response replays.
+async fn twice() {
+    let app = Router::new().route("/pay", post(|| async { (StatusCode::CREATED, "paid") }));
+    let layer = IdempotencyLayer::new(Idem::new(MemoryStore::new()))
+        .with_scope(|_| Some(Scope::new("tenant-a").unwrap()));
+    let mut service = layer.layer(app);
+    for expected in [StatusCode::CREATED, StatusCode::CREATED] {
+        let request = http::Request::post("/pay")
+            .header("idempotency-key", KEY)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"amount\":1}")))
+            .unwrap();
+        let response = service.call(request).await.unwrap();
+        assert_eq!(response.status(), expected);
+    }
+}
+
+#[test]
+fn requests_are_counted_by_outcome_and_the_handler_timed() {
+    let mut counters = Vec::new();
+    let mut handler_samples = 0;
+    for (key, _, _, value) in metrics_of(twice()).into_vec() {
+        let key = key.key().clone();
+        let labels: Vec<String> = key.labels().map(|l| l.value().to_owned()).collect();
+        match value {
+            DebugValue::Counter(n) if key.name().starts_with("idem_http") && n > 0 => {
+                counters.push(format!("{} {} {n}", key.name(), labels.join(",")));
+            }
+            DebugValue::Histogram(values) if key.name() == "idem_http_handler_duration_seconds" => {
+                handler_samples += values.len();
+            }
+            _ => {}
+        }
+    }
+    counters.sort();
+    // Every outcome is registered (at 0) when the layer is built; two of them moved.
+    assert_eq!(
+        counters,
+        [
+            "idem_http_requests_total executed 1",
+            "idem_http_requests_total replayed 1",
+        ]
+    );
+    assert_eq!(
+        handler_samples, 1,
+        "the handler ran once and was timed once"
+    );
+}
+
+#[test]
+fn request_spans_carry_the_outcome_and_the_key_hash_only() {
+    let out = logs_of(Level::INFO, FmtSpan::CLOSE, twice());
+    let id = RecordId::new(Scope::new("tenant-a").unwrap(), Key::new(KEY).unwrap());
+    let hash = format!("key_hash={}", KeyHash::of(&id));
+    assert_eq!(out.matches("idem.http").count(), 2, "{out}");
+    assert_eq!(out.matches(&hash).count(), 2, "{out}");
+    for field in [
+        "method=POST",
+        "path=\"/pay\"",
+        "scope=tenant-a",
+        "outcome=\"executed\"",
+        "outcome=\"replayed\"",
+        "attempt=1",
+        "status=201",
+    ] {
+        assert!(out.contains(field), "no {field} in {out}");
+    }
+    assert!(!out.contains(KEY), "the key leaked: {out}");
+    assert!(!out.contains("amount"), "the body leaked: {out}");
 }
