@@ -54,15 +54,18 @@ async fn unreachable_cluster() -> Arc<dyn Store> {
     closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
 }
 
+/// What `start` answers, run off the async runtime: starting servers takes seconds.
+async fn started<T: Send + 'static>(start: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(start).await.expect("start")
+}
+
 /// A store on the cluster `cluster` starts on first use, with `scripting`; `None` when its
 /// servers are missing.
 async fn cluster_store(
     cluster: fn() -> Option<&'static idem_testkit::redis::RedisCluster>,
     scripting: idem_redis::Scripting,
 ) -> Option<Arc<dyn Store>> {
-    let url = tokio::task::spawn_blocking(move || cluster().map(|c| c.url()))
-        .await
-        .expect("cluster start")?;
+    let url = started(move || cluster().map(|c| c.url())).await?;
     let store = builder(&url)
         .with_scripting(scripting)
         .connect()
@@ -150,10 +153,8 @@ mod valkey {
         SERVER.get_or_init(|| valkey::throwaway(&[])).as_ref()
     }
 
-    pub(crate) async fn url() -> Option<String> {
-        tokio::task::spawn_blocking(|| server().map(RedisServer::url))
-            .await
-            .expect("valkey start")
+    async fn url() -> Option<String> {
+        started(|| server().map(RedisServer::url)).await
     }
 
     async fn store() -> Option<Arc<dyn Store>> {
@@ -177,10 +178,7 @@ mod valkey {
     /// call started after it is back succeeds.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn server_restart() {
-        let Some(server) = tokio::task::spawn_blocking(|| valkey::throwaway(&[]))
-            .await
-            .unwrap()
-        else {
+        let Some(server) = started(|| valkey::throwaway(&[])).await else {
             return;
         };
         super::redis::specific::restart(server).await;
@@ -233,9 +231,7 @@ mod valkey_noscripts {
     }
 
     async fn store() -> Option<Arc<dyn Store>> {
-        let url = tokio::task::spawn_blocking(|| server().map(RedisServer::url))
-            .await
-            .expect("valkey start")?;
+        let url = started(|| server().map(RedisServer::url)).await?;
         Some(Arc::new(
             builder(&url).connect().await.expect("connect to valkey"),
         ))
@@ -246,7 +242,7 @@ mod valkey_noscripts {
     /// The server refuses scripts indeed, so the suite above ran without any.
     #[tokio::test]
     async fn scripts_are_refused() {
-        let Some(server) = tokio::task::spawn_blocking(server).await.unwrap() else {
+        let Some(server) = started(server).await else {
             return;
         };
         let client = ::redis::Client::open(server.url()).unwrap();

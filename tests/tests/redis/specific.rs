@@ -13,12 +13,12 @@ use idem_redis::{EvictionCheck, EvictionPolicyError, OversizeBody, RedisStore, R
 use idem_testkit::redis::{throwaway, RedisServer};
 use tokio::time::Instant;
 
-use super::super::builder;
+use super::super::{builder, started};
 
 const LONG: Duration = Duration::from_secs(30);
 const KEEP: Duration = Duration::from_secs(600);
 
-fn new_id(key: &str) -> RecordId {
+pub(crate) fn new_id(key: &str) -> RecordId {
     RecordId::new(
         Scope::new(format!("t-{}", uuid::Uuid::new_v4().simple())).unwrap(),
         Key::new(key).unwrap(),
@@ -36,28 +36,25 @@ fn request(id: &RecordId, token: FencingToken, lease: Duration) -> BeginRequest<
 }
 
 /// A new `begin` of `id`, with a token of its own, and its error if it failed.
-async fn try_begin(store: &dyn Store, id: &RecordId) -> Result<Begin, Error> {
+pub(crate) async fn try_begin(store: &dyn Store, id: &RecordId) -> Result<Begin, Error> {
     store.begin(request(id, FencingToken::random(), LONG)).await
 }
 
-/// [`try_begin`], which must succeed.
 async fn begin(store: &dyn Store, id: &RecordId) -> Begin {
     try_begin(store, id).await.expect("begin")
 }
 
-async fn acquire(store: &dyn Store, id: &RecordId) -> Lease {
+pub(crate) async fn acquire(store: &dyn Store, id: &RecordId) -> Lease {
     match begin(store, id).await {
         Begin::Acquired(lease) => lease,
         other => panic!("expected Acquired, got {other:?}"),
     }
 }
 
-/// A completion that succeeded with `status` and `body`.
 fn succeeded(status: u16, body: impl Into<Bytes>) -> Completion {
     Completion::succeeded(Response::new(status, body))
 }
 
-/// The replay that a new `begin` of `id` answers.
 async fn replay(store: &dyn Store, id: &RecordId) -> idem_core::Replay {
     match begin(store, id).await {
         Begin::Replay(replay) => replay,
@@ -65,29 +62,18 @@ async fn replay(store: &dyn Store, id: &RecordId) -> idem_core::Replay {
     }
 }
 
-/// `MEMORY USAGE key`.
-async fn memory_usage(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
-    redis::cmd("MEMORY")
-        .arg("USAGE")
-        .arg(key)
-        .query_async(conn)
-        .await
-        .expect("MEMORY USAGE")
-}
-
-/// `CONFIG SET name value`.
-async fn config_set(
+/// The command `name` with `args` (a tuple of them, say) on a raw connection, and its answer.
+async fn cmd<T: redis::FromRedisValue>(
     conn: &mut redis::aio::MultiplexedConnection,
     name: &str,
-    value: impl redis::ToRedisArgs,
-) {
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg(name)
-        .arg(value)
-        .query_async(conn)
-        .await
-        .expect("CONFIG SET");
+    args: impl redis::ToRedisArgs,
+) -> T {
+    let answer = redis::cmd(name).arg(args).query_async(conn).await;
+    answer.unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+async fn memory_usage(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    cmd(conn, "MEMORY", ("USAGE", key)).await
 }
 
 /// A store with a prefix of its own on the shared server (`IDEM_TEST_REDIS_URL`), and a
@@ -106,7 +92,7 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .expect("raw connection")
 }
 
-fn unavailable_source<T: std::fmt::Debug, S: std::error::Error + Clone + 'static>(
+pub(crate) fn unavailable_source<T: std::fmt::Debug, S: std::error::Error + Clone + 'static>(
     result: Result<T, Error>,
 ) -> S {
     match result {
@@ -134,10 +120,8 @@ async fn completed_record_memory() {
     println!("body bytes | record (MEMORY USAGE) | beyond body | same body in a plain string");
     for len in [0usize, 16, 100, 200, 1000] {
         // A typical key: the global scope and a 16-character idempotency key.
-        let id = RecordId::new(
-            Scope::global(),
-            Key::new(format!("{:016x}", rand_u64())).unwrap(),
-        );
+        let key = format!("{:016x}", uuid::Uuid::new_v4().as_u64_pair().0);
+        let id = RecordId::new(Scope::global(), Key::new(key).unwrap());
         let lease = acquire(&store, &id).await;
         if len == 0 {
             let in_progress = memory_usage(&mut conn, &store.record_key(&id)).await;
@@ -156,18 +140,9 @@ async fn completed_record_memory() {
         let usage = memory_usage(&mut conn, &key).await;
         // A plain string under a key of the same length.
         let bare_key = format!("bare:{}", &key["idem:".len()..]);
-        let _: () = redis::cmd("SET")
-            .arg(&bare_key)
-            .arg(body.as_ref())
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        cmd::<()>(&mut conn, "SET", (&bare_key, body.as_ref())).await;
         let bare = memory_usage(&mut conn, &bare_key).await;
-        let _: () = redis::cmd("DEL")
-            .arg(&[&key, &bare_key])
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        cmd::<()>(&mut conn, "DEL", (&key, &bare_key)).await;
         let beyond = usage - len as i64;
         println!(
             "{len:>10} | {usage:>21} | {beyond:>11} | {bare:>6} (key of {} bytes)",
@@ -189,10 +164,6 @@ async fn completed_record_memory() {
     }
 }
 
-fn rand_u64() -> u64 {
-    uuid::Uuid::new_v4().as_u64_pair().0
-}
-
 /// `SCRIPT FLUSH` while calls are running: every call still succeeds (the scripts are
 /// reloaded on `NOSCRIPT`), and every key's work runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,16 +172,16 @@ async fn script_flush_under_load() {
     let store: Arc<dyn Store> = Arc::new(builder(&server.url()).connect().await.unwrap());
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let runs = Arc::new(AtomicUsize::new(0));
-    let mut workers = Vec::new();
+    let mut workers = tokio::task::JoinSet::new();
     for w in 0..8 {
         let (store, stop, runs) = (store.clone(), stop.clone(), runs.clone());
-        workers.push(tokio::spawn(async move {
+        workers.spawn(async move {
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) {
                 let id = new_id(&format!("w{w}-{n}"));
                 let lease = acquire(&*store, &id).await;
                 runs.fetch_add(1, Ordering::Relaxed);
-                let done = Completion::succeeded(Response::new(200, "ok"));
+                let done = succeeded(200, "ok");
                 store.complete(&lease, &done, KEEP).await.expect("complete");
                 assert_eq!(replay(&*store, &id).await.completion, done);
                 let lease = store.extend(&lease, LONG).await;
@@ -218,22 +189,15 @@ async fn script_flush_under_load() {
                 n += 1;
             }
             n
-        }));
+        });
     }
     let mut conn = raw(&server.url()).await;
     for _ in 0..25 {
         tokio::time::sleep(Duration::from_millis(40)).await;
-        let _: () = redis::cmd("SCRIPT")
-            .arg("FLUSH")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        cmd::<()>(&mut conn, "SCRIPT", "FLUSH").await;
     }
     stop.store(true, Ordering::Relaxed);
-    let mut total = 0;
-    for worker in workers {
-        total += worker.await.expect("no call failed");
-    }
+    let total: usize = workers.join_all().await.into_iter().sum();
     assert!(total > 100, "only {total} rounds ran");
     assert_eq!(runs.load(Ordering::Relaxed), total);
 }
@@ -257,11 +221,11 @@ pub(crate) async fn restart(mut server: RedisServer) {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Set once the server is back: calls started after it must all succeed.
     let back_at: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
-    let mut workers = Vec::new();
+    let mut workers = tokio::task::JoinSet::new();
     for w in 0..4 {
         let (store, stop, back_at) = (store.clone(), stop.clone(), back_at.clone());
-        workers.push(tokio::spawn(async move {
-            let (mut ok, mut failed_while_down, mut n) = (0, 0, 0);
+        workers.spawn(async move {
+            let (mut ok, mut n) = (0, 0);
             while !stop.load(Ordering::Relaxed) {
                 let started = Instant::now();
                 let id = new_id(&format!("w{w}-{n}"));
@@ -281,21 +245,19 @@ pub(crate) async fn restart(mut server: RedisServer) {
                         if back_at.get().is_some_and(|back| started > *back) {
                             panic!("a call failed after the server was back: {e}");
                         }
-                        failed_while_down += 1;
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                 }
             }
-            (ok, failed_while_down)
-        }));
+            ok
+        });
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut server_back = tokio::task::spawn_blocking(move || {
+    let mut server_back = started(move || {
         server.stop();
         server
     })
-    .await
-    .unwrap();
+    .await;
     // While it is down, calls answer Unavailable within the call timeout.
     let down = Instant::now();
     let answer = try_begin(&*store, &new_id("down")).await;
@@ -306,21 +268,17 @@ pub(crate) async fn restart(mut server: RedisServer) {
     assert!(down.elapsed() < Duration::from_secs(5));
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let server = tokio::task::spawn_blocking(move || {
+    let server = started(move || {
         server_back.start_again().expect("restart");
         server_back
     })
-    .await
-    .unwrap();
+    .await;
     back_at.set(Instant::now()).unwrap();
     // The very first call after the restart succeeds.
     acquire(&*store, &new_id("first-after")).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::Relaxed);
-    let mut ok = 0;
-    for worker in workers {
-        ok += worker.await.expect("worker").0;
-    }
+    let ok: i32 = workers.join_all().await.into_iter().sum();
     assert!(ok > 10, "only {ok} calls succeeded");
     // The restart lost the data (no persistence): the key is fresh again.
     acquire(&*store, &before).await;
@@ -354,11 +312,7 @@ async fn wait_for_a_real_replica() {
         .expect("one replica acknowledges");
     // WAIT returned, so the replica has the completed record.
     let mut on_replica = raw(&replica.url()).await;
-    let stored: Option<Vec<u8>> = redis::cmd("GET")
-        .arg(durable.record_key(&id))
-        .query_async(&mut on_replica)
-        .await
-        .unwrap();
+    let stored: Option<Vec<u8>> = cmd(&mut on_replica, "GET", durable.record_key(&id)).await;
     assert_eq!(stored.as_deref().map(|r| r[0]), Some(b'C'));
 
     // Two replicas required, one exists: begin fails and gives its lease back.
@@ -386,9 +340,7 @@ async fn wait_for_a_real_replica() {
 
     // With the replica gone, even one is too many.
     drop(on_replica);
-    tokio::task::spawn_blocking(move || drop(replica))
-        .await
-        .unwrap();
+    started(move || drop(replica)).await;
     let error: ReplicationError = unavailable_source(try_begin(&durable, &new_id("alone")).await);
     assert_eq!((error.acked, error.wanted), (0, 1));
 }
@@ -424,7 +376,12 @@ async fn evicting_policy_is_refused_or_warned() {
     acquire(&warned, &new_id("k")).await;
     // `noeviction` passes the strict check.
     let mut conn = raw(&server.url()).await;
-    config_set(&mut conn, "maxmemory-policy", "noeviction").await;
+    cmd::<()>(
+        &mut conn,
+        "CONFIG",
+        ("SET", "maxmemory-policy", "noeviction"),
+    )
+    .await;
     let strict = builder(&server.url())
         .with_eviction_check(EvictionCheck::Refuse)
         .connect()
@@ -445,13 +402,13 @@ async fn out_of_memory_is_unavailable() {
     let lease = acquire(&store, &held).await;
     let mut conn = raw(&server.url()).await;
     // A limit below what is used: the server is out of memory for every write from now.
-    config_set(&mut conn, "maxmemory", 1).await;
+    cmd::<()>(&mut conn, "CONFIG", ("SET", "maxmemory", 1)).await;
     let answer = try_begin(&store, &new_id("new")).await;
     match &answer {
         Err(e @ Error::Unavailable { .. }) => assert!(e.to_string().contains("OOM"), "{e}"),
         other => panic!("expected Unavailable, got {other:?}"),
     }
-    let done = Completion::succeeded(Response::new(200, "x"));
+    let done = succeeded(200, "x");
     assert!(matches!(
         store.complete(&lease, &done, KEEP).await,
         Err(Error::Unavailable { .. })
@@ -483,12 +440,7 @@ async fn corrupt_records_are_reported_and_left_alone() {
     let lease = acquire(&store, &id).await;
     let key = store.record_key(&id);
     for garbage in [&b"not a record"[..], b"p-too-short", &[b'c'; 40][..]] {
-        let _: () = redis::cmd("SET")
-            .arg(&key)
-            .arg(garbage)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        cmd::<()>(&mut conn, "SET", (&key, garbage)).await;
         let begin = try_begin(&store, &id).await;
         let get = store.get(&id).await;
         assert!(corrupt(&get), "get: {get:?}");
@@ -499,18 +451,14 @@ async fn corrupt_records_are_reported_and_left_alone() {
             "begin: {begin:?}"
         );
         if garbage[0] != b'c' {
-            let done = Completion::succeeded(Response::new(200, "x"));
+            let done = succeeded(200, "x");
             assert!(corrupt(
                 &store.complete(&lease, &done, KEEP).await.map(|_| ())
             ));
             assert!(corrupt(&store.extend(&lease, LONG).await.map(|_| ())));
             assert!(corrupt(&store.release(&lease).await));
         }
-        let kept: Vec<u8> = redis::cmd("GET")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let kept: Vec<u8> = cmd(&mut conn, "GET", &key).await;
         assert_eq!(kept, garbage, "the corrupt value was changed");
     }
     assert!(store.evict(&id).await.unwrap());
@@ -608,11 +556,7 @@ pub(crate) async fn resent_calls_on(store: &RedisStore) {
     );
     assert!(bare.fingerprint().is_none());
     store
-        .complete(
-            &bare,
-            &Completion::succeeded(Response::new(201, "bare")),
-            KEEP,
-        )
+        .complete(&bare, &succeeded(201, "bare"), KEEP)
         .await
         .expect("complete without a fingerprint");
     let record = store.get(&id).await.unwrap().expect("the record");
@@ -622,15 +566,8 @@ pub(crate) async fn resent_calls_on(store: &RedisStore) {
     // Through the store, leases that carry their fingerprint (the record goes whole): it
     // holds the begin's fingerprint and the lease's attempt, 2 after a takeover.
     let id = new_id("kt");
-    let first = match store
-        .begin(request(
-            &id,
-            FencingToken::random(),
-            Duration::from_millis(30),
-        ))
-        .await
-        .expect("begin")
-    {
+    let short = request(&id, FencingToken::random(), Duration::from_millis(30));
+    let first = match store.begin(short).await.expect("begin") {
         Begin::Acquired(lease) => lease,
         other => panic!("expected Acquired, got {other:?}"),
     };
@@ -657,11 +594,10 @@ pub(crate) async fn resent_calls_on(store: &RedisStore) {
 /// exactly once per key, and every caller ends with the one stored result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn race_exactly_once_per_key() {
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, _)) = on_the_shared_server().await else {
         return;
     };
-    let store: Arc<dyn Store> = Arc::new(builder(&url).connect().await.unwrap());
-    race(store, 2000, 24).await;
+    race(Arc::new(store), 2000, 24).await;
 }
 
 /// Both the store's paths on one server against each other (a rolling upgrade onto a
@@ -710,7 +646,7 @@ pub async fn race_on(stores: &[Arc<dyn Store>], keys: usize, callers: usize) {
                         Begin::Acquired(lease) => {
                             // The protected side effect.
                             runs[k].fetch_add(1, Ordering::SeqCst);
-                            let done = Completion::succeeded(Response::new(201, expected.clone()));
+                            let done = succeeded(201, expected.clone());
                             store.complete(&lease, &done, KEEP).await.expect("complete");
                             return;
                         }
@@ -751,44 +687,32 @@ pub async fn race_on(stores: &[Arc<dyn Store>], keys: usize, callers: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apply_completion_never_overwrites_a_newer_state() {
     use idem_redis::Applied;
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, _)) = on_the_shared_server().await else {
         return;
     };
-    let store = builder(&url).connect().await.unwrap();
     let fp = Fingerprint::of_bytes(b"f");
-    let done = Completion::succeeded(Response::new(201, Bytes::from_static(b"\0committed\xff")));
+    let done = succeeded(201, Bytes::from_static(b"\0committed\xff"));
+    let apply = |id, identity, token| store.apply_completion(id, identity, token, &done, KEEP);
 
     // Absent (Redis lost it): written, and replayed with its attempt and time to live.
     let id = new_id("absent");
     let token = FencingToken::random();
-    let applied = store
-        .apply_completion(&id, None, token, &done, KEEP)
-        .await
-        .unwrap();
+    let applied = apply(&id, None, token).await.unwrap();
     assert_eq!(applied, Applied::Absent, "an absent key needs the identity");
-    let applied = store
-        .apply_completion(&id, Some((&fp, 3)), token, &done, KEEP)
-        .await
-        .unwrap();
+    let applied = apply(&id, Some((&fp, 3)), token).await.unwrap();
     assert_eq!(applied, Applied::Written);
     let replayed = replay(&store, &id).await;
     assert_eq!(replayed.completion, done);
     assert!(replayed.expires_in <= KEEP && replayed.expires_in > KEEP / 2);
     assert_eq!(store.get(&id).await.unwrap().unwrap().attempt, 3);
     // Twice is once.
-    let again = store
-        .apply_completion(&id, Some((&fp, 3)), token, &done, KEEP)
-        .await
-        .unwrap();
+    let again = apply(&id, Some((&fp, 3)), token).await.unwrap();
     assert_eq!(again, Applied::AlreadyCompleted);
 
     // In progress under the completing lease: written.
     let id = new_id("held");
     let lease = acquire(&store, &id).await;
-    let applied = store
-        .apply_completion(&id, None, lease.token(), &done, KEEP)
-        .await
-        .unwrap();
+    let applied = apply(&id, None, lease.token()).await.unwrap();
     assert_eq!(
         applied,
         Applied::Written,
@@ -799,11 +723,8 @@ async fn apply_completion_never_overwrites_a_newer_state() {
     // In progress under another lease: left alone.
     let id = new_id("other");
     let lease = acquire(&store, &id).await;
-    let applied = store
-        .apply_completion(&id, Some((&fp, 1)), FencingToken::random(), &done, KEEP)
-        .await
-        .unwrap();
-    assert_eq!(applied, Applied::HeldByAnotherLease);
+    let applied = apply(&id, Some((&fp, 1)), FencingToken::random()).await;
+    assert_eq!(applied.unwrap(), Applied::HeldByAnotherLease);
     match store.get(&id).await.unwrap().unwrap().state {
         RecordState::InProgress { token, .. } => assert_eq!(token, lease.token()),
         other => panic!("the live lease was overwritten: {other:?}"),
@@ -812,13 +733,10 @@ async fn apply_completion_never_overwrites_a_newer_state() {
     // Completed with something else: left alone.
     let id = new_id("completed");
     let lease = acquire(&store, &id).await;
-    let first = Completion::succeeded(Response::new(200, "first"));
+    let first = succeeded(200, "first");
     store.complete(&lease, &first, KEEP).await.unwrap();
-    let applied = store
-        .apply_completion(&id, Some((&fp, 1)), FencingToken::random(), &done, KEEP)
-        .await
-        .unwrap();
-    assert_eq!(applied, Applied::AlreadyCompleted);
+    let applied = apply(&id, Some((&fp, 1)), FencingToken::random()).await;
+    assert_eq!(applied.unwrap(), Applied::AlreadyCompleted);
     assert_eq!(replay(&store, &id).await.completion, first);
 }
 
@@ -826,11 +744,9 @@ async fn apply_completion_never_overwrites_a_newer_state() {
 /// last waiter has left: otherwise every later completion of that key would publish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_is_unsubscribed_when_its_last_waiter_leaves() {
-    let Some(url) = idem_testkit::harness::redis_url() else {
+    let Some((store, mut raw)) = on_the_shared_server().await else {
         return;
     };
-    let store = builder(&url).connect().await.unwrap();
-    let mut raw = raw(&url).await;
     let id = new_id("watched");
     let channel = store.record_key(&id);
     let first = store.watch(&id).await.expect("a watch");
@@ -859,15 +775,10 @@ async fn a_record_is_unsubscribed_when_its_last_waiter_leaves() {
     }
 }
 
-/// `PUBSUB NUMSUB channel`.
 async fn subscribers(raw: &mut redis::aio::MultiplexedConnection, channel: &str) -> i64 {
-    let (_, n): (String, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(channel)
-        .query_async(raw)
+    cmd::<(String, i64)>(raw, "PUBSUB", ("NUMSUB", channel))
         .await
-        .unwrap();
-    n
+        .1
 }
 
 /// A store call against a server that takes connections and never answers ends with
@@ -955,11 +866,7 @@ async fn completed_records_carry_their_expiry_and_attempt() {
         .await
         .unwrap();
     let after = unix_now();
-    let stored: Vec<u8> = redis::cmd("GET")
-        .arg(store.record_key(&id))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let stored: Vec<u8> = cmd(&mut conn, "GET", store.record_key(&id)).await;
     assert_eq!(stored[0], b'C');
     let at = u64::from(u32::from_be_bytes(stored[33..37].try_into().unwrap()));
     assert!(
@@ -977,14 +884,13 @@ async fn completed_records_carry_their_expiry_and_attempt() {
     for through_apply in [false, true] {
         let id = new_id(if through_apply { "apply" } else { "complete" });
         let token = FencingToken::random();
-        let _: () = redis::cmd("SET")
-            .arg(store.record_key(&id))
-            .arg(in_progress(&token, &fingerprint, 300))
-            .arg("PX")
-            .arg(60_000)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let record = in_progress(&token, &fingerprint, 300);
+        cmd::<()>(
+            &mut conn,
+            "SET",
+            (store.record_key(&id), record, "PX", 60_000),
+        )
+        .await;
         let done = succeeded(200, "late");
         if through_apply {
             let applied = store

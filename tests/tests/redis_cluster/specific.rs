@@ -4,59 +4,61 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{BeginRequest, Error, FencingToken, Fingerprint, Key, RecordId, Scope, Store};
+use idem_core::{Fingerprint, Key, RecordId, Scope, Store};
 use idem_redis::ReplicationError;
 
-use super::super::builder;
+use super::super::{builder, started};
 use super::cluster;
+use crate::redis::specific::{acquire, new_id, race, try_begin, unavailable_source};
 
-async fn cluster_store() -> Option<(idem_redis::RedisStore, &'static idem_testkit::redis::RedisCluster)> {
-    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster start")?;
+async fn cluster_store() -> Option<(
+    idem_redis::RedisStore,
+    &'static idem_testkit::redis::RedisCluster,
+)> {
+    let cluster = started(cluster).await?;
     let store = builder(&cluster.url()).connect().await.expect("connect");
     Some((store, cluster))
-}
-
-fn request(id: &RecordId) -> BeginRequest<'_> {
-    BeginRequest {
-        id,
-        fingerprint: Fingerprint::of_bytes(b"f"),
-        token: FencingToken::random(),
-        lease: Duration::from_secs(30),
-        retention: Duration::from_secs(600),
-    }
 }
 
 /// Thousands of callers racing over keys on all three primaries: one execution per key;
 /// and the keys did land on every primary (the hash tag spreads them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn race_across_primaries() {
-    let Some((store, cluster)) = cluster_store().await else { return };
+    let Some((store, cluster)) = cluster_store().await else {
+        return;
+    };
     let prefix = store.config().prefix.clone();
     let store: Arc<dyn Store> = Arc::new(store);
-    crate::redis::specific::race(store, 600, 16).await;
+    race(store, 600, 16).await;
     for node in cluster.nodes() {
         let keys = node
             .cli(&["--scan", "--pattern", &format!("{prefix}*")])
             .expect("scan");
-        assert!(keys.lines().count() > 50, "node {} holds {} of 600 keys", node.port(), keys.lines().count());
+        assert!(
+            keys.lines().count() > 50,
+            "node {} holds {} of 600 keys",
+            node.port(),
+            keys.lines().count()
+        );
     }
 }
 
 /// `SCRIPT FLUSH` on every node while calls run: no call fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn script_flush_on_every_node() {
-    let Some((store, cluster)) = cluster_store().await else { return };
+    let Some((store, cluster)) = cluster_store().await else {
+        return;
+    };
     let store: Arc<dyn Store> = Arc::new(store);
-    let load = tokio::spawn(crate::redis::specific::race(store, 300, 8));
+    let load = tokio::spawn(race(store, 300, 8));
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(30)).await;
-        tokio::task::spawn_blocking(move || {
+        started(move || {
             for node in cluster.nodes() {
                 node.cli(&["script", "flush"]).expect("script flush");
             }
         })
-        .await
-        .unwrap();
+        .await;
     }
     load.await.expect("no call failed");
 }
@@ -65,20 +67,17 @@ async fn script_flush_on_every_node() {
 /// replicas, so asking for one fails clearly and gives the lease back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_without_replicas_fails_clearly() {
-    let Some((_, cluster)) = cluster_store().await else { return };
+    let Some((_, cluster)) = cluster_store().await else {
+        return;
+    };
     let store = builder(&cluster.url())
         .with_durability(1, Duration::from_millis(50))
         .connect()
         .await
         .unwrap();
-    let id = RecordId::new(Scope::new("wait").unwrap(), Key::new(format!("k-{}", uuid::Uuid::new_v4())).unwrap());
-    match store.begin(request(&id)).await {
-        Err(Error::Unavailable { source, .. }) => {
-            let e = source.downcast_ref::<ReplicationError>().expect("replication error");
-            assert_eq!((e.acked, e.wanted), (0, 1));
-        }
-        other => panic!("expected Unavailable, got {other:?}"),
-    }
+    let id = new_id("k");
+    let e: ReplicationError = unavailable_source(try_begin(&store, &id).await);
+    assert_eq!((e.acked, e.wanted), (0, 1));
     assert!(store.get(&id).await.unwrap().is_none());
 }
 
@@ -95,10 +94,8 @@ async fn waiter_follows_a_moved_slot() {
     if !idem_testkit::redis::available() {
         return;
     }
-    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+    let cluster = started(|| RedisCluster::start(3).map(Arc::new))
         .await
-        .expect("cluster start")
-        .map(Arc::new)
         .expect("start a 3-primary cluster");
     let store = builder(&cluster.url()).connect().await.expect("connect");
     let safety_poll = Duration::from_secs(10);
@@ -109,34 +106,45 @@ async fn waiter_follows_a_moved_slot() {
             .with_max_poll(safety_poll),
     );
     let id = RecordId::new(Scope::new("moved").unwrap(), Key::new("slot").unwrap());
-    let lease = match store.begin(request(&id)).await.expect("begin") {
-        Begin::Acquired(lease) => lease,
-        other => panic!("expected Acquired, got {other:?}"),
-    };
+    let lease = acquire(&store, &id).await;
     let waiter = idem_testkit::cases::spawn_waiter(&idem, &id, Fingerprint::of_bytes(b"f"));
     // The waiter finds the key in flight and subscribes on the slot's primary.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiter.is_finished(), "the waiter did not wait");
 
-    let key = store.record_key(&id);
-    let moved = key.clone();
-    let on = cluster.clone();
-    tokio::task::spawn_blocking(move || {
+    let (moved, on) = (store.record_key(&id), cluster.clone());
+    started(move || {
         let nodes = on.nodes();
         let trim = |s: String| s.trim().to_owned();
         let slot = trim(nodes[0].cli(&["cluster", "keyslot", &moved]).unwrap());
         let owns = |n: &idem_testkit::redis::RedisServer| {
             trim(n.cli(&["cluster", "countkeysinslot", &slot]).unwrap()) == "1"
         };
-        let from = nodes.iter().find(|n| owns(n)).expect("the record's primary");
-        let to = nodes.iter().find(|n| n.port() != from.port()).expect("another primary");
+        let from = nodes
+            .iter()
+            .find(|n| owns(n))
+            .expect("the record's primary");
+        let to = nodes
+            .iter()
+            .find(|n| n.port() != from.port())
+            .expect("another primary");
         let to_id = trim(to.cli(&["cluster", "myid"]).unwrap());
         let from_id = trim(from.cli(&["cluster", "myid"]).unwrap());
         let port = to.port().to_string();
+        let migrate = vec![
+            "migrate",
+            "127.0.0.1",
+            &port,
+            "",
+            "0",
+            "5000",
+            "keys",
+            &moved,
+        ];
         for (node, args) in [
             (to, vec!["cluster", "setslot", &slot, "importing", &from_id]),
             (from, vec!["cluster", "setslot", &slot, "migrating", &to_id]),
-            (from, vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys", &moved]),
+            (from, migrate),
             (to, vec!["cluster", "setslot", &slot, "node", &to_id]),
             (from, vec!["cluster", "setslot", &slot, "node", &to_id]),
         ] {
@@ -145,8 +153,7 @@ async fn waiter_follows_a_moved_slot() {
         }
         assert!(owns(to), "the record did not move");
     })
-    .await
-    .expect("move the slot");
+    .await;
     // The old primary dropped the subscription: it is made again on the new one, and the
     // waiter, woken, finds the record still in flight and waits on.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -158,8 +165,7 @@ async fn waiter_follows_a_moved_slot() {
         .await
         .expect("complete on the new primary");
     let completed = tokio::time::Instant::now();
-    let (answer, answered) =
-        idem_testkit::cases::answer_of(waiter, Duration::from_secs(30)).await;
+    let (answer, answered) = idem_testkit::cases::answer_of(waiter, Duration::from_secs(30)).await;
     match answer {
         Begin::Replay(replay) => assert_eq!(replay.completion.response.body, "moved"),
         other => panic!("expected Replay, got {other:?}"),
