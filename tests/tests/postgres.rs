@@ -26,6 +26,7 @@ mod postgres {
 
     const LONG: Duration = Duration::from_secs(30);
     const KEEP: Duration = Duration::from_secs(600);
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
 
     // --- harness ---------------------------------------------------------------------------
 
@@ -43,7 +44,6 @@ mod postgres {
         Some(Arc::new(fresh(8).await?))
     }
 
-    /// A store whose pool points at a port nothing listens on.
     async fn unreachable() -> Arc<dyn Store> {
         Arc::new(pg::closed_port_store())
     }
@@ -61,14 +61,14 @@ mod postgres {
             return;
         };
         let scope = Scope::new(harness::unique_name("restart")).unwrap();
+        let id = |n: usize| RecordId::new(scope.clone(), Key::new(format!("k{n}")).unwrap());
         let mut n = 0;
         for mode in ["fast", "immediate"] {
             // Fill the pool with idle connections: concurrent calls each hold one.
             let mut round = tokio::task::JoinSet::new();
             for _ in 0..8 {
                 n += 1;
-                let id = RecordId::new(scope.clone(), Key::new(format!("k{n}")).unwrap());
-                let store = store.clone();
+                let (store, id) = (store.clone(), id(n));
                 round.spawn(async move { acquire_and_complete(&store, &id).await });
             }
             for outcome in round.join_all().await {
@@ -77,8 +77,7 @@ mod postgres {
             server.restart(mode).expect("restart");
             for _ in 0..12 {
                 n += 1;
-                let id = RecordId::new(scope.clone(), Key::new(format!("k{n}")).unwrap());
-                acquire_and_complete(&store, &id)
+                acquire_and_complete(&store, &id(n))
                     .await
                     .unwrap_or_else(|e| panic!("after the {mode} restart: {e}"));
             }
@@ -150,7 +149,6 @@ mod postgres {
         Some((server, store))
     }
 
-    /// Begins a new key and completes it.
     async fn acquire_and_complete(store: &PgStore, id: &RecordId) -> Result<(), Error> {
         let begun = store.begin(req(id, LONG)).await?;
         let Begin::Acquired(lease) = begun else {
@@ -187,11 +185,7 @@ mod postgres {
             .expect("listen");
 
         let (alone, released) = (id("nobody-waits"), id("nobody-waits-released"));
-        let lease = claim(&store, &alone, LONG).await;
-        store
-            .complete(&lease, &done("x"), KEEP)
-            .await
-            .expect("complete");
+        completed(&store, &alone, KEEP).await;
         let lease = claim(&store, &released, LONG).await;
         store.release(&lease).await.expect("release");
 
@@ -301,28 +295,33 @@ mod postgres {
         }
     }
 
+    async fn begin(store: &PgStore, id: &RecordId) -> Begin {
+        store.begin(req(id, LONG)).await.expect("begin")
+    }
+
+    async fn begin_in(conn: &mut PgConnection, store: &PgStore, id: &RecordId) -> Begin {
+        store.begin_in(conn, req(id, LONG)).await.expect("begin")
+    }
+
     /// A lease on `id` (acquired or taken over) for `lease`.
     async fn claim(store: &PgStore, id: &RecordId, lease: Duration) -> Lease {
         leased(store.begin(req(id, lease)).await.expect("begin"))
     }
 
-    /// The lease of a begin of `id` that finds it absent.
     async fn acquire(store: &PgStore, id: &RecordId) -> Lease {
-        match store.begin(req(id, LONG)).await.expect("begin") {
+        match begin(store, id).await {
             Begin::Acquired(lease) => lease,
             other => panic!("expected Acquired, got {other:?}"),
         }
     }
 
-    /// The lease of a begin of `id` that takes an expired lease over.
     async fn take_over(store: &PgStore, id: &RecordId) -> Lease {
-        match store.begin(req(id, LONG)).await.expect("begin") {
+        match begin(store, id).await {
             Begin::TookOver(lease) => lease,
             other => panic!("expected TookOver, got {other:?}"),
         }
     }
 
-    /// Asserts that `answer` replays the stored `body`.
     fn assert_replays(answer: Begin, body: &str) {
         match answer {
             Begin::Replay(replay) => assert_eq!(replay.completion.response.body, body),
@@ -330,9 +329,8 @@ mod postgres {
         }
     }
 
-    /// A lease on `id` claimed inside the transaction on `conn`.
     async fn claim_in(conn: &mut PgConnection, store: &PgStore, id: &RecordId) -> Lease {
-        leased(store.begin_in(conn, req(id, LONG)).await.expect("begin"))
+        leased(begin_in(conn, store, id).await)
     }
 
     /// A record for `id`, completed now and kept for `retention`.
@@ -347,7 +345,7 @@ mod postgres {
     /// Asserts that the work of `key` ran once, and that a retry replays the stored `body`.
     async fn assert_done_once(store: &PgStore, key: &str, body: &str) {
         assert_eq!(work_rows(store).await.get(key), Some(&1), "runs of {key}");
-        assert_replays(store.begin(req(&id(key), LONG)).await.expect("begin"), body);
+        assert_replays(begin(store, &id(key)).await, body);
     }
 
     /// The protected work on `conn`: a row in the work table for `key` by `worker`, then the
@@ -372,10 +370,7 @@ mod postgres {
         key: &str,
         worker: i32,
         body: &str,
-    ) -> (
-        sqlx::Transaction<'static, sqlx::Postgres>,
-        Result<(), Error>,
-    ) {
+    ) -> (Tx, Result<(), Error>) {
         let mut tx = store.pool().begin().await.expect("tx");
         let completed = work_in(&mut tx, store, lease, key, worker, body).await;
         (tx, completed)
@@ -405,22 +400,22 @@ mod postgres {
     }
 
     /// Many workers on many connections run every key to completion, retrying while the key
-    /// is in flight; the protected work writes one row per run to the work table. Returns how many
-    /// transaction conflicts reached the workers (who retry them, as a client would).
+    /// is in flight; the protected work writes one row per run to the work table, and must
+    /// have run exactly once per key. Returns how many transaction conflicts reached the
+    /// workers (who retry them, as a client would).
     async fn race(store: &PgStore, keys: usize, workers: usize) -> usize {
         let conflicts = Arc::new(AtomicUsize::new(0));
-        let mut tasks = Vec::new();
+        let mut tasks = tokio::task::JoinSet::new();
         for worker in 0..workers {
             let (store, conflicts) = (store.clone(), conflicts.clone());
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 // Each worker walks the keys from its own starting point, so every key sees
                 // a different crowd at a different moment.
                 for i in 0..keys {
                     let key = format!("key-{}", (i + worker) % keys);
                     let id = id(&key);
                     loop {
-                        let answer = store.begin(req(&id, LONG)).await;
-                        match answer {
+                        match store.begin(req(&id, LONG)).await {
                             Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => {
                                 // The protected work: a row in the business table.
                                 let mut conn = store.pool().acquire().await.expect("acquire");
@@ -449,10 +444,13 @@ mod postgres {
                         }
                     }
                 }
-            }));
+            });
         }
-        for task in tasks {
-            task.await.expect("worker");
+        tasks.join_all().await;
+        let rows = work_rows(store).await;
+        assert_eq!(rows.len(), keys, "keys that ran: {rows:?}");
+        for (key, n) in &rows {
+            assert_eq!(*n, 1, "{key} ran {n} times");
         }
         conflicts.load(Ordering::Relaxed)
     }
@@ -464,13 +462,7 @@ mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn race_runs_the_work_once_per_key() {
         let Some(store) = fresh(16).await else { return };
-        let keys = 30;
-        race(&store, keys, 24).await;
-        let rows = work_rows(&store).await;
-        assert_eq!(rows.len(), keys, "keys that ran: {rows:?}");
-        for (key, n) in &rows {
-            assert_eq!(*n, 1, "{key} ran {n} times");
-        }
+        race(&store, 30, 24).await;
         drop_schema(&store).await;
     }
 
@@ -497,13 +489,7 @@ mod postgres {
             .expect("schema");
         store.migrate().await.expect("migrate");
         create_work_table(&store).await;
-        let keys = 12;
-        let reported = race(&store, keys, 16).await;
-        let rows = work_rows(&store).await;
-        assert_eq!(rows.len(), keys);
-        for (key, n) in &rows {
-            assert_eq!(*n, 1, "{key} ran {n} times");
-        }
+        let reported = race(&store, 12, 16).await;
         eprintln!("conflicts left to the workers after the store's resends: {reported}");
         drop_schema(&store).await;
     }
@@ -518,16 +504,14 @@ mod postgres {
         }
         sleep(Duration::from_millis(300)).await;
         for id in &keys {
-            let mut tasks = Vec::new();
+            let mut tasks = tokio::task::JoinSet::new();
             for _ in 0..16 {
                 let (store, id) = (store.clone(), id.clone());
-                tasks.push(tokio::spawn(async move {
-                    store.begin(req(&id, LONG)).await.expect("begin")
-                }));
+                tasks.spawn(async move { begin(&store, &id).await });
             }
             let mut took_over = 0;
-            for task in tasks {
-                match task.await.expect("task") {
+            for answer in tasks.join_all().await {
+                match answer {
                     Begin::TookOver(lease) => {
                         assert_eq!(lease.attempt(), 2);
                         took_over += 1;
@@ -590,10 +574,7 @@ mod postgres {
         );
 
         // The retry: in flight while the lease lives, then a takeover that finishes.
-        assert!(matches!(
-            store.begin(req(&id, LONG)).await.expect("begin"),
-            Begin::InFlight { .. }
-        ));
+        assert!(matches!(begin(&store, &id).await, Begin::InFlight { .. }));
         sleep(lease.remaining() + Duration::from_millis(200)).await;
         let retry = take_over(&store, &id).await;
         commit_work(&store, &retry, "order-1", 2, "second").await;
@@ -729,10 +710,7 @@ mod postgres {
             let (store, id) = (store.clone(), id.clone());
             tokio::spawn(async move {
                 let mut tx = store.pool().begin().await.expect("tx");
-                let answer = store
-                    .begin_in(&mut tx, req(&id, LONG))
-                    .await
-                    .expect("begin");
+                let answer = begin_in(&mut tx, &store, &id).await;
                 tx.commit().await.expect("commit");
                 answer
             })
@@ -769,7 +747,7 @@ mod postgres {
             Ok(other) => panic!("expected InFlight, got {other:?}"),
             Err(_) => panic!("begin waited for the transaction that holds the record"),
         }
-        assert_replays(store.begin(req(&id, LONG)).await.expect("begin"), "paid");
+        assert_replays(begin(&store, &id).await, "paid");
         drop_schema(&store).await;
     }
 
@@ -800,19 +778,13 @@ mod postgres {
         tx.rollback().await.expect("rollback");
 
         let mut tx = repeatable_read(&store).await;
-        assert!(matches!(
-            store
-                .begin_in(&mut tx, req(&id, LONG))
-                .await
-                .expect("begin"),
-            Begin::InFlight { .. }
-        ));
+        let answer = begin_in(&mut tx, &store, &id).await;
+        assert!(matches!(answer, Begin::InFlight { .. }), "{answer:?}");
         tx.commit().await.expect("commit");
         drop_schema(&store).await;
     }
 
-    /// A transaction at REPEATABLE READ.
-    async fn repeatable_read(store: &PgStore) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    async fn repeatable_read(store: &PgStore) -> Tx {
         let mut tx = store.pool().begin().await.expect("tx");
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *tx)
@@ -831,21 +803,18 @@ mod postgres {
             return;
         };
         let schema = harness::unique_name(pg::SCHEMA_PREFIX);
-        let mut tasks = Vec::new();
+        let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..8 {
             let (url, schema) = (url.clone(), schema.clone());
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let store = PgStore::new(pg::connect(&url, 2).await)
                     .with_schema(&schema)
                     .expect("schema");
                 store.migrate().await.expect("concurrent migrate");
                 store
-            }));
+            });
         }
-        let mut stores = Vec::new();
-        for task in tasks {
-            stores.push(task.await.expect("task"));
-        }
+        let stores = tasks.join_all().await;
         let store = &stores[0];
         let applied: Vec<(i64, bool)> = sqlx::query_as(&format!(
             "SELECT version, success FROM \"{schema}\"._sqlx_migrations ORDER BY version"
@@ -920,12 +889,7 @@ mod postgres {
             leased(store.begin(request).await.expect("begin"));
         }
         for k in 0..5 {
-            leased(
-                store
-                    .begin(req(&id(&format!("live-{k}")), LONG))
-                    .await
-                    .expect("begin"),
-            );
+            claim(&store, &id(&format!("live-{k}")), LONG).await;
         }
         sleep(Duration::from_millis(300)).await;
         assert_eq!(
@@ -933,18 +897,13 @@ mod postgres {
             25,
             "expired rows linger until purged"
         );
-        assert_eq!(store.purge_expired(8).await.expect("purge"), 8);
-        assert_eq!(store.purge_expired(8).await.expect("purge"), 8);
-        assert_eq!(store.purge_expired(8).await.expect("purge"), 4);
-        assert_eq!(store.purge_expired(8).await.expect("purge"), 0);
-        assert_eq!(store.purge_expired(0).await.expect("purge"), 0);
+        for (batch, purged) in [(8, 8), (8, 8), (8, 4), (8, 0), (0, 0)] {
+            assert_eq!(store.purge_expired(batch).await.expect("purge"), purged);
+        }
         assert_eq!(table_rows(&store).await, 5);
         for k in 0..5 {
-            assert!(store
-                .get(&id(&format!("live-{k}")))
-                .await
-                .expect("get")
-                .is_some());
+            let live = store.get(&id(&format!("live-{k}"))).await.expect("get");
+            assert!(live.is_some(), "live-{k} was purged");
         }
         drop_schema(&store).await;
     }
