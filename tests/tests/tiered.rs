@@ -24,7 +24,7 @@ mod tiered {
     use idem_testkit::postgres as pg;
     use idem_testkit::redis::{throwaway, RedisServer};
     use idem_tests::{create_work_table, id, insert_work, runs};
-    use sqlx::{PgConnection, PgPool};
+    use sqlx::PgConnection;
     use tokio::time::{sleep, timeout};
 
     use crate::common::{patient_builder, redis_pid, Stopped};
@@ -107,7 +107,6 @@ mod tiered {
             .expect("begin")
     }
 
-    /// [`begin_for`] in a task of its own.
     fn spawn_begin(
         store: &TieredStore,
         id: &RecordId,
@@ -129,18 +128,6 @@ mod tiered {
         Completion::succeeded(Response::new(201, body.to_owned()))
     }
 
-    /// A business transaction in which `lease` completed with `body`, left open for the test
-    /// to commit or roll back.
-    async fn completing(
-        store: &TieredStore,
-        lease: &Lease,
-        body: &str,
-    ) -> sqlx::Transaction<'static, sqlx::Postgres> {
-        let mut tx = store.pg().pool().begin().await.expect("tx");
-        complete_in_tx(store, &mut tx, lease, body).await;
-        tx
-    }
-
     /// A first worker's business transaction completing `id` with "first", still open after
     /// the worker's lease (150 ms) ran out.
     async fn open_past_its_lease(
@@ -148,7 +135,8 @@ mod tiered {
         id: &RecordId,
     ) -> sqlx::Transaction<'static, sqlx::Postgres> {
         let first = acquired(store, id, Duration::from_millis(150)).await;
-        let tx = completing(store, &first, "first").await;
+        let mut tx = store.pg().pool().begin().await.expect("tx");
+        complete_in_tx(store, &mut tx, &first, "first").await;
         sleep(Duration::from_millis(400)).await;
         tx
     }
@@ -180,11 +168,11 @@ mod tiered {
         }
     }
 
-    async fn count(pool: &PgPool, sql: &str) -> i64 {
-        sqlx::query_scalar(sql)
-            .fetch_one(pool)
-            .await
-            .expect("count")
+    /// How many completions wait in the outbox.
+    async fn outbox_rows(pg: &PgStore) -> i64 {
+        let count = format!("SELECT count(*) FROM {}.outbox", pg.quoted_schema());
+        let rows = sqlx::query_scalar(&count).fetch_one(pg.pool()).await;
+        rows.expect("count outbox rows")
     }
 
     // --- the outbox's guarantees -----------------------------------------------------------
@@ -195,15 +183,12 @@ mod tiered {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn completion_commits_and_rolls_back_with_the_business_transaction() {
         let Some(store) = tiered().await else { return };
-        let pool = store.pg().pool().clone();
-        let schema = store.pg().schema().to_owned();
         create_work_table(store.pg()).await;
-        let outbox = format!("SELECT count(*) FROM \"{schema}\".outbox");
         let id = id("order-1");
 
         let lease = acquired(&store, &id, LONG).await;
         for commit in [false, true] {
-            let mut tx = pool.begin().await.expect("tx");
+            let mut tx = store.pg().pool().begin().await.expect("tx");
             insert_work(&mut tx, store.pg(), "order-1", 1250).await;
             complete_in_tx(&store, &mut tx, &lease, "ch_1").await;
             let (n, what) = if commit {
@@ -215,7 +200,7 @@ mod tiered {
             };
             let rows = (
                 runs(store.pg(), "order-1").await,
-                count(&pool, &outbox).await,
+                outbox_rows(store.pg()).await,
             );
             assert_eq!(rows, (n, n), "{what}");
             if !commit {
@@ -292,13 +277,8 @@ mod tiered {
             .await
             .expect("complete commits in PostgreSQL with Redis down");
         assert_replays(&store, &id, &charged("ch_3"), "with Redis down").await;
-        let pool = store.pg().pool();
-        let pending = format!("SELECT count(*) FROM \"{}\".outbox", store.pg().schema());
-        assert_eq!(
-            count(pool, &pending).await,
-            1,
-            "the completion waits in the outbox"
-        );
+        let pending = outbox_rows(store.pg()).await;
+        assert_eq!(pending, 1, "the completion waits in the outbox");
     }
 
     /// A worker whose lease expired while its business transaction ran cannot commit it once
@@ -396,8 +376,7 @@ mod tiered {
             return;
         };
         let Some(pg) = pg_tier().await else { return };
-        let redis = RedisStore::builder(&redis_url)
-            .with_prefix(format!("idem-tiered-{}:", uuid::Uuid::new_v4().simple()))
+        let redis = patient_builder(redis_url, "idem-tiered")
             .with_body_limit(16, idem_redis::OversizeBody::StatusAndHeaders)
             .connect_lazy()
             .expect("lazy store");
@@ -413,15 +392,6 @@ mod tiered {
     }
 
     // --- the outbox's own schema ---------------------------------------------------------------
-
-    /// The outbox table and index as idem-postgres's former `0002_outbox` created them,
-    /// before idem-outbox owned its schema: the SQL of the outbox's own `1001_outbox`, which
-    /// creates the same table and index (only `IF NOT EXISTS` differs), taken from the
-    /// crate's migrator so the two cannot drift apart.
-    fn former_0002_outbox() -> &'static str {
-        let outbox = idem_outbox::migrator().iter().find(|m| m.version == 1001);
-        &outbox.expect("the outbox's 1001_outbox migration").sql
-    }
 
     async fn has_table(pg: &PgStore, table: &str) -> bool {
         sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
@@ -479,7 +449,12 @@ mod tiered {
             .execute(&mut *tx)
             .await
             .expect("search_path");
-        sqlx::raw_sql(former_0002_outbox())
+        // The outbox table and index as idem-postgres's former `0002_outbox` created them,
+        // before idem-outbox owned its schema: the SQL of the outbox's own `1001_outbox`,
+        // which creates the same table and index (only `IF NOT EXISTS` differs), taken from
+        // the crate's migrator so the two cannot drift apart.
+        let outbox = idem_outbox::migrator().iter().find(|m| m.version == 1001);
+        sqlx::raw_sql(&outbox.expect("the outbox's 1001_outbox migration").sql)
             .execute(&mut *tx)
             .await
             .expect("the former 0002");
@@ -508,20 +483,13 @@ mod tiered {
         let mut tx = pg.pool().begin().await.expect("tx");
         complete_in_tx(&store, &mut tx, &lease, "ok").await;
         tx.commit().await.expect("commit");
-        let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.outbox"))
-            .fetch_one(pg.pool())
-            .await
-            .expect("count outbox rows");
-        assert_eq!(rows, 1);
+        assert_eq!(outbox_rows(&pg).await, 1);
         store
             .publish(&lease, &charged("ok"), KEEP)
             .await
             .expect("publish to Redis");
         assert!(matches!(begin(&store, &id, LONG).await, Begin::Replay(_)));
-        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
-            .execute(pg.pool())
-            .await
-            .expect("drop the test schema");
+        pg::drop_schema(&pg).await;
     }
 
     // --- Redis answers only from what PostgreSQL granted ------------------------------------
