@@ -1,6 +1,6 @@
 //! Test-only package: see `tests/`. This library holds what its test files share: record
 //! ids, and the business table that the protected work of the PostgreSQL and tiered tests
-//! writes to, in the test store's own schema.
+//! writes to, in the test store's own schema. Its functions panic when the server refuses.
 
 use std::collections::HashMap;
 
@@ -22,15 +22,11 @@ pub fn id(key: &str) -> RecordId {
 
 /// The business table that the protected work writes to, one row per run: `work (key,
 /// worker)` in the store's schema.
-pub fn work_table(store: &PgStore) -> String {
+fn work_table(store: &PgStore) -> String {
     format!("{}.work", store.quoted_schema())
 }
 
 /// Creates [`work_table`].
-///
-/// # Panics
-///
-/// When the server refuses.
 pub async fn create_work_table(store: &PgStore) {
     sqlx::query(&format!(
         "CREATE TABLE {} (key text NOT NULL, worker integer NOT NULL)",
@@ -43,10 +39,6 @@ pub async fn create_work_table(store: &PgStore) {
 
 /// A run of the protected work for `key` by `worker`, on `conn` (in a business transaction,
 /// say).
-///
-/// # Panics
-///
-/// When the server refuses.
 pub async fn insert_work(conn: &mut PgConnection, store: &PgStore, key: &str, worker: i32) {
     sqlx::query(&format!(
         "INSERT INTO {} (key, worker) VALUES ($1, $2)",
@@ -60,10 +52,6 @@ pub async fn insert_work(conn: &mut PgConnection, store: &PgStore, key: &str, wo
 }
 
 /// How many times the work ran, by key.
-///
-/// # Panics
-///
-/// When the server refuses.
 pub async fn work_rows(store: &PgStore) -> HashMap<String, i64> {
     let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
         "SELECT key, count(*) FROM {} GROUP BY key",
@@ -76,10 +64,6 @@ pub async fn work_rows(store: &PgStore) -> HashMap<String, i64> {
 }
 
 /// How many times the work of `key` ran.
-///
-/// # Panics
-///
-/// When the server refuses.
 pub async fn runs(store: &PgStore, key: &str) -> i64 {
     work_rows(store).await.get(key).copied().unwrap_or(0)
 }

@@ -16,20 +16,14 @@ pub fn backends_required() -> bool {
 
 /// The URL in `var`, or `None` with a printed reason. Panics when backends are required.
 pub fn url_from_env(var: &str, what: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            let why = format!(
-                "{what} tests need {var}: run them through `scripts/test`, which starts a \
-                 throwaway {what} server, or set {var} to a server of yours"
-            );
-            if backends_required() {
-                panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {why}");
-            }
-            eprintln!("skipping: {why}");
-            None
-        }
+    let url = std::env::var(var).ok().filter(|url| !url.trim().is_empty());
+    if url.is_none() {
+        skip(&format!(
+            "{what} tests need {var}: run them through `scripts/test`, which starts a \
+             throwaway {what} server, or set {var} to a server of yours"
+        ));
     }
+    url
 }
 
 /// The Redis URL for tests (`IDEM_TEST_REDIS_URL`), e.g. `redis://127.0.0.1:6379`.
@@ -62,14 +56,19 @@ pub fn free_port() -> u16 {
 /// `true` when `present`; otherwise prints why the test is skipped and returns `false`, or
 /// panics when backends are required.
 pub fn present(present: bool, what: &str) -> bool {
-    if present {
-        return true;
+    if !present {
+        skip(&format!("{what} is missing"));
     }
-    if backends_required() {
-        panic!("IDEM_TEST_REQUIRE_BACKENDS=1 and {what} is missing");
-    }
-    eprintln!("skipping: {what} is missing");
-    false
+    present
+}
+
+/// Prints why a test is skipped, or panics when backends are required.
+fn skip(why: &str) {
+    assert!(
+        !backends_required(),
+        "IDEM_TEST_REQUIRE_BACKENDS=1 and {why}"
+    );
+    eprintln!("skipping: {why}");
 }
 
 /// Polls `check` every `every` until it gives a value, which it returns; fails the test with

@@ -35,8 +35,7 @@ pub fn binaries() -> Option<PathBuf> {
         .map(|entry| entry.path().join("bin"))
         .collect();
     // Newest first: "15" sorts after "14".
-    debian.sort();
-    debian.reverse();
+    debian.sort_by(|a, b| b.cmp(a));
     on_path
         .chain(debian)
         .find(|dir| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file())
@@ -203,7 +202,7 @@ mod stores {
     use crate::harness;
 
     /// The prefix of test schemas: `idem_t_<unix seconds>_<random>`, dropped by
-    /// [`drop_stale_schemas`] an hour after they were made.
+    /// [`fresh_store`] an hour after they were made.
     pub const SCHEMA_PREFIX: &str = "idem_t_";
 
     /// The store's pool settings with `max` connections and a patient acquire timeout, so a
@@ -226,45 +225,32 @@ mod stores {
             .expect("connect to IDEM_TEST_DATABASE_URL")
     }
 
-    /// Drops the schemas of test runs that ended over an hour ago, once per process, so a
-    /// long-lived test server does not collect them.
-    ///
-    /// # Panics
-    ///
-    /// When the schemas cannot be listed.
-    pub async fn drop_stale_schemas(pool: &PgPool) {
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        if SWEPT.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
-        )
-        .bind(SCHEMA_PREFIX)
-        .fetch_all(pool)
-        .await
-        .expect("list test schemas");
-        for name in names {
-            if harness::is_stale(&name, SCHEMA_PREFIX) {
-                // Another process may drop it at the same time: its error is not ours.
-                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(pool)
-                    .await;
-            }
-        }
-    }
-
     /// A store in a fresh schema, not migrated yet, on a pool of `max` connections to
     /// `IDEM_TEST_DATABASE_URL`; `None` when it is not set (see [`harness::url_from_env`]).
-    /// Stale schemas are dropped first.
+    /// First, once per process, it drops the schemas of test runs that ended over an hour
+    /// ago, so a long-lived test server does not collect them.
     ///
     /// # Panics
     ///
     /// When the server does not answer.
     pub async fn fresh_store(max: u32) -> Option<PgStore> {
+        static SWEPT: AtomicBool = AtomicBool::new(false);
         let url = harness::database_url()?;
         let pool = connect(&url, max).await;
-        drop_stale_schemas(&pool).await;
+        if !SWEPT.swap(true, Ordering::SeqCst) {
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
+            )
+            .bind(SCHEMA_PREFIX)
+            .fetch_all(&pool)
+            .await
+            .expect("list test schemas");
+            for name in names.iter().filter(|n| harness::is_stale(n, SCHEMA_PREFIX)) {
+                // Another process may drop it at the same time: its error is not ours.
+                let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+                let _ = sqlx::query(&drop).execute(&pool).await;
+            }
+        }
         let store = PgStore::new(pool)
             .with_schema(&harness::unique_name(SCHEMA_PREFIX))
             .expect("a valid schema name");
