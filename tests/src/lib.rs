@@ -26,7 +26,7 @@ fn work_table(store: &PgStore) -> String {
     format!("{}.work", store.quoted_schema())
 }
 
-/// Creates [`work_table`].
+/// Creates the business table `work (key, worker)` in the store's schema.
 pub async fn create_work_table(store: &PgStore) {
     sqlx::query(&format!(
         "CREATE TABLE {} (key text NOT NULL, worker integer NOT NULL)",
