@@ -2,7 +2,7 @@
 //! outcome, heartbeats, time limits on store calls, and the span and metrics of every store
 //! call, neither of which gives the key away.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use idem_core::{
     Fingerprint, Idem, Key, Lease, MemoryStore, Once, OnceError, Record, RecordId, Response, Scope,
     Store,
 };
+use idem_testkit::faults::FaultyStore;
 use idem_testkit::telemetry::{logs_of, metrics_of, FmtSpan, Level};
 use metrics_util::debugging::{DebugValue, Snapshot};
 use metrics_util::MetricKind;
@@ -211,52 +212,12 @@ async fn a_hung_store_is_unavailable_after_the_timeout() {
     assert!(matches!(err, Error::Unavailable { store: "hang", .. }));
 }
 
-/// A memory store whose first `extend` fails as unavailable, and whose first `begin`,
-/// when `lose_first_answer` is set, lands but never answers (a server paused right after
-/// it read the command).
-#[derive(Debug, Default)]
-struct Flaky {
-    inner: MemoryStore,
-    failed: AtomicUsize,
-    lose_first_answer: AtomicBool,
-}
-
-#[async_trait]
-impl Store for Flaky {
-    fn name(&self) -> &'static str {
-        "flaky"
-    }
-    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
-        let answer = self.inner.begin(req).await;
-        if self.lose_first_answer.swap(false, Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-        answer
-    }
-    async fn complete(&self, l: &Lease, c: &Completion, r: Duration) -> Result<(), Error> {
-        self.inner.complete(l, c, r).await
-    }
-    async fn release(&self, l: &Lease) -> Result<(), Error> {
-        self.inner.release(l).await
-    }
-    async fn extend(&self, l: &Lease, by: Duration) -> Result<Lease, Error> {
-        if self.failed.fetch_add(1, Ordering::SeqCst) == 0 {
-            return Err(Error::unavailable("flaky", "connection reset"));
-        }
-        self.inner.extend(l, by).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.inner.get(id).await
-    }
-    async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
-        self.inner.evict(id).await
-    }
-}
-
 #[tokio::test]
 async fn a_failed_heartbeat_does_not_cancel_the_work() {
-    let idem = Idem::new(Flaky::default())
-        .with_config(Config::default().with_lease(Duration::from_millis(300)));
+    let store = FaultyStore::new(MemoryStore::new());
+    store.fail_next_extends(1);
+    let idem =
+        Idem::new(store).with_config(Config::default().with_lease(Duration::from_millis(300)));
     let outcome = idem
         .execute_once(&id("k"), fp(), |_| async {
             sleep(Duration::from_millis(450)).await;
@@ -299,10 +260,8 @@ async fn a_lost_lease_under_on_lost_finish_lets_the_work_end() {
 
 #[tokio::test]
 async fn a_claim_whose_answer_was_lost_is_given_back() {
-    let store = Flaky {
-        lose_first_answer: AtomicBool::new(true),
-        ..Flaky::default()
-    };
+    let store = FaultyStore::new(MemoryStore::new());
+    store.lose_next_begin_answers(1);
     let idem = Idem::new(store).with_config(
         Config::default()
             .with_lease(Duration::from_secs(30))

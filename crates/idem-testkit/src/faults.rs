@@ -1,7 +1,7 @@
-//! A store that forwards every call to another, with switches that make `begin` and
-//! `complete` fail as an unreachable store's, and a count of the `complete` calls that
-//! reached it: for tests of what a caller (the HTTP layer, a consumer) does when its store
-//! fails, or of how often it stores.
+//! A store that forwards every call to another, with switches that make `begin`, `complete`
+//! and `extend` fail as an unreachable store's, or lose the answer of a call that landed,
+//! and a count of the `complete` calls that reached it: for tests of what a caller (the
+//! engine, the HTTP layer, a consumer) does when its store fails, or of how often it stores.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -20,6 +20,8 @@ pub struct FaultyStore {
     complete_down: AtomicBool,
     complete_failures: AtomicUsize,
     complete_lost_answers: AtomicUsize,
+    begin_lost_answers: AtomicUsize,
+    extend_failures: AtomicUsize,
     completes: AtomicUsize,
 }
 
@@ -37,6 +39,8 @@ impl FaultyStore {
             complete_down: AtomicBool::new(false),
             complete_failures: AtomicUsize::new(0),
             complete_lost_answers: AtomicUsize::new(0),
+            begin_lost_answers: AtomicUsize::new(0),
+            extend_failures: AtomicUsize::new(0),
             completes: AtomicUsize::new(0),
         }
     }
@@ -61,6 +65,17 @@ impl FaultyStore {
     /// a failure: an answer lost on the way back.
     pub fn lose_next_complete_answers(&self, n: usize) {
         self.complete_lost_answers.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` calls of `begin` write to the inner store, then never answer: a server
+    /// paused right after it ran the command.
+    pub fn lose_next_begin_answers(&self, n: usize) {
+        self.begin_lost_answers.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` calls of `extend` fail without reaching the inner store; later ones work.
+    pub fn fail_next_extends(&self, n: usize) {
+        self.extend_failures.store(n, Ordering::SeqCst);
     }
 
     /// How many calls of `complete` were made, failed ones included.
@@ -92,7 +107,11 @@ impl Store for FaultyStore {
         if self.begin_down.load(Ordering::SeqCst) {
             return Err(self.down());
         }
-        self.inner.begin(req).await
+        let answer = self.inner.begin(req).await;
+        if take_one(&self.begin_lost_answers) {
+            std::future::pending::<()>().await;
+        }
+        answer
     }
     async fn complete(&self, lease: &Lease, c: &Completion, ttl: Duration) -> Result<(), Error> {
         self.completes.fetch_add(1, Ordering::SeqCst);
@@ -109,6 +128,9 @@ impl Store for FaultyStore {
         self.inner.release(lease).await
     }
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+        if take_one(&self.extend_failures) {
+            return Err(self.down());
+        }
         self.inner.extend(lease, by).await
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
