@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use idem_testkit::harness::eventually;
+use serde_json::json;
 use support::{
-    call, client, exits, idem, json, ms, ok, ok_json, request, run, run_on, run_with, secs, send,
-    HttpClient, Proc, Reply, BIN,
+    assert_fields, call, client, exits, idem, json, ms, ok, ok_json, request, run, run_on,
+    run_with, secs, send, HttpClient, Proc, Reply, BIN,
 };
 
 /// `idem serve --store <store> --migrate <extra>` on a free port; its base URL is
@@ -56,15 +57,9 @@ async fn idem_serve_runs_the_payments_demo_and_stops_on_sigterm() {
 
     // A race: eight identical slow requests, one payment.
     let race = race(&client, &[&served], alice, "race-1", 8).await;
-    let statuses: Vec<StatusCode> = race.iter().map(|r| r.status).collect();
-    assert!(statuses.contains(&StatusCode::CREATED));
-    assert!(statuses
-        .iter()
-        .all(|s| *s == StatusCode::CREATED || *s == StatusCode::CONFLICT));
-    let conflicts = statuses
-        .iter()
-        .filter(|s| **s == StatusCode::CONFLICT)
-        .count();
+    let count = |status: StatusCode| race.iter().filter(|r| r.status == status).count();
+    let (created, conflicts) = (count(StatusCode::CREATED), count(StatusCode::CONFLICT));
+    assert!(created > 0 && created + conflicts == race.len(), "{race:?}");
 
     // Refusals.
     let json = ("content-type", "application/json");
@@ -199,9 +194,8 @@ async fn operator_commands_over(store: &str) {
         (code == 0).then(|| json(&out))
     };
     let in_flight = eventually("the request in the store", secs(10), ms(50), inspect).await;
-    assert_eq!(in_flight["state"], "in_progress", "{in_flight}");
-    assert_eq!(in_flight["scope"], caller.as_str());
-    assert_eq!(in_flight["attempt"], 1);
+    let want = json!({"state": "in_progress", "scope": caller, "attempt": 1});
+    assert_fields(&in_flight, want);
     assert_eq!(in_flight["lease"]["expired"], false, "{in_flight}");
     assert!(in_flight["lease"]["remaining_ms"].as_u64().unwrap() > 0);
     let text = ok(cmd(&["inspect", "order-1", "--scope", &caller]));
@@ -210,8 +204,7 @@ async fn operator_commands_over(store: &str) {
         assert!(text.contains(line), "{line}: {text}");
     }
     let stats = ok_json(cmd(&["stats", "--scope", &caller, "--json"]));
-    assert_eq!(stats["in_flight"], 1, "{stats}");
-    assert_eq!(stats["succeeded"], 0, "{stats}");
+    assert_fields(&stats, json!({"in_flight": 1, "succeeded": 0}));
     let text = ok(cmd(&["stats", "--scope", &caller]));
     assert!(text.contains("in flight       1"), "{text}");
 
@@ -222,8 +215,10 @@ async fn operator_commands_over(store: &str) {
     // Completed: the stored response is the one the client got.
     let done = ok_json(cmd(&["inspect", "order-1", "--scope", &caller, "--json"]));
     assert_eq!(done["state"], "completed", "{done}");
-    assert_eq!(done["completion"]["kind"], "succeeded");
-    assert_eq!(done["completion"]["status"], 201);
+    assert_fields(
+        &done["completion"],
+        json!({"kind": "succeeded", "status": 201}),
+    );
     assert_eq!(
         done["completion"]["body"].as_str().unwrap().as_bytes(),
         &first.body[..]
@@ -244,14 +239,9 @@ async fn operator_commands_over(store: &str) {
     assert!(text.contains(&payment_id), "{text}");
 
     let stats = ok_json(cmd(&["stats", "--scope", &caller, "--json"]));
-    assert_eq!(stats["in_flight"], 0, "{stats}");
-    assert_eq!(stats["succeeded"], 1, "{stats}");
-    assert_eq!(stats["failed"], 0, "{stats}");
-    assert_eq!(stats["stuck"], 0, "{stats}");
-    assert_eq!(
-        (&stats["scope"], &stats["complete"]),
-        (&caller.as_str().into(), &true.into())
-    );
+    let counts = json!({"in_flight": 0, "succeeded": 1, "failed": 0, "stuck": 0});
+    assert_fields(&stats, counts);
+    assert_fields(&stats, json!({"scope": caller, "complete": true}));
     let text = ok(cmd(&["stats", "--scope", &caller]));
     assert!(text.contains("succeeded       1"), "{text}");
     assert!(
@@ -354,18 +344,13 @@ async fn race(
 ) -> Vec<Reply> {
     let slow = payment(auth, key, &[("x-demo-delay-ms", "300")]);
     let order = r#"{"amount": 500, "currency": "USD"}"#;
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let url = format!("{}/payments", servers[i % servers.len()].printed);
-            let (client, req) = (client.clone(), request("POST", &url, &slow, order));
-            tokio::spawn(async move { send(&client, req).await.unwrap() })
-        })
-        .collect();
-    let mut replies = Vec::new();
-    for task in tasks {
-        replies.push(task.await.unwrap());
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let url = format!("{}/payments", servers[i % servers.len()].printed);
+        let (client, req) = (client.clone(), request("POST", &url, &slow, order));
+        tasks.spawn(async move { send(&client, req).await.unwrap() });
     }
-    replies
+    tasks.join_all().await
 }
 
 /// `order` paid by `auth` under `key` through `served`.
@@ -595,15 +580,12 @@ mod tiered {
     /// payments on PostgreSQL alone, and says when Redis answers again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_starts_while_redis_is_down() {
-        use idem_testkit::redis::{self as testing, RedisServer};
-
         let Some(postgres) = idem_testkit::harness::database_url() else {
             return;
         };
-        if !testing::available() {
+        let Some(mut redis) = idem_testkit::redis::throwaway(&[]) else {
             return;
-        }
-        let mut redis = RedisServer::start().expect("start redis-server");
+        };
         redis.stop();
         let store = format!("tiered:{}|{postgres}", redis.url());
         let mut served = super::serve(&store, &[]);
@@ -723,10 +705,9 @@ mod redis_persistence {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_warns_when_redis_persists_nothing() {
-        if !testing::available() {
+        let Some(bare) = testing::throwaway(&[]) else {
             return;
-        }
-        let bare = RedisServer::start().expect("start redis-server");
+        };
         let aof = RedisServer::start_with(&["--appendonly", "yes"]).expect("start redis-server");
         let mut stores = vec![(bare.url(), true), (aof.url(), false)];
         // The tiered store's Redis needs no persistence (PostgreSQL is the arbiter): no
@@ -798,14 +779,13 @@ mod memory {
 mod redis_password {
     //! A Redis that refuses the password: that refusal is the one thing said.
 
-    use idem_testkit::redis::{self as testing, RedisServer};
+    use idem_testkit::redis as testing;
 
     #[test]
     fn a_wrong_password_is_said_without_a_maxmemory_warning_first() {
-        if !testing::available() {
+        let Some(server) = testing::throwaway(&[]) else {
             return;
-        }
-        let server = RedisServer::start().expect("start redis-server");
+        };
         // The password set once the server is up (its readiness check needs none).
         let set = server.cli(&["CONFIG", "SET", "requirepass", "right"]);
         assert_eq!(set.expect("redis-cli").trim(), "OK", "set a password");
@@ -822,14 +802,13 @@ mod redis_outage {
     //! answers 503 (fail closed: no payment runs unguarded), says so in one log line, and
     //! takes payments as soon as Redis answers.
 
-    use idem_testkit::redis::{self as testing, RedisServer};
+    use idem_testkit::redis as testing;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_starts_while_redis_is_down_and_answers_503_until_it_returns() {
-        if !testing::available() {
+        let Some(mut redis) = testing::throwaway(&[]) else {
             return;
-        }
-        let mut redis = RedisServer::start().expect("start redis-server");
+        };
         redis.stop();
         let mut served = super::serve(&redis.url(), &[]);
         let client = super::client();
@@ -862,17 +841,15 @@ mod redis_keyspace {
     use std::time::Instant;
 
     use idem_redis::RedisStore;
-    use idem_testkit::redis::{self as testing, RedisServer};
+    use idem_testkit::redis as testing;
 
-    use super::records;
+    use super::{assert_fields, json, records};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn stats_reads_two_million_keys_page_by_page_and_stops_at_its_timeout() {
-        if !testing::available() {
+        let Some(server) = testing::throwaway(&["--enable-debug-command", "yes"]) else {
             return;
-        }
-        let server = RedisServer::start_with(&["--enable-debug-command", "yes"])
-            .expect("start redis-server");
+        };
         // 1.8 million keys of another application, and 200,000 under idem's prefix whose
         // names are not records' (DEBUG POPULATE names them `<prefix>:<n>`).
         server
@@ -895,13 +872,14 @@ mod redis_keyspace {
         let took = started.elapsed();
         assert_eq!(code, 0, "{err}");
         let doc = super::json(&out);
-        assert_eq!(doc["complete"], true, "{doc}");
-        assert_eq!(doc["succeeded"], 2, "{doc}");
-        assert_eq!(doc["expired_leases"], 1, "{doc}");
-        assert_eq!(doc["stuck"], 1, "{doc}");
-        assert_eq!(doc["foreign"], 200_000, "{doc}");
-        assert_eq!(doc["corrupt"], 0, "{doc}");
-        assert_eq!(doc["keys_read"], 200_003, "{doc}");
+        assert_fields(
+            &doc,
+            json!({"succeeded": 2, "expired_leases": 1, "stuck": 1, "corrupt": 0}),
+        );
+        assert_fields(
+            &doc,
+            json!({"complete": true, "foreign": 200_000, "keys_read": 200_003}),
+        );
         // Standard error is not a terminal here: no progress lines.
         assert!(!err.contains("keys read"), "{err}");
         eprintln!("idem stats over 2,000,003 keys: {took:?}");
@@ -911,8 +889,8 @@ mod redis_keyspace {
         assert_eq!(code, 4, "{err}");
         let doc = super::json(&out);
         assert_eq!(doc["complete"], false, "{doc}");
-        assert_eq!(doc["stopped"]["reason"], "timeout", "{doc}");
-        assert_eq!(doc["stopped"]["timeout_ms"], 200, "{doc}");
+        let stopped = json!({"reason": "timeout", "timeout_ms": 200});
+        assert_fields(&doc["stopped"], stopped);
         assert!(doc["keys_read"].as_u64().unwrap() < 200_003, "{doc}");
         let (code, text, _) = stats(&["stats", "--timeout", "0.2"]);
         assert_eq!(code, 4);
@@ -949,7 +927,7 @@ mod redis_broken {
     use idem_redis::RedisStore;
     use redis::AsyncCommands as _;
 
-    use super::records;
+    use super::{assert_fields, json, records};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn stats_stuck_and_inspect_name_broken_records() {
@@ -997,10 +975,8 @@ mod redis_broken {
         let cmd = super::run_on(["--store", &url, "--prefix", &prefix]);
 
         let doc = super::ok_json(cmd(&["stats", "--stuck-after", "0", "--json"]));
-        assert_eq!(doc["succeeded"], 1, "{doc}");
-        assert_eq!(doc["stuck"], 1, "{doc}");
-        assert_eq!(doc["corrupt"], 5, "{doc}");
-        assert_eq!(doc["foreign"], 3, "{doc}");
+        let counts = json!({"succeeded": 1, "stuck": 1, "corrupt": 5, "foreign": 3});
+        assert_fields(&doc, counts);
         assert_eq!(doc["keys_read"], 10, "{doc}");
         let (_, text, _) = cmd(&["stats"]);
         assert!(text.contains("corrupt         5"), "{text}");
@@ -1039,9 +1015,8 @@ mod redis_broken {
         let err = super::exits(4, cmd(&["inspect", "hash", "--scope", "s"]));
         assert!(err.contains("another type"), "{err}");
         let err = super::exits(4, cmd(&["inspect", "meta", "--scope", "s", "--json"]));
-        let doc = super::json(&err);
-        assert_eq!(doc["error"]["kind"], "corrupt");
-        assert_eq!(doc["error"]["exit_code"], 4);
+        let want = json!({"kind": "corrupt", "exit_code": 4});
+        assert_fields(&super::json(&err)["error"], want);
 
         // Evicted, the key is no longer counted.
         super::exits(0, cmd(&["evict", "tag", "--scope", "s"]));
@@ -1065,7 +1040,7 @@ mod postgres_schema {
 
     use idemkit::postgres::PgStore;
 
-    use super::records;
+    use super::{assert_fields, json, records};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_migrate_changes_the_schema_and_stuck_purge_work() {
@@ -1120,9 +1095,10 @@ mod postgres_schema {
         let doc = super::ok_json(cmd(&["stuck", "--stuck-after", "0", "--json"]));
         let rows = doc["records"].as_array().unwrap();
         assert_eq!(rows.len(), 1, "{doc}");
-        assert_eq!(rows[0]["key"], "gone");
-        assert_eq!(rows[0]["scope"], "s");
-        assert_eq!(rows[0]["problem"], "stuck");
+        assert_fields(
+            &rows[0],
+            json!({"key": "gone", "scope": "s", "problem": "stuck"}),
+        );
         // A completed record whose metadata names an unknown completion kind.
         records::completed(store.clone(), &records::id("s", "bad")).await;
         sqlx::query(&format!(
@@ -1133,13 +1109,8 @@ mod postgres_schema {
         .await
         .unwrap();
         let doc = super::ok_json(cmd(&["stats", "--stuck-after", "0", "--json"]));
-        assert_eq!(
-            (doc["stuck"].as_u64(), doc["succeeded"].as_u64()),
-            (Some(1), Some(1)),
-            "{doc}"
-        );
-        assert_eq!(doc["corrupt"], 1, "{doc}");
-        assert_eq!(doc["foreign"], serde_json::Value::Null, "{doc}");
+        let counts = json!({"stuck": 1, "succeeded": 1, "corrupt": 1, "foreign": null});
+        assert_fields(&doc, counts);
         let err = super::exits(4, cmd(&["inspect", "bad", "--scope", "s"]));
         assert!(err.contains("unknown completion kind"), "{err}");
         let doc = super::ok_json(cmd(&["stuck", "--stuck-after", "0", "--json"]));
@@ -1162,16 +1133,16 @@ mod postgres_schema {
 mod errors {
     //! Errors that name the cause and the fix; `--json` errors as JSON.
 
+    use super::{assert_fields, json};
+
     #[test]
     fn wrong_ports_and_schemes_say_what_to_do() {
         let Some((redis, postgres)) = super::both_urls() else {
             return;
         };
         let port = |url: &str| {
-            let rest = url.split_once("://").unwrap().1;
-            let authority = rest.split('/').next().unwrap();
-            let hostport = authority.rsplit('@').next().unwrap();
-            hostport.rsplit_once(':').unwrap().1.parse::<u16>().unwrap()
+            let after_colon = url.rsplit(':').next().unwrap();
+            after_colon.split('/').next().unwrap().to_owned()
         };
         let (redis_port, pg_port) = (port(&redis), port(&postgres));
 
@@ -1182,8 +1153,7 @@ mod errors {
         ] {
             let err = super::exits(3, super::run(&["stats", "--store", &url, "--json"]));
             let doc = super::json(&err);
-            assert_eq!(doc["error"]["kind"], "open");
-            assert_eq!(doc["error"]["exit_code"], 3);
+            assert_fields(&doc["error"], json!({"kind": "open", "exit_code": 3}));
             let message = doc["error"]["message"].as_str().unwrap();
             assert!(message.contains("connection refused"), "{message}");
             assert!(message.contains("start the server"), "{message}");
@@ -1224,10 +1194,8 @@ mod errors {
         assert_eq!((code, out.as_str()), (2, ""), "{err}");
         let doc = super::json(&err);
         assert_eq!(doc["error"]["kind"], "usage");
-        assert!(doc["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("--timeout"));
+        let message = doc["error"]["message"].as_str().unwrap();
+        assert!(message.contains("--timeout"), "{doc}");
         let (code, _, err) = super::run(&["inspect", "k", "--json"]);
         assert_eq!(code, 2);
         assert_eq!(super::json(&err)["error"]["kind"], "unsupported");
@@ -1252,10 +1220,8 @@ mod errors {
     #[test]
     fn a_new_users_mistakes_are_named_with_their_fix() {
         // A host name in --listen is resolved (the store error comes next, not --listen's).
-        let err = super::exits(
-            2,
-            super::run(&["serve", "--listen", "localhost:0", "--store", "x:"]),
-        );
+        let serve = ["serve", "--listen", "localhost:0", "--store", "x:"];
+        let err = super::exits(2, super::run(&serve));
         assert!(!err.contains("--listen"), "{err}");
 
         // A PostgreSQL URL at a broker's port.
@@ -1306,7 +1272,7 @@ mod tiered_evict {
     use idemkit::redis::RedisStore;
     use redis::AsyncCommands as _;
 
-    use super::records;
+    use super::{assert_fields, json, records};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn evict_deletes_both_tiers_and_the_outbox_rows() {
@@ -1345,14 +1311,12 @@ mod tiered_evict {
         let broken = records::id("s", "broken");
         let _: () = raw.set(redis.record_key(&broken), "garbage").await.unwrap();
         let doc = super::ok_json(cmd(&["stats", "--json"]));
-        assert_eq!(
-            (doc["succeeded"].as_u64(), doc["corrupt"].as_u64()),
-            (Some(1), Some(1)),
-            "{doc}"
-        );
+        assert_fields(&doc, json!({"succeeded": 1, "corrupt": 1}));
         let doc = super::ok_json(cmd(&["stuck", "--json"]));
-        assert_eq!(doc["records"][0]["key"], "broken", "{doc}");
-        assert_eq!(doc["records"][0]["problem"], "corrupt", "{doc}");
+        assert_fields(
+            &doc["records"][0],
+            json!({"key": "broken", "problem": "corrupt"}),
+        );
         let _: () = raw.del(redis.record_key(&broken)).await.unwrap();
 
         let out = super::ok(cmd(&["evict", "paid", "--scope", "s"]));

@@ -76,12 +76,10 @@ pub async fn outbox_rows(pg: &idemkit::postgres::PgStore, key: Option<&str>) -> 
         .unwrap()
 }
 
-/// `n` seconds.
 pub fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
-/// `n` milliseconds.
 pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
@@ -150,6 +148,15 @@ pub fn run_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
 pub fn json(text: &str) -> serde_json::Value {
     let text = text.trim().lines().last().unwrap_or_default();
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"))
+}
+
+/// Asserts that each field of the JSON object `want` has that value in `doc` (a field
+/// `doc` lacks is `null`).
+#[track_caller]
+pub fn assert_fields(doc: &serde_json::Value, want: serde_json::Value) {
+    for (field, value) in want.as_object().expect("a JSON object") {
+        assert_eq!(&doc[field], value, "{field} in {doc}");
+    }
 }
 
 /// The stderr of a [`run`] that must exit with `code`.
