@@ -15,14 +15,14 @@ mod relay {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use super::support::{ms, outbox_rows};
+    use super::support::{assert_fields, ms, outbox_rows};
     use idem_core::{
         Begin, BeginRequest, Completion, FencingToken, Fingerprint, Key, RecordId, RecordState,
         Response, Scope, Store,
     };
     use idem_testkit::harness;
     use idem_testkit::postgres::drop_schema;
-    use idem_testkit::redis::{self as testing, RedisServer};
+    use idem_testkit::redis as testing;
     use idemkit::outbox::TieredStore;
     use idemkit::postgres::PgStore;
     use idemkit::redis::RedisStore;
@@ -236,10 +236,9 @@ mod relay {
 
     #[tokio::test]
     async fn names_the_protocol_found_at_the_port() {
-        if !testing::available() {
+        let Some(redis) = testing::throwaway(&[]) else {
             return;
-        }
-        let redis = RedisServer::start().expect("start redis-server");
+        };
         let port = redis.url().rsplit(':').next().unwrap().to_owned();
         let url = format!("postgres://postgres:hunter2@127.0.0.1:{port}/test");
         let (code, _, err) = output(relay(&["dead", "list", "--store", &url])).await;
@@ -257,10 +256,9 @@ mod relay {
         let Some(db_url) = harness::database_url() else {
             return;
         };
-        if !testing::available() {
+        let Some(mut server) = testing::throwaway(&[]) else {
             return;
-        }
-        let mut server = RedisServer::start().expect("start redis-server");
+        };
         let redis_url = server.url();
         let prefix = format!("idem-relay-start-{}:", uuid::Uuid::new_v4().simple());
         let pg = migrated(&db_url).await;
@@ -325,15 +323,7 @@ mod relay {
         assert!(relay.try_wait().unwrap().is_none(), "the relay stopped");
 
         assert!(terminate(&mut relay).await.success());
-        assert!(
-            lines
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|l| l.contains("idem relay: shutting down")),
-            "{:#?}",
-            lines.lock().unwrap()
-        );
+        logged("idem relay: shutting down").await;
         drop_schema(&pg).await;
     }
 
@@ -346,19 +336,16 @@ mod relay {
             return;
         };
         let (tiered, scope) = (Arc::new(env.tiered.clone()), env.scope.clone());
-        let writers: Vec<_> = (0..8)
-            .map(|t| {
-                let (tiered, scope) = (tiered.clone(), scope.clone());
-                tokio::spawn(async move {
-                    for i in (0..ROWS).skip(t).step_by(8) {
-                        commit_unpublished(&tiered, &scope, i).await;
-                    }
-                })
-            })
-            .collect();
-        for writer in writers {
-            writer.await.expect("writer task");
+        let mut writers = tokio::task::JoinSet::new();
+        for t in 0..8 {
+            let (tiered, scope) = (tiered.clone(), scope.clone());
+            writers.spawn(async move {
+                for i in (0..ROWS).skip(t).step_by(8) {
+                    commit_unpublished(&tiered, &scope, i).await;
+                }
+            });
         }
+        writers.join_all().await;
         let pg = tiered.pg();
         assert_eq!(outbox_rows(pg, None).await, ROWS as i64);
 
@@ -435,24 +422,16 @@ mod relay {
         let (code, out, err) = dead_list(&["list", "--json"]).await;
         assert_eq!(code, Some(0), "{err}");
         let line: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON line");
-        assert_eq!(
-            (line["id"].as_i64(), line["tries"].as_i64()),
-            (Some(id), Some(3))
+        assert_fields(
+            &line,
+            serde_json::json!({"id": id, "tries": 3, "key": "broken"}),
         );
-        assert_eq!(line["key"], "broken");
 
         // Retried by id, the store given by flag: pending again, tries reset.
-        let (code, out, err) = output(relay(&[
-            "dead",
-            "retry",
-            "--id",
-            &id.to_string(),
-            "--store",
-            &format!("tiered:redis://127.0.0.1:1|{db_url}"),
-            "--schema",
-            &schema,
-        ]))
-        .await;
+        let store = format!("tiered:redis://127.0.0.1:1|{db_url}");
+        let mut retry = relay(&["dead", "retry", "--id", &id.to_string(), "--store", &store]);
+        retry.args(["--schema", &schema]);
+        let (code, out, err) = output(retry).await;
         assert_eq!(code, Some(0), "{err}");
         assert!(
             out.starts_with("1 dead outbox rows made pending again"),
@@ -548,15 +527,16 @@ mod relay {
         let ca = servers.pki.path("ca.pem");
         let store = |redis_ca: &str, pg_ca: &str| servers.tiered_url(redis_ca, pg_ca);
         let start = |store: String| {
-            relay(&["run", "--migrate", "--store", &store])
-                .args(["--metrics-listen", "127.0.0.1:0", "--log", "warn"])
+            let mut command = relay(&["run", "--migrate", "--store", &store]);
+            let args = ["--metrics-listen", "127.0.0.1:0", "--log", "warn"];
+            command
+                .args(args)
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start idem relay")
+                .stderr(Stdio::piped());
+            command
         };
 
-        let mut child = start(store(&ca, &ca));
+        let mut child = start(store(&ca, &ca)).spawn().expect("start idem relay");
         let addr = match metrics_address(&mut child).await {
             Ok(addr) => addr,
             Err(line) => {
@@ -579,16 +559,8 @@ mod relay {
         // Trusting another authority, for either store: the relay refuses to start (3).
         let other = servers.pki.path("other-ca.pem");
         for store in [store(&ca, &other), store(&other, &ca)] {
-            let out = timeout(PATIENCE, start(store).wait_with_output())
-                .await
-                .expect("exits in time")
-                .expect("output");
-            assert_eq!(
-                out.status.code(),
-                Some(3),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let (code, _, err) = output(start(store)).await;
+            assert_eq!(code, Some(3), "{err}");
         }
     }
 }
