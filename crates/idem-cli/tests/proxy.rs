@@ -93,19 +93,12 @@ async fn runs(client: &HttpClient, upstream: &Upstream, key: &str) -> (u64, Vec<
 async fn concurrent_duplicates_run_once(upstream: &Upstream, proxies: [&str; 2]) {
     let client = client();
     let key = format!("race-{}", uuid::Uuid::new_v4().simple());
-    let mut tasks = Vec::new();
+    let mut tasks = tokio::task::JoinSet::new();
     for i in 0..50 {
-        let client = client.clone();
-        let proxy = proxies[i % 2].to_owned();
-        let key = key.clone();
-        tasks.push(tokio::spawn(async move {
-            charge(&client, &proxy, &key, 400).await
-        }));
+        let (client, proxy, key) = (client.clone(), proxies[i % 2].to_owned(), key.clone());
+        tasks.spawn(async move { charge(&client, &proxy, &key, 400).await });
     }
-    let mut replies = Vec::new();
-    for task in tasks {
-        replies.push(task.await.unwrap());
-    }
+    let replies = tasks.join_all().await;
     assert_eq!(
         runs(&client, upstream, &key).await,
         (1, vec!["1".to_owned()])
@@ -409,12 +402,8 @@ mod memory {
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\n[[route]]\npath = \"/payments\"\nmethods = [\"POST\"]\nscope_header = \"X-Api-Key\"\n",
         );
         let check = |file: &std::path::Path| {
-            run(&[
-                "proxy",
-                "--check-config",
-                "--config",
-                file.to_str().unwrap(),
-            ])
+            let file = file.to_str().unwrap();
+            run(&["proxy", "--check-config", "--config", file])
         };
         let (code, stdout, err) = check(&good);
         assert_eq!(code, 0, "{err}");
@@ -462,20 +451,16 @@ mod memory {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sigterm_under_load_answers_every_request_in_flight() {
         let (_up, mut p, client) = memory_proxy(&["--shutdown-timeout", "10"]);
-        let mut tasks = Vec::new();
+        let mut tasks = tokio::task::JoinSet::new();
         for i in 0..10 {
-            let client = client.clone();
-            let base = p.printed.clone();
-            tasks.push(tokio::spawn(async move {
-                charge(&client, &base, &format!("drain-{i}"), 1000).await
-            }));
+            let (client, base) = (client.clone(), p.printed.clone());
+            tasks.spawn(async move { charge(&client, &base, &format!("drain-{i}"), 1000).await });
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
         let status = tokio::task::spawn_blocking(move || p.terminate())
             .await
             .unwrap();
-        for task in tasks {
-            let reply = task.await.unwrap();
+        for reply in tasks.join_all().await {
             assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
         }
         assert!(status.success(), "{status:?}");
@@ -581,19 +566,16 @@ on_every_shared_store!(redis, redis_cluster, postgres, tiered);
 
 mod admin {
     use super::*;
-    use idem_testkit::redis::{self as testing, RedisServer};
+    use idem_testkit::redis as testing;
 
     /// `/readyz` says ready only while the store answers; `/livez` and `/metrics` answer
     /// all along.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readyz_follows_the_store_and_metrics_count_the_upstream() {
-        if !testing::available() {
+        let redis = tokio::task::spawn_blocking(|| testing::throwaway(&[])).await;
+        let Some(mut redis) = redis.unwrap() else {
             return;
-        }
-        let mut redis = tokio::task::spawn_blocking(RedisServer::start)
-            .await
-            .unwrap()
-            .expect("start redis-server");
+        };
         let up = upstream_on(0);
         let admin_port = idem_testkit::harness::free_port().to_string();
         let admin_addr = format!("127.0.0.1:{admin_port}");
@@ -696,15 +678,12 @@ mod express {
         ];
         let pay = format!("{}/payments", p.printed);
         let body = r#"{"amount": 1250, "currency": "EUR"}"#;
-        let mut tasks = Vec::new();
+        let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..10 {
             let (client, pay) = (client.clone(), pay.clone());
-            tasks.push(tokio::spawn(async move {
-                call(&client, "POST", &pay, &headers, body).await
-            }));
+            tasks.spawn(async move { call(&client, "POST", &pay, &headers, body).await });
         }
-        for task in tasks {
-            let reply = task.await.unwrap();
+        for reply in tasks.join_all().await {
             assert!(
                 reply.status == StatusCode::CREATED || reply.status == StatusCode::CONFLICT,
                 "{reply:?}"
