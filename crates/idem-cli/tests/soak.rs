@@ -193,10 +193,10 @@ struct Process {
 }
 
 impl Process {
-    fn new(name: &str, args: &[&str], dir: &Path) -> Self {
+    fn new(name: &str, args: &str, dir: &Path) -> Self {
         Self {
             name: name.to_owned(),
-            args: args.iter().map(|a| a.to_string()).collect(),
+            args: args.split_whitespace().map(str::to_owned).collect(),
             dir: dir.to_owned(),
             child: None,
         }
@@ -325,16 +325,8 @@ impl Servers {
 
         support::exits(0, support::run(&["migrate", "--store", &store]));
 
-        let lease = LEASE.as_secs().to_string();
-        let serve_args = [
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-            &store,
-            "--lease",
-            &lease,
-        ];
+        let lease = LEASE.as_secs();
+        let serve_args = format!("serve --listen 127.0.0.1:0 --store {store} --lease {lease}");
         let bases = Bases(Arc::new(Mutex::new(vec![None; 2])));
         let mut serve = Vec::new();
         for n in 0..2 {
@@ -343,7 +335,7 @@ impl Servers {
             bases.set(n, Some(process.url()));
             serve.push(process);
         }
-        let mut relay = Process::new("relay", &["relay", "run", "--store", &store], dir);
+        let mut relay = Process::new("relay", &format!("relay run --store {store}"), dir);
         relay.start();
         Self {
             redis,
@@ -579,53 +571,42 @@ impl Clients {
     /// `until` passes, whichever comes first.
     async fn run(self, seed: u64, until: Instant) {
         let mut rng = fastrand::Rng::with_seed(seed);
+        let millis = |rng: &mut fastrand::Rng, from, to| Duration::from_millis(rng.u64(from..to));
         for _ in 0..MAX_ROUNDS {
             if self.stop.load(Ordering::SeqCst) || Instant::now() > until {
                 return;
             }
             let key = Key(rng.usize(0..KEYS));
-            let faults = Phase::Faults;
-            match rng.u8(0..10) {
+            let (own, faults) = (Body::Own, Phase::Faults);
+            let (body, delay, patience, copies) = match rng.u8(0..10) {
                 // A plain request, or a retry of one.
-                0..=2 => {
-                    self.pay(&mut rng, key, Body::Own, None, PATIENCE, faults)
-                        .await;
-                }
+                0..=2 => (own, None, PATIENCE, 1),
                 // A slow handler.
-                3 | 4 => {
-                    let delay = Duration::from_millis(rng.u64(200..1500));
-                    self.pay(&mut rng, key, Body::Own, Some(delay), PATIENCE, faults)
-                        .await;
-                }
+                3 | 4 => (own, Some(millis(&mut rng, 200, 1500)), PATIENCE, 1),
                 // A client that gives up before the slow handler is done.
                 5 => {
-                    let delay = Duration::from_millis(rng.u64(800..1500));
-                    let patience = Duration::from_millis(rng.u64(100..600));
-                    self.pay(&mut rng, key, Body::Own, Some(delay), patience, faults)
-                        .await;
+                    let delay = millis(&mut rng, 800, 1500);
+                    (own, Some(delay), millis(&mut rng, 100, 600), 1)
                 }
                 // Concurrent retries of one request.
-                6 | 7 => {
-                    let mut retries = tokio::task::JoinSet::new();
-                    for _ in 0..rng.usize(2..5) {
-                        let (clients, mut rng) = (self.clone(), rng.fork());
-                        retries.spawn(async move {
-                            clients
-                                .pay(&mut rng, key, Body::Own, None, PATIENCE, faults)
-                                .await
-                        });
-                    }
-                    retries.join_all().await;
-                }
+                6 | 7 => (own, None, PATIENCE, rng.usize(2..5)),
                 // Another body under a key already paid (else its own body).
-                _ => {
-                    let body = if self.paid[key.0].load(Ordering::SeqCst) {
-                        Body::Other
-                    } else {
-                        Body::Own
-                    };
-                    self.pay(&mut rng, key, body, None, PATIENCE, faults).await;
+                _ if self.paid[key.0].load(Ordering::SeqCst) => (Body::Other, None, PATIENCE, 1),
+                _ => (own, None, PATIENCE, 1),
+            };
+            if copies == 1 {
+                self.pay(&mut rng, key, body, delay, patience, faults).await;
+            } else {
+                let mut retries = tokio::task::JoinSet::new();
+                for _ in 0..copies {
+                    let (clients, mut rng) = (self.clone(), rng.fork());
+                    retries.spawn(async move {
+                        clients
+                            .pay(&mut rng, key, body, delay, patience, faults)
+                            .await
+                    });
                 }
+                retries.join_all().await;
             }
             tokio::time::sleep(Duration::from_millis(rng.u64(10..100))).await;
         }
