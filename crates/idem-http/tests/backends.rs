@@ -82,43 +82,24 @@ mod cases {
     use std::sync::Arc;
     use std::time::{Duration, Instant, SystemTime};
 
-    use axum::http::{HeaderMap, HeaderValue, StatusCode};
-    use axum::response::IntoResponse;
+    use axum::http::StatusCode;
     use axum::routing::post;
     use axum::Router;
     use idem_core::{Idem, Store};
-    use idem_http::{Config, IdempotencyLayer, Outcome};
+    use idem_http::{Config, Outcome};
 
     use crate::support::*;
 
-    fn layer_on(store: Arc<dyn Store>, config: Config, outcomes: &Outcomes) -> IdempotencyLayer {
-        layer_with(Idem::from_arc(store), config, outcomes)
-    }
-
-    /// `n` copies of one POST sent at once, each from a task of its own: the replies, in the
-    /// order sent.
+    /// `n` copies of one `POST /pay` sent at once, each from a task of its own: the replies,
+    /// in the order sent.
     async fn burst(
         server: &Server,
         n: usize,
-        path: &str,
-        headers: &[(&str, &str)],
-        body: &str,
+        headers: &[(&'static str, &'static str)],
+        body: &'static str,
     ) -> Vec<Reply> {
-        let owned = |s: &str| s.to_owned();
-        let headers: Vec<(String, String)> =
-            headers.iter().map(|(n, v)| (owned(n), owned(v))).collect();
         let tasks: Vec<_> = (0..n)
-            .map(|_| {
-                let (server, path, body) = (server.clone(), owned(path), owned(body));
-                let headers = headers.clone();
-                tokio::spawn(async move {
-                    let headers: Vec<(&str, &str)> = headers
-                        .iter()
-                        .map(|(n, v)| (n.as_str(), v.as_str()))
-                        .collect();
-                    server.post(&path, &headers, &body).await
-                })
-            })
+            .map(|_| server.spawn_post("/pay", headers, body))
             .collect();
         let mut replies = Vec::with_capacity(n);
         for task in tasks {
@@ -143,7 +124,7 @@ mod cases {
         let order = r#"{"amount": 1250, "currency": "EUR"}"#;
         let mut created = Vec::new();
         let mut conflicts = 0;
-        for reply in burst(&server, 24, "/pay", &headers, order).await {
+        for reply in burst(&server, 24, &headers, order).await {
             match reply.status {
                 StatusCode::CREATED => created.push(reply.body),
                 StatusCode::CONFLICT => {
@@ -188,7 +169,7 @@ mod cases {
             .with_config(idem_core::Config::default().with_wait(Duration::from_secs(5)));
         let (server, runs, _) = serve_pay(idem, Config::default()).await;
         let headers = [("idempotency-key", "burst-2"), ("x-delay-ms", "200"), JSON];
-        let replies = burst(&server, 12, "/pay", &headers, r#"{"amount": 1}"#).await;
+        let replies = burst(&server, 12, &headers, r#"{"amount": 1}"#).await;
         assert_eq!(runs.get(), 1);
         assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
         assert!(replies.iter().all(|r| r.body == replies[0].body));
@@ -201,17 +182,14 @@ mod cases {
             Config::default(),
             "/blob",
             |n, _, _| async move {
-                let n = n as u8;
-                let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n]).collect();
-                let mut headers = HeaderMap::new();
-                headers.insert(
-                    "content-type",
-                    HeaderValue::from_static("application/octet-stream"),
-                );
-                headers.insert("location", HeaderValue::from_static("/blob/7"));
-                headers.insert("set-cookie", HeaderValue::from_static("session=secret"));
-                headers.insert("x-request-id", HeaderValue::from_static("req-1"));
-                (StatusCode::ACCEPTED, headers, body).into_response()
+                let body: Vec<u8> = (0..=255u8).chain([0xff, 0xfe, n as u8]).collect();
+                let headers = [
+                    ("content-type", "application/octet-stream"),
+                    ("location", "/blob/7"),
+                    ("set-cookie", "session=secret"),
+                    ("x-request-id", "req-1"),
+                ];
+                (StatusCode::ACCEPTED, headers, body)
             },
         )
         .await;
@@ -346,13 +324,9 @@ mod cases {
         let idem = Idem::from_arc(store)
             .with_config(idem_core::Config::default().with_lease(Duration::from_millis(600)));
         let (server, runs, _) = serve_pay(idem, Config::default()).await;
-        let server = Arc::new(server);
         let headers = [("idempotency-key", "slow-1"), ("x-delay-ms", "2000"), JSON];
 
-        let first = {
-            let server = server.clone();
-            tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
-        };
+        let first = server.spawn_post("/pay", &headers, "{}");
         // Well past the first lease's length: without renewal a retry would take the key over.
         tokio::time::sleep(Duration::from_millis(1300)).await;
         let retry = server.post("/pay", &headers, "{}").await;
@@ -380,7 +354,11 @@ mod cases {
                     }
                 }),
             )
-            .layer(layer_on(store, Config::default(), &outcomes));
+            .layer(layer_with(
+                Idem::from_arc(store),
+                Config::default(),
+                &outcomes,
+            ));
         let server = serve(app).await;
 
         // A client that sends the request and hangs up while the handler runs.

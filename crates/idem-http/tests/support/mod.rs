@@ -98,6 +98,17 @@ impl Server {
         let body = Full::new(Bytes::from(body.to_owned())).boxed();
         self.send_body(path, headers, body).await.unwrap()
     }
+
+    /// [`Server::post`] in a task of its own.
+    pub fn spawn_post(
+        &self,
+        path: &'static str,
+        headers: &[(&'static str, &'static str)],
+        body: &'static str,
+    ) -> tokio::task::JoinHandle<Reply> {
+        let (server, headers) = (self.clone(), headers.to_vec());
+        tokio::spawn(async move { server.post(path, &headers, body).await })
+    }
 }
 
 /// Counts runs of the protected side effect.
