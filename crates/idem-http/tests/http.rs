@@ -11,14 +11,15 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::http::StatusCode;
+use axum::response::IntoResponse;
 use axum::routing::post;
-use axum::Router;
+use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
 use idem_core::telemetry::KeyHash;
 use idem_core::{Idem, Key, MemoryCapacity, MemoryStore, RecordId, Scope, Store};
-use idem_http::{Config, IdempotencyLayer, MissingKey, Outcome, Unstored};
+use idem_http::{Config, IdempotencyLayer, KeepInFlight, MissingKey, Outcome, Unstored};
 use idem_testkit::faults::FaultyStore;
 use idem_testkit::telemetry::{logs_of, metrics_of, FmtSpan, Level};
 use metrics_util::debugging::DebugValue;
@@ -72,14 +73,10 @@ async fn missing_or_malformed_keys_are_refused_with_400() {
     let outcomes = Outcomes::default();
     let config = Config::default().with_missing_key(MissingKey::PassThrough);
     let server = serve(pay_app(&runs, layer(MemoryStore::new(), config, &outcomes))).await;
-    assert_eq!(
-        server.post("/pay", &[JSON], "{}").await.status,
-        StatusCode::CREATED
-    );
-    assert_eq!(
-        server.post("/pay", &[JSON], "{}").await.status,
-        StatusCode::CREATED
-    );
+    for _ in 0..2 {
+        let reply = server.post("/pay", &[JSON], "{}").await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+    }
     assert_eq!(runs.get(), 2);
     assert_eq!(outcomes.count(Outcome::Unguarded), 2);
 }
@@ -431,23 +428,18 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
     let store = MemoryStore::new();
     let idem = Idem::new(store.clone())
         .with_config(idem_core::Config::default().with_lease(Duration::from_millis(300)));
-    let server = Arc::new(
-        serve(pay_app(
-            &runs,
-            layer_with(idem, Config::default(), &outcomes),
-        ))
-        .await,
-    );
+    let server = serve(pay_app(
+        &runs,
+        layer_with(idem, Config::default(), &outcomes),
+    ))
+    .await;
     let headers = [
         ("idempotency-key", "evicted-1"),
         ("x-delay-ms", "1500"),
         JSON,
     ];
 
-    let first = {
-        let server = server.clone();
-        tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
-    };
+    let first = server.spawn_post("/pay", &headers, "{}");
     tokio::time::sleep(Duration::from_millis(400)).await;
     // An operator evicts the key while the handler runs: the lease is gone.
     let id = RecordId::new(Scope::global(), idem_core::Key::new("evicted-1").unwrap());
@@ -590,12 +582,9 @@ async fn retry_after_is_a_short_hint_and_the_expiry_is_advertised_from_the_first
         if let Some(hint) = hint {
             config = config.with_in_flight_retry_after(hint);
         }
-        let server = Arc::new(serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await);
+        let server = serve(pay_app(&runs, layer_with(idem, config, &outcomes))).await;
         let headers = [("idempotency-key", "hint-1"), ("x-delay-ms", "1500"), JSON];
-        let first = {
-            let server = server.clone();
-            tokio::spawn(async move { server.post("/pay", &headers, "{}").await })
-        };
+        let first = server.spawn_post("/pay", &headers, "{}");
         while runs.get() == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -652,35 +641,20 @@ async fn a_key_in_structured_field_string_form_is_the_same_key_as_the_plain_toke
 /// `POST /unknown`: answers 504 marked [`idem_http::KeepInFlight::Always`], or, with body
 /// `broken`, a 200 whose body breaks off, marked [`idem_http::KeepInFlight::IfBodyBreaks`].
 fn unknown_app(runs: &Runs, layer: IdempotencyLayer) -> Router {
-    let runs = runs.clone();
     Router::new()
         .route(
             "/unknown",
-            post(move |body: String| {
-                let runs = runs.clone();
-                async move {
-                    runs.next();
-                    if body == "broken" {
-                        let frames = futures_util::stream::iter([
-                            Ok::<_, std::io::Error>(Frame::data(Bytes::from("part"))),
-                            Err(std::io::Error::other("upstream reset")),
-                        ]);
-                        let mut response = axum::response::Response::new(axum::body::Body::new(
-                            StreamBody::new(frames),
-                        ));
-                        response
-                            .extensions_mut()
-                            .insert(idem_http::KeepInFlight::IfBodyBreaks);
-                        return response;
-                    }
-                    let mut response =
-                        axum::response::Response::new(axum::body::Body::from("lost"));
-                    *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-                    response
-                        .extensions_mut()
-                        .insert(idem_http::KeepInFlight::Always);
-                    response
+            post_counted(runs, |_, _, body| async move {
+                if body == "broken" {
+                    let frames = futures_util::stream::iter([
+                        Ok::<_, std::io::Error>(Frame::data(Bytes::from("part"))),
+                        Err(std::io::Error::other("upstream reset")),
+                    ]);
+                    let body = axum::body::Body::new(StreamBody::new(frames));
+                    return (Extension(KeepInFlight::IfBodyBreaks), body).into_response();
                 }
+                let keep = Extension(KeepInFlight::Always);
+                (StatusCode::GATEWAY_TIMEOUT, keep, "lost").into_response()
             }),
         )
         .layer(layer)
