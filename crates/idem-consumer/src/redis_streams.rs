@@ -643,20 +643,15 @@ mod tests {
             id: "1-0".into(),
             ..StreamId::default()
         };
-        entry.map.insert(
-            PAYLOAD_FIELD.into(),
-            Value::BulkString(b"{\"a\":1}".to_vec()),
-        );
-        entry.map.insert(
-            "x-idempotency-key".into(),
-            Value::BulkString(b"k-1".to_vec()),
-        );
-        entry
-            .map
-            .insert(ATTEMPT_HEADER.into(), Value::BulkString(b"2".to_vec()));
-        entry
-            .map
-            .insert("binary".into(), Value::BulkString(vec![0xff, 0xfe]));
+        for (field, value) in [
+            (PAYLOAD_FIELD, &b"{\"a\":1}"[..]),
+            ("x-idempotency-key", b"k-1"),
+            (ATTEMPT_HEADER, b"2"),
+            ("binary", &[0xff, 0xfe]),
+        ] {
+            let value = Value::BulkString(value.to_vec());
+            entry.map.insert(field.into(), value);
+        }
         let message = message_of(&entry);
         assert_eq!(message.payload(), b"{\"a\":1}");
         assert_eq!(message.text_header("x-idempotency-key"), Some("k-1"));
