@@ -38,10 +38,6 @@ mod relay {
         scope: Scope,
     }
 
-    fn schema_name() -> String {
-        harness::unique_name("idem_t_")
-    }
-
     async fn pg_store(url: &str) -> PgStore {
         let pool = PgStore::pool_options()
             .max_connections(20)
@@ -50,7 +46,7 @@ mod relay {
             .await
             .expect("connect to IDEM_TEST_DATABASE_URL");
         let store = PgStore::new(pool)
-            .with_schema(&schema_name())
+            .with_schema(&harness::unique_name("idem_t_"))
             .expect("a valid schema name");
         idem_outbox::migrate(&store).await.expect("migrate");
         store
@@ -97,8 +93,8 @@ mod relay {
             RecordId::new(self.scope.clone(), Key::new(format!("k{i}")).expect("key"))
         }
 
-        /// Begins key `i` through the tiered store (Redis and PostgreSQL grant the lease).
-        async fn begin(&self, i: usize) -> Lease {
+        /// Begins key `i`'s request on `store`.
+        async fn begin_on(&self, store: &dyn Store, i: usize) -> Begin {
             let id = self.id(i);
             let req = BeginRequest {
                 id: &id,
@@ -107,7 +103,12 @@ mod relay {
                 lease: LEASE,
                 retention: KEEP,
             };
-            match self.tiered.begin(req).await.expect("begin") {
+            store.begin(req).await.expect("begin")
+        }
+
+        /// Begins key `i` through the tiered store (Redis and PostgreSQL grant the lease).
+        async fn begin(&self, i: usize) -> Lease {
+            match self.begin_on(&self.tiered, i).await {
                 Begin::Acquired(lease) => lease,
                 other => panic!("key {i}: expected a fresh lease, got {other:?}"),
             }
@@ -310,15 +311,7 @@ mod relay {
         assert_eq!((after.backlog, after.dead, after.failed_total), (0, 0, 0));
         assert!(after.relayed_total >= 10 + DOWN.len() as u64, "{after:?}");
         // And a retry of one of them is a replay, answered by Redis now.
-        let id = env.id(DOWN.start);
-        let req = BeginRequest {
-            id: &id,
-            fingerprint: fingerprint(DOWN.start),
-            token: FencingToken::random(),
-            lease: LEASE,
-            retention: KEEP,
-        };
-        match env.redis.begin(req).await.expect("begin on Redis") {
+        match env.begin_on(&env.redis, DOWN.start).await {
             Begin::Replay(replay) => assert_eq!(replay.completion, completion(DOWN.start)),
             other => panic!("expected a replay from Redis, got {other:?}"),
         }
