@@ -184,31 +184,27 @@ async fn a_handler_that_always_fails_is_dead_lettered_after_max_attempts_never_a
         let c = consumer(MemoryStore::new(), policy);
         let runs = AtomicU32::new(0);
         let mut m = msg("order-5", "{}");
-        let mut decisions = Vec::new();
-        loop {
+        let dead = loop {
             let d = c
                 .process(&m, |_| counted(&runs, Err(Failure::Retryable("down"))))
                 .await;
             match d {
                 Delivery::Nack { attempt, .. } => m = m.with_header(ATTEMPT_HEADER, attempt),
-                Delivery::DeadLetter { .. } => {
-                    decisions.push(d);
-                    break;
-                }
+                Delivery::DeadLetter { .. } => break d,
                 other => panic!("{on_terminal:?}: unexpected {other:?}"),
             }
             assert!(
                 runs.load(Ordering::SeqCst) <= 3,
                 "{on_terminal:?}: runs away"
             );
-        }
+        };
         assert_eq!(runs.load(Ordering::SeqCst), 3, "{on_terminal:?}");
         let Delivery::DeadLetter {
             reason: DeadLetterReason::Exhausted { error, stored },
             attempt: 3,
-        } = &decisions[0]
+        } = &dead
         else {
-            panic!("{on_terminal:?}: {:?}", decisions[0]);
+            panic!("{on_terminal:?}: {dead:?}");
         };
         assert_eq!(error, "down");
         assert_eq!(*stored, on_terminal != OnTerminal::DeadLetter);
@@ -231,11 +227,7 @@ async fn terminal_failure_twice(on_terminal: OnTerminal) -> [Delivery<u8>; 2] {
     };
     let first = c.process(&m, |_| fail()).await;
     let duplicate = c.process(&m, |_| fail()).await;
-    let expected_runs = if on_terminal == OnTerminal::DeadLetter {
-        2
-    } else {
-        1
-    };
+    let expected_runs = 1 + u32::from(on_terminal == OnTerminal::DeadLetter);
     assert_eq!(
         runs.load(Ordering::SeqCst),
         expected_runs,
