@@ -36,24 +36,15 @@ fn fp(text: &str) -> Fingerprint {
     Fingerprint::of_bytes(text.as_bytes())
 }
 
-async fn begin_with(
-    store: &dyn Store,
-    id: &RecordId,
-    fingerprint: Fingerprint,
-    token: FencingToken,
-    lease: Duration,
-    retention: Duration,
-) -> Begin {
-    store
-        .begin(BeginRequest {
-            id,
-            fingerprint,
-            token,
-            lease,
-            retention,
-        })
-        .await
-        .expect("begin")
+/// A begin of `id` by a new worker (a token of its own), kept [`KEEP`].
+fn request(id: &RecordId, fingerprint: Fingerprint, lease: Duration) -> BeginRequest<'_> {
+    BeginRequest {
+        id,
+        fingerprint,
+        token: FencingToken::random(),
+        lease,
+        retention: KEEP,
+    }
 }
 
 async fn begin(
@@ -62,7 +53,10 @@ async fn begin(
     fingerprint: Fingerprint,
     lease: Duration,
 ) -> Begin {
-    begin_with(store, id, fingerprint, FencingToken::random(), lease, KEEP).await
+    store
+        .begin(request(id, fingerprint, lease))
+        .await
+        .expect("begin")
 }
 
 fn acquired(answer: Begin) -> Lease {
@@ -313,9 +307,9 @@ pub async fn stale_lease_after_release_and_reacquire(store: Arc<dyn Store>) {
 pub async fn same_attempt_gets_its_lease_back(store: Arc<dyn Store>) {
     let scope = scope();
     let id = id(&scope, "k");
-    let token = FencingToken::random();
-    let first = acquired(begin_with(&*store, &id, fp("f"), token, LONG, KEEP).await);
-    let again = acquired(begin_with(&*store, &id, fp("f"), token, LONG, KEEP).await);
+    let req = request(&id, fp("f"), LONG);
+    let first = acquired(store.begin(req.clone()).await.expect("begin"));
+    let again = acquired(store.begin(req).await.expect("begin"));
     assert_eq!(again.token(), first.token());
     assert_eq!(again.attempt(), 1);
     complete_ok(&*store, &again, "x").await;
@@ -395,8 +389,11 @@ pub async fn abandoned_records_expire(store: Arc<dyn Store>) {
     let scope = scope();
     let id = id(&scope, "k");
     let retention = Duration::from_millis(200);
-    let token = FencingToken::random();
-    acquired(begin_with(&*store, &id, fp("f"), token, SHORT, retention).await);
+    let req = BeginRequest {
+        retention,
+        ..request(&id, fp("f"), SHORT)
+    };
+    acquired(store.begin(req).await.expect("begin"));
     sleep(SHORT + retention + Duration::from_millis(300)).await;
     assert!(
         store.get(&id).await.expect("get").is_none(),
@@ -423,14 +420,9 @@ pub async fn scopes_are_isolated(store: Arc<dyn Store>) {
         Begin::InFlight { .. }
     ));
     complete_ok(&*store, &b, "for b").await;
-    assert_eq!(
-        replayed_body(&*store, &id(&tenant_a, "same")).await,
-        "for a"
-    );
-    assert_eq!(
-        replayed_body(&*store, &id(&tenant_b, "same")).await,
-        "for b"
-    );
+    for (tenant, body) in [(&tenant_a, "for a"), (&tenant_b, "for b")] {
+        assert_eq!(replayed_body(&*store, &id(tenant, "same")).await, body);
+    }
     for (i, (scope, key)) in tricky.iter().enumerate() {
         let lease = acquired(begin(&*store, &id(scope, key), fp("f"), LONG).await);
         complete_ok(&*store, &lease, &format!("tricky-{i}")).await;
@@ -482,9 +474,7 @@ pub async fn racing_writers_on_one_lease(store: Arc<dyn Store>) {
         let completed = complete.await.expect("task").is_ok();
         let released = release.await.expect("task").is_ok();
         match (completed, released) {
-            (true, false) => {
-                assert_eq!(replayed_body(&*store, &id).await, "c")
-            }
+            (true, false) => assert_eq!(replayed_body(&*store, &id).await, "c"),
             (false, true) => assert!(store.get(&id).await.expect("get").is_none()),
             other => panic!("complete/release both {other:?}: exactly one must win"),
         }
@@ -498,13 +488,7 @@ pub async fn unreachable_is_unavailable(store: Arc<dyn Store>) {
     let started = Instant::now();
     let answer = timeout(
         Duration::from_secs(20),
-        store.begin(BeginRequest {
-            id: &id,
-            fingerprint: fp("f"),
-            token: FencingToken::random(),
-            lease: LONG,
-            retention: KEEP,
-        }),
+        store.begin(request(&id, fp("f"), LONG)),
     )
     .await
     .expect("an unreachable store must answer within its own time limit, not hang");
