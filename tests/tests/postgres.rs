@@ -13,19 +13,17 @@ mod postgres {
 
     use idem_core::telemetry::KeyHash;
     use idem_core::{
-        Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
-        RecordState, Response, Scope, Store,
+        Begin, BeginRequest, Completion, Error, Fingerprint, Key, Lease, RecordId, RecordState,
+        Response, Scope, Store,
     };
     use idem_postgres::{is_transaction_conflict, PgStore, PurgeConfig};
     use idem_testkit::harness;
     use idem_testkit::postgres::{self as pg, drop_schema};
-    use idem_tests::{create_work_table, id, insert_work, work_rows};
+    use idem_tests::{create_work_table, id, insert_work, request, work_rows, KEEP, LONG};
     use sqlx::postgres::{PgConnectOptions, PgListener};
     use sqlx::{Connection, PgConnection, PgPool};
     use tokio::time::{sleep, timeout, Instant};
 
-    const LONG: Duration = Duration::from_secs(30);
-    const KEEP: Duration = Duration::from_secs(600);
     type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
 
     // --- harness ---------------------------------------------------------------------------
@@ -274,14 +272,8 @@ mod postgres {
         Fingerprint::of_bytes(text.as_bytes())
     }
 
-    fn req<'a>(id: &'a RecordId, lease: Duration) -> BeginRequest<'a> {
-        BeginRequest {
-            id,
-            fingerprint: fp("request"),
-            token: FencingToken::random(),
-            lease,
-            retention: KEEP,
-        }
+    fn req(id: &RecordId, lease: Duration) -> BeginRequest<'_> {
+        request(id, fp("request"), lease)
     }
 
     fn done(body: &str) -> Completion {
@@ -306,20 +298,6 @@ mod postgres {
     /// A lease on `id` (acquired or taken over) for `lease`.
     async fn claim(store: &PgStore, id: &RecordId, lease: Duration) -> Lease {
         leased(store.begin(req(id, lease)).await.expect("begin"))
-    }
-
-    async fn acquire(store: &PgStore, id: &RecordId) -> Lease {
-        match begin(store, id).await {
-            Begin::Acquired(lease) => lease,
-            other => panic!("expected Acquired, got {other:?}"),
-        }
-    }
-
-    async fn take_over(store: &PgStore, id: &RecordId) -> Lease {
-        match begin(store, id).await {
-            Begin::TookOver(lease) => lease,
-            other => panic!("expected TookOver, got {other:?}"),
-        }
     }
 
     fn assert_replays(answer: Begin, body: &str) {
@@ -576,7 +554,8 @@ mod postgres {
         // The retry: in flight while the lease lives, then a takeover that finishes.
         assert!(matches!(begin(&store, &id).await, Begin::InFlight { .. }));
         sleep(lease.remaining() + Duration::from_millis(200)).await;
-        let retry = take_over(&store, &id).await;
+        let retry = claim(&store, &id, LONG).await;
+        assert_eq!(retry.attempt(), 2, "the retry takes over");
         commit_work(&store, &retry, "order-1", 2, "second").await;
         assert_done_once(&store, "order-1", "second").await;
         drop_schema(&store).await;
@@ -599,7 +578,7 @@ mod postgres {
 
         assert!(work_rows(&store).await.is_empty());
         assert!(store.get(&id).await.expect("get").is_none());
-        assert_eq!(acquire(&store, &id).await.attempt(), 1);
+        assert_eq!(claim(&store, &id, LONG).await.attempt(), 1);
         drop_schema(&store).await;
     }
 
@@ -620,7 +599,7 @@ mod postgres {
             .expect("complete");
         tx.rollback().await.expect("rollback");
         assert!(store.get(&a).await.expect("get").is_none());
-        assert_eq!(acquire(&store, &a).await.attempt(), 1);
+        assert_eq!(claim(&store, &a, LONG).await.attempt(), 1);
 
         // Claimed on the pool, completed in a transaction that rolls back: still ours.
         let b = id("b");
@@ -649,7 +628,8 @@ mod postgres {
         let id = id("k");
         let slow = claim(&store, &id, Duration::from_millis(100)).await;
         sleep(Duration::from_millis(300)).await;
-        let fast = take_over(&store, &id).await;
+        let fast = claim(&store, &id, LONG).await;
+        assert_eq!(fast.attempt(), 2, "the fast worker takes over");
         commit_work(&store, &fast, "k", 2, "fast").await;
 
         let (tx, completed) = work_and_complete(&store, &slow, "k", 1, "slow").await;

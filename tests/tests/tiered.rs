@@ -14,8 +14,7 @@ mod tiered {
     use std::time::Duration;
 
     use idem_core::{
-        Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, RecordId,
-        RecordState, Response, Store,
+        Begin, Completion, Error, Fingerprint, Lease, RecordId, RecordState, Response, Store,
     };
     use idem_outbox::TieredStore;
     use idem_postgres::PgStore;
@@ -23,14 +22,11 @@ mod tiered {
     use idem_testkit::harness;
     use idem_testkit::postgres as pg;
     use idem_testkit::redis::{throwaway, RedisServer};
-    use idem_tests::{create_work_table, id, insert_work, runs};
+    use idem_tests::{create_work_table, id, insert_work, request, runs, KEEP, LONG};
     use sqlx::PgConnection;
     use tokio::time::{sleep, timeout};
 
     use crate::common::{patient_builder, redis_pid, Stopped};
-
-    const LONG: Duration = Duration::from_secs(30);
-    const KEEP: Duration = Duration::from_secs(600);
 
     async fn redis_tier(url: &str) -> RedisStore {
         patient_builder(url, "idem-tiered")
@@ -95,16 +91,7 @@ mod tiered {
         fp: Fingerprint,
         lease: Duration,
     ) -> Begin {
-        store
-            .begin(BeginRequest {
-                id,
-                fingerprint: fp,
-                token: FencingToken::random(),
-                lease,
-                retention: KEEP,
-            })
-            .await
-            .expect("begin")
+        store.begin(request(id, fp, lease)).await.expect("begin")
     }
 
     fn spawn_begin(
@@ -175,6 +162,12 @@ mod tiered {
         rows.expect("count outbox rows")
     }
 
+    /// The state of `id`'s record in the Redis tier, if it holds one.
+    async fn in_redis(store: &TieredStore, id: &RecordId) -> Option<RecordState> {
+        let record = store.redis().get(id).await.expect("redis get");
+        record.map(|r| r.state)
+    }
+
     // --- the outbox's guarantees -----------------------------------------------------------
 
     /// Completing inside the business transaction: rollback leaves neither work rows nor
@@ -215,13 +208,7 @@ mod tiered {
             .await
             .expect("publish");
         // Redis answers the retry by itself now.
-        match store
-            .redis()
-            .get(&id)
-            .await
-            .expect("redis get")
-            .map(|r| r.state)
-        {
+        match in_redis(&store, &id).await {
             Some(RecordState::Completed(c)) => assert_eq!(c, charged("ch_1")),
             other => panic!("Redis does not hold the completion: {other:?}"),
         }
@@ -243,7 +230,7 @@ mod tiered {
             .expect("complete");
 
         server.cli(&["FLUSHALL"]).expect("FLUSHALL");
-        assert!(store.redis().get(&id).await.expect("get").is_none());
+        assert!(in_redis(&store, &id).await.is_none());
 
         assert_replays(
             &store,
@@ -252,7 +239,7 @@ mod tiered {
             "a flushed Redis let the work run again",
         )
         .await;
-        match store.redis().get(&id).await.expect("get").map(|r| r.state) {
+        match in_redis(&store, &id).await {
             Some(RecordState::Completed(c)) => assert_eq!(c, charged("ch_2")),
             other => panic!("Redis was not repaired: {other:?}"),
         }
@@ -388,7 +375,7 @@ mod tiered {
         for _ in 0..3 {
             assert_replays(&store, &id, &big, "the full replay").await;
         }
-        assert!(store.redis().get(&id).await.expect("get").is_none());
+        assert!(in_redis(&store, &id).await.is_none());
     }
 
     // --- the outbox's own schema ---------------------------------------------------------------
@@ -510,12 +497,7 @@ mod tiered {
     /// Asserts that Redis holds no record in progress for `id` (none nobody holds, and none
     /// PostgreSQL did not grant).
     async fn assert_no_claim_in_redis(store: &TieredStore, id: &RecordId) {
-        let state = store
-            .redis()
-            .get(id)
-            .await
-            .expect("redis get")
-            .map(|r| r.state);
+        let state = in_redis(store, id).await;
         assert!(
             !matches!(state, Some(RecordState::InProgress { .. })),
             "Redis holds a claim for {id}: {state:?}"

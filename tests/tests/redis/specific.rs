@@ -6,17 +6,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId,
-    RecordState, Response, Scope, Store,
+    Begin, Completion, Error, FencingToken, Fingerprint, Key, Lease, RecordId, RecordState,
+    Response, Scope, Store,
 };
 use idem_redis::{EvictionCheck, EvictionPolicyError, OversizeBody, RedisStore, ReplicationError};
 use idem_testkit::redis::{throwaway, RedisServer};
 use tokio::time::Instant;
 
-use super::super::{builder, started};
+use idem_tests::{request, KEEP, LONG};
 
-const LONG: Duration = Duration::from_secs(30);
-const KEEP: Duration = Duration::from_secs(600);
+use super::super::{builder, started};
 
 pub(crate) fn new_id(key: &str) -> RecordId {
     RecordId::new(
@@ -25,19 +24,11 @@ pub(crate) fn new_id(key: &str) -> RecordId {
     )
 }
 
-fn request(id: &RecordId, token: FencingToken, lease: Duration) -> BeginRequest<'_> {
-    BeginRequest {
-        id,
-        fingerprint: Fingerprint::of_bytes(b"f"),
-        token,
-        lease,
-        retention: KEEP,
-    }
-}
-
 /// A new `begin` of `id`, with a token of its own, and its error if it failed.
 pub(crate) async fn try_begin(store: &dyn Store, id: &RecordId) -> Result<Begin, Error> {
-    store.begin(request(id, FencingToken::random(), LONG)).await
+    store
+        .begin(request(id, Fingerprint::of_bytes(b"f"), LONG))
+        .await
 }
 
 async fn begin(store: &dyn Store, id: &RecordId) -> Begin {
@@ -566,7 +557,7 @@ pub(crate) async fn resent_calls_on(store: &RedisStore) {
     // Through the store, leases that carry their fingerprint (the record goes whole): it
     // holds the begin's fingerprint and the lease's attempt, 2 after a takeover.
     let id = new_id("kt");
-    let short = request(&id, FencingToken::random(), Duration::from_millis(30));
+    let short = request(&id, Fingerprint::of_bytes(b"f"), Duration::from_millis(30));
     let first = match store.begin(short).await.expect("begin") {
         Begin::Acquired(lease) => lease,
         other => panic!("expected Acquired, got {other:?}"),
@@ -640,9 +631,9 @@ pub async fn race_on(stores: &[Arc<dyn Store>], keys: usize, callers: usize) {
             key_callers.spawn(async move {
                 let id = RecordId::new(scope, Key::new(format!("key-{k}")).unwrap());
                 let expected = format!("charged {k}");
-                let token = FencingToken::random();
+                let req = request(&id, Fingerprint::of_bytes(b"f"), LONG);
                 loop {
-                    match store.begin(request(&id, token, LONG)).await.expect("begin") {
+                    match store.begin(req.clone()).await.expect("begin") {
                         Begin::Acquired(lease) => {
                             // The protected side effect.
                             runs[k].fetch_add(1, Ordering::SeqCst);
