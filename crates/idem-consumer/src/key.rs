@@ -230,15 +230,10 @@ mod tests {
     #[test]
     fn payload_hash_keys_ignore_volatile_fields_and_key_order() {
         let src = KeySource::PayloadHash(JsonSelection::Except(vec!["/sent_at".into()]));
-        let a = src
-            .key_of(&json(r#"{"order": 1, "amount": 5, "sent_at": "10:00"}"#))
-            .unwrap();
-        let b = src
-            .key_of(&json(r#"{"sent_at": "10:07", "amount": 5,  "order": 1}"#))
-            .unwrap();
-        let c = src
-            .key_of(&json(r#"{"order": 2, "amount": 5, "sent_at": "10:00"}"#))
-            .unwrap();
+        let key = |body| src.key_of(&json(body)).unwrap();
+        let a = key(r#"{"order": 1, "amount": 5, "sent_at": "10:00"}"#);
+        let b = key(r#"{"sent_at": "10:07", "amount": 5,  "order": 1}"#);
+        let c = key(r#"{"order": 2, "amount": 5, "sent_at": "10:00"}"#);
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert!(a.as_str().starts_with("msg-"));
@@ -253,29 +248,18 @@ mod tests {
         let src = KeySource::HeaderOrPayloadHash(IDEMPOTENCY_KEY_HEADER.into(), JsonSelection::All);
         let with = json("{}").with_header(IDEMPOTENCY_KEY_HEADER, "given");
         assert_eq!(src.key_of(&with).unwrap().as_str(), "given");
-        assert!(src
-            .key_of(&json("{}"))
-            .unwrap()
-            .as_str()
-            .starts_with("msg-"));
+        let hashed = src.key_of(&json("{}")).unwrap();
+        assert!(hashed.as_str().starts_with("msg-"));
     }
 
     #[test]
     fn fingerprints() {
+        let fp = |src: &FingerprintSource, body| src.fingerprint_of(&json(body)).unwrap();
         let raw = FingerprintSource::Payload;
-        assert_ne!(
-            raw.fingerprint_of(&json(r#"{"a":1,"b":2}"#)).unwrap(),
-            raw.fingerprint_of(&json(r#"{"b":2,"a":1}"#)).unwrap()
-        );
+        assert_ne!(fp(&raw, r#"{"a":1,"b":2}"#), fp(&raw, r#"{"b":2,"a":1}"#));
         let canonical = FingerprintSource::Json(JsonSelection::Except(vec!["/at".into()]));
-        assert_eq!(
-            canonical
-                .fingerprint_of(&json(r#"{"a":1,"b":2,"at":1}"#))
-                .unwrap(),
-            canonical
-                .fingerprint_of(&json(r#"{"b":2,"a":1,"at":2}"#))
-                .unwrap()
-        );
+        let (a, b) = (r#"{"a":1,"b":2,"at":1}"#, r#"{"b":2,"a":1,"at":2}"#);
+        assert_eq!(fp(&canonical, a), fp(&canonical, b));
         assert!(canonical.fingerprint_of(&json("<xml/>")).is_err());
     }
 
