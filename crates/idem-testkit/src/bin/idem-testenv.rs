@@ -65,13 +65,8 @@ fn start(backend: &str) -> Result<Option<Started>, String> {
         "redis" if redis::binaries_available() => {
             let server = RedisServer::start().map_err(e)?;
             let what = "Redis: started a throwaway redis-server".to_owned();
-            local(
-                "IDEM_TEST_REDIS_URL",
-                server.url(),
-                what,
-                server.port(),
-                server,
-            )
+            let (url, port) = (server.url(), server.port());
+            local("IDEM_TEST_REDIS_URL", url, what, port, server)
         }
         "postgres" if pg::binaries().is_some() => {
             // The races of the PostgreSQL tests open many connections at once.
@@ -83,24 +78,14 @@ fn start(backend: &str) -> Result<Option<Started>, String> {
         "rabbitmq" if rabbitmq::binaries().is_some() => {
             let server = RabbitServer::start().map_err(e)?;
             let what = format!("RabbitMQ: started a throwaway node {}", server.node());
-            local(
-                "IDEM_TEST_AMQP_URL",
-                server.url(),
-                what,
-                server.port(),
-                server,
-            )
+            let (url, port) = (server.url(), server.port());
+            local("IDEM_TEST_AMQP_URL", url, what, port, server)
         }
         "nats" if nats::binaries_available() => {
             let server = NatsServer::start().map_err(e)?;
             let what = "NATS: started a throwaway nats-server -js".to_owned();
-            local(
-                "IDEM_TEST_NATS_URL",
-                server.url(),
-                what,
-                server.port(),
-                server,
-            )
+            let (url, port) = (server.url(), server.port());
+            local("IDEM_TEST_NATS_URL", url, what, port, server)
         }
         "redis" | "postgres" | "rabbitmq" | "nats" => return container(backend),
         other => {
