@@ -19,22 +19,14 @@ use support::{call, client, idem, ms, request, run, secs, send, HttpClient, Proc
 
 const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
 
-/// The Python upstream on `port` (0: a free one); its base URL is `Upstream::url`.
-struct Upstream {
-    /// Held: the process is killed when the test ends.
-    _process: Proc,
-    url: String,
-}
-
-fn upstream_on(port: u16) -> Upstream {
+/// The Python upstream on `port` (0: a free one); its base URL is `Proc::printed`.
+fn upstream_on(port: u16) -> Proc {
     let mut command = Command::new("python3");
     command.arg(UPSTREAM_PY).arg(port.to_string());
-    let proc = Proc::spawn(command, "listening on");
+    let mut proc = Proc::spawn(command, "listening on");
     let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
-    Upstream {
-        _process: proc,
-        url: format!("http://127.0.0.1:{port}"),
-    }
+    proc.printed = format!("http://127.0.0.1:{port}");
+    proc
 }
 
 /// `idem proxy --upstream <upstream> --store <store> --migrate <extra>` on a free port; its
@@ -76,8 +68,8 @@ async fn post(client: &HttpClient, url: &str, key: &str) -> Reply {
 }
 
 /// How many times `key` ran upstream, and the `Idempotency-Attempt` of each run.
-async fn runs(client: &HttpClient, upstream: &Upstream, key: &str) -> (u64, Vec<String>) {
-    let url = format!("{}/count?key={key}", upstream.url);
+async fn runs(client: &HttpClient, upstream: &Proc, key: &str) -> (u64, Vec<String>) {
+    let url = format!("{}/count?key={key}", upstream.printed);
     let doc = call(client, "GET", &url, &[], "").await.json();
     let attempts = doc["attempts"]
         .as_array()
@@ -90,7 +82,7 @@ async fn runs(client: &HttpClient, upstream: &Upstream, key: &str) -> (u64, Vec<
 
 /// 50 concurrent duplicates, half through each proxy: one upstream execution, every other
 /// answer a byte-identical replay or a 409; then every retry a byte-identical replay.
-async fn concurrent_duplicates_run_once(upstream: &Upstream, proxies: [&str; 2]) {
+async fn concurrent_duplicates_run_once(upstream: &Proc, proxies: [&str; 2]) {
     let client = client();
     let key = format!("race-{}", uuid::Uuid::new_v4().simple());
     let mut tasks = tokio::task::JoinSet::new();
@@ -136,7 +128,7 @@ async fn concurrent_duplicates_run_once(upstream: &Upstream, proxies: [&str; 2])
 
 /// A proxy killed (`kill -9`) while the upstream works on a key: a retry through the other
 /// proxy gets 409 until the dead proxy's lease (2 s) ends, then runs once, attempt 2.
-async fn a_killed_proxy_leaves_its_key_to_the_lease(upstream: &Upstream, mut a: Proc, b: Proc) {
+async fn a_killed_proxy_leaves_its_key_to_the_lease(upstream: &Proc, mut a: Proc, b: Proc) {
     let client = client();
     let key = format!("crash-{}", uuid::Uuid::new_v4().simple());
     let slow = {
@@ -184,9 +176,9 @@ mod memory {
 
     /// An upstream, one proxy in front of it on the memory store with `extra` flags, and a
     /// client.
-    fn memory_proxy(extra: &[&str]) -> (Upstream, Proc, HttpClient) {
+    fn memory_proxy(extra: &[&str]) -> (Proc, Proc, HttpClient) {
         let up = upstream_on(0);
-        let p = proxy(&up.url, "memory", extra);
+        let p = proxy(&up.printed, "memory", extra);
         (up, p, client())
     }
 
@@ -524,12 +516,12 @@ impl SharedStore {
 
     /// Two proxies on this store with a 2 s lease (so that a dead proxy's key is taken over
     /// soon), and the upstream they share.
-    fn two_proxies(&self) -> (Upstream, Proc, Proc) {
+    fn two_proxies(&self) -> (Proc, Proc, Proc) {
         let mut extra: Vec<&str> = self.flags.iter().map(String::as_str).collect();
         extra.extend(["--lease", "2"]);
         let up = upstream_on(0);
-        let a = proxy(&up.url, &self.url, &extra);
-        let b = proxy(&up.url, &self.url, &extra);
+        let a = proxy(&up.printed, &self.url, &extra);
+        let b = proxy(&up.printed, &self.url, &extra);
         (up, a, b)
     }
 }
@@ -579,7 +571,7 @@ mod admin {
         let up = upstream_on(0);
         let admin_port = idem_testkit::harness::free_port().to_string();
         let admin_addr = format!("127.0.0.1:{admin_port}");
-        let p = proxy(&up.url, &redis.url(), &["--admin-listen", &admin_addr]);
+        let p = proxy(&up.printed, &redis.url(), &["--admin-listen", &admin_addr]);
         let client = client();
         let admin = |path: &'static str| {
             let (client, url) = (client.clone(), format!("http://{admin_addr}{path}"));
