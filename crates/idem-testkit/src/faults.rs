@@ -1,5 +1,6 @@
 //! A store that forwards every call to another, with switches that make `begin`, `complete`
-//! and `extend` fail as an unreachable store's, or lose the answer of a call that landed,
+//! and `extend` fail as an unreachable store's, `begin` hang, or lose the answer of a call
+//! that landed,
 //! and a count of the `complete` calls that reached it: for tests of what a caller (the
 //! engine, the HTTP layer, a consumer) does when its store fails, or of how often it stores.
 
@@ -17,6 +18,7 @@ use idem_core::{Begin, BeginRequest, Completion, Error, Lease, Record, RecordId,
 pub struct FaultyStore {
     inner: Arc<dyn Store>,
     begin_down: AtomicBool,
+    begin_hung: AtomicBool,
     complete_down: AtomicBool,
     complete_failures: AtomicUsize,
     complete_lost_answers: AtomicUsize,
@@ -36,6 +38,7 @@ impl FaultyStore {
         Self {
             inner,
             begin_down: AtomicBool::new(false),
+            begin_hung: AtomicBool::new(false),
             complete_down: AtomicBool::new(false),
             complete_failures: AtomicUsize::new(0),
             complete_lost_answers: AtomicUsize::new(0),
@@ -48,6 +51,12 @@ impl FaultyStore {
     /// While `down`, every `begin` fails without reaching the inner store.
     pub fn set_begin_down(&self, down: bool) {
         self.begin_down.store(down, Ordering::SeqCst);
+    }
+
+    /// While `hung`, every `begin` waits forever without reaching the inner store: a server
+    /// that stopped answering.
+    pub fn set_begin_hung(&self, hung: bool) {
+        self.begin_hung.store(hung, Ordering::SeqCst);
     }
 
     /// While `down`, every `complete` fails without reaching the inner store.
@@ -106,6 +115,9 @@ impl Store for FaultyStore {
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin, Error> {
         if self.begin_down.load(Ordering::SeqCst) {
             return Err(self.down());
+        }
+        if self.begin_hung.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
         }
         let answer = self.inner.begin(req).await;
         if take_one(&self.begin_lost_answers) {
