@@ -83,8 +83,6 @@ mod cases {
     use std::time::{Duration, Instant, SystemTime};
 
     use axum::http::StatusCode;
-    use axum::routing::post;
-    use axum::Router;
     use idem_core::{Idem, Store};
     use idem_http::{Config, Outcome};
 
@@ -338,28 +336,22 @@ mod cases {
     pub async fn a_client_that_disconnects_does_not_cancel_the_work(store: Arc<dyn Store>) {
         use tokio::io::AsyncWriteExt;
 
-        let (started, finished) = (Runs::default(), Runs::default());
-        let outcomes = Outcomes::default();
-        let (s, f) = (started.clone(), finished.clone());
-        let app = Router::new()
-            .route(
-                "/slow",
-                post(move || {
-                    let (s, f) = (s.clone(), f.clone());
-                    async move {
-                        let run = s.next();
-                        tokio::time::sleep(Duration::from_millis(800)).await;
-                        f.next();
-                        (StatusCode::CREATED, format!("paid, run {run}"))
-                    }
-                }),
-            )
-            .layer(layer_with(
-                Idem::from_arc(store),
-                Config::default(),
-                &outcomes,
-            ));
-        let server = serve(app).await;
+        let finished = Runs::default();
+        let f = finished.clone();
+        let (server, started, outcomes) = serve_counted(
+            Idem::from_arc(store),
+            Config::default(),
+            "/slow",
+            move |run, _, _| {
+                let f = f.clone();
+                async move {
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    f.next();
+                    (StatusCode::CREATED, format!("paid, run {run}"))
+                }
+            },
+        )
+        .await;
 
         // A client that sends the request and hangs up while the handler runs.
         let addr = server.base.strip_prefix("http://").unwrap();
