@@ -299,10 +299,11 @@ mod rabbitmq {
                 rabbit.spawn_worker(consumer.clone(), fast, handler)
             })
             .collect();
-        wait_until(Duration::from_secs(30), "the doomed worker runs", || {
-            let starts = doomed_starts.clone();
-            async move { starts.load(Ordering::SeqCst) >= 3 }
-        })
+        wait_until(
+            Duration::from_secs(30),
+            "the doomed worker runs",
+            || async { doomed_starts.load(Ordering::SeqCst) >= 3 },
+        )
         .await;
         doomed_conn
             .close(320, "test: connection lost".into())
@@ -322,10 +323,7 @@ mod rabbitmq {
         wait_until(
             Duration::from_secs(60),
             "every order has its effect",
-            || {
-                let effects = effects.clone();
-                async move { effects.lock().unwrap().len() == N as usize }
-            },
+            || async { effects.lock().unwrap().len() == N as usize },
         )
         .await;
         wait_until_settled(&rabbit, Duration::from_secs(60)).await;
@@ -391,9 +389,8 @@ mod rabbitmq {
             })
         };
         let worker = rabbit.spawn_worker(consumer, tuning(2, 6), handler);
-        wait_until(Duration::from_secs(30), "two handlers run", || {
-            let started = started.clone();
-            async move { started.load(Ordering::SeqCst) >= 2 }
+        wait_until(Duration::from_secs(30), "two handlers run", || async {
+            started.load(Ordering::SeqCst) >= 2
         })
         .await;
         let summary = worker.stop().await;

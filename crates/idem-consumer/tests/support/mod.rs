@@ -385,12 +385,9 @@ pub async fn start_and_kill_a(
     wait_until(
         Duration::from_secs(60),
         "A does its quick work and hangs on a full set of handlers",
-        || {
-            let (starts, effects) = (files.starts(), files.effects());
-            async move {
-                ChildFiles::lines(&effects).len() == QUICK as usize
-                    && ChildFiles::lines(&starts).len() >= QUICK as usize + CHILD_CONCURRENCY
-            }
+        || async {
+            ChildFiles::lines(&files.effects()).len() == QUICK as usize
+                && ChildFiles::lines(&files.starts()).len() >= QUICK as usize + CHILD_CONCURRENCY
         },
     )
     .await;
@@ -421,15 +418,12 @@ pub async fn start_b(files: &ChildFiles, test: &str, env: &[(&str, String)]) -> 
     wait_until(
         Duration::from_secs(90),
         "every message has its effect",
-        || {
-            let effects = files.effects();
-            async move {
-                let keys: BTreeSet<String> = ChildFiles::lines(&effects)
-                    .into_iter()
-                    .map(|l| l[0].clone())
-                    .collect();
-                keys.len() == CRASH_MESSAGES as usize
-            }
+        || async {
+            let keys: BTreeSet<String> = ChildFiles::lines(&files.effects())
+                .into_iter()
+                .map(|l| l[0].clone())
+                .collect();
+            keys.len() == CRASH_MESSAGES as usize
         },
     )
     .await;
