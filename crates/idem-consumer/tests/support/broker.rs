@@ -79,10 +79,7 @@ pub struct Tuning {
 
 impl Default for Tuning {
     fn default() -> Self {
-        Self {
-            concurrency: 4,
-            batch: 16,
-        }
+        tuning(4, 16)
     }
 }
 
