@@ -3,28 +3,12 @@
 //! writes to, in the test store's own schema. Its functions panic when the server refuses.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
-use idem_core::{BeginRequest, FencingToken, Fingerprint, Key, RecordId, Scope};
+use idem_core::{Key, RecordId, Scope};
 use idem_postgres::PgStore;
 use sqlx::PgConnection;
 
-/// A lease that outlives any test that does not wait for one to expire.
-pub const LONG: Duration = Duration::from_secs(30);
-/// How long records are kept in tests that do not test retention.
-pub const KEEP: Duration = Duration::from_secs(600);
-
-/// A begin of `id` by a new worker (a token of its own) for `lease`, for the request whose
-/// fingerprint is `fingerprint`, kept [`KEEP`].
-pub fn request(id: &RecordId, fingerprint: Fingerprint, lease: Duration) -> BeginRequest<'_> {
-    BeginRequest {
-        id,
-        fingerprint,
-        token: FencingToken::random(),
-        lease,
-        retention: KEEP,
-    }
-}
+pub use idem_testkit::cases::{request, KEEP, LONG};
 
 /// `key` in the scope `tenant`.
 ///

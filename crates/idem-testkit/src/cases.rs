@@ -16,13 +16,13 @@ use idem_core::{
 use tokio::time::{sleep, timeout, Instant};
 
 /// A lease that outlives any case.
-const LONG: Duration = Duration::from_secs(30);
+pub const LONG: Duration = Duration::from_secs(30);
 /// A lease meant to expire during a case.
 const SHORT: Duration = Duration::from_millis(150);
 /// Sleeping this long lets a [`SHORT`] lease expire, with margin for a slow machine.
 const PAST_SHORT: Duration = Duration::from_millis(300);
 /// Retention for completed records in cases that do not test retention.
-const KEEP: Duration = Duration::from_secs(600);
+pub const KEEP: Duration = Duration::from_secs(600);
 
 fn scope() -> Scope {
     Scope::new(format!("conformance-{}", uuid::Uuid::new_v4())).expect("short scope")
@@ -36,8 +36,8 @@ fn fp(text: &str) -> Fingerprint {
     Fingerprint::of_bytes(text.as_bytes())
 }
 
-/// A begin of `id` by a new worker (a token of its own), kept [`KEEP`].
-fn request(id: &RecordId, fingerprint: Fingerprint, lease: Duration) -> BeginRequest<'_> {
+/// A begin of `id` by a new worker (a token of its own) for `lease`, kept [`KEEP`].
+pub fn request(id: &RecordId, fingerprint: Fingerprint, lease: Duration) -> BeginRequest<'_> {
     BeginRequest {
         id,
         fingerprint,
