@@ -41,15 +41,15 @@ async fn closed_port_store(url: String) -> Arc<dyn Store> {
 
 /// A store on one server nothing listens on.
 async fn unreachable_one() -> Arc<dyn Store> {
-    let port = idem_testkit::harness::free_port();
+    let port = idem_testkit::harness::refused_port();
     closed_port_store(format!("redis://127.0.0.1:{port}")).await
 }
 
 /// A store on a cluster whose nodes nothing listens on.
 async fn unreachable_cluster() -> Arc<dyn Store> {
     let (a, b) = (
-        idem_testkit::harness::free_port(),
-        idem_testkit::harness::free_port(),
+        idem_testkit::harness::refused_port(),
+        idem_testkit::harness::refused_port(),
     );
     closed_port_store(format!("redis+cluster://127.0.0.1:{a},127.0.0.1:{b}")).await
 }

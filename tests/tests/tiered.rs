@@ -61,7 +61,7 @@ mod tiered {
 
     /// Both tiers pointed at ports nothing listens on.
     async fn unreachable() -> Arc<dyn Store> {
-        let redis = redis_tier(&format!("redis://127.0.0.1:{}", harness::free_port())).await;
+        let redis = redis_tier(&format!("redis://127.0.0.1:{}", harness::refused_port())).await;
         Arc::new(TieredStore::new(redis, pg::closed_port_store()))
     }
 

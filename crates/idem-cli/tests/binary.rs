@@ -1146,7 +1146,7 @@ mod errors {
         };
         let (redis_port, pg_port) = (port(&redis), port(&postgres));
 
-        let closed = idem_testkit::harness::free_port();
+        let closed = idem_testkit::harness::refused_port();
         for url in [
             format!("postgres://postgres@127.0.0.1:{closed}/test"),
             format!("redis://127.0.0.1:{closed}"),

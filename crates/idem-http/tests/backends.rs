@@ -460,7 +460,7 @@ mod redis {
 
     /// A store pointed at a port nothing listens on, built without connecting.
     pub(crate) fn closed_port_store() -> RedisStore {
-        let url = format!("redis://127.0.0.1:{}", harness::free_port());
+        let url = format!("redis://127.0.0.1:{}", harness::refused_port());
         RedisStore::builder(url)
             .with_prefix(prefix())
             .connect_lazy()

@@ -43,6 +43,28 @@ pub fn nats_url() -> Option<String> {
     url_from_env("IDEM_TEST_NATS_URL", "NATS")
 }
 
+/// A loopback port that refuses every connection for as long as the process runs: a
+/// socket bound to it and never listening holds it, so no server started meanwhile (another
+/// test's, on a port the OS picked) can take it. For stores pointed at a server that is not
+/// there; [`free_port`]'s port could be taken by such a server, and the store would meet a
+/// stranger's protocol instead of a refused connection.
+pub fn refused_port() -> u16 {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+        .expect("a TCP socket");
+    socket
+        .bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .expect("a loopback port the OS picks");
+    let port = socket
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .expect("the bound address")
+        .port();
+    // Held until the process exits: the port must stay refused for every later test.
+    std::mem::forget(socket);
+    port
+}
+
 /// A loopback port that was free a moment ago (the OS picked it). Another process may take
 /// it before the caller binds it; callers that start servers retry on a new port.
 pub fn free_port() -> u16 {

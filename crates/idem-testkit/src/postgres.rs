@@ -274,7 +274,7 @@ mod stores {
     pub fn closed_port_store() -> PgStore {
         let url = format!(
             "postgres://postgres@127.0.0.1:{}/test",
-            harness::free_port()
+            harness::refused_port()
         );
         let pool = PgStore::pool_options()
             .connect_lazy(&url)
