@@ -49,17 +49,12 @@ pub fn nats_url() -> Option<String> {
 /// there; [`free_port`]'s port could be taken by such a server, and the store would meet a
 /// stranger's protocol instead of a refused connection.
 pub fn refused_port() -> u16 {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
-        .expect("a TCP socket");
+    // tokio's `TcpSocket` binds without listening (std's `TcpListener` always listens).
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
     socket
-        .bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .bind(([127, 0, 0, 1], 0).into())
         .expect("a loopback port the OS picks");
-    let port = socket
-        .local_addr()
-        .ok()
-        .and_then(|a| a.as_socket())
-        .expect("the bound address")
-        .port();
+    let port = socket.local_addr().expect("the bound address").port();
     // Held until the process exits: the port must stay refused for every later test.
     std::mem::forget(socket);
     port
@@ -152,5 +147,14 @@ mod tests {
         assert!(is_stale("idem_t_1000_abcdef012345", "idem_t_"));
         assert!(!is_stale("other_1000_abcdef012345", "idem_t_"));
         assert!(!is_stale("idem_t_notanumber_x", "idem_t_"));
+    }
+
+    #[test]
+    fn a_refused_port_refuses_connections() {
+        let port = refused_port();
+        let err = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+        // Held: the OS gives the port to nobody else.
+        assert!(TcpListener::bind(("127.0.0.1", port)).is_err());
     }
 }
