@@ -61,8 +61,8 @@ pub(crate) fn insert_expires(headers: &mut HeaderMap, retention: Duration) {
         .checked_add(retention)
         .filter(|expires| *expires < UNIX_EPOCH + YEAR_10000);
     if let Some(expires) = expires {
-        let date = httpdate::fmt_http_date(expires);
-        if let Ok(value) = HeaderValue::from_str(&date) {
+        // From the `String` itself: `from_str` would copy it.
+        if let Ok(value) = HeaderValue::try_from(httpdate::fmt_http_date(expires)) {
             headers.insert(EXPIRES, value);
         }
     }
