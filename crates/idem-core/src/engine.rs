@@ -430,14 +430,24 @@ impl Idem {
     /// heartbeat of idem, used by [`Idem::execute_once`], the HTTP layer and anyone holding
     /// a lease over long work. Returns the latest lease (renewed) with the work's output.
     ///
-    /// A renewal that fails for a retryable reason (the store briefly unavailable, a call
-    /// over its time limit) is tried again at the next beat: a hiccup must not stop work
-    /// halfway. When the lease is lost (taken over or evicted), or ran out without a
-    /// renewal, `on_lost` decides:
+    /// **An outage shorter than the time left on the lease never costs the lease.** A
+    /// renewal that fails for a retryable reason (the store briefly unavailable: a timeout,
+    /// a refused or reset connection) is tried again soon, not a third of a lease later:
+    /// after 100 ms, then with a pause growing by 50 ms up to 250 ms, until the lease's
+    /// deadline (and never later than half the time left, so a try still has time to land).
+    /// Each try is bounded by the time left on the lease as well as by
+    /// [`Config::store_timeout`], since an answer after the deadline cannot keep the lease.
+    /// While the store answers, renewals stay at one every third of a lease, with no extra
+    /// calls.
+    ///
+    /// When the lease is lost (taken over or evicted), or ran out without a renewal,
+    /// `on_lost` decides:
     ///
     /// - [`OnLost::Cancel`]: `work` is dropped at its next `.await` and the error returned;
     /// - [`OnLost::Finish`]: renewing stops and `work` runs to its end; this never returns an
-    ///   error, and storing the outcome afterwards finds [`Error::LeaseLost`].
+    ///   error, and storing the outcome afterwards finds [`Error::LeaseLost`]. Past its local
+    ///   deadline a lease is still renewed (with a pause growing to a third of a lease) as
+    ///   long as nobody took it over.
     ///
     /// The work finishing wins over a heartbeat due at the same moment.
     ///
@@ -470,25 +480,36 @@ impl Idem {
     ) -> Result<(Lease, O), Error> {
         let every = (self.config.lease / 3).max(Duration::from_millis(1));
         let mut work = std::pin::pin!(work);
+        // The pause before the next renewal: a third of a lease while the store answers;
+        // after a failed try, a short backoff (see `retry_pause`).
+        let mut pause = every;
+        let mut failed_tries = 0u32;
         loop {
             // A renewal in progress is raced against the work too, so the work is polled
             // while the store answers.
             let beat = async {
-                tokio::time::sleep(every).await;
-                self.extend(&lease).await
+                tokio::time::sleep(pause).await;
+                self.renew(&lease).await
             };
             tokio::select! {
                 // The work finishing wins over a due heartbeat.
                 biased;
                 out = &mut work => return Ok((lease, out)),
                 renewed = beat => match renewed {
-                    Ok(renewed) => lease = renewed,
+                    Ok(renewed) => {
+                        lease = renewed;
+                        pause = every;
+                        failed_tries = 0;
+                    }
                     // Finish keeps trying past the local deadline: a lease nobody took
                     // over still renews.
                     Err(e) if e.is_retryable()
                         && (on_lost == OnLost::Finish || !lease.remaining().is_zero()) =>
                     {
-                        tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e, "lease renewal failed; trying again");
+                        failed_tries += 1;
+                        pause = retry_pause(failed_tries, lease.remaining(), every);
+                        tracing::warn!(key_hash = %KeyHash::of(lease.id()), error = %e,
+                            retry_in_ms = pause.as_millis() as u64, "lease renewal failed; trying again");
                     }
                     Err(e) => match on_lost {
                         // Lost, or expired without a renewal: the work future is dropped
@@ -505,4 +526,39 @@ impl Idem {
             }
         }
     }
+
+    /// One renewal of the heartbeat, bounded by the time left on `lease`: past that the
+    /// answer can no longer keep the lease, and the next try should be on its way. (The
+    /// call is also bounded by [`Config::store_timeout`].) Past the deadline, only the
+    /// store's time limit bounds it.
+    async fn renew(&self, lease: &Lease) -> Result<Lease, Error> {
+        let left = lease.remaining();
+        if left.is_zero() {
+            return self.extend(lease).await;
+        }
+        match tokio::time::timeout(left, self.extend(lease)).await {
+            Ok(renewed) => renewed,
+            Err(elapsed) => Err(Error::unavailable(self.store.name(), elapsed)),
+        }
+    }
+}
+
+/// The pause before the first try after a renewal failed as unavailable.
+const RENEW_RETRY_FIRST: Duration = Duration::from_millis(100);
+
+/// The longest pause between two tries of a failed renewal while the lease has time left.
+const RENEW_RETRY_MAX: Duration = Duration::from_millis(250);
+
+/// The pause before try `failed + 1` of a renewal that failed `failed` times in a row, with
+/// `left` on the lease: 100 ms, then 50 ms more each time up to 250 ms, and never more than
+/// half of `left` (at least 1 ms), so a store that answers again before the deadline is
+/// asked in time. Past the deadline (`left` zero: only under [`OnLost::Finish`]) the pause
+/// doubles up to a third of a lease (`every`), since nothing is lost by waiting any more.
+fn retry_pause(failed: u32, left: Duration, every: Duration) -> Duration {
+    let steps = failed.saturating_sub(1).min(8);
+    if left.is_zero() {
+        return (RENEW_RETRY_MAX * 2u32.pow(steps)).min(every.max(RENEW_RETRY_MAX));
+    }
+    let pause = (RENEW_RETRY_FIRST + Duration::from_millis(50) * steps).min(RENEW_RETRY_MAX);
+    pause.min(left / 2).max(Duration::from_millis(1))
 }

@@ -232,6 +232,118 @@ async fn a_failed_heartbeat_does_not_cancel_the_work() {
     );
 }
 
+/// The clock of tokio's timer, which a test with `start_paused` moves: the memory store on
+/// it expires leases as the paused test's sleeps pass.
+#[derive(Debug)]
+struct TimerClock(Instant);
+
+impl idem_core::Clock for TimerClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+/// A memory store on the timer's clock, behind switches that stall its renewals.
+fn faulty_on_timer() -> Arc<FaultyStore> {
+    let memory = MemoryStore::with_clock(Arc::new(TimerClock(Instant::now())));
+    Arc::new(FaultyStore::new(memory))
+}
+
+/// An engine on `store` with a 3 s lease and a 1.5 s time limit on store calls, and the
+/// lease of a fresh key.
+async fn on_faulty(store: &Arc<FaultyStore>, key: &str) -> (Idem, Lease) {
+    let idem = Idem::from_arc(store.clone()).with_config(
+        Config::default()
+            .with_lease(Duration::from_secs(3))
+            .with_store_timeout(Duration::from_millis(1500)),
+    );
+    let lease = acquired(&idem, key).await;
+    (idem, lease)
+}
+
+/// A store that stalls from 0.5 s to 2.9 s into a 3 s lease (shorter than the time left
+/// when the first renewal is due, at 1 s): that renewal fails at the store's time limit
+/// (2.5 s), and the lease survives only if the next try comes before the deadline and
+/// waits out the stall. Another worker at 3.2 s finds the key held, and the work (6 s)
+/// completes under the lease.
+#[tokio::test(start_paused = true)]
+async fn a_stall_shorter_than_the_lease_never_costs_it() {
+    use idem_core::OnLost;
+
+    for on_lost in [OnLost::Cancel, OnLost::Finish] {
+        let store = faulty_on_timer();
+        let (idem, lease) = on_faulty(&store, "stall").await;
+        let started = Instant::now();
+        let rival = idem.clone();
+        let (lease, taken) = idem
+            .run_with_heartbeat(lease, on_lost, async {
+                sleep(Duration::from_millis(500)).await;
+                store.set_extend_stalled(true);
+                sleep(Duration::from_millis(2400)).await;
+                store.set_extend_stalled(false);
+                // Past the lease granted at the start: another worker finds it renewed.
+                sleep(Duration::from_millis(300)).await;
+                let rival = rival.begin(&id("stall"), fp()).await.unwrap();
+                sleep(Duration::from_millis(2800)).await;
+                rival
+            })
+            .await
+            .unwrap();
+        assert_eq!(started.elapsed(), Duration::from_secs(6));
+        assert!(
+            matches!(taken, Begin::InFlight { .. }),
+            "{on_lost:?}: {taken:?}"
+        );
+        idem.complete(&lease, Response::new(201, "once"))
+            .await
+            .unwrap();
+        // The renewal due at 1 s (timed out at 2.5 s), its retry at 2.6 s (answered when
+        // the stall ended, at 2.9 s), then one every second: 3.9 s, 4.9 s, 5.9 s.
+        assert_eq!(store.extends(), 5, "{on_lost:?}");
+    }
+}
+
+/// While the store answers, the heartbeat renews once every third of a lease, no more.
+#[tokio::test(start_paused = true)]
+async fn a_healthy_store_gets_one_renewal_per_third_of_a_lease() {
+    use idem_core::OnLost;
+
+    let store = faulty_on_timer();
+    let (idem, lease) = on_faulty(&store, "healthy").await;
+    let work = sleep(Duration::from_millis(10_500));
+    let (lease, ()) = idem
+        .run_with_heartbeat(lease, OnLost::Cancel, work)
+        .await
+        .unwrap();
+    assert_eq!(store.extends(), 10);
+    idem.complete(&lease, Response::new(200, "done"))
+        .await
+        .unwrap();
+}
+
+/// A stall longer than the time left: the lease runs out, and `Cancel` gives the work up
+/// with the renewal's error instead of letting it run on as if it held the key.
+#[tokio::test(start_paused = true)]
+async fn a_stall_longer_than_the_lease_costs_it() {
+    use idem_core::OnLost;
+
+    let store = faulty_on_timer();
+    let (idem, lease) = on_faulty(&store, "long-stall").await;
+    store.set_extend_stalled(true);
+    let work = sleep(Duration::from_secs(10));
+    let err = idem
+        .run_with_heartbeat(lease, OnLost::Cancel, work)
+        .await
+        .unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    // A retry after the deadline takes the key over: attempt 2.
+    store.set_extend_stalled(false);
+    match idem.begin(&id("long-stall"), fp()).await.unwrap() {
+        Begin::TookOver(lease) => assert_eq!(lease.attempt(), 2),
+        other => panic!("expected a takeover, got {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn a_lost_lease_under_on_lost_finish_lets_the_work_end() {
     use idem_core::OnLost;

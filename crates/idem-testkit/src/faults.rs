@@ -1,7 +1,7 @@
 //! A store that forwards every call to another, with switches that make `begin`, `complete`
-//! and `extend` fail as an unreachable store's, `begin` hang, or lose the answer of a call
-//! that landed,
-//! and a count of the `complete` calls that reached it: for tests of what a caller (the
+//! and `extend` fail as an unreachable store's, `begin` hang, `extend` stall (as a paused
+//! server's, answered once it resumes), or lose the answer of a call that landed,
+//! and a count of the `complete` and `extend` calls that reached it: for tests of what a caller (the
 //! engine, the HTTP layer, a consumer) does when its store fails, or of how often it stores.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -24,7 +24,10 @@ pub struct FaultyStore {
     complete_lost_answers: AtomicUsize,
     begin_lost_answers: AtomicUsize,
     extend_failures: AtomicUsize,
+    /// While true, `extend` waits (it goes on to the inner store once false again).
+    extend_stalled: tokio::sync::watch::Sender<bool>,
     completes: AtomicUsize,
+    extends: AtomicUsize,
 }
 
 impl FaultyStore {
@@ -44,7 +47,9 @@ impl FaultyStore {
             complete_lost_answers: AtomicUsize::new(0),
             begin_lost_answers: AtomicUsize::new(0),
             extend_failures: AtomicUsize::new(0),
+            extend_stalled: tokio::sync::watch::Sender::new(false),
             completes: AtomicUsize::new(0),
+            extends: AtomicUsize::new(0),
         }
     }
 
@@ -85,6 +90,18 @@ impl FaultyStore {
     /// The next `n` calls of `extend` fail without reaching the inner store; later ones work.
     pub fn fail_next_extends(&self, n: usize) {
         self.extend_failures.store(n, Ordering::SeqCst);
+    }
+
+    /// While `stalled`, every `extend` waits; when the stall ends, the waiting calls go on to
+    /// the inner store and answer (unless their caller gave up on them): a server paused
+    /// with `SIGSTOP` and resumed.
+    pub fn set_extend_stalled(&self, stalled: bool) {
+        self.extend_stalled.send_replace(stalled);
+    }
+
+    /// How many calls of `extend` were made, failed and stalled ones included.
+    pub fn extends(&self) -> usize {
+        self.extends.load(Ordering::SeqCst)
     }
 
     /// How many calls of `complete` were made, failed ones included.
@@ -140,6 +157,10 @@ impl Store for FaultyStore {
         self.inner.release(lease).await
     }
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
+        self.extends.fetch_add(1, Ordering::SeqCst);
+        let mut stalled = self.extend_stalled.subscribe();
+        // The sender lives as long as `self`, so this wait ends only with the stall.
+        let _ = stalled.wait_for(|stalled| !stalled).await;
         if take_one(&self.extend_failures) {
             return Err(self.down());
         }
