@@ -127,6 +127,20 @@ impl Problem {
         Self::new(status, "outcome-not-recorded", title, detail).retry_after(retry_after)
     }
 
+    /// 503 with `retry_after`: the handler ran, but its lease was lost before its response
+    /// was stored, so the key will never replay it. A 503 rather than a 409: this request
+    /// did run (a 409 says that it did not), its answer is not final, and generic HTTP
+    /// clients retry a 503 with its `Retry-After` by default, which is what converges on the
+    /// key's one recorded answer.
+    pub(crate) fn lease_lost(retry_after: Duration) -> Self {
+        let detail = "the request was processed, but its hold on the idempotency key ran out \
+                      before its response was recorded, and another attempt may hold the key \
+                      now: this response is not the key's answer. Retry with the same \
+                      idempotency key to receive the key's recorded answer";
+        let (status, title) = (StatusCode::SERVICE_UNAVAILABLE, "Idempotency lease lost");
+        Self::new(status, "lease-lost", title, detail).retry_after(retry_after)
+    }
+
     /// 500: the stored response is not an HTTP response.
     pub(crate) fn bad_record() -> Self {
         let detail = "the response stored for this idempotency key is not an HTTP response";

@@ -57,7 +57,7 @@
 //! is `urn:idem:problem:<kind>`: `idempotency-key-missing`, `idempotency-key-invalid`,
 //! `request-body-too-large`, `request-body-unreadable`, `idempotency-key-reused`,
 //! `principal-missing`, `request-in-flight`, `store-unavailable`, `store-error`,
-//! `outcome-not-recorded`, `stored-response-invalid`.
+//! `outcome-not-recorded`, `lease-lost`, `stored-response-invalid`.
 //!
 //! ## Work outlives the connection, scope, fingerprint, what is stored
 //!
@@ -158,8 +158,14 @@
 //!   stays down past the whole lease does a retry take the key over and run the handler
 //!   again, with [`IdempotencyInfo::attempt`] above 1 telling it so.
 //!
-//! If the lease was lost instead (taken over by a retry after it expired, or evicted by an
-//! operator), the response is sent unstored: another request now owns the key.
+//! If the lease was lost instead (taken over by a retry after it expired, released, or
+//! evicted by an operator), nothing of this request can be stored, and its response is
+//! never sent as if it were the key's answer: the client gets 503 `lease-lost` with
+//! `Retry-After`, and its retry with the same key converges on the key's one recorded
+//! answer (409 while the other attempt runs, then its replay). A lease is lost this way
+//! only when the store stayed unreachable past the lease's deadline (the heartbeat retries
+//! a failed renewal within 250 ms until then), and then the other attempt may have run
+//! while this one still did: see [`IdempotencyInfo::attempt`].
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;

@@ -29,6 +29,10 @@ pub enum Outcome {
     /// The store failed: 503 (or 500 for a store error that retrying will not fix) before the
     /// handler ran, or 503 after it when its response could not be stored in time.
     StoreError,
+    /// The handler ran, but its lease was lost before its response was stored (taken over
+    /// by a retry after it expired, or evicted): answered 503 `lease-lost`, since the key
+    /// will never replay this response.
+    LeaseLost,
     /// The handler ran without idempotency: no key under [`crate::MissingKey::PassThrough`],
     /// or the store was unavailable under [`crate::Config::fail_open`].
     Unguarded,
@@ -36,7 +40,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, in declaration order (for pre-registering metric labels).
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::Executed,
         Outcome::NotStored,
         Outcome::Replayed,
@@ -44,11 +48,13 @@ impl Outcome {
         Outcome::Mismatch,
         Outcome::Rejected,
         Outcome::StoreError,
+        Outcome::LeaseLost,
         Outcome::Unguarded,
     ];
 
     /// A stable snake_case name, usable as a metric label: `executed`, `not_stored`,
-    /// `replayed`, `in_flight`, `mismatch`, `rejected`, `store_error`, `unguarded`.
+    /// `replayed`, `in_flight`, `mismatch`, `rejected`, `store_error`, `lease_lost`,
+    /// `unguarded`.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
@@ -58,6 +64,7 @@ impl Outcome {
             Outcome::Mismatch => "mismatch",
             Outcome::Rejected => "rejected",
             Outcome::StoreError => "store_error",
+            Outcome::LeaseLost => "lease_lost",
             Outcome::Unguarded => "unguarded",
         }
     }

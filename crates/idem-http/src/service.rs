@@ -390,6 +390,9 @@ where
                 Kept::Unrecorded => {
                     return Problem::not_recorded(config.store_retry_after).into_response()
                 }
+                Kept::Superseded => {
+                    return Problem::lease_lost(config.store_retry_after).into_response()
+                }
             }
             ResponseBody::buffered(bytes, trailers)
         }
@@ -401,10 +404,13 @@ where
 enum Kept {
     /// Stored for replay (by the layer, or by the handler in its transaction).
     Stored,
-    /// Not stored: its status is not stored (the key released), or the lease was lost.
+    /// Not stored: its status is not stored (the key released).
     Unstored,
     /// It should have been stored and the store failed: it must not be sent as done.
     Unrecorded,
+    /// It should have been stored and the lease was lost (taken over, released or
+    /// evicted): the key will never replay it, so it must not be sent as the answer.
+    Superseded,
 }
 
 /// Stores a whole response when its status should be (else releases the key), unless the
@@ -440,6 +446,7 @@ async fn keep(
         Kept::Stored => Outcome::Executed,
         Kept::Unstored => Outcome::NotStored,
         Kept::Unrecorded => Outcome::StoreError,
+        Kept::Superseded => Outcome::LeaseLost,
     });
     kept
 }
@@ -457,10 +464,10 @@ async fn not_completed(
         Error::LeaseLost if holds(&shared.idem, lease, &stored).await => Kept::Stored,
         Error::LeaseLost => {
             // Another request took the key over after this lease expired (or an operator
-            // evicted it): nothing of ours can be stored, and this response is the truth
-            // for this request.
-            tracing::warn!("lease lost before the response was stored");
-            Kept::Unstored
+            // evicted it): nothing of ours can be stored. Sending this response as a
+            // success would leave two clients of one key with two different answers.
+            tracing::warn!("lease lost before the response was stored; answered 503 lease-lost");
+            Kept::Superseded
         }
         e => {
             tracing::warn!(error = %e, "storing the response failed; retrying");

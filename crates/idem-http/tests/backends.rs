@@ -50,6 +50,8 @@ macro_rules! backend_cases {
             one_scope_never_sees_another_scopes_response,
             a_5xx_releases_the_key_and_a_4xx_is_stored,
             a_slow_handler_keeps_its_lease_alive,
+            a_store_stall_shorter_than_the_lease_never_costs_it,
+            a_stale_holder_never_sends_a_2xx_the_key_will_not_replay,
             a_client_that_disconnects_does_not_cancel_the_work,
         );
         $(
@@ -331,6 +333,84 @@ mod cases {
         assert_eq!(retry.status, StatusCode::CONFLICT);
         assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
         assert_eq!(runs.get(), 1);
+    }
+
+    /// `store` behind switches that stall its renewals, under an engine with `lease` and a
+    /// time limit of `store_timeout` on store calls, serving `POST /pay`.
+    async fn pay_on_stallable(
+        store: Arc<dyn Store>,
+        lease: Duration,
+        store_timeout: Duration,
+    ) -> (
+        Server,
+        Runs,
+        Outcomes,
+        Arc<idem_testkit::faults::FaultyStore>,
+    ) {
+        let faulty = Arc::new(idem_testkit::faults::FaultyStore::from_arc(store));
+        let config = idem_core::Config::default()
+            .with_lease(lease)
+            .with_store_timeout(store_timeout);
+        let idem = Idem::from_arc(faulty.clone()).with_config(config);
+        let (server, runs, outcomes) = serve_pay(idem, Config::default()).await;
+        (server, runs, outcomes, faulty)
+    }
+
+    /// The store stalls from 0.5 s to 2.6 s into a 3 s lease while the handler works for
+    /// 6 s: the renewal due at 1 s times out at 2.2 s, its retry waits out the stall, and
+    /// the lease holds. Retries all along get 409, the handler runs once.
+    pub async fn a_store_stall_shorter_than_the_lease_never_costs_it(store: Arc<dyn Store>) {
+        let (lease, limit) = (Duration::from_secs(3), Duration::from_millis(1200));
+        let (server, runs, _, faulty) = pay_on_stallable(store, lease, limit).await;
+        let headers = [("idempotency-key", "stall-1"), ("x-delay-ms", "6000"), JSON];
+        let started = Instant::now();
+        let first = server.spawn_post("/pay", &headers, "{}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        faulty.set_extend_stalled(true);
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        faulty.set_extend_stalled(false);
+        // Retries past the first grant's deadline (3 s) until the handler is done.
+        while started.elapsed() < Duration::from_millis(5500) {
+            let retry = server.post("/pay", &headers, "{}").await;
+            assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert_eq!(runs.get(), 1);
+        let replay = server.post("/pay", &headers, "{}").await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, first.body);
+    }
+
+    /// The store stalls for longer than the lease (1.5 s) while the handler works for 3 s:
+    /// a retry at 2 s takes the key over and its run is stored. The first run's 201 is then
+    /// not the key's answer: its client gets 503 `lease-lost`, and its retry the stored
+    /// answer of the second run. Every 2xx any client saw is the one stored answer.
+    pub async fn a_stale_holder_never_sends_a_2xx_the_key_will_not_replay(store: Arc<dyn Store>) {
+        let (lease, limit) = (Duration::from_millis(1500), Duration::from_millis(500));
+        let (server, runs, outcomes, faulty) = pay_on_stallable(store, lease, limit).await;
+        let slow = [("idempotency-key", "stale-1"), ("x-delay-ms", "3000"), JSON];
+        let fast = [("idempotency-key", "stale-1"), JSON];
+        let first = server.spawn_post("/pay", &slow, "{}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        faulty.set_extend_stalled(true);
+        tokio::time::sleep(Duration::from_millis(1800)).await;
+        let second = server.post("/pay", &fast, "{}").await;
+        assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+        faulty.set_extend_stalled(false);
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+        assert_eq!(first.problem_type(), "urn:idem:problem:lease-lost");
+        assert_eq!(outcomes.count(Outcome::LeaseLost), 1);
+        assert_eq!(
+            runs.get(),
+            2,
+            "the overlap: the second attempt ran beside the first"
+        );
+        let retry = server.post("/pay", &slow, "{}").await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, second.body);
     }
 
     pub async fn a_client_that_disconnects_does_not_cancel_the_work(store: Arc<dyn Store>) {

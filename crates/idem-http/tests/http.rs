@@ -445,13 +445,11 @@ async fn a_lease_lost_while_the_handler_runs_leaves_nothing_stored() {
     let id = RecordId::new(Scope::global(), idem_core::Key::new("evicted-1").unwrap());
     assert!(store.evict(&id).await.unwrap());
     let first = first.await.unwrap();
-    assert_eq!(
-        first.status,
-        StatusCode::CREATED,
-        "the handler's answer is still sent"
-    );
-    assert!(!first.replayed());
-    assert_eq!(outcomes.count(Outcome::NotStored), 1);
+    // The handler's 201 is not the key's answer (nothing will replay it): never sent as one.
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    assert_eq!(first.problem_type(), "urn:idem:problem:lease-lost");
+    assert!(first.header("retry-after").is_some());
+    assert_eq!(outcomes.count(Outcome::LeaseLost), 1);
     assert_eq!(
         store.get(&id).await.unwrap(),
         None,
