@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::telemetry::KeyHash;
@@ -239,6 +240,8 @@ pub struct Context {
     id: RecordId,
     attempt: u32,
     lease: Lease,
+    /// What [`Context::retry_after`] asked for, read once the handler has returned.
+    retry_after: Arc<Mutex<Option<Duration>>>,
 }
 
 impl Context {
@@ -266,6 +269,18 @@ impl Context {
     /// A stable key for a downstream step of this message: see [`child_key`].
     pub fn child_key(&self, step: &str) -> Key {
         child_key(self.id.key(), step)
+    }
+
+    /// Asks that, if this attempt fails with [`Failure::Retryable`], the next one start no
+    /// sooner than `after` (say, the `Retry-After` a service the handler called answered
+    /// with): the retry then waits the longer of `after` and the policy's delay, at most
+    /// [`Policy::max_retry_delay`]. The last call wins; without one, the policy's delay.
+    pub fn retry_after(&self, after: Duration) {
+        // A poisoned lock only means another clone panicked mid-write of an Option.
+        *self
+            .retry_after
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(after);
     }
 }
 
@@ -429,6 +444,8 @@ impl Consumer {
             }
         };
         let max_attempts = self.policy.max_attempts.max(1);
+        let asked = Arc::new(Mutex::new(None));
+        let retry_after = asked.clone();
         let work = |lease: Lease| async move {
             let attempt = before.saturating_add(lease.attempt());
             if attempt > max_attempts {
@@ -447,6 +464,7 @@ impl Consumer {
                 id: lease.id().clone(),
                 attempt,
                 lease,
+                retry_after,
             };
             match handler(ctx).await {
                 Ok(value) => Ok(value),
@@ -470,7 +488,12 @@ impl Consumer {
         };
         let decision = match self.idem.execute_once(&id, fingerprint, work).await {
             Ok(once) => self.on_once(once, before),
-            Err(e) => self.on_error(e, before),
+            Err(e) => {
+                let asked = *asked
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                self.on_error(e, before, asked)
+            }
         };
         match &decision {
             Delivery::DeadLetter { reason, attempt } => {
@@ -513,7 +536,13 @@ impl Consumer {
         }
     }
 
-    fn on_error<T>(&self, error: OnceError<RunError>, before: u32) -> Delivery<T> {
+    /// The decision for a run that failed; `asked`: the handler's [`Context::retry_after`].
+    fn on_error<T>(
+        &self,
+        error: OnceError<RunError>,
+        before: u32,
+        asked: Option<Duration>,
+    ) -> Delivery<T> {
         match error {
             OnceError::Work {
                 error:
@@ -524,7 +553,10 @@ impl Consumer {
                     },
                 ..
             } => Delivery::Nack {
-                after: self.policy.retry_delay_after(attempt),
+                after: self
+                    .policy
+                    .retry_delay_after(attempt)
+                    .max(asked.unwrap_or_default().min(self.policy.max_retry_delay)),
                 attempt,
                 error,
             },

@@ -464,10 +464,14 @@ impl Broker for Received {
     }
 }
 
-/// The [`Message`] of a delivery: its payload, and its text and integer headers (others,
-/// such as `x-death`, are left out).
+/// The [`Message`] of a delivery: its payload, its `content-type` property as the header
+/// `content-type`, and its text and integer headers (others, such as `x-death`, are left
+/// out; a `content-type` among them wins over the property).
 pub fn message_of(delivery: &AmqpDelivery) -> Message {
     let mut message = Message::new(delivery.data.clone());
+    if let Some(content_type) = delivery.properties.content_type() {
+        message = message.with_header("content-type", content_type.as_str());
+    }
     if let Some(headers) = delivery.properties.headers() {
         for (name, value) in headers.inner() {
             if let Some(value) = header_value(value) {

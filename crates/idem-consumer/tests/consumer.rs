@@ -171,6 +171,52 @@ async fn transient_failures_are_nacked_with_backoff_then_succeed_once() {
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
 
+/// A retryable failure whose handler asked for a later retry (a `Retry-After` it was given)
+/// waits the longer of that and the policy's delay, never past `max_retry_delay`.
+#[tokio::test]
+async fn a_retry_waits_for_what_the_handler_asked_within_the_longest_delay() {
+    let policy = Policy::default()
+        .with_retry_delay(Duration::from_millis(100))
+        .with_max_retry_delay(Duration::from_secs(10));
+    let c = consumer(MemoryStore::new(), policy);
+    let nack_after = |m: Message, asked: Option<Duration>| {
+        let c = c.clone();
+        async move {
+            let d: Delivery<u32> = c
+                .process(&m, |ctx| async move {
+                    if let Some(asked) = asked {
+                        ctx.retry_after(asked);
+                    }
+                    Err(Failure::Retryable("busy"))
+                })
+                .await;
+            match d {
+                Delivery::Nack { after, .. } => after,
+                other => panic!("expected a nack, got {other:?}"),
+            }
+        }
+    };
+    assert_eq!(
+        nack_after(msg("ra-1", "{}"), None).await,
+        Duration::from_millis(100)
+    );
+    let asked = Some(Duration::from_secs(3));
+    assert_eq!(
+        nack_after(msg("ra-2", "{}"), asked).await,
+        Duration::from_secs(3)
+    );
+    let shorter = Some(Duration::from_millis(10));
+    assert_eq!(
+        nack_after(msg("ra-3", "{}"), shorter).await,
+        Duration::from_millis(100)
+    );
+    let longer = Some(Duration::from_secs(3600));
+    assert_eq!(
+        nack_after(msg("ra-4", "{}"), longer).await,
+        Duration::from_secs(10)
+    );
+}
+
 #[tokio::test]
 async fn a_handler_that_always_fails_is_dead_lettered_after_max_attempts_never_acked() {
     for on_terminal in [
