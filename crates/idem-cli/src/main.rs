@@ -13,6 +13,7 @@ use idem_core::telemetry::LATENCY_BUCKETS;
 use idem_core::{Key, RecordId, Scope};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
+mod consume;
 mod ledger;
 mod ops;
 mod proxy;
@@ -81,6 +82,9 @@ enum Command {
     Serve(ServeArgs),
     /// Run the idempotency gateway in front of any HTTP service.
     Proxy(Box<proxy::ProxyArgs>),
+    /// Deliver each message of a RabbitMQ queue, NATS JetStream subject or Redis stream
+    /// once per idempotency key to an HTTP handler of any service.
+    Consume(Box<consume::ConsumeArgs>),
     /// Show one record: state, lease holder and time left, attempts, expiry, stored response.
     Inspect(RecordArgs),
     /// Delete one record whatever its state, so that the key runs again. On a tiered store:
@@ -340,7 +344,7 @@ fn main() -> ExitCode {
     };
     let default_level = match &cli.command {
         // sqlx reports every statement at info: its warnings are enough.
-        Command::Serve(_) | Command::Proxy(_) => "info,sqlx=warn".to_owned(),
+        Command::Serve(_) | Command::Proxy(_) | Command::Consume(_) => "info,sqlx=warn".to_owned(),
         Command::Relay(relay::RelayCommand::Run(args)) => {
             let level = args.log;
             format!("{level},sqlx={}", level.min(tracing::Level::WARN))
@@ -409,6 +413,7 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             Ok(Done::ok("idem demo: stopped\n".into()))
         }
         Command::Proxy(args) => proxy::run(*args).await,
+        Command::Consume(args) => consume::run(*args).await,
         Command::Inspect(args) => {
             let (opened, id) = open_for_record(&args).await?;
             ops::inspect(opened.store().as_ref(), &id, json).await
