@@ -1,0 +1,601 @@
+//! `idem consume` as a user runs it: a real process reading a real broker and delivering to
+//! a real handler (a Python standard-library service, `tests/handler.py`, that counts its
+//! runs per key). Each broker's tests live in a module named after it (`rabbitmq`, `nats`,
+//! `redis`), so that `scripts/test rabbitmq` runs them; `scripts/test` provides the URLs
+//! (`IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`, `IDEM_TEST_REDIS_URL`), and with
+//! `IDEM_TEST_REQUIRE_BACKENDS=1` a missing server fails the test. Within a broker, the
+//! cases that need no shared store run on the memory store (`memory_store`), and those that
+//! need one (a second process taking over from a killed one) on Redis (`shared_store`).
+//! Every test has queues or streams and a key prefix of its own.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem_testkit::harness::{eventually, unique_name};
+use support::{call, client, idem, ms, run, secs, HttpClient, Proc};
+
+const HANDLER_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/handler.py");
+
+/// The Python handler on `port` (0: a free one); its base URL is `Proc::printed`.
+fn handler_on(port: u16) -> Proc {
+    let mut command = Command::new("python3");
+    command.arg(HANDLER_PY).arg(port.to_string());
+    let mut proc = Proc::spawn(command, "listening on");
+    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
+    proc.printed = format!("http://127.0.0.1:{port}");
+    proc
+}
+
+/// How many times `key` ran in the handler, with which `Idempotency-Attempt`s, and the
+/// headers of its last run.
+async fn runs(
+    client: &HttpClient,
+    handler: &str,
+    key: &str,
+) -> (u64, Vec<String>, serde_json::Value) {
+    let doc = call(
+        client,
+        "GET",
+        &format!("{handler}/count?key={key}"),
+        &[],
+        "",
+    )
+    .await
+    .json();
+    let attempts = doc["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap_or("").to_owned())
+        .collect();
+    (doc["runs"].as_u64().unwrap(), attempts, doc["last"].clone())
+}
+
+/// A running `idem consume`, killed (SIGKILL) when dropped; what it wrote is kept.
+struct Consume {
+    child: Option<Child>,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Consume {
+    /// `idem consume --from <from> --to <to> <args>`, with the consumer's decisions logged,
+    /// once it says it is consuming.
+    fn start(from: &str, to: &str, args: &[&str]) -> Consume {
+        let mut command = idem(&["consume", "--from", from, "--to", to]);
+        command
+            .args(args)
+            .env("RUST_LOG", "info,idem_consumer=debug")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().expect("spawn idem consume");
+        let keep = |pipe: Box<dyn std::io::Read + Send>| {
+            let text = Arc::new(Mutex::new(String::new()));
+            let kept = text.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    let mut text = kept.lock().unwrap();
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+            });
+            text
+        };
+        let stdout = keep(Box::new(child.stdout.take().unwrap()));
+        let stderr = keep(Box::new(child.stderr.take().unwrap()));
+        let consume = Consume {
+            child: Some(child),
+            stdout,
+            stderr,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !consume.stdout().contains("idem consume: consuming") {
+            let exited = consume.child.as_ref().map(|c| c.id());
+            assert!(
+                Instant::now() < deadline,
+                "idem consume {exited:?} did not start; stderr: {}",
+                consume.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        consume
+    }
+
+    fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// How many deliveries the consumer decided to ack (its debug lines).
+    fn acked(&self) -> usize {
+        self.stderr().matches(" acked key_hash=").count()
+    }
+
+    /// Waits until `n` deliveries were decided acked.
+    async fn until_acked(&self, n: usize) {
+        let acked = || async { (self.acked() >= n).then_some(()) };
+        eventually(&format!("{n} acked"), secs(30), ms(50), acked).await;
+    }
+
+    /// SIGKILL, as a crash.
+    fn kill(&mut self) {
+        let mut child = self.child.take().expect("running");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// SIGTERM; its exit status and its last line on stdout, within 30 s.
+    fn terminate(&mut self) -> (ExitStatus, String) {
+        let mut child = self.child.take().expect("running");
+        support::signal(child.id(), "TERM");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "no exit 30 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // The reader thread may be a moment behind the exit.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.stdout().contains("stopped") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let last = self.stdout().lines().last().unwrap_or_default().to_owned();
+        (status, last)
+    }
+}
+
+impl Drop for Consume {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A broker with a queue or stream of the test's own.
+trait Broker: Sized {
+    /// Opens the broker, `None` (the test returns) when its URL is not set.
+    async fn open() -> Option<Self>;
+    /// The `--from` of `idem consume`.
+    fn from(&self) -> String;
+    /// Publishes `payload` with the key header `key`, confirmed by the broker.
+    async fn publish(&self, key: &str, payload: &str);
+    /// How many messages reached the dead-letter queue or stream.
+    async fn dead_letters(&self) -> u64;
+    /// Deletes the queues or streams.
+    async fn delete(&self);
+}
+
+/// Extra flags for every `idem consume` of the tests: short redelivery, quick retries.
+const QUICK: [&str; 8] = [
+    "--redelivery",
+    "2",
+    "--retry-delay",
+    "0.1",
+    "--max-retry-delay",
+    "0.5",
+    "--concurrency",
+    "4",
+];
+
+/// The memory store's flags.
+fn memory_store() -> Vec<String> {
+    vec!["--store".into(), "memory".into()]
+}
+
+/// Redis at `IDEM_TEST_REDIS_URL` as the store, with a prefix of the test's own.
+fn redis_store() -> Option<Vec<String>> {
+    let url = idem_testkit::harness::redis_url()?;
+    let prefix = format!("{}:", unique_name("idem_consume_"));
+    Some(vec!["--store".into(), url, "--prefix".into(), prefix])
+}
+
+fn with<'a>(store: &'a [String], extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args: Vec<&str> = store.iter().map(String::as_str).collect();
+    args.extend_from_slice(&QUICK);
+    args.extend_from_slice(extra);
+    args
+}
+
+/// One message published 5 times: the handler runs once, and every copy is acked; the
+/// handler gets the payload, its content type, the key and the attempt.
+async fn a_message_published_five_times_runs_once<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let mut consume = Consume::start(&broker.from(), &handler.printed, &with(&store, &[]));
+    let key = format!("dup-{}", uuid::Uuid::new_v4().simple());
+    for _ in 0..5 {
+        broker.publish(&key, r#"{"delay_ms": 300}"#).await;
+    }
+    consume.until_acked(5).await;
+    let (status, last) = consume.terminate();
+    assert!(status.success(), "{status:?}: {}", consume.stderr());
+    assert!(last.contains("5 acked"), "{last}");
+    let client = client();
+    let (count, attempts, headers) = runs(&client, &handler.printed, &key).await;
+    assert_eq!((count, attempts), (1, vec!["1".to_owned()]));
+    assert_eq!(headers["idempotency-key"], key.as_str());
+    assert_eq!(headers["content-type"], "application/json");
+    assert_eq!(headers[":path"], "/");
+    assert_eq!(broker.dead_letters().await, 0);
+    broker.delete().await;
+}
+
+/// The handler answers 422: dead-lettered at once, never run again.
+async fn a_terminal_answer_is_dead_lettered_at_once<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let _consume = Consume::start(&broker.from(), &handler.printed, &with(&store, &[]));
+    let key = format!("bad-{}", uuid::Uuid::new_v4().simple());
+    broker.publish(&key, r#"{"status": 422}"#).await;
+    let dead = || async { (broker.dead_letters().await == 1).then_some(()) };
+    eventually("the dead letter", secs(20), ms(100), dead).await;
+    tokio::time::sleep(ms(700)).await;
+    let client = client();
+    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
+    assert_eq!((count, attempts), (1, vec!["1".to_owned()]));
+    broker.delete().await;
+}
+
+/// The handler answers 500 every time: retried with backoff up to `--max-attempts`, then
+/// dead-lettered.
+async fn a_failing_handler_is_retried_then_dead_lettered<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &["--max-attempts", "3"]);
+    let _consume = Consume::start(&broker.from(), &handler.printed, &args);
+    let key = format!("fail-{}", uuid::Uuid::new_v4().simple());
+    broker.publish(&key, r#"{"status": 500}"#).await;
+    let dead = || async { (broker.dead_letters().await == 1).then_some(()) };
+    eventually("the dead letter", secs(30), ms(100), dead).await;
+    tokio::time::sleep(ms(700)).await;
+    let client = client();
+    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
+    assert_eq!(
+        (count, attempts),
+        (3, vec!["1".into(), "2".into(), "3".into()])
+    );
+    broker.delete().await;
+}
+
+/// The handler is down (connections refused) when the message comes, then up: the message
+/// is not lost, and runs once.
+async fn a_handler_down_then_up_loses_nothing<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let port = idem_testkit::harness::free_port();
+    let to = format!("http://127.0.0.1:{port}");
+    let args = with(&store, &["--max-attempts", "100"]);
+    let consume = Consume::start(&broker.from(), &to, &args);
+    let key = format!("down-{}", uuid::Uuid::new_v4().simple());
+    broker.publish(&key, "{}").await;
+    let refused = || async { consume.stderr().contains("did not answer").then_some(()) };
+    eventually("a refused delivery", secs(20), ms(50), refused).await;
+    let handler = handler_on(port);
+    consume.until_acked(1).await;
+    let client = client();
+    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
+    assert_eq!(count, 1, "{attempts:?}");
+    assert_eq!(broker.dead_letters().await, 0);
+    broker.delete().await;
+}
+
+/// `kill -9` of `idem consume` while the handler works on a message: the broker delivers it
+/// again to a second process on the same store, which waits for the dead one's lease (2 s)
+/// to end, then runs it once, as attempt 2.
+async fn a_killed_consumer_leaves_its_message_to_the_lease<B: Broker>() {
+    let Some(store) = redis_store() else { return };
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &["--lease", "2"]);
+    let mut first = Consume::start(&broker.from(), &handler.printed, &args);
+    let key = format!("crash-{}", uuid::Uuid::new_v4().simple());
+    broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
+    let client = client();
+    let arrived = || async { (runs(&client, &handler.printed, &key).await.0 > 0).then_some(()) };
+    eventually("the first run", secs(20), ms(50), arrived).await;
+    first.kill();
+    let second = Consume::start(&broker.from(), &handler.printed, &args);
+    second.until_acked(1).await;
+    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
+    assert_eq!((count, attempts), (2, vec!["1".to_owned(), "2".to_owned()]));
+    assert_eq!(broker.dead_letters().await, 0);
+    broker.delete().await;
+}
+
+/// The cases, each a `#[tokio::test]` of the broker `$broker`.
+macro_rules! consume_suite {
+    ($broker:ty) => {
+        mod memory_store {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_message_published_five_times_runs_once() {
+                crate::a_message_published_five_times_runs_once::<$broker>(crate::memory_store())
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_terminal_answer_is_dead_lettered_at_once() {
+                crate::a_terminal_answer_is_dead_lettered_at_once::<$broker>(crate::memory_store())
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_failing_handler_is_retried_then_dead_lettered() {
+                crate::a_failing_handler_is_retried_then_dead_lettered::<$broker>(
+                    crate::memory_store(),
+                )
+                .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_handler_down_then_up_loses_nothing() {
+                crate::a_handler_down_then_up_loses_nothing::<$broker>(crate::memory_store()).await;
+            }
+        }
+
+        mod shared_store {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_message_published_five_times_runs_once() {
+                let Some(store) = crate::redis_store() else {
+                    return;
+                };
+                crate::a_message_published_five_times_runs_once::<$broker>(store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_killed_consumer_leaves_its_message_to_the_lease() {
+                crate::a_killed_consumer_leaves_its_message_to_the_lease::<$broker>().await;
+            }
+        }
+    };
+}
+
+#[test]
+fn a_malformed_from_names_the_broker_and_its_form() {
+    for (from, broker, form) in [
+        ("amqp://guest:guest@127.0.0.1:5672", "RabbitMQ", "/QUEUE"),
+        (
+            "nats://127.0.0.1:4222/ORDERS",
+            "NATS JetStream",
+            "/STREAM/SUBJECT",
+        ),
+        ("redis://127.0.0.1:6379/x/y/z", "Redis Streams", "/STREAM"),
+        ("kafka://127.0.0.1:9092/orders", "amqp://", "nats://"),
+    ] {
+        let (code, _, err) = run(&["consume", "--from", from, "--to", "http://127.0.0.1:1"]);
+        assert_eq!(code, 2, "{from}: {err}");
+        assert!(err.contains(broker) && err.contains(form), "{from}: {err}");
+    }
+}
+
+/// RabbitMQ at `IDEM_TEST_AMQP_URL`.
+mod rabbitmq {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+    pub struct Rabbit {
+        url: String,
+        queue: String,
+        _conn: Connection,
+        channel: Channel,
+    }
+
+    impl crate::Broker for Rabbit {
+        async fn open() -> Option<Self> {
+            let url = idem_testkit::harness::url_from_env("IDEM_TEST_AMQP_URL", "RabbitMQ")?;
+            let conn = Connection::connect(&url, ConnectionProperties::default())
+                .await
+                .expect("connect to RabbitMQ");
+            let channel = conn.create_channel().await.expect("channel");
+            let confirm = channel.confirm_select(ConfirmSelectOptions::default());
+            confirm.await.expect("confirm_select");
+            Some(Self {
+                url: url.trim_end_matches('/').to_owned(),
+                queue: crate::unique_name("idem-consume-"),
+                _conn: conn,
+                channel,
+            })
+        }
+
+        fn from(&self) -> String {
+            format!("{}/{}", self.url, self.queue)
+        }
+
+        async fn publish(&self, key: &str, payload: &str) {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                "x-idempotency-key".into(),
+                AMQPValue::LongString(key.into()),
+            );
+            let props = BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into())
+                .with_headers(headers);
+            let confirm = self
+                .channel
+                .basic_publish(
+                    "".into(),
+                    self.queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    payload.as_bytes(),
+                    props,
+                )
+                .await
+                .expect("publish")
+                .await
+                .expect("confirm");
+            assert!(confirm.is_ack(), "the broker refused a test message");
+        }
+
+        async fn dead_letters(&self) -> u64 {
+            let dead = format!("{}.dead", self.queue);
+            let declared = self
+                .channel
+                .queue_declare(
+                    dead.as_str().into(),
+                    QueueDeclareOptions::default().passive(),
+                    FieldTable::default(),
+                )
+                .await
+                .expect("passive declare");
+            declared.message_count().into()
+        }
+
+        async fn delete(&self) {
+            let topology = idem_consumer::rabbitmq::Topology::for_queue(self.queue.clone());
+            topology.delete(&self.channel).await.expect("delete queues");
+        }
+    }
+
+    consume_suite!(Rabbit);
+}
+
+/// NATS JetStream at `IDEM_TEST_NATS_URL`.
+mod nats {
+    use async_nats::jetstream::{self, Context as JetStream};
+    use async_nats::HeaderMap;
+
+    pub struct Nats {
+        url: String,
+        js: JetStream,
+        stream: String,
+        subject: String,
+    }
+
+    impl crate::Broker for Nats {
+        async fn open() -> Option<Self> {
+            let url = idem_testkit::harness::nats_url()?;
+            let client = async_nats::connect(url.as_str())
+                .await
+                .expect("connect to NATS");
+            let name = crate::unique_name("IDEMC_");
+            Some(Self {
+                url: url.trim_end_matches('/').to_owned(),
+                js: jetstream::new(client),
+                subject: format!("idemc.{}", name.to_lowercase()),
+                stream: name,
+            })
+        }
+
+        fn from(&self) -> String {
+            format!("{}/{}/{}", self.url, self.stream, self.subject)
+        }
+
+        async fn publish(&self, key: &str, payload: &str) {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-idempotency-key", key);
+            headers.insert("content-type", "application/json");
+            self.js
+                .publish_with_headers(self.subject.clone(), headers, payload.to_owned().into())
+                .await
+                .expect("publish")
+                .await
+                .expect("the stream confirms");
+        }
+
+        async fn dead_letters(&self) -> u64 {
+            let mut stream = self
+                .js
+                .get_stream(format!("{}-dead", self.stream))
+                .await
+                .expect("the dead-letter stream");
+            stream.info().await.expect("stream info").state.messages
+        }
+
+        async fn delete(&self) {
+            let topology =
+                idem_consumer::nats::Topology::new(self.stream.clone(), self.subject.clone());
+            topology.delete(&self.js).await.expect("delete streams");
+        }
+    }
+
+    consume_suite!(Nats);
+}
+
+/// Redis Streams at `IDEM_TEST_REDIS_URL`.
+mod redis {
+    use ::redis::aio::ConnectionManager;
+
+    pub struct Streams {
+        url: String,
+        conn: ConnectionManager,
+        stream: String,
+    }
+
+    impl crate::Broker for Streams {
+        async fn open() -> Option<Self> {
+            let url = idem_testkit::harness::redis_url()?;
+            let client = ::redis::Client::open(url.as_str()).expect("a Redis URL");
+            let conn = client
+                .get_connection_manager()
+                .await
+                .expect("connect to Redis");
+            Some(Self {
+                url: url.trim_end_matches('/').to_owned(),
+                conn,
+                stream: crate::unique_name("idem-consume-"),
+            })
+        }
+
+        fn from(&self) -> String {
+            format!("{}/{}", self.url, self.stream)
+        }
+
+        async fn publish(&self, key: &str, payload: &str) {
+            ::redis::cmd("XADD")
+                .arg(&self.stream)
+                .arg("*")
+                .arg("payload")
+                .arg(payload)
+                .arg("x-idempotency-key")
+                .arg(key)
+                .arg("content-type")
+                .arg("application/json")
+                .query_async::<String>(&mut self.conn.clone())
+                .await
+                .expect("XADD");
+        }
+
+        async fn dead_letters(&self) -> u64 {
+            ::redis::cmd("XLEN")
+                .arg(format!("{}.dead", self.stream))
+                .query_async(&mut self.conn.clone())
+                .await
+                .expect("XLEN")
+        }
+
+        async fn delete(&self) {
+            let topology = idem_consumer::redis_streams::Topology::new(self.stream.clone());
+            topology
+                .delete(&mut self.conn.clone())
+                .await
+                .expect("delete streams");
+        }
+    }
+
+    consume_suite!(Streams);
+}
