@@ -1201,6 +1201,33 @@ mod errors {
         assert_eq!(super::json(&err)["error"]["kind"], "unsupported");
     }
 
+    /// `idem serve` starts while nothing answers at its Redis (it waits, answering 503), but
+    /// refuses to start, as `idem stats` does, when another server answers there: a
+    /// PostgreSQL port will never become a Redis.
+    #[test]
+    fn serve_refuses_a_redis_url_at_a_postgresql_port() {
+        let Some(postgres) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        let pg_port = postgres
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap();
+        let redis = format!("redis://127.0.0.1:{pg_port}");
+        for store in [redis.clone(), format!("tiered:{redis}|{postgres}")] {
+            let serve = ["serve", "--listen", "127.0.0.1:0", "--store", &store];
+            let err = super::exits(3, super::run(&[&serve[..], &["--migrate"]].concat()));
+            assert!(
+                err.contains("speaks PostgreSQL and this URL expects Redis: use postgres://"),
+                "{store}: {err}"
+            );
+            assert!(!err.contains("unreachable at start"), "{store}: {err}");
+        }
+    }
+
     /// A fake AMQP broker on a free port: it answers any greeting with AMQP's protocol
     /// header, as RabbitMQ does.
     fn fake_amqp() -> u16 {

@@ -560,6 +560,31 @@ mod admin {
     use super::*;
     use idem_testkit::redis as testing;
 
+    /// The proxy starts while nothing answers at its Redis (`/readyz` says so), but refuses
+    /// to start when another server answers there: a PostgreSQL port will never become a
+    /// Redis, and waiting for it would answer 503 for good.
+    #[test]
+    fn a_redis_url_at_a_postgresql_port_is_refused_at_start() {
+        let Some(postgres) = idem_testkit::harness::database_url() else {
+            return;
+        };
+        let pg_port = postgres
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap();
+        let store = format!("redis://127.0.0.1:{pg_port}");
+        let args = ["proxy", "--listen", "127.0.0.1:0", "--store", &store];
+        let (code, _, err) = run(&[&args[..], &["--upstream", "http://127.0.0.1:9"]].concat());
+        assert_eq!(code, 3, "{err}");
+        assert!(
+            err.contains("speaks PostgreSQL and this URL expects Redis: use postgres://"),
+            "{err}"
+        );
+    }
+
     /// `/readyz` says ready only while the store answers; `/livez` and `/metrics` answer
     /// all along.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

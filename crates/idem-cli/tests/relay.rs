@@ -251,6 +251,33 @@ mod relay {
         assert!(!err.contains("hunter2"), "{err}");
     }
 
+    /// `run` starts while nothing answers at its Redis, never when another server answers
+    /// there: a PostgreSQL port given as the Redis half is refused, as `dead list` refuses a
+    /// Redis port given as PostgreSQL.
+    #[tokio::test]
+    async fn run_refuses_a_redis_url_at_a_postgresql_port() {
+        let Some(db_url) = harness::database_url() else {
+            return;
+        };
+        let pg = migrated(&db_url).await;
+        let pg_port = db_url
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap();
+        let store = format!("tiered:redis://127.0.0.1:{pg_port}|{db_url}");
+        let run = ["run", "--store", &store, "--schema", pg.schema()];
+        let (code, _, err) = output(relay(&run)).await;
+        assert_eq!(code, Some(3), "{err}");
+        assert!(
+            err.contains("speaks PostgreSQL and this URL expects Redis: use postgres://"),
+            "{err}"
+        );
+        drop_schema(&pg).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn starts_while_redis_is_down_and_relays_once_it_returns() {
         let Some(db_url) = harness::database_url() else {

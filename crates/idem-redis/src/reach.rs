@@ -25,12 +25,25 @@ impl RedisStoreBuilder {
             Ok(redis) => Ok((redis, true)),
             Err(error) if is_unreachable(&error) => {
                 tracing::debug!(redis = name, %error, "Redis out of reach at start");
-                let redis = self.connect_lazy()?;
-                tokio::spawn(announce_when_reachable(redis.clone(), name.to_owned()));
-                Ok((redis, false))
+                Ok((self.connect_later(name)?, false))
             }
             Err(error) => Err(error),
         }
+    }
+
+    /// Builds the store without connecting, as [`RedisStoreBuilder::connect_lazy`], and
+    /// spawns a task that logs `Redis reachable` once it answers (trying every second): the
+    /// second half of [`RedisStoreBuilder::connect_or_wait`], for a caller that looks at why
+    /// [`RedisStoreBuilder::connect`] failed before starting without Redis. `name` is how the
+    /// log names this Redis (without its password).
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStoreBuilder::connect_lazy`].
+    pub fn connect_later(self, name: &str) -> Result<RedisStore, Error> {
+        let redis = self.connect_lazy()?;
+        tokio::spawn(announce_when_reachable(redis.clone(), name.to_owned()));
+        Ok(redis)
     }
 }
 

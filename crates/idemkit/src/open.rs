@@ -193,10 +193,7 @@ pub async fn open(url: &StoreUrl, options: &ConnectOptions) -> Result<Opened, Op
             MemoryStore::new().with_capacity(options.memory_capacity),
         ))),
         #[cfg(feature = "redis")]
-        StoreUrl::Redis(redis) => match open_redis(redis, options, false).await {
-            Ok(store) => Ok(Opened::Redis(store)),
-            Err(e) => Err(OpenError::explained(url, redis, e).await),
-        },
+        StoreUrl::Redis(redis) => Ok(Opened::Redis(open_redis(url, redis, options, false).await?)),
         #[cfg(feature = "postgres")]
         StoreUrl::Postgres(postgres) => {
             let pg = match open_pg(postgres, options).await {
@@ -214,10 +211,7 @@ pub async fn open(url: &StoreUrl, options: &ConnectOptions) -> Result<Opened, Op
             };
             // Redis before the schema: a Redis URL it refuses is found before a migration
             // writes anything.
-            let redis = match open_redis(redis, options, true).await {
-                Ok(redis) => redis,
-                Err(e) => return Err(OpenError::explained(url, redis, e).await),
-            };
+            let redis = open_redis(url, redis, options, true).await?;
             ready_schema(url, &pg, options, true).await?;
             Ok(Opened::Tiered(idem_outbox::TieredStore::new(redis, pg)))
         }
@@ -226,40 +220,57 @@ pub async fn open(url: &StoreUrl, options: &ConnectOptions) -> Result<Opened, Op
     }
 }
 
-/// Connects to Redis. With [`ConnectOptions::wait_for_redis`], when it is out of reach
-/// (nothing listens, no answer), builds the store anyway and says so in one log line: a
-/// service started during a Redis outage starts, its calls answer [`Error::Unavailable`]
-/// (the middleware's 503) until Redis answers, and `Redis reachable` is logged then; on a
-/// tiered store (`tiered`) PostgreSQL answers alone meanwhile. A Redis that refuses us (a
-/// wrong password, a certificate from another authority) is an error.
+/// Connects to Redis (`redis`, the Redis URL of the store `url`). With
+/// [`ConnectOptions::wait_for_redis`], when nothing answers at its address (nothing listens,
+/// no answer), builds the store anyway and says so in one log line: a service started
+/// during a Redis outage starts, its calls answer [`Error::Unavailable`] (the middleware's
+/// 503) until Redis answers, and `Redis reachable` is logged then; on a tiered store
+/// (`tiered`) PostgreSQL answers alone meanwhile. A Redis that refuses us (a wrong password,
+/// a certificate from another authority), or another server at that address, is an error.
 ///
 /// Only a Redis a service runs on alone is checked for persistence (a warning): an
 /// operator's command reading records is no reason to, and the Redis of a tiered store
 /// needs none, PostgreSQL being the arbiter.
 #[cfg(feature = "redis")]
 async fn open_redis(
-    url: &str,
+    url: &StoreUrl,
+    redis: &str,
     options: &ConnectOptions,
     tiered: bool,
-) -> Result<idem_redis::RedisStore, Error> {
-    let mut builder = idem_redis::RedisStore::builder(url)
+) -> Result<idem_redis::RedisStore, OpenError> {
+    let mut builder = idem_redis::RedisStore::builder(redis)
         .with_persistence_check(options.wait_for_redis && !tiered);
     if let Some(prefix) = &options.prefix {
         builder = builder.with_prefix(prefix.clone());
     }
-    if !options.wait_for_redis {
-        return builder.connect().await;
+    let error = match builder.clone().connect().await {
+        Ok(store) => return Ok(store),
+        Err(error) => error,
+    };
+    if !options.wait_for_redis || !idem_redis::is_unreachable(&error) {
+        return Err(OpenError::explained(url, redis, error).await);
     }
-    let name = crate::url::redact(url);
-    let (store, answered) = builder.connect_or_wait(&name).await?;
-    if !answered {
-        let meanwhile = if tiered {
-            "PostgreSQL answers alone, and completions wait in its outbox, until it returns"
-        } else {
-            "calls fail as unavailable until it answers"
-        };
-        tracing::warn!(redis = %name, "Redis unreachable at start: {meanwhile}");
+    // Another server at that port (PostgreSQL's, a broker's) drops or garbles the
+    // connection much as a Redis out of reach does, but will never become the Redis the URL
+    // names: waiting for it would answer 503 until someone reads the log.
+    if let Some(hint) = crate::reach::foreign(redis).await {
+        return Err(OpenError {
+            kind: OpenErrorKind::Unreachable,
+            message: format!("cannot open store {url}: {hint}"),
+            source: error,
+        });
     }
+    let name = crate::url::redact(redis);
+    tracing::debug!(redis = %name, %error, "Redis out of reach at start");
+    let store = builder
+        .connect_later(&name)
+        .map_err(|e| OpenError::plain(url, e))?;
+    let meanwhile = if tiered {
+        "PostgreSQL answers alone, and completions wait in its outbox, until it returns"
+    } else {
+        "calls fail as unavailable until it answers"
+    };
+    tracing::warn!(redis = %name, "Redis unreachable at start: {meanwhile}");
     Ok(store)
 }
 

@@ -25,19 +25,44 @@ pub async fn explain(url: &str, e: &Error) -> Option<String> {
         source = cause.source();
     }
     // The driver's error does not say (a pool that timed out retrying hides the refusals):
-    // ask the port itself, off the runtime's threads.
+    // ask the port itself.
+    let reach = ask(&addr).await;
+    describe(url, &addr, reach)
+}
+
+/// What answers at `url`'s address instead of the server the URL expects (another
+/// protocol, or a Redis without the TLS a `rediss://` URL asks for), said as [`explain`]
+/// says it; `None` when nothing answers there, or nothing that tells. A service may start
+/// and wait for a server that is not there yet, never for one that another server's port
+/// will never become.
+pub async fn foreign(url: &str) -> Option<String> {
+    let (host, port) = host_port(url)?;
+    let addr = format!("{host}:{port}");
+    match ask(&addr).await {
+        reach @ Reach::Speaks(_) => describe(url, &addr, reach),
+        _ => None,
+    }
+}
+
+/// [`probe`] of `addr`, off the runtime's threads.
+async fn ask(addr: &str) -> Reach {
+    let target = addr.to_owned();
+    tokio::task::spawn_blocking(move || probe(&target))
+        .await
+        .unwrap_or(Reach::Unknown)
+}
+
+/// What `reach`, found at `addr`, means for `url`, with its fix; `None` when it is what the
+/// URL expects, or tells nothing.
+fn describe(url: &str, addr: &str, reach: Reach) -> Option<String> {
     let expected = if url.starts_with("postgres") {
         Protocol::Postgres
     } else {
         Protocol::Redis
     };
     let tls = url.starts_with("rediss");
-    let target = addr.clone();
-    let reach = tokio::task::spawn_blocking(move || probe(&target))
-        .await
-        .unwrap_or(Reach::Unknown);
     match reach {
-        Reach::Refused => Some(refused(&addr)),
+        Reach::Refused => Some(refused(addr)),
         Reach::NoAnswer => Some(format!(
             "no answer from {addr} (timed out): check the host and port, and that no firewall \
              drops the connection"
@@ -51,7 +76,7 @@ pub async fn explain(url: &str, e: &Error) -> Option<String> {
             "{addr} speaks {} and this URL expects {}: {}",
             found.name(),
             expected.name(),
-            found.fix(&addr)
+            found.fix(addr)
         )),
         Reach::Silent => Some(format!(
             "{addr} accepts connections but answered nothing in time (timed out): check that \
