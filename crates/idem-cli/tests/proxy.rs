@@ -21,8 +21,13 @@ const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.p
 
 /// The Python upstream on `port` (0: a free one); its base URL is `Proc::printed`.
 fn upstream_on(port: u16) -> Proc {
+    upstream_speaking(port, "HTTP/1.1")
+}
+
+/// The Python upstream on `port`, answering as `version` (`HTTP/1.1` or `HTTP/1.0`).
+fn upstream_speaking(port: u16, version: &str) -> Proc {
     let mut command = Command::new("python3");
-    command.arg(UPSTREAM_PY).arg(port.to_string());
+    command.arg(UPSTREAM_PY).arg(port.to_string()).arg(version);
     let mut proc = Proc::spawn(command, "listening on");
     let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
     proc.printed = format!("http://127.0.0.1:{port}");
@@ -385,6 +390,56 @@ mod memory {
         // A guarded request carries its key and attempt upstream.
         let guarded = charge(&client, &p.printed, "attempt-1", 0).await;
         assert_eq!(guarded.json()["attempt"], "1");
+    }
+
+    /// The client's connection decides the HTTP version of every answer, whatever the
+    /// upstream speaks: behind an HTTP/1.0 upstream (Python's `http.server` by default) an
+    /// HTTP/1.1 client still gets HTTP/1.1 and keeps its connection, on the guarded path,
+    /// for a replay and on pass-through.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_http_1_0_upstream_leaves_the_client_on_http_1_1() {
+        use http_body_util::BodyExt as _;
+        let up = upstream_speaking(0, "HTTP/1.0");
+        let p = proxy(&up.printed, "memory", &[]);
+        let addr = p.printed.trim_start_matches("http://");
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        let guarded = [
+            ("host", addr),
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "http10-1"),
+            ("content-type", "application/json"),
+        ];
+        let charge = || request("POST", "/charge", &guarded, r#"{"amount": 1250}"#);
+        let echo = || request("GET", "/echo", &[("host", addr)], "");
+        for (what, req, status, replayed) in [
+            ("the first answer", charge(), StatusCode::CREATED, false),
+            ("a replay", charge(), StatusCode::CREATED, true),
+            ("a pass-through answer", echo(), StatusCode::OK, false),
+        ] {
+            // An answer that closed the connection leaves nothing to send the next one on.
+            let response = sender
+                .send_request(req)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: the connection is gone: {e}"));
+            assert_eq!(response.status(), status, "{what}");
+            assert_eq!(response.version(), hyper::Version::HTTP_11, "{what}");
+            let replay = response.headers().get("idempotent-replayed");
+            assert_eq!(replay.is_some_and(|v| v == "true"), replayed, "{what}");
+            assert!(
+                response
+                    .headers()
+                    .get("connection")
+                    .is_none_or(|v| v != "close"),
+                "{what}: {:?}",
+                response.headers()
+            );
+            response.into_body().collect().await.unwrap();
+        }
     }
 
     #[test]

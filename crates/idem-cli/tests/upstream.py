@@ -1,7 +1,8 @@
 """A Python standard-library upstream for the `idem proxy` tests: it counts its side effects.
 
 Prints `listening on PORT` once it accepts connections (port 0 picks a free one: pass it as
-the first argument).
+the first argument). It speaks HTTP/1.1; with `HTTP/1.0` as the second argument it answers
+as HTTP/1.0 and closes each connection, as Python's `http.server` does by default.
 
 - `POST|PATCH /charge...`: one side effect, counted per `Idempotency-Key` with the
   `Idempotency-Attempt` it came with, at once (before any delay); waits `X-Delay-Ms`, then
@@ -119,6 +120,8 @@ class Handler(BaseHTTPRequestHandler):
 
 def main():
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    if len(sys.argv) > 2:
+        Handler.protocol_version = sys.argv[2]
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     print(f"listening on {server.server_address[1]}", flush=True)

@@ -228,8 +228,9 @@ impl Forward {
             });
         };
         parts.uri = uri;
-        // The upstream connection is HTTP/1.1 whatever the client spoke.
-        parts.version = Version::HTTP_11;
+        // The upstream connection is HTTP/1.1 whatever the client spoke, and the client's
+        // connection decides the version of its answer (below).
+        let client_version = std::mem::replace(&mut parts.version, Version::HTTP_11);
         strip_hop_by_hop(&mut parts.headers);
         add_forwarded(&mut parts.headers, peer, original_host.as_ref());
         let host = match upstream.host {
@@ -254,6 +255,9 @@ impl Forward {
         match sent {
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
+                // An HTTP/1.0 upstream's answer written as HTTP/1.0 would close an HTTP/1.1
+                // client's connection after it: the version is each connection's own.
+                parts.version = client_version;
                 strip_hop_by_hop(&mut parts.headers);
                 if keep_in_flight {
                     // A body cut off midway: the upstream acted, its answer is lost.
