@@ -435,8 +435,10 @@ impl Idem {
     /// a refused or reset connection) is tried again soon, not a third of a lease later:
     /// after 100 ms, then with a pause growing by 50 ms up to 250 ms, until the lease's
     /// deadline (and never later than half the time left, so a try still has time to land).
-    /// Each try is bounded by the time left on the lease as well as by
-    /// [`Config::store_timeout`], since an answer after the deadline cannot keep the lease.
+    /// Each try is bounded by half the time left on the lease (all of it in the last
+    /// 250 ms) as well as by [`Config::store_timeout`]: an answer after the deadline cannot
+    /// keep the lease, and a try stuck in a stalled store gives way to a fresh one while
+    /// there is time for it.
     /// While the store answers, renewals stay at one every third of a lease, with no extra
     /// calls.
     ///
@@ -527,16 +529,18 @@ impl Idem {
         }
     }
 
-    /// One renewal of the heartbeat, bounded by the time left on `lease`: past that the
-    /// answer can no longer keep the lease, and the next try should be on its way. (The
-    /// call is also bounded by [`Config::store_timeout`].) Past the deadline, only the
-    /// store's time limit bounds it.
+    /// One renewal of the heartbeat, bounded by half the time left on `lease` (all of it
+    /// once that is under 250 ms): a try stuck in a stalled store gives way to a fresh one
+    /// while there is still time for it, since a client library may sit in its own backoff
+    /// after a stall and answer a stuck call later than a new one. The call is also bounded
+    /// by [`Config::store_timeout`]; past the deadline, only by that.
     async fn renew(&self, lease: &Lease) -> Result<Lease, Error> {
         let left = lease.remaining();
         if left.is_zero() {
             return self.extend(lease).await;
         }
-        match tokio::time::timeout(left, self.extend(lease)).await {
+        let bound = (left / 2).max(left.min(RENEW_RETRY_MAX));
+        match tokio::time::timeout(bound, self.extend(lease)).await {
             Ok(renewed) => renewed,
             Err(elapsed) => Err(Error::unavailable(self.store.name(), elapsed)),
         }

@@ -262,9 +262,9 @@ async fn on_faulty(store: &Arc<FaultyStore>, key: &str) -> (Idem, Lease) {
 }
 
 /// A store that stalls from 0.5 s to 2.9 s into a 3 s lease (shorter than the time left
-/// when the first renewal is due, at 1 s): that renewal fails at the store's time limit
-/// (2.5 s), and the lease survives only if the next try comes before the deadline and
-/// waits out the stall. Another worker at 3.2 s finds the key held, and the work (6 s)
+/// when the first renewal is due, at 1 s): that renewal fails (at 2 s, half the time left),
+/// and the lease survives only if a later try comes before the deadline and waits out the
+/// stall. Another worker at 3.2 s finds the key held, and the work (6 s)
 /// completes under the lease.
 #[tokio::test(start_paused = true)]
 async fn a_stall_shorter_than_the_lease_never_costs_it() {
@@ -297,9 +297,10 @@ async fn a_stall_shorter_than_the_lease_never_costs_it() {
         idem.complete(&lease, Response::new(201, "once"))
             .await
             .unwrap();
-        // The renewal due at 1 s (timed out at 2.5 s), its retry at 2.6 s (answered when
-        // the stall ended, at 2.9 s), then one every second: 3.9 s, 4.9 s, 5.9 s.
-        assert_eq!(store.extends(), 5, "{on_lost:?}");
+        // The renewal due at 1 s (given up at 2 s, half the time left), its retries at
+        // 2.1 s (given up at 2.55 s) and 2.7 s (answered when the stall ended, at 2.9 s),
+        // then one every second: 3.9 s, 4.9 s, 5.9 s.
+        assert_eq!(store.extends(), 6, "{on_lost:?}");
     }
 }
 
