@@ -350,7 +350,14 @@ impl Source for Pulling {
         self.messages = None;
     }
 
+    /// Acks and NAKs are queued for the connection's writer task: they are flushed before
+    /// the worker says it stopped, so that a process exiting right after does not lose them
+    /// (JetStream would deliver those messages again after `ack_wait`).
     async fn close(self, summary: &Summary) {
+        let flushed = tokio::time::timeout(FLUSH_TIMEOUT, self.js.client().flush()).await;
+        if !matches!(flushed, Ok(Ok(()))) {
+            tracing::warn!("the last acks may not have reached the server; JetStream delivers those messages again");
+        }
         tracing::info!(stream = %self.stream, ?summary, "stopped");
     }
 }
@@ -435,6 +442,9 @@ impl Broker for Pulled {
         self.copy_then_ack(subject, &extra).await
     }
 }
+
+/// How long a stopping worker waits for its last acks to be written.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What JetStream does with a message whose ack or NAK failed.
 const DELIVERED_AGAIN: &str = "JetStream will deliver the message again";
