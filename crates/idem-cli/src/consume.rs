@@ -144,6 +144,14 @@ pub struct ConsumeArgs {
     /// dead-letter the message (`store-and-dead-letter`).
     #[arg(long, default_value = "dead-letter", value_parser = ["dead-letter", "store-and-ack", "store-and-dead-letter"])]
     on_terminal: String,
+    /// Serve `/metrics`, `/livez` and `/readyz` (broker and store reachable) on this address.
+    #[arg(long, value_name = "ADDR", value_parser = crate::parse_listen)]
+    admin_listen: Option<std::net::SocketAddr>,
+    /// On SIGTERM, how long the handler calls in flight may take to finish and be settled;
+    /// those still running then are cut off, unsettled, and the broker delivers their
+    /// messages again.
+    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
+    shutdown_timeout: Duration,
     /// How long a RabbitMQ delivery, JetStream message (`ack_wait`, when the consumer is
     /// created) or Redis Streams entry (`XAUTOCLAIM` idle time) waits for a sign of life
     /// before the broker hands it to another consumer.
@@ -613,7 +621,8 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
     let config = idem_core::Config::default()
         .with_lease(args.lease)
         .with_retention(args.retention);
-    let idem = Idem::from_arc(opened.store()).with_config(config);
+    let store = opened.store();
+    let idem = Idem::from_arc(store.clone()).with_config(config);
     let consumer = Consumer::new(idem, scope)
         .with_keys(keys)
         .with_fingerprints(fingerprints)
@@ -634,7 +643,37 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
         );
         let _ = out.flush();
     };
-    let shutdown = crate::shutdown_signal("idem consume");
+    // The signal is turned into a flag, so that the drain's time limit can start from it.
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let signal = crate::shutdown_signal("idem consume");
+    tokio::spawn(async move {
+        signal.await;
+        stop.send_replace(true);
+    });
+    let shutdown = {
+        let mut stopping = stopping.clone();
+        async move {
+            let _ = stopping.wait_for(|stop| *stop).await;
+        }
+    };
+    let exporter = crate::install_exporter()?;
+    let admin = |probe: Probe| -> Result<(), CliError> {
+        let Some(addr) = args.admin_listen else {
+            return Ok(());
+        };
+        let listener = std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+            .map_err(|e| crate::listen_error(addr, &e))?;
+        let state = Admin {
+            store: store.clone(),
+            probe: Arc::new(probe),
+            exporter: exporter.clone(),
+        };
+        tokio::spawn(serve_admin(listener, state));
+        Ok(())
+    };
+    let limit = args.shutdown_timeout;
     let summary = match &from {
         BrokerUrl::Rabbit { url, queue } => {
             use idem_consumer::rabbitmq::{Topology, Worker};
@@ -643,6 +682,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
                 .await
                 .map_err(broker)?;
+            let conn = Arc::new(conn);
             let topology = Topology::for_queue(queue.clone());
             let channel = conn.create_channel().await.map_err(broker)?;
             topology
@@ -656,11 +696,10 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             let worker = Worker::new(consumer, topology)
                 .with_prefetch(prefetch)
                 .with_concurrency(concurrency);
+            admin(Probe::Rabbit(conn.clone()))?;
             started(&from.to_string());
-            worker
-                .run(&conn, handler, shutdown)
-                .await
-                .map_err(|e| CliError::Open(format!("RabbitMQ: {e}")))?
+            let run = worker.run(&conn, handler, shutdown);
+            drive(run, stopping, limit, "RabbitMQ").await?
         }
         BrokerUrl::Nats {
             url,
@@ -672,7 +711,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             let client = async_nats::connect(url.as_str())
                 .await
                 .map_err(|e| CliError::Open(format!("NATS at {}: {e}", redact(url))))?;
-            let js = async_nats::jetstream::new(client);
+            let js = async_nats::jetstream::new(client.clone());
             let mut topology =
                 Topology::new(stream.clone(), subject.clone()).with_ack_wait(args.redelivery);
             if let Some(name) = name {
@@ -687,11 +726,10 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             let worker = Worker::new(consumer, topology)
                 .with_batch(concurrency.saturating_mul(2))
                 .with_concurrency(concurrency);
+            admin(Probe::Nats(client))?;
             started(&from.to_string());
-            worker
-                .run(&js, handler, shutdown)
-                .await
-                .map_err(|e| CliError::Open(format!("NATS JetStream: {e}")))?
+            let run = worker.run(&js, handler, shutdown);
+            drive(run, stopping, limit, "NATS JetStream").await?
         }
         BrokerUrl::Redis {
             url,
@@ -720,14 +758,124 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             if let Some(name) = name {
                 worker = worker.with_name(name.clone());
             }
+            admin(Probe::Redis(conn))?;
             started(&from.to_string());
-            worker
-                .run(&client, handler, shutdown)
-                .await
-                .map_err(|e| CliError::Open(e.to_string()))?
+            let run = worker.run(&client, handler, shutdown);
+            drive(run, stopping, limit, "Redis Streams").await?
         }
     };
-    Ok(Done::ok(stopped(&summary)))
+    Ok(Done::ok(match summary {
+        Some(summary) => stopped(&summary),
+        None => "idem consume: stopped at --shutdown-timeout with handler calls in flight; \
+                 their messages were not settled and are delivered again\n"
+            .to_owned(),
+    }))
+}
+
+/// Runs a worker's `run` until it returns, or until `limit` after the shutdown signal
+/// (`stopping`): then the handler calls still in flight are dropped, their deliveries
+/// unsettled (the broker delivers them again when the connection closes), and `None`.
+async fn drive<E: fmt::Display>(
+    run: impl std::future::Future<Output = Result<Summary, E>>,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+    limit: Duration,
+    broker: &str,
+) -> Result<Option<Summary>, CliError> {
+    let cut_off = async move {
+        let _ = stopping.wait_for(|stop| *stop).await;
+        tokio::time::sleep(limit).await;
+    };
+    tokio::select! {
+        done = run => done
+            .map(Some)
+            .map_err(|e| CliError::Open(format!("{broker}: {e}"))),
+        () = cut_off => {
+            tracing::warn!(timeout = ?limit, "handler calls still in flight at the shutdown timeout were cut off, unsettled");
+            Ok(None)
+        }
+    }
+}
+
+/// How `/readyz` checks the broker.
+enum Probe {
+    Rabbit(Arc<lapin::Connection>),
+    Nats(async_nats::Client),
+    Redis(redis::aio::ConnectionManager),
+}
+
+impl Probe {
+    /// `Err` with why when the broker is out of reach.
+    async fn check(&self) -> Result<(), String> {
+        match self {
+            Self::Rabbit(conn) if conn.status().connected() => Ok(()),
+            Self::Rabbit(_) => Err("the RabbitMQ connection is closed".into()),
+            Self::Nats(client) => match client.connection_state() {
+                async_nats::connection::State::Connected => Ok(()),
+                state => Err(format!("NATS is {state}")),
+            },
+            Self::Redis(conn) => {
+                let (mut conn, cmd) = (conn.clone(), redis::cmd("PING"));
+                let ping = cmd.query_async::<()>(&mut conn);
+                match tokio::time::timeout(Duration::from_secs(2), ping).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(format!("Redis: {e}")),
+                    Err(_) => Err("Redis did not answer PING within 2 s".into()),
+                }
+            }
+        }
+    }
+}
+
+/// What the admin endpoints read.
+#[derive(Clone)]
+struct Admin {
+    store: Arc<dyn idem_core::Store>,
+    probe: Arc<Probe>,
+    exporter: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+/// Serves `GET /metrics` (Prometheus text), `/livez` (200 while the process runs) and
+/// `/readyz` (200 while the broker is connected and the store answers a read within 2 s,
+/// else 503 saying which is not).
+async fn serve_admin(listener: tokio::net::TcpListener, admin: Admin) {
+    use axum::extract::State;
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(|State(admin): State<Admin>| async move { admin.exporter.render() }),
+        )
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .with_state(admin);
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::warn!(error = %e, "the admin endpoints stopped");
+    }
+}
+
+async fn ready(axum::extract::State(admin): axum::extract::State<Admin>) -> (StatusCode, String) {
+    if let Err(why) = admin.probe.check().await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("broker unavailable: {why}\n"),
+        );
+    }
+    // Any read will do: the answer (no such record) says the store is reachable.
+    let probe = idem_core::RecordId::new(
+        Scope::global(),
+        idem_core::Key::new("idem-consume-readyz").expect("a valid key"),
+    );
+    match tokio::time::timeout(Duration::from_secs(2), admin.store.get(&probe)).await {
+        Ok(Ok(_)) => (StatusCode::OK, "ready\n".into()),
+        Ok(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store unavailable: {e}\n"),
+        ),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store unavailable: no answer within 2 s\n".into(),
+        ),
+    }
 }
 
 /// The last line: what the run did.

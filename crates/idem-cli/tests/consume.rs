@@ -322,6 +322,92 @@ async fn a_killed_consumer_leaves_its_message_to_the_lease<B: Broker>() {
     broker.delete().await;
 }
 
+/// The numbers of `idem consume`'s last line: acked, requeued, retried, dead-lettered,
+/// unsettled.
+fn summary(last: &str) -> [u64; 5] {
+    let numbers: Vec<u64> = last
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    numbers
+        .try_into()
+        .unwrap_or_else(|n| panic!("not a summary: {last:?} ({n:?})"))
+}
+
+/// SIGTERM while handlers work: the process stops taking messages, lets the calls in flight
+/// finish, settles them and exits 0, with nothing unsettled; a second process on the same
+/// store takes the rest. Every message runs once, and every one is acked by one of the two.
+async fn sigterm_under_load_settles_what_ran_and_loses_nothing<B: Broker>() {
+    let Some(store) = redis_store() else { return };
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &[]);
+    let mut first = Consume::start(&broker.from(), &handler.printed, &args);
+    let keys: Vec<String> = (0..12)
+        .map(|i| format!("load-{i}-{}", uuid::Uuid::new_v4().simple()))
+        .collect();
+    for key in &keys {
+        broker.publish(key, r#"{"delay_ms": 400}"#).await;
+    }
+    first.until_acked(2).await;
+    let (status, last) = first.terminate();
+    assert!(status.success(), "{status:?}: {}", first.stderr());
+    let [acked, _, _, dead, unsettled] = summary(&last);
+    assert_eq!((dead, unsettled), (0, 0), "{last}");
+    let left = keys.len() - usize::try_from(acked).unwrap();
+    let mut second = Consume::start(&broker.from(), &handler.printed, &args);
+    second.until_acked(left).await;
+    let (status, last) = second.terminate();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(summary(&last)[0], left as u64, "{last}");
+    let client = client();
+    for key in &keys {
+        let (count, attempts, _) = runs(&client, &handler.printed, key).await;
+        assert_eq!((count, attempts), (1, vec!["1".to_owned()]), "{key}");
+    }
+    broker.delete().await;
+}
+
+/// `--admin-listen`: `/livez`, `/readyz` (broker and store reachable) and `/metrics` with
+/// the handler's answers by class and its latency.
+async fn the_admin_endpoints_answer<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let admin = format!("127.0.0.1:{}", idem_testkit::harness::free_port());
+    let consume = Consume::start(
+        &broker.from(),
+        &handler.printed,
+        &with(&store, &["--admin-listen", &admin]),
+    );
+    let client = client();
+    let get = |path: &str| {
+        let (client, url) = (client.clone(), format!("http://{admin}{path}"));
+        async move { call(&client, "GET", &url, &[], "").await }
+    };
+    assert_eq!(get("/livez").await.status, 200);
+    let ready = get("/readyz").await;
+    assert_eq!(
+        (ready.status.as_u16(), &ready.body[..]),
+        (200, &b"ready\n"[..])
+    );
+    broker.publish("admin-1", "{}").await;
+    consume.until_acked(1).await;
+    let metrics = String::from_utf8(get("/metrics").await.body.to_vec()).unwrap();
+    assert!(
+        metrics.contains("idem_consume_answers_total{class=\"2xx\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("idem_consume_handler_duration_seconds_count 1"),
+        "{metrics}"
+    );
+    broker.delete().await;
+}
+
 /// The cases, each a `#[tokio::test]` of the broker `$broker`.
 macro_rules! consume_suite {
     ($broker:ty) => {
@@ -352,6 +438,11 @@ macro_rules! consume_suite {
             async fn a_handler_down_then_up_loses_nothing() {
                 crate::a_handler_down_then_up_loses_nothing::<$broker>(crate::memory_store()).await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_admin_endpoints_answer() {
+                crate::the_admin_endpoints_answer::<$broker>(crate::memory_store()).await;
+            }
         }
 
         mod shared_store {
@@ -368,6 +459,11 @@ macro_rules! consume_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_killed_consumer_leaves_its_message_to_the_lease() {
                 crate::a_killed_consumer_leaves_its_message_to_the_lease::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sigterm_under_load_settles_what_ran_and_loses_nothing() {
+                crate::sigterm_under_load_settles_what_ran_and_loses_nothing::<$broker>().await;
             }
         }
     };
