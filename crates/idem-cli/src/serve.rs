@@ -1,7 +1,8 @@
 //! `idem serve`: the demo payments API (README, "Two commands") behind the idempotency
 //! middleware. `POST /payments` makes a payment, the side effect; `GET /payments` and
 //! `GET /payments/{id}` read the caller's (`Authorization: Bearer <name>`, which also scopes
-//! the keys); `GET /metrics` renders every metric the process records. The demo headers hold
+//! the keys); `GET /metrics` renders every metric the process records, `GET /livez` answers
+//! while the process runs and `GET /readyz` while its store answers. The demo headers hold
 //! the handler before or after the payment commits; where payments live: [`crate::ledger`].
 
 use std::io::Write as _;
@@ -16,7 +17,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{middleware, Json, Router};
-use idem_core::{Error, Idem, Scope};
+use idem_core::{Error, Idem, Key, RecordId, Scope, Store};
 use idem_http::{Config, IdempotencyLayer, LeaseHandle, MissingKey};
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -30,10 +31,12 @@ pub const AFTER_COMMIT_HEADER: &str = "x-demo-delay-after-commit-ms";
 /// The longest accepted demo delay.
 const MAX_DELAY: Duration = Duration::from_secs(60);
 
-/// The demo's state: its payments, and the exporter `/metrics` renders.
+/// The demo's state: its payments, the store `/readyz` reads, and the exporter `/metrics`
+/// renders.
 #[derive(Debug)]
 pub struct Demo {
     ledger: Ledger,
+    store: Arc<dyn Store>,
     exporter: PrometheusHandle,
 }
 
@@ -58,6 +61,7 @@ pub fn app(backend: Backend, options: &Options) -> Router {
     let Backend { store, ledger } = backend;
     let demo = Arc::new(Demo {
         ledger,
+        store: store.clone(),
         exporter: options.exporter.clone(),
     });
     let mut config = idem_core::Config::default()
@@ -78,7 +82,8 @@ pub fn app(backend: Backend, options: &Options) -> Router {
         )
         .with_scope(|parts| caller(&parts.headers).and_then(|name| Scope::new(name).ok()));
 
-    // Only the payment routes are guarded: /metrics stays readable when the store is down.
+    // Only the payment routes are guarded: /metrics, /livez and /readyz stay readable when
+    // the store is down.
     let payments = Router::new()
         .route("/payments", get(list_payments).post(create_payment))
         .route("/payments/{id}", get(get_payment))
@@ -88,6 +93,8 @@ pub fn app(backend: Backend, options: &Options) -> Router {
         .layer(middleware::from_fn(check_demo_headers));
     Router::new()
         .route("/metrics", get(metrics))
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
         .merge(payments)
         .fallback(|| async {
             problem(
@@ -388,6 +395,30 @@ async fn list_payments(State(demo): State<Arc<Demo>>, headers: HeaderMap) -> Res
 async fn metrics(State(demo): State<Arc<Demo>>) -> Response {
     let content_type = "text/plain; version=0.0.4; charset=utf-8";
     ([(CONTENT_TYPE, content_type)], demo.exporter.render()).into_response()
+}
+
+/// 200 while the store answers a read within 2 s, else 503 problem+json, as `idem proxy`'s
+/// `/readyz`: a load balancer sends payments only where they can be guarded.
+async fn readyz(State(demo): State<Arc<Demo>>) -> Response {
+    // Any read will do: the answer (no such record) says the store is reachable.
+    let probe = RecordId::new(
+        Scope::global(),
+        Key::new("idem-serve-readyz").expect("a valid key"),
+    );
+    let detail = match tokio::time::timeout(Duration::from_secs(2), demo.store.get(&probe)).await {
+        Ok(Ok(_)) => return "ready\n".into_response(),
+        Ok(Err(e)) => format!("the idempotency store failed: {e}"),
+        Err(_) => "the idempotency store did not answer within 2 s".to_owned(),
+    };
+    let status = StatusCode::SERVICE_UNAVAILABLE;
+    let doc = idem_http::problem_json(
+        "urn:idem:problem:store-unavailable",
+        "Store unavailable",
+        status,
+        &detail,
+    );
+    let content_type = HeaderValue::from_static(idem_http::PROBLEM_JSON);
+    (status, [(CONTENT_TYPE, content_type)], doc).into_response()
 }
 
 /// `2025-01-31T12:34:56Z` from a system time (UTC, whole seconds).

@@ -818,12 +818,27 @@ mod redis_outage {
         let refused = pay().await;
         assert_eq!(refused.status, 503, "{:?}", refused.body);
         assert_eq!(super::list(&client, &served, &auth).await["count"], 0);
+        // Alive, and not ready while its store does not answer.
+        let get = |path: &str| {
+            let url = format!("{}{path}", served.printed);
+            let client = client.clone();
+            async move { super::call(&client, "GET", &url, &[], "").await }
+        };
+        assert_eq!(get("/livez").await.status, 200);
+        let not_ready = get("/readyz").await;
+        assert_eq!(not_ready.status, 503, "{not_ready:?}");
+        assert_eq!(
+            not_ready.problem_type(),
+            "urn:idem:problem:store-unavailable"
+        );
 
         redis.start_again().expect("restart redis-server");
         // The store reconnects on its next call; allow it a few tries.
         let paid = super::retry_while(503, pay).await;
         assert_eq!(paid.status, 201, "{:?}", paid.body);
         assert_eq!(super::list(&client, &served, &auth).await["count"], 1);
+        let ready = get("/readyz").await;
+        assert_eq!(ready.status, 200, "{ready:?}");
 
         let log = served.stop();
         assert_eq!(
