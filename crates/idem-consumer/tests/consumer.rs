@@ -459,6 +459,84 @@ async fn a_takeover_counts_as_an_attempt_and_a_live_holder_means_requeue() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// Two consumers (two processes) on one memory store whose renewals can be stalled, on the
+/// timer's clock (for tests with `start_paused`), with 3 s leases and a 1.5 s limit on a
+/// store call; the store's switches.
+fn two_on_a_stallable_store() -> (Consumer, Consumer, Arc<FaultyStore>) {
+    let memory = MemoryStore::with_clock(Arc::new(idem_testkit::faults::TimerClock::new()));
+    let store = Arc::new(FaultyStore::new(memory));
+    let config = Config::default()
+        .with_lease(Duration::from_secs(3))
+        .with_store_timeout(Duration::from_millis(1500));
+    let scope = scope();
+    let one = || {
+        let idem = Idem::from_arc(store.clone()).with_config(config.clone());
+        Consumer::new(idem, scope.clone())
+    };
+    (one(), one(), store)
+}
+
+/// The store stalls from 0.5 s to 2.9 s into a 3 s lease while the handler works 6 s: the
+/// lease is kept, a redelivery to the other consumer at 3.2 s is handed back (requeued),
+/// and the handler runs once.
+#[tokio::test(start_paused = true)]
+async fn a_store_stall_shorter_than_the_lease_never_costs_it() {
+    let (a, b, store) = two_on_a_stallable_store();
+    let m = msg("stall", "{}");
+    let runs = AtomicU32::new(0);
+    let first = a.process(&m, |_| async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        Ok::<_, Failure<String>>(1u32)
+    });
+    let redelivered = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        store.set_extend_stalled(true);
+        tokio::time::sleep(Duration::from_millis(2400)).await;
+        store.set_extend_stalled(false);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        b.process(&m, |_| counted(&runs, Ok(2))).await
+    };
+    let (first, redelivered) = tokio::join!(first, redelivered);
+    assert_executed(&first, 1, 1);
+    assert!(
+        matches!(redelivered, Delivery::Requeue { .. }),
+        "{redelivered:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The store stalls for longer than the lease while the handler works: the handler is
+/// given up when the lease runs out and its message requeued, never acked; a redelivery
+/// after the stall takes the key over and is acked with its value, which is what every
+/// later copy, the first one's included, is acked with.
+#[tokio::test(start_paused = true)]
+async fn a_store_stall_longer_than_the_lease_never_acks_a_value_the_key_will_not_replay() {
+    let (a, b, store) = two_on_a_stallable_store();
+    let m = msg("long-stall", "{}");
+    let runs = AtomicU32::new(0);
+    let first = a.process(&m, |_| async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        Ok::<_, Failure<String>>(1u32)
+    });
+    let redelivered = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        store.set_extend_stalled(true);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        b.process(&m, |_| counted(&runs, Ok(2))).await
+    };
+    let (first, redelivered) = tokio::join!(first, redelivered);
+    assert!(matches!(first, Delivery::Requeue { .. }), "{first:?}");
+    assert_executed(&redelivered, 2, 2);
+    store.set_extend_stalled(false);
+    let again = a.process(&m, |_| counted(&runs, Ok(3))).await;
+    assert!(
+        matches!(again, Delivery::Ack(Outcome::Replayed(2))),
+        "{again:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_lost_lease_cancels_the_handler_and_requeues() {
     let store = Arc::new(MemoryStore::new());

@@ -232,20 +232,9 @@ async fn a_failed_heartbeat_does_not_cancel_the_work() {
     );
 }
 
-/// The clock of tokio's timer, which a test with `start_paused` moves: the memory store on
-/// it expires leases as the paused test's sleeps pass.
-#[derive(Debug)]
-struct TimerClock(Instant);
-
-impl idem_core::Clock for TimerClock {
-    fn now(&self) -> Duration {
-        self.0.elapsed()
-    }
-}
-
 /// A memory store on the timer's clock, behind switches that stall its renewals.
 fn faulty_on_timer() -> Arc<FaultyStore> {
-    let memory = MemoryStore::with_clock(Arc::new(TimerClock(Instant::now())));
+    let memory = MemoryStore::with_clock(Arc::new(idem_testkit::faults::TimerClock::new()));
     Arc::new(FaultyStore::new(memory))
 }
 

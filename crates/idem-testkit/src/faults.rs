@@ -1,7 +1,8 @@
 //! A store that forwards every call to another, with switches that make `begin`, `complete`
 //! and `extend` fail as an unreachable store's, `begin` hang, `extend` stall (as a paused
 //! server's, answered once it resumes), or lose the answer of a call that landed,
-//! and a count of the `complete` and `extend` calls that reached it: for tests of what a caller (the
+//! and a count of the `complete` and `extend` calls that reached it; and [`TimerClock`], on
+//! which a memory store's leases expire as a paused test's sleeps pass: for tests of what a caller (the
 //! engine, the HTTP layer, a consumer) does when its store fails, or of how often it stores.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -114,6 +115,31 @@ impl FaultyStore {
             self.inner.name(),
             std::io::Error::other("connection refused"),
         )
+    }
+}
+
+/// The clock of tokio's timer, which a test with `start_paused` moves: a
+/// [`idem_core::MemoryStore::with_clock`] on it expires leases as the test's sleeps pass, so
+/// a stall against a lease's deadline is tested to the millisecond without waiting.
+#[derive(Debug, Clone, Copy)]
+pub struct TimerClock(tokio::time::Instant);
+
+impl TimerClock {
+    /// A clock whose origin is now.
+    pub fn new() -> Self {
+        Self(tokio::time::Instant::now())
+    }
+}
+
+impl Default for TimerClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl idem_core::Clock for TimerClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
     }
 }
 
