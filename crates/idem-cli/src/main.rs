@@ -114,15 +114,19 @@ enum Command {
 /// The store every command opens: `IDEM_STORE`, `IDEM_PREFIX`, `IDEM_SCHEMA`.
 #[derive(Debug, Args)]
 struct StoreArg {
-    /// The store: `memory` (this process only), `redis://[:PASSWORD@]HOST:PORT[/DB]`,
+    /// The store: `redis://[:PASSWORD@]HOST:PORT[/DB]`,
     /// `redis+cluster://HOST:PORT[,HOST:PORT...]`, `postgres://USER[:PASSWORD]@HOST/DB`,
-    /// `tiered:REDIS_URL|POSTGRES_URL`.
-    // The URL may hold a password: `--help` must not print the variable's value.
+    /// `tiered:REDIS_URL|POSTGRES_URL`, or `memory` (inside this process only: the default;
+    /// the commands that read or relay a shared store refuse it).
+    // The URL may hold a password: `--help` must not print the variable's value. The
+    // default is said above, not as `[default: memory]`, which the operator commands'
+    // `--help` would show for a store they refuse.
     #[arg(
         long,
         env = "IDEM_STORE",
         hide_env_values = true,
-        default_value = "memory"
+        default_value = "memory",
+        hide_default_value = true
     )]
     store: String,
     /// The Redis key prefix of the records (default `idem:`).

@@ -162,6 +162,11 @@ fn operator_commands_say_clearly_what_they_cannot_do() {
     let (_, help, _) = run_with(&["inspect", "--help"], &[store]);
     assert!(help.contains("IDEM_STORE"), "{help}");
     assert!(!help.contains("hunter2"), "{help}");
+    // Nor a default store the operator commands refuse.
+    for command in ["inspect", "stats", "migrate", "serve"] {
+        let (_, help, _) = run(&[command, "--help"]);
+        assert!(!help.contains("[default: memory]"), "{command}: {help}");
+    }
 }
 
 /// The operator commands against a shared store, next to `idem serve` on the same store:
@@ -1084,6 +1089,8 @@ mod postgres_schema {
                 )),
                 "{err}"
             );
+            // The binary's flag is named, not only the library's setting.
+            assert!(err.contains("`--migrate` on `idem serve`"), "{err}");
         }
         assert!(
             !exists().await,

@@ -343,7 +343,8 @@ async fn ready_schema(
     };
     let message = format!(
         "the database of {url} {what}; run `idem migrate --store <url>{schema_flag}` first \
-         (it needs the right to create tables), or open it with SchemaMode::Migrate"
+         (it needs the right to create tables), or have it migrated at start: `--migrate` on \
+         `idem serve`, `idem proxy` and `idem relay run`, SchemaMode::Migrate in a program"
     );
     Err(OpenError {
         kind: OpenErrorKind::Unmigrated,
