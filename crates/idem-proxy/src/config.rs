@@ -265,8 +265,21 @@ impl ProxyFile {
             let line = before.matches('\n').count() + 1;
             let line_start = before.rfind('\n').map_or(0, |i| i + 1);
             let column = before[line_start..].chars().count() + 1;
-            // The field: the key this line assigns, when the error is in its value.
             let line_text = text[line_start..].lines().next().unwrap_or("");
+            // `[route]` for `[[route]]`: serde's "invalid type: map, expected a sequence"
+            // names neither the table nor the fix.
+            let table = line_text
+                .trim()
+                .strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .filter(|t| !t.starts_with('['));
+            if let Some(table) = table.filter(|_| message.contains("expected a sequence")) {
+                return ProxyError::Config(format!(
+                    "{name}, line {line}: `[{table}]` is one table, and `{table}` is an array \
+                     of tables: write `[[{table}]]` above each one"
+                ));
+            }
+            // The field: the key this line assigns, when the error is in its value.
             let field = line_text
                 .split_once('=')
                 .map(|(key, _)| key.trim())
@@ -523,6 +536,7 @@ anonymous = "shared"
             ("[[route]]\nstore_status = [\"6xx\"]\n", "2xx"),
             ("[[route]]\nscope_header = \"X Api\"\n", "header name"),
             ("[[route]]\nmissing_key = \"maybe\"\n", "reject"),
+            ("[route]\n", "write `[[route]]` above each one"),
         ];
         for (text, expected) in cases {
             let e = ProxyFile::parse("proxy.toml", text)
