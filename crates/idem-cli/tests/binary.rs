@@ -1281,6 +1281,19 @@ mod errors {
             err.contains("speaks AMQP (RabbitMQ) and this URL expects PostgreSQL"),
             "{err}"
         );
+        // A Redis URL there: the explanation alone, with no driver's parse error first.
+        let url = format!("redis://127.0.0.1:{amqp}");
+        for command in ["stats", "serve"] {
+            let err = super::exits(3, super::run(&[command, "--store", &url]));
+            assert!(
+                err.contains("speaks AMQP (RabbitMQ) and this URL expects Redis"),
+                "{command}: {err}"
+            );
+            assert!(
+                !err.contains("Unexpected") && !err.contains("WARN"),
+                "{err}"
+            );
+        }
 
         let Some(redis) = idem_testkit::harness::redis_url() else {
             return;

@@ -397,8 +397,11 @@ impl RedisStore {
         let servers: Option<Vec<Server>> = match conn.info("server").await {
             Ok(texts) => texts.iter().map(|t| Server::parse(t)).collect(),
             Err(e) => {
+                // An answer that is not RESP: another server at that port, an error to
+                // return (the caller says which), not a check to skip with a warning.
+                let foreign = e.kind() == redis::ErrorKind::Parse;
                 let e = classify(e);
-                if e.is_retryable() {
+                if e.is_retryable() || foreign {
                     return Err(e);
                 }
                 // INFO may be disabled (managed services rename it).
@@ -531,8 +534,11 @@ async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Err
             // report, not a check to skip with a warning first.
             let refused = e.kind() == redis::ErrorKind::AuthenticationFailed
                 || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"));
+            // Nor is an answer that is not RESP (another server at that port): the caller
+            // names what answered instead of a driver's parse error after this warning.
+            let foreign = e.kind() == redis::ErrorKind::Parse;
             let e = classify(e);
-            if e.is_retryable() || refused {
+            if e.is_retryable() || refused || foreign {
                 return Err(e);
             }
             // INFO may be disabled (managed services rename it): the check cannot be made.
