@@ -69,9 +69,8 @@ pub struct Lease {
     token: FencingToken,
     attempt: u32,
     deadline: Instant,
-    /// The fingerprint of the request that acquired the lease, when the store recorded it
-    /// ([`Lease::with_fingerprint`]).
-    fingerprint: Option<Fingerprint>,
+    /// What the store wrote for this lease, when it hands that out ([`Lease::with_version`]).
+    version: Option<Bytes>,
 }
 
 impl Lease {
@@ -93,30 +92,30 @@ impl Lease {
             deadline: sent_at
                 .checked_add(remaining)
                 .unwrap_or_else(|| sent_at + FAR_FUTURE),
-            fingerprint: None,
+            version: None,
         }
     }
 
-    /// This lease, carrying the fingerprint of the request that acquired it. A store that
-    /// sets it may rely on it when the lease completes (the Redis store writes the completed
-    /// record whole from it instead of reading it back), so it must be the fingerprint the
-    /// store recorded for this token.
+    /// This lease, carrying the version its store handed out with it: opaque to everyone
+    /// but that store, which compares its fenced writes (complete, release, extend) against
+    /// exactly this, with nothing rebuilt or guessed (the Redis store: the bytes of the
+    /// in-progress record it wrote). A store that sets none fences by the token alone.
     #[must_use]
-    pub fn with_fingerprint(mut self, fingerprint: Fingerprint) -> Self {
-        self.fingerprint = Some(fingerprint);
+    pub fn with_version(mut self, version: impl Into<Bytes>) -> Self {
+        self.version = Some(version.into());
         self
     }
 
-    /// The fingerprint of the request that acquired this lease, when its store recorded it.
-    pub fn fingerprint(&self) -> Option<&Fingerprint> {
-        self.fingerprint.as_ref()
+    /// The version the lease's store handed out with it ([`Lease::with_version`]).
+    pub fn version(&self) -> Option<&[u8]> {
+        self.version.as_deref()
     }
 
-    /// This lease (same record, same token) as a store renewed it: `attempt` and
-    /// `remaining` as the store answered, measured from `sent_at` as in [`Lease::new`].
+    /// This lease (same record, same token, same version) as a store renewed it: `attempt`
+    /// and `remaining` as the store answered, measured from `sent_at` as in [`Lease::new`].
     pub fn renewed(&self, attempt: u32, remaining: Duration, sent_at: Instant) -> Self {
         Self {
-            fingerprint: self.fingerprint,
+            version: self.version.clone(),
             ..Self::new(self.id.clone(), self.token, attempt, remaining, sent_at)
         }
     }

@@ -8,7 +8,8 @@ use bytes::Bytes;
 use futures_util::future::join_all;
 use idem_core::{decode_meta, Completion, Error, FencingToken, Fingerprint, Key, RecordId, Scope};
 use idem_postgres::{map_error, PgStore};
-use idem_redis::{Applied, RedisStore};
+use idem_redis::tier::Applied;
+use idem_redis::RedisStore;
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::Row;
 use tokio::time::{sleep, Instant};
@@ -72,7 +73,7 @@ impl RelayConfig {
 }
 
 /// The relay worker: claims batches of outbox rows with `FOR UPDATE SKIP LOCKED`, applies
-/// each to Redis ([`RedisStore::apply_completion`], idempotent and never overwriting a
+/// each to Redis ([`idem_redis::tier::Tier::apply_completion`], idempotent and never overwriting a
 /// newer state) and deletes them, in one transaction per batch.
 ///
 /// Run any number of relays on one outbox: each batch skips the rows another relay holds.
@@ -511,6 +512,7 @@ impl Relay {
         }
         let applied = self
             .redis
+            .tier()
             .apply_completion(
                 &entry.record,
                 Some((&entry.fingerprint, entry.attempt)),

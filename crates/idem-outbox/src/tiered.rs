@@ -15,7 +15,8 @@ use idem_core::{
 use idem_postgres::{map_error, PgStore};
 
 use crate::statements::Statements;
-use idem_redis::{Applied, OversizeBody, RedisStore};
+use idem_redis::tier::Applied;
+use idem_redis::{OversizeBody, RedisStore};
 use sqlx::PgConnection;
 use tokio::time::Instant;
 
@@ -36,10 +37,10 @@ pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
 /// A [`Store`] with Redis as the fast path and PostgreSQL as the source of truth: Redis only
 /// ever holds a lease PostgreSQL granted or a completion it committed.
 ///
-/// - `begin` reads Redis first, without writing ([`RedisStore::peek`]): a replay, a mismatch
+/// - `begin` reads Redis first, without writing ([`idem_redis::tier::Tier::peek`]): a replay, a mismatch
 ///   or an in-flight answer there is the answer (one Redis round trip). Otherwise (the key
 ///   is absent from Redis, or its lease ran out) PostgreSQL decides; a lease it grants is
-///   then written into Redis ([`RedisStore::hold_granted`]), so that duplicates are answered
+///   then written into Redis ([`idem_redis::tier::Tier::hold`]), so that duplicates are answered
 ///   in flight by Redis, and a completion it replays is written back into Redis. A read
 ///   that times out leaves nothing behind, even if it reaches Redis later.
 /// - `complete` ([`TieredStore::complete_in`] inside the business transaction) writes the
@@ -217,6 +218,7 @@ impl TieredStore {
         let applied = self
             .redis_call(
                 self.redis
+                    .tier()
                     .apply_completion(id, None, token, completion, ttl),
             )
             .await?;
@@ -234,7 +236,7 @@ impl TieredStore {
         else {
             return Ok(Applied::Absent);
         };
-        self.redis_call(self.redis.apply_completion(
+        self.redis_call(self.redis.tier().apply_completion(
             id,
             Some((&record.fingerprint, record.attempt)),
             token,
@@ -245,20 +247,26 @@ impl TieredStore {
     }
 
     /// Makes a lease PostgreSQL granted visible in Redis, so duplicates get their in-flight
-    /// answer there. Best effort: without it they ask PostgreSQL.
-    async fn hold_in_redis(&self, lease: &Lease, fingerprint: &Fingerprint) {
+    /// answer there, and returns it carrying the Redis record written for it (which the
+    /// Redis tier's fenced writes, extend and release, compare with). Best effort: without
+    /// it duplicates ask PostgreSQL, and the lease is returned as it was.
+    async fn hold_in_redis(&self, lease: Lease, fingerprint: &Fingerprint) -> Lease {
         if self.redis_down() {
-            return;
+            return lease;
         }
         match self
-            .redis_call(self.redis.hold_granted(lease, fingerprint))
+            .redis_call(self.redis.tier().hold(&lease, fingerprint))
             .await
         {
-            Ok(_) => {}
+            Ok(held) => held,
             // The SET may land later: give the lease back once Redis answers.
-            Err(e) if e.is_retryable() => self.release_redis_later(lease),
+            Err(e) if e.is_retryable() => {
+                self.release_redis_later(&lease);
+                lease
+            }
             Err(e) => {
                 tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "granted lease not written into Redis");
+                lease
             }
         }
     }
@@ -356,21 +364,21 @@ impl TieredStore {
     /// PostgreSQL's answer to `req`, after Redis had none (or was left out), made visible
     /// in Redis.
     async fn decide(&self, req: BeginRequest<'_>) -> Result<Begin> {
-        let answer = match self.pg.begin(req.clone()).await? {
-            // The fingerprint rides with the lease, so the Redis tier's fenced writes
-            // (extend, release) compare in one round trip instead of reading the record first.
-            Begin::Acquired(lease) => Begin::Acquired(lease.with_fingerprint(req.fingerprint)),
-            Begin::TookOver(lease) => Begin::TookOver(lease.with_fingerprint(req.fingerprint)),
-            other => other,
-        };
-        match &answer {
-            Begin::Acquired(lease) | Begin::TookOver(lease) => {
-                self.hold_in_redis(lease, &req.fingerprint).await;
+        Ok(match self.pg.begin(req.clone()).await? {
+            // The lease carries the Redis record written for it, so the Redis tier's fenced
+            // writes (extend, release) compare in one round trip.
+            Begin::Acquired(lease) => {
+                Begin::Acquired(self.hold_in_redis(lease, &req.fingerprint).await)
             }
-            Begin::Replay(replay) => self.repair(&req, replay).await,
-            Begin::InFlight { .. } | Begin::Mismatch => {}
-        }
-        Ok(answer)
+            Begin::TookOver(lease) => {
+                Begin::TookOver(self.hold_in_redis(lease, &req.fingerprint).await)
+            }
+            Begin::Replay(replay) => {
+                self.repair(&req, &replay).await;
+                Begin::Replay(replay)
+            }
+            other => other,
+        })
     }
 }
 
@@ -385,7 +393,7 @@ impl Store for TieredStore {
             self.outage.without_redis.fetch_add(1, Ordering::Relaxed);
             return self.decide(req).await;
         }
-        match self.redis_call(self.redis.peek(&req)).await {
+        match self.redis_call(self.redis.tier().peek(&req)).await {
             Ok(Some(answer)) => Ok(answer),
             Ok(None) => self.decide(req).await,
             Err(e) if e.is_retryable() => {

@@ -132,6 +132,32 @@ impl redis::ToRedisArgs for Completed<'_> {
     }
 }
 
+/// The completed record that replaces an in-progress record of `identity` (its fingerprint
+/// and attempt, as [`identity`] reads them), as one value.
+pub(crate) fn completed(
+    identity: (Fingerprint, u32),
+    encoded: &EncodedCompletion,
+    expires_at: u32,
+) -> Vec<u8> {
+    let record = Completed {
+        encoded,
+        identity: (&identity.0, identity.1),
+        expires_at,
+    };
+    redis::ToRedisArgs::to_redis_args(&record).remove(0)
+}
+
+/// Whether `stored` is the completed record that `encoded` makes of the in-progress record
+/// `held`, its expiry aside (a completion sent again may be written a second later than the
+/// first): how a completion whose reply was lost is told from another one.
+pub(crate) fn completes(held: &[u8], encoded: &EncodedCompletion, stored: &[u8]) -> bool {
+    let ours = completed(identity(held), encoded, 0);
+    let expiry = 33..37;
+    stored.len() == ours.len()
+        && stored[..expiry.start] == ours[..expiry.start]
+        && stored[expiry.end..] == ours[expiry.end..]
+}
+
 /// The bytes an attempt takes in a completed record: one under 255, else five.
 pub(crate) fn attempt_len(attempt: u32) -> usize {
     if attempt < u32::from(LONG_ATTEMPT) {

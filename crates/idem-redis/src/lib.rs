@@ -162,6 +162,7 @@ pub mod resend;
 mod scripts;
 mod stats;
 mod store;
+pub mod tier;
 mod transitions;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
@@ -169,7 +170,6 @@ pub use error::{EvictionPolicyError, ReplicationError};
 pub use reach::is_unreachable;
 pub use stats::{Finding, Problem, Scan, ScanCounts};
 pub use store::{RedisStore, RedisStoreBuilder};
-pub use transitions::Applied;
 
 /// The store's name in errors and metrics.
 const STORE: &str = "redis";

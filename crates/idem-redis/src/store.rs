@@ -5,18 +5,18 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{Begin, BeginRequest, Error, Fingerprint, Lease, RecordId, Replay};
+use idem_core::{Error, RecordId};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::caps::{self, Path, Server};
-use crate::codec::{self, Head};
+use crate::codec;
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
 use crate::connection::{Conn, Connection, CLUSTER_SCHEME, RECONNECT_MAX_DELAY};
 use crate::error::{classify, EvictionPolicyError, ReplicationError};
@@ -79,9 +79,6 @@ pub(crate) struct Inner {
     /// The [`Path`] of the transitions (`as u8`), 0 until the servers were read (and
     /// again when a node refuses a command, so that they are read again).
     path: AtomicU8,
-    /// The margin (ms) of the last in-progress record this store wrote: the guess of the
-    /// record a lease holds, for the compare-and-sets (`transitions.rs`).
-    pub(crate) margin_hint: AtomicU64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -219,7 +216,6 @@ impl RedisStoreBuilder {
                 checked: OnceCell::new(),
                 notifier,
                 path: AtomicU8::new(0),
-                margin_hint: AtomicU64::new(u64::MAX),
             }),
         })
     }
@@ -259,96 +255,6 @@ impl RedisStore {
     /// The Redis key that holds a record (for operators: `MEMORY USAGE`, `PTTL`, ...).
     pub fn record_key(&self, id: &RecordId) -> String {
         key::record_key(&self.inner.config.prefix, id)
-    }
-
-    /// What the record of `req.id` answers `req`, read without writing anything: a replay or a
-    /// mismatch of a completed record, or in flight (or a mismatch) under another token's
-    /// live lease. `None` when the key is absent, its lease ran out, or `req`'s own token
-    /// holds it: then only a claim can answer. One round trip (`GET` and `PTTL`, pipelined).
-    ///
-    /// For a store that claims keys elsewhere (the tiered store claims in PostgreSQL and
-    /// then writes the granted lease here with [`RedisStore::hold_granted`]): a read that
-    /// times out leaves nothing behind when it lands late, where a claim would.
-    ///
-    /// # Errors
-    ///
-    /// Store errors; [`Error::Corrupt`] when the value is not a record.
-    pub async fn peek(&self, req: &BeginRequest<'_>) -> Result<Option<Begin>, Error> {
-        let key = self.record_key(req.id);
-        let (record, pttl) = call!(self, |conn, _resent| read(&mut conn, &key).await)?;
-        let Some(record) = record else {
-            return Ok(None);
-        };
-        let fingerprint = req.fingerprint.as_bytes().as_slice();
-        match codec::decode_head(&record, pttl) {
-            Some(Head::Completed {
-                fingerprint: f,
-                expires_at,
-                ..
-            }) => {
-                if f != fingerprint {
-                    return Ok(Some(Begin::Mismatch));
-                }
-                Ok(Some(Begin::Replay(Replay {
-                    completion: codec::decode_completion_in(&record, &record)?,
-                    expires_in: codec::expires_in(expires_at),
-                })))
-            }
-            Some(Head::InProgress {
-                fingerprint: f,
-                token,
-                lease_left_ms,
-                ..
-            }) => Ok(
-                if token == req.token.as_bytes().as_slice() || lease_left_ms <= 0 {
-                    None
-                } else if f != fingerprint {
-                    Some(Begin::Mismatch)
-                } else {
-                    Some(Begin::InFlight {
-                        retry_after: codec::millis(lease_left_ms),
-                    })
-                },
-            ),
-            // A key that vanished between the two commands, or expired under them.
-            None if pttl < 0 && record.first() == Some(&b'P') => Ok(None),
-            None => Err(Error::corrupt(STORE, "not a record")),
-        }
-    }
-
-    /// Writes `lease`'s in-progress record (with `fingerprint`, kept no longer than the
-    /// lease) into an absent key: a claim granted elsewhere, made visible here so that
-    /// [`RedisStore::peek`] answers in flight for it. `SET .. NX PX`: a key that holds
-    /// anything (a completion that landed first, an older holder's record) is left as it
-    /// is. Returns whether the record was written.
-    ///
-    /// # Errors
-    ///
-    /// Store errors. After an [`Error::Unavailable`] the write may still land: give it back
-    /// with [`idem_core::Store::release`] (fenced by the lease's token) once Redis answers.
-    pub async fn hold_granted(
-        &self,
-        lease: &Lease,
-        fingerprint: &Fingerprint,
-    ) -> Result<bool, Error> {
-        let key = self.record_key(lease.id());
-        let record = codec::in_progress(&lease.token(), 0, fingerprint, lease.attempt());
-        // The fenced writes that follow rebuild this record to compare with: margin 0.
-        self.inner.margin_hint.store(0, Ordering::Relaxed);
-        let ttl_ms = millis(lease.remaining()).max(1);
-        call!(self, |conn, _resent| {
-            // A re-sent SET NX finds its own record and writes nothing: the same outcome.
-            redis::cmd("SET")
-                .arg(&key)
-                .arg(record.as_slice())
-                .arg("NX")
-                .arg("PX")
-                .arg(ttl_ms)
-                .query_async::<Option<String>>(&mut conn)
-                .await
-                .map(|ok| ok.is_some())
-                .map_err(classify)
-        })
     }
 
     /// Sends `PING`, bounded by [`RedisConfig::call_timeout`]: whether Redis answers.

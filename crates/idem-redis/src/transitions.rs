@@ -5,21 +5,20 @@
 //! where every primary has it, else as `set_if.lua` or `end_if.lua`, which do the same
 //! compare in one script.
 //!
-//! The record a lease holds is rebuilt from the lease (its token, fingerprint and attempt)
-//! and the margin of the store's last `begin` (`margin_hint`, the same for every `begin` of
-//! an [`idem_core::Idem`]), so the common case is one round trip. When the record differs,
-//! the answer (the value a `SET .. GET` or a script hands back, or a `GET` after a
-//! compare-and-delete) tells what it holds: still the lease's (another margin), the write
-//! goes again with it; otherwise the lease is lost.
+//! A lease carries the exact bytes of the in-progress record its `begin` wrote
+//! ([`Lease::version`]), and every fenced write compares against exactly those, so each is
+//! one round trip and nothing is rebuilt or guessed: when the record holds anything else,
+//! the lease is lost. (A lease handed out without them, such as the release of a claim
+//! whose `begin` answer was lost, reads the record first and writes only if the lease's
+//! token holds it.)
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
-    Replay, Result, Scope, Stats, Store, Watch,
+    Begin, BeginRequest, Completion, Error, FencingToken, Lease, Record, RecordId, Replay, Result,
+    Scope, Stats, Store, Watch,
 };
 use redis::aio::ConnectionLike as _;
 use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
@@ -32,20 +31,6 @@ use crate::error::{classify, unexpected};
 use crate::scripts;
 use crate::store::{call, millis, read, RedisStore, CAS_ROUNDS};
 use crate::STORE;
-
-/// What [`RedisStore::apply_completion`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Applied {
-    /// The completion was written.
-    Written,
-    /// The key was already completed; nothing changed.
-    AlreadyCompleted,
-    /// Another lease holds the key in Redis; nothing changed.
-    HeldByAnotherLease,
-    /// The key is absent and no identity was given; nothing changed.
-    Absent,
-}
 
 /// What a compare-and-set answered.
 pub(crate) enum Answer {
@@ -71,84 +56,6 @@ enum Write<'a> {
 }
 
 impl RedisStore {
-    /// Writes a completion that was committed elsewhere (the arbiter of a tiered store) into
-    /// Redis: when the key is absent, or in progress under `token` (the lease that
-    /// completed). A completed key, or one held by another lease, is left as it is
-    /// (the relay's docs say why). Applying twice is applying once, so a relay may deliver
-    /// at least once. One round trip.
-    ///
-    /// `identity` is the record's fingerprint and attempt. Without it, the completing
-    /// lease's in-progress record supplies them, and an absent key answers
-    /// [`Applied::Absent`] (call again with them).
-    ///
-    /// # Errors
-    ///
-    /// Store errors; [`Error::Invalid`] when the body is over the limit and the
-    /// [`crate::OversizeBody`] policy refuses it.
-    pub async fn apply_completion(
-        &self,
-        id: &RecordId,
-        identity: Option<(&Fingerprint, u32)>,
-        token: FencingToken,
-        completion: &Completion,
-        ttl: Duration,
-    ) -> Result<Applied, Error> {
-        let key = self.record_key(id);
-        let encoded = codec::encode_completion(completion, &self.config().body)?;
-        let expires_at = codec::expires_at(ttl);
-        let ms = millis(ttl).max(1);
-        // The record read, then the completion written with `SET .. NX GET` (absent) or a
-        // compare-and-set (held by `token`), read again when it changed in between. Applying
-        // twice is applying once: a re-send after a dropped connection needs no marker.
-        call!(self, |conn, _resent| async {
-            let conn = &mut conn;
-            for _ in 0..CAS_ROUNDS {
-                let current = self.get_value(conn, &key).await?;
-                let (record, held) = match current.as_deref().map(|v| (v, codec::decode_head(v, 0)))
-                {
-                    None => match identity {
-                        Some((fp, attempt)) => {
-                            let held = codec::in_progress(&token, 0, fp, attempt);
-                            (completed(&held, &encoded, expires_at), None)
-                        }
-                        None => return Ok(Applied::Absent),
-                    },
-                    Some((_, Some(Head::Completed { .. }))) => {
-                        return Ok(Applied::AlreadyCompleted)
-                    }
-                    Some((held, Some(_))) if held_by(held, token) => {
-                        (completed(held, &encoded, expires_at), Some(held))
-                    }
-                    Some((_, Some(_))) => return Ok(Applied::HeldByAnotherLease),
-                    Some((_, None)) => return Err(Error::corrupt(STORE, "not a record")),
-                };
-                let (written, waiters) = match held {
-                    Some(held) => {
-                        let (answer, waiters) =
-                            self.set_if(conn, &key, held, &record, ms, true).await?;
-                        (matches!(answer, Answer::Matched), waiters)
-                    }
-                    None => {
-                        let mut cmd = Cmd::with_capacity(8, key.len() + record.len() + 30);
-                        cmd.arg("SET").arg(&key).arg(&record).arg("NX").arg("GET");
-                        cmd.arg("PX").arg(ms);
-                        let (old, waiters) = self.counted(conn, &key, cmd, true).await?;
-                        (old == Value::Nil, waiters)
-                    }
-                };
-                if written {
-                    self.wake(conn, &key, waiters).await;
-                    return Ok(Applied::Written);
-                }
-            }
-            Err(Error::unavailable(
-                STORE,
-                "the record kept changing under an apply; try again",
-            ))
-        }
-        .await)
-    }
-
     /// `begin`: one plain `SET key <in-progress record> NX GET PX <lease + retention>`, one
     /// round trip in the common cases. An absent key is acquired by the `SET` itself;
     /// otherwise the record it hands back decides: a completed record is replayed (it
@@ -166,10 +73,10 @@ impl RedisStore {
         let sent_at = Instant::now();
         let lease_ms = millis(req.lease).max(1);
         let margin_ms = millis(req.retention);
-        self.inner.margin_hint.store(margin_ms, Ordering::Relaxed);
-        let granted = |attempt, remaining| {
+        // The lease carries the record written for it: its fenced writes compare with that.
+        let granted = |attempt, remaining, written: &[u8]| {
             Lease::new(req.id.clone(), req.token, attempt, remaining, sent_at)
-                .with_fingerprint(req.fingerprint)
+                .with_version(Bytes::copy_from_slice(written))
         };
         let full = Duration::from_millis(lease_ms);
         let first = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
@@ -183,7 +90,7 @@ impl RedisStore {
         let mut found = self.set_nx(conn, &set).await?;
         for _ in 0..CAS_ROUNDS {
             let Some(old) = found else {
-                return self.hold(conn, key, granted(1, full)).await;
+                return self.hold(conn, key, granted(1, full, &first)).await;
             };
             // What to write over `old`, and the attempt it is.
             let (write, attempt) = if old.as_ref() == codec::RELEASED {
@@ -220,7 +127,7 @@ impl RedisStore {
                 if token == req.token.as_bytes() {
                     // The same attempt asking again (its reply was lost): its own lease back.
                     let left = codec::millis(lease_left_ms);
-                    return self.hold(conn, key, granted(attempt, left)).await;
+                    return self.hold(conn, key, granted(attempt, left, &old)).await;
                 }
                 if lease_left_ms > 0 {
                     return Ok(Begin::InFlight {
@@ -234,7 +141,9 @@ impl RedisStore {
             };
             let ms = lease_ms + margin_ms;
             found = match self.set_if(conn, key, &old, &write, ms, false).await?.0 {
-                Answer::Matched => return self.hold(conn, key, granted(attempt, full)).await,
+                Answer::Matched => {
+                    return self.hold(conn, key, granted(attempt, full, &write)).await
+                }
                 // Gone meanwhile: start over.
                 Answer::Found(None) | Answer::Unknown => self.set_nx(conn, &set).await?,
                 Answer::Found(Some(other)) => Some(other),
@@ -351,7 +260,7 @@ impl RedisStore {
     /// Sends `cmd`, with `PUBSUB NUMSUB` (`SHARDNUMSUB`) of `key` behind it in the same
     /// round trip when `count` (on a cluster the pipeline goes to the key's primary, where
     /// its shard channel lives): its answer, and the waiters counted.
-    async fn counted(
+    pub(crate) async fn counted(
         &self,
         conn: &mut Conn,
         key: &str,
@@ -383,7 +292,7 @@ impl RedisStore {
 
     /// Wakes a record's waiters, when [`RedisStore::counted`] counted some; should this
     /// fail, they fall back to polling.
-    async fn wake(&self, conn: &mut Conn, key: &str, waiters: i64) {
+    pub(crate) async fn wake(&self, conn: &mut Conn, key: &str, waiters: i64) {
         if waiters <= 0 {
             return;
         }
@@ -402,7 +311,11 @@ impl RedisStore {
         }
     }
 
-    async fn get_value(&self, conn: &mut Conn, key: &str) -> Result<Option<Bytes>, Error> {
+    pub(crate) async fn get_value(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+    ) -> Result<Option<Bytes>, Error> {
         let value: Option<Vec<u8>> = redis::cmd("GET")
             .arg(key)
             .query_async(conn)
@@ -413,17 +326,10 @@ impl RedisStore {
             .map(Bytes::from))
     }
 
-    /// The in-progress record `lease` holds, as this store writes it, with the margin of
-    /// its last `begin`; `None` when the lease does not carry its fingerprint.
-    fn guess(&self, lease: &Lease) -> Option<Bytes> {
-        let margin = self.inner.margin_hint.load(Ordering::Relaxed);
-        let fingerprint = lease.fingerprint().filter(|_| margin != u64::MAX)?;
-        let record = codec::in_progress(&lease.token(), margin, fingerprint, lease.attempt());
-        Some(Bytes::copy_from_slice(&record))
-    }
-
-    /// Makes `write` on the record `lease` holds, until it matches or the record is not the
-    /// lease's. Returns the waiters to wake on success, or the value found instead.
+    /// Makes `write` on the record `lease` holds: the version it carries, or (for a lease
+    /// handed out without one) the record read, when the lease's token holds it. One
+    /// compare-and-set. Returns the waiters to wake on success, or the value the key holds
+    /// instead.
     async fn on_lease(
         &self,
         conn: &mut Conn,
@@ -431,47 +337,44 @@ impl RedisStore {
         lease: &Lease,
         write: &Write<'_>,
     ) -> Result<Result<i64, Option<Bytes>>, Error> {
-        let mut expected = self.guess(lease);
         let other = |value: Option<Bytes>| match value {
             Some(v) if codec::decode_head(&v, 0).is_none() => {
                 Err(Error::corrupt(STORE, "not a record"))
             }
             v => Ok(Err(v)),
         };
-        for _ in 0..CAS_ROUNDS {
-            let held = match expected.take() {
-                Some(held) => held,
-                None => match self.get_value(conn, key).await? {
-                    Some(value) if held_by(&value, lease.token()) => value,
-                    value => return other(value),
-                },
-            };
-            let (answer, waiters) = match write {
-                Write::Complete {
-                    encoded,
-                    expires_at,
-                    ms,
-                } => {
-                    let record = completed(&held, encoded, *expires_at);
-                    self.set_if(conn, key, &held, &record, *ms, true).await?
+        let read;
+        let held: &[u8] = match lease.version() {
+            Some(version) => version,
+            None => match self.get_value(conn, key).await? {
+                Some(value) if held_by(&value, lease.token()) => {
+                    read = value;
+                    &read
                 }
-                Write::Release => self.end_if(conn, key, &held, 0).await?,
-                Write::Extend { by_ms } => {
-                    let ms = by_ms.saturating_add(codec::margin_ms(&held)).max(1);
-                    self.end_if(conn, key, &held, ms).await?
-                }
-            };
-            match answer {
-                Answer::Matched => return Ok(Ok(waiters)),
-                Answer::Found(Some(old)) if held_by(&old, lease.token()) => expected = Some(old),
-                Answer::Found(value) => return other(value),
-                Answer::Unknown => {}
+                value => return other(value),
+            },
+        };
+        let (answer, waiters) = match write {
+            Write::Complete {
+                encoded,
+                expires_at,
+                ms,
+            } => {
+                let record = codec::completed(codec::identity(held), encoded, *expires_at);
+                self.set_if(conn, key, held, &record, *ms, true).await?
             }
+            Write::Release => self.end_if(conn, key, held, 0).await?,
+            Write::Extend { by_ms } => {
+                let ms = by_ms.saturating_add(codec::margin_ms(held)).max(1);
+                self.end_if(conn, key, held, ms).await?
+            }
+        };
+        match answer {
+            Answer::Matched => Ok(Ok(waiters)),
+            Answer::Found(value) => other(value),
+            // A compare-and-delete that did nothing: what the key holds tells why.
+            Answer::Unknown => other(self.get_value(conn, key).await?),
         }
-        Err(Error::unavailable(
-            STORE,
-            "the record kept changing under a compare-and-set; try again",
-        ))
     }
 
     /// `complete`: the completed record in place of the one the lease holds. A call sent
@@ -494,17 +397,12 @@ impl RedisStore {
         };
         let waiters = match self.on_lease(conn, key, lease, &write).await? {
             Ok(waiters) => waiters,
-            // The first send did it; only its reply was lost. (The same completion, its
-            // expiry at 33..37 aside, which a call sent again may put a second later.)
+            // The first send did it; only its reply was lost.
             Err(Some(stored))
                 if resent
-                    && lease.fingerprint().is_some_and(|fp| {
-                        let held = codec::in_progress(&lease.token(), 0, fp, lease.attempt());
-                        let ours = completed(&held, encoded, expires_at);
-                        stored.len() == ours.len()
-                            && stored[..33] == ours[..33]
-                            && stored[37..] == ours[37..]
-                    }) =>
+                    && lease
+                        .version()
+                        .is_some_and(|held| codec::completes(held, encoded, &stored)) =>
             {
                 0
             }
@@ -581,20 +479,8 @@ fn answer(old: Value, expected: &[u8]) -> Result<Answer, Error> {
     }
 }
 
-/// The completed record that replaces the in-progress record `held`: its fingerprint and
-/// attempt, and the completion.
-fn completed(held: &[u8], encoded: &codec::EncodedCompletion, expires_at: u32) -> Vec<u8> {
-    let (fingerprint, attempt) = codec::identity(held);
-    let record = codec::Completed {
-        encoded,
-        identity: (&fingerprint, attempt),
-        expires_at,
-    };
-    redis::ToRedisArgs::to_redis_args(&record).remove(0)
-}
-
 /// Whether `value` is an in-progress record held by `token`.
-fn held_by(value: &[u8], token: FencingToken) -> bool {
+pub(crate) fn held_by(value: &[u8], token: FencingToken) -> bool {
     matches!(codec::decode_head(value, 0),
         Some(Head::InProgress { token: t, .. }) if t == token.as_bytes())
 }

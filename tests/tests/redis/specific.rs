@@ -535,7 +535,9 @@ pub(crate) async fn resent_calls_on(store: &RedisStore) {
         .await
         .expect("a release sent again");
 
-    // A lease made without its fingerprint: the record keeps the one its begin wrote.
+    // A lease made without its version (a claim whose begin answer was lost): the record is
+    // read and written only because the lease's token holds it, and keeps the fingerprint
+    // its begin wrote.
     let id = new_id("kl");
     let lease = acquire(store, &id).await;
     let bare = Lease::new(
@@ -545,16 +547,16 @@ pub(crate) async fn resent_calls_on(store: &RedisStore) {
         lease.remaining(),
         tokio::time::Instant::now(),
     );
-    assert!(bare.fingerprint().is_none());
+    assert!(bare.version().is_none());
     store
         .complete(&bare, &succeeded(201, "bare"), KEEP)
         .await
-        .expect("complete without a fingerprint");
+        .expect("complete without a version");
     let record = store.get(&id).await.unwrap().expect("the record");
-    assert_eq!(record.fingerprint, *lease.fingerprint().unwrap());
+    assert_eq!(record.fingerprint, Fingerprint::of_bytes(b"f"));
     assert_eq!(replay(store, &id).await.completion.response.body, "bare");
 
-    // Through the store, leases that carry their fingerprint (the record goes whole): it
+    // Through the store, leases that carry their version (the record goes whole): it
     // holds the begin's fingerprint and the lease's attempt, 2 after a takeover.
     let id = new_id("kt");
     let short = request(&id, Fingerprint::of_bytes(b"f"), Duration::from_millis(30));
@@ -677,13 +679,14 @@ pub async fn race_on(stores: &[Arc<dyn Store>], keys: usize, callers: usize) {
 /// over the completing lease, and never over a completion or another lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apply_completion_never_overwrites_a_newer_state() {
-    use idem_redis::Applied;
+    use idem_redis::tier::Applied;
     let Some((store, _)) = on_the_shared_server().await else {
         return;
     };
     let fp = Fingerprint::of_bytes(b"f");
     let done = succeeded(201, Bytes::from_static(b"\0committed\xff"));
-    let apply = |id, identity, token| store.apply_completion(id, identity, token, &done, KEEP);
+    let tier = store.tier();
+    let apply = |id, identity, token| tier.apply_completion(id, identity, token, &done, KEEP);
 
     // Absent (Redis lost it): written, and replayed with its attempt and time to live.
     let id = new_id("absent");
@@ -885,10 +888,11 @@ async fn completed_records_carry_their_expiry_and_attempt() {
         let done = succeeded(200, "late");
         if through_apply {
             let applied = store
+                .tier()
                 .apply_completion(&id, None, token, &done, KEEP)
                 .await
                 .unwrap();
-            assert_eq!(applied, idem_redis::Applied::Written);
+            assert_eq!(applied, idem_redis::tier::Applied::Written);
         } else {
             let bare = Lease::new(id.clone(), token, 300, LONG, Instant::now());
             store.complete(&bare, &done, KEEP).await.unwrap();
