@@ -1253,6 +1253,11 @@ mod errors {
     /// A fake AMQP broker on a free port: it answers any greeting with AMQP's protocol
     /// header, as RabbitMQ does.
     fn fake_amqp() -> u16 {
+        fake_server(b"AMQP\x00\x00\x09\x01")
+    }
+
+    /// A server on a free port that answers any greeting with `reply` and closes.
+    fn fake_server(reply: &'static [u8]) -> u16 {
         use std::io::{Read as _, Write as _};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -1260,7 +1265,7 @@ mod errors {
             for mut stream in listener.incoming().flatten() {
                 let mut greeting = [0; 64];
                 let _ = stream.read(&mut greeting);
-                let _ = stream.write_all(b"AMQP\x00\x00\x09\x01");
+                let _ = stream.write_all(reply);
             }
         });
         port
@@ -1294,6 +1299,15 @@ mod errors {
                 "{err}"
             );
         }
+        // A web server that answers a request without a version with a bare HTML page, as
+        // Python's `http.server` does.
+        let web = fake_server(b"<!DOCTYPE HTML>\n<html><body>Bad request</body></html>\n");
+        let url = format!("redis://127.0.0.1:{web}");
+        let err = super::exits(3, super::run(&["stats", "--store", &url]));
+        assert!(
+            err.contains("speaks HTTP and this URL expects Redis: that is a web server"),
+            "{err}"
+        );
 
         let Some(redis) = idem_testkit::harness::redis_url() else {
             return;

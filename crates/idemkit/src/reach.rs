@@ -174,18 +174,25 @@ fn probe(addr: &str) -> Reach {
         // server speaks first, with INFO.
         Ok(reply) if reply.starts_with(b"AMQP") => return Reach::Speaks(Protocol::Amqp),
         Ok(reply) if reply.starts_with(b"INFO ") => return Reach::Speaks(Protocol::Nats),
+        Ok(reply) if is_http(&reply) => return Reach::Speaks(Protocol::Http),
         Ok(reply) => reply,
     };
     match exchange(b"PING\r\n\r\n") {
         Err(reach) => reach,
         Ok(reply) if reply.is_empty() && first.is_empty() => Reach::Silent,
-        Ok(reply) if reply.starts_with(b"HTTP/") => Reach::Speaks(Protocol::Http),
+        Ok(reply) if is_http(&reply) => Reach::Speaks(Protocol::Http),
         Ok(reply) if reply.starts_with(b"+") || reply.starts_with(b"-") => {
             Reach::Speaks(Protocol::Redis)
         }
         Ok(reply) if reply.first() == Some(&b'E') => Reach::Speaks(Protocol::Postgres),
         Ok(_) => Reach::Unknown,
     }
+}
+
+/// Whether `reply` is a web server's: a status line, or the bare HTML error page some send
+/// to a request without an HTTP version (Python's `http.server` does, as for HTTP/0.9).
+fn is_http(reply: &[u8]) -> bool {
+    reply.starts_with(b"HTTP/") || reply.starts_with(b"<!DOCTYPE") || reply.starts_with(b"<html")
 }
 
 /// The first host and port of a store URL (`scheme://[user[:password]@]host[:port][,...][/...]`),
