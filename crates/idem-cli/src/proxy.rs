@@ -9,8 +9,8 @@ use std::time::Duration;
 use clap::Args;
 use http::{HeaderName, Method};
 use idem_proxy::{
-    AnonymousSpec, Drained, Header, HostSpec, MethodName, MissingKeySpec, PathPrefix, Proxy,
-    ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
+    AnonymousSpec, Drained, Header, HostHeader, HostSpec, MethodName, MissingKeySpec, PathPrefix,
+    Proxy, ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
 };
 
 use crate::{listen_error, parse_listen, parse_secs, CliError, Done, StoreArg};
@@ -166,25 +166,45 @@ impl ProxyArgs {
 
 /// What `--check-config` prints: the upstream and each route.
 fn describe(settings: &Settings) -> String {
+    let upstream = &settings.upstream;
+    let host = match upstream.host {
+        HostHeader::Keep => "keep".to_owned(),
+        HostHeader::Upstream => "upstream".to_owned(),
+        other => format!("{other:?}").to_lowercase(),
+    };
     let mut out = format!(
-        "upstream {} (timeout {:?}, host {:?})\n",
-        settings.upstream.url, settings.upstream.timeout, settings.upstream.host
+        "upstream url = \"{}\", timeout_secs = {}, host = \"{host}\"\n",
+        upstream.url,
+        secs(upstream.timeout)
     );
     for route in &settings.routes {
         let methods: Vec<&str> = route.http.methods.iter().map(Method::as_str).collect();
         out.push_str(&format!(
-            "route {} {}: key {}, scope {}, lease {:?}, retention {:?}, wait {:?}\n",
+            "route {} {}: key_header = \"{}\", scope_header = \"{}\", lease_secs = {}, \
+             retention_secs = {}",
             methods.join(","),
             route.path,
             route.http.header,
             route.scope_header,
-            route.engine.lease,
-            route.engine.retention,
-            route.engine.wait,
+            secs(route.engine.lease),
+            secs(route.engine.retention),
         ));
+        match route.engine.wait {
+            Some(wait) => out.push_str(&format!(", wait_ms = {}\n", wait.as_millis())),
+            None => out.push_str(" (no wait_ms: 409 at once)\n"),
+        }
     }
     out.push_str("every other request passes through\n");
     out
+}
+
+/// A duration as the routes file writes seconds: `30`, or `0.5` for a fraction.
+fn secs(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        d.as_secs().to_string()
+    } else {
+        d.as_secs_f64().to_string()
+    }
 }
 
 /// Runs `idem proxy` until SIGTERM or Ctrl-C, then drains.

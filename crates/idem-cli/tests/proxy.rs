@@ -458,7 +458,14 @@ mod memory {
             stdout.contains("config OK") && stdout.contains("route POST /payments"),
             "{stdout}"
         );
-        assert!(stdout.contains("scope x-api-key"), "{stdout}");
+        // Values as the file writes them, not as Rust debug-prints them.
+        assert!(stdout.contains("scope_header = \"x-api-key\""), "{stdout}");
+        assert!(stdout.contains("host = \"keep\""), "{stdout}");
+        assert!(stdout.contains("lease_secs = 30,"), "{stdout}");
+        assert!(
+            !stdout.contains("Some(") && !stdout.contains("None"),
+            "{stdout}"
+        );
 
         let bad = temp_file(
             "bad.toml",
