@@ -1,12 +1,15 @@
 //! `idem relay`: the outbox relay of the tiered store (`idem_outbox::Relay`), and its
 //! dead-letter commands.
 
+use std::future::Future;
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use idemkit::outbox::{Outbox, Relay, RelayConfig};
+use idemkit::outbox::{Outbox, Relay, RelayConfig, TieredStore};
+use idemkit::url::StoreUrl;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 
@@ -29,8 +32,8 @@ pub struct RunArgs {
     #[command(flatten)]
     store: StoreArg,
     /// Apply idem's and the outbox's migrations at start (safe while other instances do
-    /// too); without it, a database without them is an error that says to run
-    /// `idem migrate`.
+    /// too); without it, the relay waits for them (`idem serve --migrate` or `idem migrate`
+    /// makes them), saying so once.
     #[arg(long)]
     migrate: bool,
     /// Outbox rows per transaction.
@@ -156,6 +159,10 @@ async fn run_relay(args: RunArgs) -> Result<Done, CliError> {
         None => None,
     };
     let (url, tiered) = store::open_relay(&args.store, args.migrate).await?;
+    let mut shutdown = Box::pin(crate::shutdown_signal("idem relay"));
+    if !args.migrate && !schema_ready(&url, &tiered, shutdown.as_mut()).await? {
+        return Ok(Done::ok("idem relay: stopped\n".into()));
+    }
     let config = RelayConfig::default()
         .with_batch(args.batch)
         .with_poll_interval(Duration::from_millis(args.poll_ms))
@@ -171,7 +178,6 @@ async fn run_relay(args: RunArgs) -> Result<Done, CliError> {
         max_tries = args.max_tries,
         "idem relay starting"
     );
-    let shutdown = crate::shutdown_signal("idem relay");
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;
         // Standard output carries this one line, for scripts and tests that asked for port 0;
@@ -187,6 +193,50 @@ async fn run_relay(args: RunArgs) -> Result<Done, CliError> {
     }
     relay.run(shutdown).await;
     Ok(Done::ok("idem relay: stopped\n".into()))
+}
+
+/// Waits until the database of the tiered store `url` has idem's and the outbox's tables, as
+/// `idem serve --migrate`, `idem migrate` or a relay started with `--migrate` make them,
+/// saying once what it waits for; `false` when `shutdown` came first.
+///
+/// # Errors
+///
+/// [`CliError::Open`] when PostgreSQL cannot be read.
+async fn schema_ready(
+    url: &StoreUrl,
+    tiered: &TieredStore,
+    mut shutdown: Pin<&mut impl Future<Output = ()>>,
+) -> Result<bool, CliError> {
+    let pg = tiered.pg();
+    let mut said = false;
+    loop {
+        let mut pending = pg.pending_migrations().await?;
+        pending.extend(
+            pg.pending_migrations_with(idemkit::outbox::migrator())
+                .await?,
+        );
+        if pending.is_empty() {
+            if said {
+                tracing::info!(schema = %pg.schema(), "the outbox is there: relaying");
+            }
+            return Ok(true);
+        }
+        if !said {
+            tracing::warn!(
+                store = %url,
+                schema = %pg.schema(),
+                "waiting for idem's tables and the outbox (migrations {pending:?} not applied), \
+                 checking every second: `idem serve --migrate` or `idem migrate --store <url>` \
+                 makes them, or start the relay with --migrate"
+            );
+            said = true;
+        }
+        tokio::select! {
+            // Nothing is in flight while waiting: stop at once.
+            () = shutdown.as_mut() => return Ok(false),
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
 }
 
 /// Serves `GET /metrics` on `listener` (axum): the Prometheus text of every metric this

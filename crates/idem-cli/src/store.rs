@@ -54,7 +54,8 @@ const RELAY_STORES: &str = "the relay works on a tiered store, --store \
     tiered:REDIS_URL|POSTGRES_URL (`idem relay dead` takes its postgres:// URL too)";
 
 /// Opens the tiered store of `idem relay run`: started while its Redis is down, migrated
-/// first with `migrate`.
+/// first with `migrate`; without it, the schema is left for the relay to wait for (a relay
+/// started beside `idem serve --migrate` may be up first).
 ///
 /// # Errors
 ///
@@ -65,7 +66,11 @@ pub async fn open_relay(
 ) -> Result<(StoreUrl, TieredStore), CliError> {
     let url = parse(&args.store)?;
     if url.tiered().is_some() {
-        let schema_mode = SchemaMode::migrate_if(migrate);
+        let schema_mode = if migrate {
+            SchemaMode::Migrate
+        } else {
+            SchemaMode::Leave
+        };
         if let Opened::Tiered(tiered) = open(&url, args, schema_mode, true).await? {
             return Ok((url, tiered));
         }

@@ -520,26 +520,68 @@ mod relay {
         drop_schema(tiered.pg()).await;
     }
 
-    /// Without `--migrate`, `idem relay run` on a database lacking idem's tables stops, says
-    /// to run `idem migrate`, and creates nothing: only `idem migrate` and explicit flags
-    /// change a schema.
+    /// Without `--migrate`, `idem relay run` on a database lacking idem's tables (started
+    /// beside `idem serve --migrate`, before it) creates nothing: it says once what it waits
+    /// for and how the tables are made, then relays once they are there.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn run_without_migrate_changes_no_schema() {
-        let Some(db_url) = harness::database_url() else {
+    async fn run_without_migrate_waits_for_the_schema_and_creates_nothing() {
+        let (Some(db_url), Some(redis_url)) = (harness::database_url(), harness::redis_url())
+        else {
             return;
         };
-        let schema = harness::unique_name("idem_relay_nomig_");
-        // No Redis listens on port 1: the relay would start without it, so only the schema
-        // check can stop it.
-        let store = format!("tiered:redis://127.0.0.1:1|{db_url}");
-        let (code, _, err) = output(relay(&["run", "--store", &store, "--schema", &schema])).await;
-        assert_eq!(code, Some(3), "{err}");
-        assert!(err.contains("run `idem migrate"), "{err}");
-        let exists = super::support::schema_exists(&db_url, &schema).await;
+        // A schema nobody made yet: the relay started before `idem serve --migrate`.
+        let schema = harness::unique_name("idem_relay_wait_");
+        let pg = PgStore::new(idem_testkit::postgres::connect(&db_url, 10).await)
+            .with_schema(&schema)
+            .expect("a valid schema name");
+        let prefix = format!("idem-relay-wait-{}:", uuid::Uuid::new_v4().simple());
+        let redis = RedisStore::builder(&redis_url)
+            .with_prefix(prefix.clone())
+            .connect()
+            .await
+            .expect("connect to Redis");
+        let tiered = TieredStore::new(redis, pg);
+        let scope = Scope::new(format!("relay-{}", uuid::Uuid::new_v4().simple())).unwrap();
+        let store = format!("tiered:{redis_url}|{db_url}");
+        let run = [
+            "run", "--store", &store, "--prefix", &prefix, "--schema", &schema,
+        ];
+        let mut child = relay(&run)
+            .args(["--log", "warn", "--poll-ms", "50"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start idem relay run");
+        let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+        let waiting = timeout(PATIENCE, async {
+            while let Some(line) = lines.next_line().await.expect("read stderr") {
+                if line.contains("waiting for idem's tables and the outbox") {
+                    return line;
+                }
+            }
+            panic!("idem relay run ended without saying what it waits for")
+        })
+        .await
+        .expect("the waiting line in time");
+        assert!(waiting.contains("--migrate"), "{waiting}");
+        // Keep reading, so that the relay never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         assert!(
-            !exists,
+            !super::support::schema_exists(&db_url, &schema).await,
             "idem relay run created schema {schema} without --migrate"
         );
+
+        // The schema made (as `idem serve --migrate` makes it): the relay relays.
+        idemkit::outbox::migrate(tiered.pg())
+            .await
+            .expect("migrate");
+        commit_unpublished(&tiered, &scope, 0).await;
+        harness::eventually("the outbox empty", PATIENCE, ms(50), || async {
+            (outbox_rows(tiered.pg(), None).await == 0).then_some(())
+        })
+        .await;
+        assert_in_redis(tiered.redis(), &scope, 0).await;
+        assert!(terminate(&mut child).await.success());
+        drop_schema(tiered.pg()).await;
     }
 
     /// Over TLS with certificate verification on: a `redis-server` with a `--tls-port` and a
