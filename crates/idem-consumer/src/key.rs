@@ -18,7 +18,9 @@ pub enum KeySource {
     /// whitespace ignored. Leave volatile fields out ([`JsonSelection::Except`] with
     /// `/sent_at`, `/trace_id`, ...) or name the business fields
     /// ([`JsonSelection::Only`] with `/order_id`, `/amount`), so two publications of one
-    /// business event get one key. A payload that is not JSON is dead-lettered.
+    /// business event get one key. A payload that is not JSON, or that lacks a field
+    /// [`JsonSelection::Only`] names, is dead-lettered: messages missing the fields that
+    /// tell events apart would otherwise all share one key.
     PayloadHash(JsonSelection),
     /// The header when the message has it, otherwise the payload hash.
     HeaderOrPayloadHash(String, JsonSelection),
@@ -70,6 +72,12 @@ pub enum InvalidMessage {
     /// The payload had to be JSON and is not.
     #[error("the payload is not JSON: {0}")]
     NotJson(String),
+    /// The payload lacks a field its key is hashed from.
+    #[error("the payload has no field {pointer:?} to take its idempotency key from")]
+    MissingField {
+        /// The field's JSON pointer.
+        pointer: String,
+    },
 }
 
 impl From<JsonError> for InvalidMessage {
@@ -127,6 +135,15 @@ fn header_key(message: &Message, name: &str) -> Result<Option<Key>, InvalidMessa
 
 /// `"msg-"` and the hex SHA-256 of the selected fields: 68 visible ASCII bytes, a valid key.
 fn payload_key(message: &Message, selection: &JsonSelection) -> Result<Key, InvalidMessage> {
+    if let JsonSelection::Only(pointers) = selection {
+        let payload: serde_json::Value = serde_json::from_slice(message.payload())
+            .map_err(|e| InvalidMessage::NotJson(e.to_string()))?;
+        if let Some(missing) = pointers.iter().find(|p| payload.pointer(p).is_none()) {
+            return Err(InvalidMessage::MissingField {
+                pointer: missing.clone(),
+            });
+        }
+    }
     let digest = FingerprintBuilder::new()
         .json("idem-consumer/payload-key", message.payload(), selection)?
         .finish();
@@ -239,6 +256,23 @@ mod tests {
         assert!(a.as_str().starts_with("msg-"));
         assert!(matches!(
             src.key_of(&json("not json")),
+            Err(InvalidMessage::NotJson(_))
+        ));
+    }
+
+    #[test]
+    fn payload_hash_keys_refuse_a_payload_without_a_named_field() {
+        let src =
+            KeySource::PayloadHash(JsonSelection::Only(vec!["/order".into(), "/amount".into()]));
+        assert!(src.key_of(&json(r#"{"order": 1, "amount": null}"#)).is_ok());
+        assert_eq!(
+            src.key_of(&json(r#"{"order": 1}"#)),
+            Err(InvalidMessage::MissingField {
+                pointer: "/amount".into()
+            })
+        );
+        assert!(matches!(
+            src.key_of(&json("[1")),
             Err(InvalidMessage::NotJson(_))
         ));
     }
