@@ -9,6 +9,7 @@
 
 use std::fmt;
 use std::io::Write as _;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -34,9 +35,41 @@ const FROM_FORMS: &str = "amqp://USER:PASS@HOST:PORT[/VHOST]/QUEUE (RabbitMQ), \
     nats://HOST:PORT/STREAM/SUBJECT[?consumer=NAME] (NATS JetStream), or \
     redis://[:PASS@]HOST:PORT[/DB]/STREAM[?group=GROUP&consumer=NAME] (Redis Streams)";
 
-/// `idem consume`'s flags.
+/// `idem consume`'s flags. The settings of the handler, keys and retries are also read
+/// from `--config` (the same names, `-` written `_`, and durations as `<name>_secs`); a
+/// flag wins over the file, and an absent setting takes the default written beside it.
 #[derive(Debug, Args)]
 pub struct ConsumeArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    /// Apply idem's migrations at start (PostgreSQL and tiered stores).
+    #[arg(long)]
+    migrate: bool,
+    /// On PostgreSQL and tiered stores, delete expired records every SECS.
+    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
+    purge_every: Duration,
+    /// A TOML file of settings (see the README); flags override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Check the flags and `--config`, print the settings, and exit without starting.
+    #[arg(long)]
+    check_config: bool,
+    /// Serve `/metrics`, `/livez` and `/readyz` (broker and store reachable) on this address.
+    #[arg(long, value_name = "ADDR", value_parser = crate::parse_listen)]
+    admin_listen: Option<std::net::SocketAddr>,
+    /// On SIGTERM, how long the handler calls in flight may take to finish and be settled;
+    /// those still running then are cut off, unsettled, and the broker delivers their
+    /// messages again.
+    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
+    shutdown_timeout: Duration,
+    #[command(flatten)]
+    settings: SettingsArgs,
+}
+
+/// The settings given as flags and in `--config` (the whole file).
+#[derive(Debug, Default, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettingsArgs {
     /// Where messages come from: `amqp://USER:PASS@HOST:PORT[/VHOST]/QUEUE` (RabbitMQ;
     /// `%2f` is the vhost `/`), `nats://HOST:PORT/STREAM/SUBJECT[?consumer=NAME]` (NATS
     /// JetStream; consumer default `<STREAM>-idem`), or
@@ -51,112 +84,132 @@ pub struct ConsumeArgs {
         env = "IDEM_CONSUME_FROM",
         hide_env_values = true
     )]
-    from: String,
+    from: Option<String>,
     /// The handler: `http://HOST:PORT[/PREFIX]` or `https://...`; `--path` is appended.
     #[arg(long, value_name = "URL")]
-    to: String,
-    #[command(flatten)]
-    store: StoreArg,
-    /// Apply idem's migrations at start (PostgreSQL and tiered stores).
-    #[arg(long)]
-    migrate: bool,
-    /// On PostgreSQL and tiered stores, delete expired records every SECS.
-    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
-    purge_every: Duration,
+    to: Option<String>,
     /// The scope of the messages' records [default: the queue, `<stream>/<consumer>` on
     /// NATS, `<stream>/<group>` on Redis]. Never the scope of an HTTP API whose keys the
     /// messages carry.
     #[arg(long)]
     scope: Option<String>,
     /// How long a message holds its key while the handler works (renewed meanwhile); a
-    /// crashed `idem consume`'s keys are taken over by a redelivery after it.
-    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
-    lease: Duration,
-    /// How long a handled key is remembered: a copy arriving later runs again.
-    #[arg(long, default_value = "86400", value_name = "SECS", value_parser = parse_secs)]
-    retention: Duration,
+    /// crashed `idem consume`'s keys are taken over by a redelivery after it [default: 30].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    #[serde(rename = "lease_secs", default, deserialize_with = "secs")]
+    lease: Option<Duration>,
+    /// How long a handled key is remembered: a copy arriving later runs again [default:
+    /// 86400].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    #[serde(rename = "retention_secs", default, deserialize_with = "secs")]
+    retention: Option<Duration>,
     /// Where a message's key comes from: a message header (`header`, see `--key-header`),
     /// a hash of the JSON payload (`payload`, see `--key-fields` and `--key-ignore`), or
-    /// the header when present and the hash otherwise (`header-or-payload`).
-    #[arg(long, default_value = "header", value_parser = ["header", "payload", "header-or-payload"])]
-    key: String,
-    /// The message header holding the key.
-    #[arg(long, value_name = "NAME", default_value = IDEMPOTENCY_KEY_HEADER)]
-    key_header: String,
+    /// the header when present and the hash otherwise (`header-or-payload`) [default:
+    /// header].
+    #[arg(long, value_enum)]
+    key: Option<KeyFrom>,
+    /// The message header holding the key [default: x-idempotency-key].
+    #[arg(long, value_name = "NAME")]
+    key_header: Option<String>,
     /// With `--key payload`: hash only these JSON pointers of the payload
     /// (comma-separated, e.g. `/order_id,/amount`) [default: the whole payload].
-    #[arg(
-        long,
-        value_name = "POINTERS",
-        value_delimiter = ',',
-        conflicts_with = "key_ignore"
-    )]
+    #[arg(long, value_name = "POINTERS", value_delimiter = ',', value_parser = parse_pointer)]
     key_fields: Option<Vec<String>>,
     /// With `--key payload`: hash the payload without these JSON pointers (volatile
     /// fields, e.g. `/sent_at,/trace_id`).
-    #[arg(long, value_name = "POINTERS", value_delimiter = ',')]
+    #[arg(long, value_name = "POINTERS", value_delimiter = ',', value_parser = parse_pointer)]
     key_ignore: Option<Vec<String>>,
     /// What tells a duplicate from a reused key: the payload's bytes (`payload`), or its
     /// canonical JSON without the `--key-ignore` fields, or only the `--key-fields` ones
-    /// (`json`).
-    #[arg(long, default_value = "payload", value_parser = ["payload", "json"])]
-    fingerprint: String,
-    /// The method of the handler's request.
-    #[arg(long, default_value = "POST", value_parser = parse_method)]
-    method: Method,
+    /// (`json`) [default: payload].
+    #[arg(long, value_enum)]
+    fingerprint: Option<FingerprintFrom>,
+    /// The method of the handler's request [default: POST].
+    #[arg(long, value_parser = parse_method)]
+    #[serde(default, deserialize_with = "method")]
+    method: Option<Method>,
     /// The path of the handler's request, after the `--to` prefix; `{key}` is replaced by
-    /// the message's key, percent-encoded.
-    #[arg(long, default_value = "/", value_name = "TEMPLATE")]
-    path: String,
-    /// The request's `Content-Type` when the message has none.
-    #[arg(long, default_value = "application/json", value_name = "TYPE")]
-    content_type: String,
+    /// the message's key, percent-encoded [default: /].
+    #[arg(long, value_name = "TEMPLATE")]
+    path: Option<String>,
+    /// The request's `Content-Type` when the message has none [default: application/json].
+    #[arg(long, value_name = "TYPE")]
+    content_type: Option<String>,
     /// Message headers passed to the handler as `X-Idem-Message-<NAME>` (comma-separated;
     /// `*` for all) [default: none].
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
-    message_headers: Vec<String>,
+    message_headers: Option<Vec<String>>,
     /// The handler's statuses that are final failures (the message is dead-lettered at
-    /// once, or stored per `--on-terminal`), comma-separated. Other statuses below 200 or
-    /// from 300 are retried.
-    #[arg(long, value_name = "CODES", value_delimiter = ',', default_value = "400,404,409,410,422", value_parser = parse_status)]
-    terminal_status: Vec<StatusCode>,
+    /// once, or stored per `--on-terminal`), comma-separated; every other status below 200
+    /// or from 300 is retried [default: 400,404,409,410,422].
+    #[arg(long, value_name = "CODES", value_delimiter = ',', value_parser = parse_status)]
+    #[serde(default, deserialize_with = "statuses")]
+    terminal_status: Option<Vec<StatusCode>>,
     /// How long the handler has to answer with a response head; a timeout is retried,
-    /// with the key held until its lease ends (the handler may still be working).
-    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
-    timeout: Duration,
-    /// The most bytes of a 2xx answer's body kept as the stored value (the rest is cut).
-    #[arg(long, default_value = "65536", value_name = "BYTES")]
-    max_body: usize,
-    /// How many handler calls run at once.
-    #[arg(long, default_value = "4", value_name = "N")]
-    concurrency: usize,
-    /// How many times the handler may run on one message before it is dead-lettered.
-    #[arg(long, default_value = "5", value_name = "N")]
-    max_attempts: u32,
-    /// The delay before the second attempt; it doubles with each further attempt.
-    #[arg(long, default_value = "1", value_name = "SECS", value_parser = parse_secs)]
-    retry_delay: Duration,
-    /// The longest delay between two attempts (a `Retry-After` is honoured up to it).
-    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
-    max_retry_delay: Duration,
+    /// with the key held until its lease ends (the handler may still be working) [default:
+    /// 30].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    #[serde(rename = "timeout_secs", default, deserialize_with = "secs")]
+    timeout: Option<Duration>,
+    /// The most bytes of a 2xx answer's body kept as the stored value (the rest is cut)
+    /// [default: 65536].
+    #[arg(long, value_name = "BYTES")]
+    max_body: Option<usize>,
+    /// How many handler calls run at once [default: 4].
+    #[arg(long, value_name = "N")]
+    concurrency: Option<usize>,
+    /// How many times the handler may run on one message before it is dead-lettered
+    /// [default: 5].
+    #[arg(long, value_name = "N")]
+    max_attempts: Option<u32>,
+    /// The delay before the second attempt; it doubles with each further attempt
+    /// [default: 1].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    #[serde(rename = "retry_delay_secs", default, deserialize_with = "secs")]
+    retry_delay: Option<Duration>,
+    /// The longest delay between two attempts (a `Retry-After` is honoured up to it)
+    /// [default: 60].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    #[serde(rename = "max_retry_delay_secs", default, deserialize_with = "secs")]
+    max_retry_delay: Option<Duration>,
     /// What a terminal answer does: dead-letter the message and forget the key
     /// (`dead-letter`), store it and ack every copy (`store-and-ack`), or store it and
-    /// dead-letter the message (`store-and-dead-letter`).
-    #[arg(long, default_value = "dead-letter", value_parser = ["dead-letter", "store-and-ack", "store-and-dead-letter"])]
-    on_terminal: String,
-    /// Serve `/metrics`, `/livez` and `/readyz` (broker and store reachable) on this address.
-    #[arg(long, value_name = "ADDR", value_parser = crate::parse_listen)]
-    admin_listen: Option<std::net::SocketAddr>,
-    /// On SIGTERM, how long the handler calls in flight may take to finish and be settled;
-    /// those still running then are cut off, unsettled, and the broker delivers their
-    /// messages again.
-    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
-    shutdown_timeout: Duration,
+    /// dead-letter the message (`store-and-dead-letter`) [default: dead-letter].
+    #[arg(long, value_enum)]
+    on_terminal: Option<OnTerminalSpec>,
     /// How long a RabbitMQ delivery, JetStream message (`ack_wait`, when the consumer is
     /// created) or Redis Streams entry (`XAUTOCLAIM` idle time) waits for a sign of life
-    /// before the broker hands it to another consumer.
-    #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
-    redelivery: Duration,
+    /// before the broker hands it to another consumer [default: 30].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    #[serde(rename = "redelivery_secs", default, deserialize_with = "secs")]
+    redelivery: Option<Duration>,
+}
+
+/// `--key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum KeyFrom {
+    Header,
+    Payload,
+    HeaderOrPayload,
+}
+
+/// `--fingerprint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum FingerprintFrom {
+    Payload,
+    Json,
+}
+
+/// `--on-terminal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum OnTerminalSpec {
+    DeadLetter,
+    StoreAndAck,
+    StoreAndDeadLetter,
 }
 
 fn parse_method(text: &str) -> Result<Method, String> {
@@ -172,6 +225,42 @@ fn parse_status(text: &str) -> Result<StatusCode, String> {
         .and_then(|code| StatusCode::from_u16(code).ok())
         .filter(|s| s.is_client_error() || s.is_server_error())
         .ok_or_else(|| format!("a status from 400 to 599 expected, not {text:?}"))
+}
+
+fn parse_pointer(text: &str) -> Result<String, String> {
+    let text = text.trim();
+    if text.is_empty() || text.starts_with('/') {
+        Ok(text.to_owned())
+    } else {
+        Err(format!(
+            "{text:?} is not a JSON pointer: write /field or /a/b (RFC 6901)"
+        ))
+    }
+}
+
+/// A `_secs` field of the file: a number of seconds above zero, fractions allowed.
+fn secs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let secs = idem_proxy::Secs::deserialize(d)?;
+    Ok(Some(secs.0))
+}
+
+/// `method` in the file.
+fn method<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Method>, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_method(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
+/// `terminal_status` in the file: a list of status codes.
+fn statuses<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<StatusCode>>, D::Error> {
+    let codes = Vec::<u16>::deserialize(d)?;
+    codes
+        .iter()
+        .map(|code| parse_status(&code.to_string()))
+        .collect::<Result<_, _>>()
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
 /// Where messages come from, as `--from` names it.
@@ -401,7 +490,7 @@ const PATH_KEEP: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'~');
 
 impl Target {
-    fn new(args: &ConsumeArgs) -> Result<Self, CliError> {
+    fn new(args: &Settings) -> Result<Self, CliError> {
         let mut upstream =
             UpstreamConfig::new(&args.to).map_err(|e| CliError::Usage(format!("--to: {e}")))?;
         upstream.timeout = args.timeout;
@@ -437,7 +526,7 @@ impl Target {
             path,
             content_type,
             message_headers,
-            terminal: args.terminal_status.clone(),
+            terminal: args.terminal.clone(),
             max_body: args.max_body,
             lease: args.lease,
         })
@@ -563,83 +652,209 @@ fn retry_after(value: Option<&HeaderValue>) -> Option<Duration> {
     Some(at.duration_since(SystemTime::now()).unwrap_or_default())
 }
 
-impl ConsumeArgs {
-    fn keys(&self) -> Result<(KeySource, FingerprintSource), CliError> {
-        let selection = match (&self.key_fields, &self.key_ignore) {
-            (Some(only), _) => JsonSelection::Only(only.clone()),
-            (None, Some(except)) => JsonSelection::Except(except.clone()),
+/// Everything `idem consume` runs with, flags over the file over the defaults.
+#[derive(Debug)]
+struct Settings {
+    from: BrokerUrl,
+    to: String,
+    scope: Scope,
+    lease: Duration,
+    retention: Duration,
+    keys: KeySource,
+    fingerprints: FingerprintSource,
+    method: Method,
+    path: String,
+    content_type: String,
+    message_headers: Vec<String>,
+    terminal: Vec<StatusCode>,
+    timeout: Duration,
+    max_body: usize,
+    concurrency: usize,
+    policy: Policy,
+    redelivery: Duration,
+}
+
+impl Settings {
+    /// Reads `--config` (if any) and lays the flags over it.
+    ///
+    /// # Errors
+    ///
+    /// [`CliError::Usage`] naming the file, line and field, or the flag, and what is
+    /// expected.
+    fn resolve(args: &ConsumeArgs) -> Result<Self, CliError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => SettingsArgs::default(),
+        };
+        let (flags, file_settings) = (&args.settings, &file);
+        let from_text = flags.from.clone().or(file.from.clone()).ok_or_else(|| {
+            CliError::Usage(format!(
+                "no broker to read: pass --from (or `from` in --config), one of {FROM_FORMS}"
+            ))
+        })?;
+        let from = BrokerUrl::parse(&from_text)?;
+        let to = flags.to.clone().or(file.to.clone()).ok_or_else(|| {
+            CliError::Usage(
+                "no handler to deliver to: pass --to (or `to` in --config), e.g. --to \
+                 http://127.0.0.1:3000"
+                    .into(),
+            )
+        })?;
+        // The flag, else the file, else the default.
+        macro_rules! pick {
+            ($field:ident, $default:expr) => {
+                flags
+                    .$field
+                    .clone()
+                    .or_else(|| file_settings.$field.clone())
+                    .unwrap_or_else(|| $default)
+            };
+        }
+        let scope_name = pick!(scope, from.default_scope());
+        let scope = Scope::new(scope_name.clone())
+            .map_err(|e| CliError::Usage(format!("invalid scope {scope_name:?} (--scope): {e}")))?;
+        let key_fields = flags
+            .key_fields
+            .clone()
+            .or_else(|| file_settings.key_fields.clone());
+        let key_ignore = flags
+            .key_ignore
+            .clone()
+            .or_else(|| file_settings.key_ignore.clone());
+        for pointer in key_fields.iter().chain(&key_ignore).flatten() {
+            parse_pointer(pointer).map_err(CliError::Usage)?;
+        }
+        let selection = match (key_fields, key_ignore) {
+            (Some(_), Some(_)) => {
+                return Err(CliError::Usage(
+                    "give --key-fields (the fields hashed) or --key-ignore (the fields left \
+                     out), not both"
+                        .into(),
+                ))
+            }
+            (Some(only), None) => JsonSelection::Only(only),
+            (None, Some(except)) => JsonSelection::Except(except),
             (None, None) => JsonSelection::All,
         };
-        for pointer in self.key_fields.iter().chain(&self.key_ignore).flatten() {
-            if !pointer.is_empty() && !pointer.starts_with('/') {
-                return Err(CliError::Usage(format!(
-                    "{pointer:?} is not a JSON pointer: write /field or /a/b (RFC 6901)"
-                )));
+        let key_header = pick!(key_header, IDEMPOTENCY_KEY_HEADER.to_owned());
+        let keys = match pick!(key, KeyFrom::Header) {
+            KeyFrom::Header => KeySource::Header(key_header),
+            KeyFrom::Payload => KeySource::PayloadHash(selection.clone()),
+            KeyFrom::HeaderOrPayload => {
+                KeySource::HeaderOrPayloadHash(key_header, selection.clone())
             }
-        }
-        let keys = match self.key.as_str() {
-            "payload" => KeySource::PayloadHash(selection.clone()),
-            "header-or-payload" => {
-                KeySource::HeaderOrPayloadHash(self.key_header.clone(), selection.clone())
-            }
-            _ => KeySource::Header(self.key_header.clone()),
         };
-        let fingerprints = match self.fingerprint.as_str() {
-            "json" => FingerprintSource::Json(selection),
-            _ => FingerprintSource::Payload,
+        let fingerprints = match pick!(fingerprint, FingerprintFrom::Payload) {
+            FingerprintFrom::Payload => FingerprintSource::Payload,
+            FingerprintFrom::Json => FingerprintSource::Json(selection),
         };
-        Ok((keys, fingerprints))
+        let retry_delay = pick!(retry_delay, Duration::from_secs(1));
+        let on_terminal = match pick!(on_terminal, OnTerminalSpec::DeadLetter) {
+            OnTerminalSpec::DeadLetter => OnTerminal::DeadLetter,
+            OnTerminalSpec::StoreAndAck => OnTerminal::StoreAndAck,
+            OnTerminalSpec::StoreAndDeadLetter => OnTerminal::StoreAndDeadLetter,
+        };
+        let policy = Policy::default()
+            .with_max_attempts(pick!(max_attempts, 5).max(1))
+            .with_retry_delay(retry_delay)
+            .with_max_retry_delay(pick!(max_retry_delay, Duration::from_secs(60)).max(retry_delay))
+            .with_on_terminal(on_terminal);
+        Ok(Self {
+            from,
+            to,
+            scope,
+            lease: pick!(lease, Duration::from_secs(30)),
+            retention: pick!(retention, Duration::from_secs(86_400)),
+            keys,
+            fingerprints,
+            method: pick!(method, Method::POST),
+            path: pick!(path, "/".to_owned()),
+            content_type: pick!(content_type, "application/json".to_owned()),
+            message_headers: pick!(message_headers, Vec::new()),
+            terminal: pick!(
+                terminal_status,
+                [400, 404, 409, 410, 422]
+                    .into_iter()
+                    .filter_map(|code| StatusCode::from_u16(code).ok())
+                    .collect()
+            ),
+            timeout: pick!(timeout, Duration::from_secs(30)),
+            max_body: pick!(max_body, 65_536),
+            concurrency: pick!(concurrency, 4).max(1),
+            policy,
+            redelivery: pick!(redelivery, Duration::from_secs(30)),
+        })
     }
 
-    fn policy(&self) -> Policy {
-        let on_terminal = match self.on_terminal.as_str() {
-            "store-and-ack" => OnTerminal::StoreAndAck,
-            "store-and-dead-letter" => OnTerminal::StoreAndDeadLetter,
-            _ => OnTerminal::DeadLetter,
-        };
-        Policy::default()
-            .with_max_attempts(self.max_attempts.max(1))
-            .with_retry_delay(self.retry_delay)
-            .with_max_retry_delay(self.max_retry_delay.max(self.retry_delay))
-            .with_on_terminal(on_terminal)
+    /// What `--check-config` prints.
+    fn describe(&self) -> String {
+        let statuses: Vec<&str> = self.terminal.iter().map(StatusCode::as_str).collect();
+        format!(
+            "from {}\nto {} {}{}\nscope {}, keys {:?}, fingerprints {:?}\nlease {:?}, \
+             retention {:?}, timeout {:?}, redelivery {:?}, concurrency {}\nterminal \
+             statuses {}, {:?}\n",
+            self.from,
+            self.method,
+            self.to.trim_end_matches('/'),
+            self.path,
+            self.scope,
+            self.keys,
+            self.fingerprints,
+            self.lease,
+            self.retention,
+            self.timeout,
+            self.redelivery,
+            self.concurrency,
+            statuses.join(","),
+            self.policy,
+        )
     }
+}
+
+/// Reads and checks a `--config` file; an error names the file, and the line and field the
+/// TOML parser points at.
+fn read_file(path: &std::path::Path) -> Result<SettingsArgs, CliError> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| CliError::Usage(format!("cannot read the config file {shown}: {e}")))?;
+    toml::from_str(&text).map_err(|e| CliError::Usage(format!("{shown}: {e}")))
 }
 
 /// Runs `idem consume` until SIGTERM or Ctrl-C, then lets the handler calls in flight
 /// finish and settles them.
 pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
-    let from = BrokerUrl::parse(&args.from)?;
-    let target = Arc::new(Target::new(&args)?);
-    let (keys, fingerprints) = args.keys()?;
-    let scope_name = args.scope.clone().unwrap_or_else(|| from.default_scope());
-    let scope = Scope::new(scope_name.clone())
-        .map_err(|e| CliError::Usage(format!("invalid scope {scope_name:?} (--scope): {e}")))?;
+    let settings = Settings::resolve(&args)?;
+    let target = Arc::new(Target::new(&settings)?);
+    if args.check_config {
+        return Ok(Done::ok(format!("config OK\n{}", settings.describe())));
+    }
     let (url, opened, _purge) = args
         .store
         .open_serving(args.migrate, args.purge_every)
         .await?;
     let config = idem_core::Config::default()
-        .with_lease(args.lease)
-        .with_retention(args.retention);
+        .with_lease(settings.lease)
+        .with_retention(settings.retention);
     let store = opened.store();
     let idem = Idem::from_arc(store.clone()).with_config(config);
-    let consumer = Consumer::new(idem, scope)
-        .with_keys(keys)
-        .with_fingerprints(fingerprints)
-        .with_policy(args.policy());
+    let consumer = Consumer::new(idem, settings.scope.clone())
+        .with_keys(settings.keys.clone())
+        .with_fingerprints(settings.fingerprints.clone())
+        .with_policy(settings.policy.clone());
+    let from = &settings.from;
     let handler = move |message: Message, ctx: Context| {
         let target = target.clone();
         async move { target.deliver(message, ctx).await }
     };
-    let concurrency = args.concurrency.max(1);
+    let concurrency = settings.concurrency;
     let started = |what: &str| {
-        tracing::info!(from = %from, to = %args.to, store = %url, concurrency, "idem consume starting");
+        tracing::info!(from = %from, to = %settings.to, store = %url, concurrency, "idem consume starting");
         // Written with errors ignored: whoever started us may have closed our stdout.
         let mut out = std::io::stdout();
         let _ = writeln!(
             out,
             "idem consume: consuming {what}, delivering to {} (store: {url})",
-            args.to
+            settings.to
         );
         let _ = out.flush();
     };
@@ -674,7 +889,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
         Ok(())
     };
     let limit = args.shutdown_timeout;
-    let summary = match &from {
+    let summary = match from {
         BrokerUrl::Rabbit { url, queue } => {
             use idem_consumer::rabbitmq::{Topology, Worker};
             let broker =
@@ -713,7 +928,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
                 .map_err(|e| CliError::Open(format!("NATS at {}: {e}", redact(url))))?;
             let js = async_nats::jetstream::new(client.clone());
             let mut topology =
-                Topology::new(stream.clone(), subject.clone()).with_ack_wait(args.redelivery);
+                Topology::new(stream.clone(), subject.clone()).with_ack_wait(settings.redelivery);
             if let Some(name) = name {
                 topology = topology.with_consumer(name.clone());
             }
@@ -744,7 +959,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
                 .get_connection_manager()
                 .await
                 .map_err(|e| CliError::Open(format!("Redis at {}: {e}", redact(url))))?;
-            let mut topology = Topology::new(stream.clone()).with_claim_idle(args.redelivery);
+            let mut topology = Topology::new(stream.clone()).with_claim_idle(settings.redelivery);
             if let Some(group) = group {
                 topology = topology.with_group(group.clone());
             }

@@ -92,14 +92,18 @@ impl Consume {
             stdout,
             stderr,
         };
+        let mut consume = consume;
         let deadline = Instant::now() + Duration::from_secs(60);
         while !consume.stdout().contains("idem consume: consuming") {
-            let exited = consume.child.as_ref().map(|c| c.id());
-            assert!(
-                Instant::now() < deadline,
-                "idem consume {exited:?} did not start; stderr: {}",
-                consume.stderr()
-            );
+            let exited = consume.child.as_mut().unwrap().try_wait().unwrap();
+            if exited.is_some() || Instant::now() > deadline {
+                // Give the reader a moment to take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                panic!(
+                    "idem consume did not start ({exited:?}); stderr: {}",
+                    consume.stderr()
+                );
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
         consume
@@ -297,6 +301,92 @@ async fn a_handler_down_then_up_loses_nothing<B: Broker>(store: Vec<String>) {
     broker.delete().await;
 }
 
+/// With `--key payload --key-fields /order`: a message without the field is dead-lettered
+/// with the reason, and the handler never sees it; one with it runs.
+async fn a_message_without_its_key_fields_is_dead_lettered<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &["--key", "payload", "--key-fields", "/order"]);
+    let consume = Consume::start(&broker.from(), &handler.printed, &args);
+    broker.publish("ignored-1", r#"{"amount": 5}"#).await;
+    let dead = || async { (broker.dead_letters().await == 1).then_some(()) };
+    eventually("the dead letter", secs(20), ms(100), dead).await;
+    assert!(
+        consume
+            .stderr()
+            .contains(r#"the payload has no field "/order" to take its idempotency key from"#),
+        "{}",
+        consume.stderr()
+    );
+    broker
+        .publish("ignored-2", r#"{"order": 7, "amount": 5}"#)
+        .await;
+    consume.until_acked(1).await;
+    let client = client();
+    let counts = call(
+        &client,
+        "GET",
+        &format!("{}/counts", handler.printed),
+        &[],
+        "",
+    )
+    .await
+    .json();
+    let counts = counts.as_object().unwrap();
+    assert_eq!(counts.len(), 1, "{counts:?}");
+    assert!(
+        counts.keys().all(|key| key.starts_with("msg-")),
+        "{counts:?}"
+    );
+    broker.delete().await;
+}
+
+/// 200 messages, 40 of them duplicates of others, across two `idem consume` processes on
+/// one store: every key runs exactly once, and every message is acked by one of them.
+async fn two_processes_run_each_key_once<B: Broker>() {
+    let Some(store) = redis_store() else { return };
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &[]);
+    let mut a = Consume::start(&broker.from(), &handler.printed, &args);
+    let mut b = Consume::start(&broker.from(), &handler.printed, &args);
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let keys: Vec<String> = (0..160).map(|i| format!("many-{run}-{i}")).collect();
+    for i in 0..200 {
+        // Every fourth of the first 160 is published a second time, right after itself.
+        let key = &keys[if i < 160 { i } else { (i - 160) * 4 }];
+        broker.publish(key, r#"{"delay_ms": 20}"#).await;
+    }
+    let all = || async { (a.acked() + b.acked() >= 200).then_some(()) };
+    eventually("200 acked", secs(60), ms(100), all).await;
+    let (_, last_a) = a.terminate();
+    let (_, last_b) = b.terminate();
+    assert_eq!(
+        summary(&last_a)[0] + summary(&last_b)[0],
+        200,
+        "{last_a}\n{last_b}"
+    );
+    let client = client();
+    let counts = call(
+        &client,
+        "GET",
+        &format!("{}/counts", handler.printed),
+        &[],
+        "",
+    )
+    .await
+    .json();
+    for key in &keys {
+        assert_eq!(counts[key], 1, "{key}: {counts}");
+    }
+    assert_eq!(counts.as_object().unwrap().len(), 160);
+    broker.delete().await;
+}
+
 /// `kill -9` of `idem consume` while the handler works on a message: the broker delivers it
 /// again to a second process on the same store, which waits for the dead one's lease (2 s)
 /// to end, then runs it once, as attempt 2.
@@ -440,6 +530,14 @@ macro_rules! consume_suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_message_without_its_key_fields_is_dead_lettered() {
+                crate::a_message_without_its_key_fields_is_dead_lettered::<$broker>(
+                    crate::memory_store(),
+                )
+                .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn the_admin_endpoints_answer() {
                 crate::the_admin_endpoints_answer::<$broker>(crate::memory_store()).await;
             }
@@ -459,6 +557,11 @@ macro_rules! consume_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_killed_consumer_leaves_its_message_to_the_lease() {
                 crate::a_killed_consumer_leaves_its_message_to_the_lease::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn two_processes_run_each_key_once() {
+                crate::two_processes_run_each_key_once::<$broker>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -485,6 +588,55 @@ fn a_malformed_from_names_the_broker_and_its_form() {
         assert_eq!(code, 2, "{from}: {err}");
         assert!(err.contains(broker) && err.contains(form), "{from}: {err}");
     }
+}
+
+/// `--config`: a TOML file of settings, flags over it, checked by `--check-config`
+/// without a broker; a wrong field is refused with the file, its line and the field.
+#[test]
+fn a_config_file_is_checked_and_flags_override_it() {
+    let dir = std::env::temp_dir().join(unique_name("idem_consume_"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("consume.toml");
+    std::fs::write(
+        &good,
+        "from = \"amqp://guest:guest@127.0.0.1:5672/%2f/orders\"\n\
+         to = \"http://127.0.0.1:3000\"\n\
+         concurrency = 8\n\
+         lease_secs = 10\n\
+         path = \"/orders/{key}\"\n\
+         terminal_status = [400, 422]\n",
+    )
+    .unwrap();
+    let config = good.to_str().unwrap();
+    let check = ["consume", "--config", config, "--check-config"];
+    let (code, out, err) = run(&[&check[..], &["--concurrency", "2"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("config OK"), "{out}");
+    assert!(out.contains("RabbitMQ queue \"orders\""), "{out}");
+    assert!(!out.contains("guest:guest"), "{out}");
+    assert!(
+        out.contains("to POST http://127.0.0.1:3000/orders/{key}"),
+        "{out}"
+    );
+    assert!(
+        out.contains("lease 10s") && out.contains("concurrency 2"),
+        "{out}"
+    );
+    assert!(out.contains("terminal statuses 400,422"), "{out}");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "to = \"http://127.0.0.1:3000\"\nretries = 3\n").unwrap();
+    let (code, _, err) = run(&[
+        "consume",
+        "--config",
+        bad.to_str().unwrap(),
+        "--check-config",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("bad.toml") && err.contains("line 2") && err.contains("`retries`"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// RabbitMQ at `IDEM_TEST_AMQP_URL`.

@@ -9,6 +9,7 @@ the first argument).
   `retry_after` for a `Retry-After` header.
 - `GET /count?key=K`: how many times key K ran, with which attempts, and the headers of its
   last run, as JSON.
+- `GET /counts`: how many times each key ran, as a JSON object.
 """
 
 import json
@@ -41,6 +42,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         url = urlsplit(self.path)
+        if url.path == "/counts":
+            with LOCK:
+                counts = {key: len(runs) for key, runs in RUNS.items()}
+            return self.reply(200, counts)
         if url.path != "/count":
             return self.reply(404, {"error": "no such route"})
         key = parse_qs(url.query).get("key", [""])[0]
