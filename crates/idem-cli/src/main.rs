@@ -197,6 +197,18 @@ struct RecordArgs {
     /// The key's scope (in the demo: the caller's name); the global scope when absent.
     #[arg(long, default_value = "")]
     scope: String,
+    /// Instead of --scope: the value of a caller's scope header behind `idem proxy` (e.g.
+    /// 'Bearer alice'), whose scope is derived as the proxy derives it.
+    #[arg(long, value_name = "VALUE", conflicts_with = "scope")]
+    scope_header_value: Option<String>,
+    /// The proxy's scope header that --scope-header-value is the value of.
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "Authorization",
+        requires = "scope_header_value"
+    )]
+    scope_header: String,
     #[command(flatten)]
     store: StoreArg,
 }
@@ -487,8 +499,11 @@ async fn open_shared(
 async fn open_for_record(args: &RecordArgs) -> Result<(store::Opened, RecordId), CliError> {
     let key = Key::new(args.key.clone())
         .map_err(|e| CliError::Usage(format!("invalid key {:?}: {e}", args.key)))?;
-    let scope = Scope::new(args.scope.clone())
-        .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
+    let scope = match &args.scope_header_value {
+        Some(value) => proxy::caller_scope(&args.scope_header, value)?,
+        None => Scope::new(args.scope.clone())
+            .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?,
+    };
     let opened = open_shared(&args.store, store::SchemaMode::Require).await?;
     Ok((opened, RecordId::new(scope, key)))
 }

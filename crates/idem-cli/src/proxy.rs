@@ -207,6 +207,22 @@ fn secs(d: Duration) -> String {
     }
 }
 
+/// The scope `idem proxy` keeps the keys of a caller in, whose scope header `header` has
+/// the value `value` (`idem inspect --scope-header-value`).
+///
+/// # Errors
+///
+/// [`CliError::Usage`] for a bad header name, or a blank value (which scopes nothing).
+pub fn caller_scope(header: &str, value: &str) -> Result<idem_core::Scope, CliError> {
+    let name = HeaderName::try_from(header)
+        .map_err(|e| CliError::Usage(format!("--scope-header {header:?}: {e}")))?;
+    idem_proxy::scope_of(&name, value.as_bytes()).ok_or_else(|| {
+        CliError::Usage(
+            "--scope-header-value is blank: the proxy scopes no request by a blank value".into(),
+        )
+    })
+}
+
 /// Runs `idem proxy` until SIGTERM or Ctrl-C, then drains.
 pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     let settings = args.settings()?;

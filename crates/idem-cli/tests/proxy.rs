@@ -618,6 +618,34 @@ macro_rules! on_every_shared_store {
 
 on_every_shared_store!(redis, redis_cluster, postgres, tiered);
 
+mod operators {
+    use super::*;
+
+    /// The proxy keeps keys by a derivation of the scope header's value: `idem inspect
+    /// --scope-header-value` makes the same one, so an operator finds a caller's key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inspect_finds_a_callers_key_by_its_scope_header_value() {
+        let Some(store) = SharedStore::redis().await else {
+            return;
+        };
+        let flags: Vec<&str> = store.flags.iter().map(String::as_str).collect();
+        let up = upstream_on(0);
+        let p = proxy(&up.printed, &store.url, &flags);
+        let paid = charge(&client(), &p.printed, "scoped-1", 0).await;
+        assert_eq!(paid.status, StatusCode::CREATED, "{paid:?}");
+        let inspect = |value: &str| {
+            let args = ["inspect", "scoped-1", "--scope-header-value", value];
+            run(&[&args[..], &["--store", &store.url], &flags].concat())
+        };
+        let (code, out, err) = inspect("Bearer alice");
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("completed (succeeded, status 201)"), "{out}");
+        // Another caller's value: another scope, no such key there.
+        let (code, _, err) = inspect("Bearer bob");
+        assert_eq!(code, 1, "{err}");
+    }
+}
+
 mod admin {
     use super::*;
     use idem_testkit::redis as testing;

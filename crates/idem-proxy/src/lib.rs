@@ -34,7 +34,7 @@ pub use config::{
     ProxyFile, RouteSpec, Secs, Settings, StatusRange, StatusSpec, UpstreamSpec,
 };
 pub use forward::{Forward, HostHeader, Peer, ProxyBody, UpstreamConfig, UpstreamFailure, ATTEMPT};
-pub use route::{header_scope, Proxy, Route};
+pub use route::{header_scope, scope_of, Proxy, Route};
 pub use server::{serve, serve_admin, Drained};
 
 /// Why a proxy could not be set up.

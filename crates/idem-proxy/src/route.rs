@@ -64,10 +64,25 @@ impl Route {
     }
 }
 
-/// The scope of a request from the value of `header`: `<header>:<SHA-256 hex>`, or `None`
+/// The scope of a request from the value of `header`: [`scope_of`] its value, or `None`
 /// when the header is absent or empty.
 pub fn header_scope(header: &HeaderName, parts: &Parts) -> Option<Scope> {
-    let value = parts.headers.get(header)?.as_bytes();
+    scope_of(header, parts.headers.get(header)?.as_bytes())
+}
+
+/// The scope the proxy keeps a caller's keys in, from the value of its scope header `header`
+/// (`None` when `value` is empty or blank): `<header>:<hex>`, the header's name in lower case
+/// and the lower-case hex of [`idem_core::Fingerprint::of_bytes`] of the value as sent, the
+/// SHA-256 of `idem-fp-v2`, then the part's name `body` and the value, each after its
+/// length as 8 big-endian bytes. No credential is stored in clear; an operator derives a
+/// caller's scope from its header value with `idem inspect --scope-header-value`.
+///
+/// ```
+/// # use idem_proxy::scope_of;
+/// let scope = scope_of(&http::header::AUTHORIZATION, b"Bearer alice").unwrap();
+/// assert!(scope.as_str().starts_with("authorization:"));
+/// ```
+pub fn scope_of(header: &HeaderName, value: &[u8]) -> Option<Scope> {
     if value.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
@@ -195,5 +210,26 @@ mod tests {
         assert_ne!(alice, bob);
         assert_eq!(header_scope(&AUTHORIZATION, &parts(None)), None);
         assert_eq!(header_scope(&AUTHORIZATION, &parts(Some(" "))), None);
+        assert_eq!(scope_of(&AUTHORIZATION, b"Bearer alice"), Some(alice));
+    }
+
+    /// The derivation as the README and `scope_of` describe it, computed by hand.
+    #[test]
+    fn a_scope_is_the_header_name_and_the_framed_sha256_of_the_value() {
+        use sha2::{Digest as _, Sha256};
+        let value = b"Bearer alice";
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-fp-v2");
+        hasher.update(4u64.to_be_bytes());
+        hasher.update(b"body");
+        hasher.update((value.len() as u64).to_be_bytes());
+        hasher.update(value);
+        let hex: String = hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let scope = scope_of(&HeaderName::from_static("x-api-key"), value).unwrap();
+        assert_eq!(scope.as_str(), format!("x-api-key:{hex}"));
     }
 }
