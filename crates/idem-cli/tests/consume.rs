@@ -301,6 +301,39 @@ async fn a_handler_down_then_up_loses_nothing<B: Broker>(store: Vec<String>) {
     broker.delete().await;
 }
 
+/// A call that times out may still be running in the handler: the key stays held for one
+/// more lease (a copy arriving meanwhile waits), then the message is retried and runs again,
+/// once.
+async fn a_timed_out_call_holds_its_key_for_a_lease<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &["--timeout", "0.5", "--lease", "2"]);
+    let consume = Consume::start(&broker.from(), &handler.printed, &args);
+    let key = format!("slow-{}", uuid::Uuid::new_v4().simple());
+    broker.publish(&key, r#"{"delay_first_ms": 1500}"#).await;
+    let client = client();
+    let ran = |n: u64| {
+        let (client, handler, key) = (client.clone(), handler.printed.clone(), key.clone());
+        async move { (runs(&client, &handler, &key).await.0 >= n).then_some(()) }
+    };
+    eventually("the first run", secs(20), ms(20), || ran(1)).await;
+    let first = Instant::now();
+    broker.publish(&key, r#"{"delay_first_ms": 1500}"#).await;
+    eventually("the second run", secs(20), ms(20), || ran(2)).await;
+    let held = first.elapsed();
+    assert!(
+        held >= secs(2),
+        "run again after {held:?}, within the lease"
+    );
+    consume.until_acked(2).await;
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(runs(&client, &handler.printed, &key).await.0, 2);
+    assert_eq!(broker.dead_letters().await, 0);
+    broker.delete().await;
+}
+
 /// With `--key payload --key-fields /order`: a message without the field is dead-lettered
 /// with the reason, and the handler never sees it; one with it runs.
 async fn a_message_without_its_key_fields_is_dead_lettered<B: Broker>(store: Vec<String>) {
@@ -527,6 +560,12 @@ macro_rules! consume_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_handler_down_then_up_loses_nothing() {
                 crate::a_handler_down_then_up_loses_nothing::<$broker>(crate::memory_store()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_timed_out_call_holds_its_key_for_a_lease() {
+                crate::a_timed_out_call_holds_its_key_for_a_lease::<$broker>(crate::memory_store())
+                    .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

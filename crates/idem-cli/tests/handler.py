@@ -5,8 +5,8 @@ the first argument).
 
 - `POST /...`: one run, counted per `Idempotency-Key` with the `Idempotency-Attempt` it came
   with, at once (before any delay), with the request's headers. The JSON body says how to
-  answer: `delay_ms` to wait first (default 0), `status` to answer with (default 200),
-  `retry_after` for a `Retry-After` header.
+  answer: `delay_ms` to wait first (default 0), `delay_first_ms` to wait on the key's first
+  run only, `status` to answer with (default 200), `retry_after` for a `Retry-After` header.
 - `GET /count?key=K`: how many times key K ran, with which attempts, and the headers of its
   last run, as JSON.
 - `GET /counts`: how many times each key ran, as a JSON object.
@@ -60,6 +60,7 @@ class Handler(BaseHTTPRequestHandler):
         key = self.headers.get("Idempotency-Key", "")
         attempt = self.headers.get("Idempotency-Attempt", "")
         with LOCK:
+            first = key not in RUNS
             RUNS.setdefault(key, []).append(attempt)
             last = {name.lower(): value for name, value in self.headers.items()}
             last[":path"] = self.path
@@ -72,6 +73,8 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(order, dict):
             order = {}
         time.sleep(int(order.get("delay_ms", 0)) / 1000)
+        if first:
+            time.sleep(int(order.get("delay_first_ms", 0)) / 1000)
         headers = []
         if "retry_after" in order:
             headers.append(("Retry-After", str(order["retry_after"])))
