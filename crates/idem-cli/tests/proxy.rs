@@ -804,4 +804,45 @@ mod express {
         let listed = call(&client, "GET", &pay, &alice, "").await;
         assert_eq!(listed.json()["count"], 1, "{listed:?}");
     }
+
+    /// The example's handler as the proxy drives it after an unknown outcome: attempt 2 of a
+    /// key whose attempt 1 is still charging gets that charge, not a second one; attempt 2
+    /// of a key its ledger does not hold charges.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_express_example_checks_its_ledger_on_attempt_2() {
+        if !tokio::task::spawn_blocking(install).await.unwrap() {
+            return;
+        }
+        let mut node = Command::new("node");
+        node.arg("server.js").current_dir(EXAMPLE).env("PORT", "0");
+        let service = Proc::listening(node);
+        let client = client();
+        let pay = format!("{}/payments", service.printed);
+        let body = r#"{"amount": 1250, "currency": "EUR"}"#;
+        let attempt = |key: &'static str, n: &'static str, delay: &'static str| {
+            let (client, pay) = (client.clone(), pay.clone());
+            let headers = [
+                ("authorization", "Bearer alice"),
+                ("content-type", "application/json"),
+                ("idempotency-key", key),
+                ("idempotency-attempt", n),
+                ("x-delay-ms", delay),
+            ];
+            async move { call(&client, "POST", &pay, &headers, body).await }
+        };
+        // Attempt 1 charges and takes 1.5 s; its answer is lost, as when the proxy dies.
+        let first = tokio::spawn(attempt("order-7", "1", "1500"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let second = attempt("order-7", "2", "0").await;
+        let first = first.await.unwrap();
+        assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+        assert_eq!(second.json()["id"], first.json()["id"], "{second:?}");
+        assert_eq!(second.json()["attempt"], 1, "{second:?}");
+        let other = attempt("order-8", "2", "0").await;
+        assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+        assert_ne!(other.json()["id"], first.json()["id"]);
+        let alice = [("authorization", "Bearer alice")];
+        let listed = call(&client, "GET", &pay, &alice, "").await;
+        assert_eq!(listed.json()["count"], 2, "{listed:?}");
+    }
 }
