@@ -604,13 +604,17 @@ impl Target {
 
     /// A call without an answer: retried. Refused (nothing was sent) releases the key at
     /// once; after a timeout or a broken connection the handler may still be working, so
-    /// the key stays held (and renewed) for one more lease before it is released.
+    /// the key stays held (and renewed) for one more lease before it is released. A request
+    /// that cannot be sent at all will never be: terminal.
     async fn unanswered(&self, failure: UpstreamFailure) -> Failure<String> {
         metrics::counter!("idem_consume_answers_total", "class" => failure.kind()).increment(1);
-        if failure.kind() != "upstream-unreachable" {
-            tokio::time::sleep(self.lease).await;
+        let error = format!("the handler did not answer: {failure}");
+        match failure.kind() {
+            "upstream-unreachable" => {}
+            "bad-target" => return Failure::Terminal(error),
+            _ => tokio::time::sleep(self.lease).await,
         }
-        Failure::Retryable(format!("the handler did not answer: {failure}"))
+        Failure::Retryable(error)
     }
 
     /// The body's first `max_body` bytes, as text (a body that breaks ends there).
