@@ -94,8 +94,10 @@ pub struct ConnectOptions {
     /// Whether a Redis out of reach at start (nothing listens, no answer) is waited for
     /// instead of failing: the store is built, logs so in one line, and its calls answer
     /// [`Error::Unavailable`] until Redis answers (on a tiered store PostgreSQL answers
-    /// alone meanwhile), so a service restarted during an outage does not crash-loop. Such
-    /// a Redis, alone, is also checked for persistence (a warning). `false`: an
+    /// alone meanwhile), so a service restarted during an outage does not crash-loop.
+    /// Another server answering at that address (PostgreSQL's port, a broker's) is an
+    /// error all the same, naming it ([`crate::reach::foreign`]): it will never become the
+    /// Redis. Such a Redis, alone, is also checked for persistence (a warning). `false`: an
     /// unreachable Redis is an error (an operator's command). Default: `true`.
     pub wait_for_redis: bool,
 }
