@@ -334,6 +334,28 @@ async fn a_timed_out_call_holds_its_key_for_a_lease<B: Broker>(store: Vec<String
     broker.delete().await;
 }
 
+/// A handler that works three times longer than the lease keeps its key: the lease (and the
+/// broker's redelivery clock) are renewed while it runs, so a copy published meanwhile waits
+/// and is acked with the stored answer, and the handler runs once.
+async fn a_slow_handler_keeps_its_lease<B: Broker>(store: Vec<String>) {
+    let Some(broker) = B::open().await else {
+        return;
+    };
+    let handler = handler_on(0);
+    let args = with(&store, &["--lease", "1"]);
+    let consume = Consume::start(&broker.from(), &handler.printed, &args);
+    let key = format!("long-{}", uuid::Uuid::new_v4().simple());
+    broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
+    let client = client();
+    let started = || async { (runs(&client, &handler.printed, &key).await.0 > 0).then_some(()) };
+    eventually("the first run", secs(20), ms(20), started).await;
+    broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
+    consume.until_acked(2).await;
+    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
+    assert_eq!((count, attempts), (1, vec!["1".to_owned()]));
+    broker.delete().await;
+}
+
 /// With `--key payload --key-fields /order`: a message without the field is dead-lettered
 /// with the reason, and the handler never sees it; one with it runs.
 async fn a_message_without_its_key_fields_is_dead_lettered<B: Broker>(store: Vec<String>) {
@@ -566,6 +588,11 @@ macro_rules! consume_suite {
             async fn a_timed_out_call_holds_its_key_for_a_lease() {
                 crate::a_timed_out_call_holds_its_key_for_a_lease::<$broker>(crate::memory_store())
                     .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_slow_handler_keeps_its_lease() {
+                crate::a_slow_handler_keeps_its_lease::<$broker>(crate::memory_store()).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
