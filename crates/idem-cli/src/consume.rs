@@ -896,8 +896,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
     let summary = match from {
         BrokerUrl::Rabbit { url, queue } => {
             use idem_consumer::rabbitmq::{Topology, Worker};
-            let broker =
-                |e: lapin::Error| CliError::Open(format!("RabbitMQ at {}: {e}", redact(url)));
+            let broker = |e: lapin::Error| unreachable("RabbitMQ", url, &e);
             let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
                 .await
                 .map_err(broker)?;
@@ -929,7 +928,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             use idem_consumer::nats::{Topology, Worker};
             let client = async_nats::connect(url.as_str())
                 .await
-                .map_err(|e| CliError::Open(format!("NATS at {}: {e}", redact(url))))?;
+                .map_err(|e| unreachable("NATS", url, &e))?;
             let js = async_nats::jetstream::new(client.clone());
             let mut topology =
                 Topology::new(stream.clone(), subject.clone()).with_ack_wait(settings.redelivery);
@@ -962,7 +961,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             let mut conn = client
                 .get_connection_manager()
                 .await
-                .map_err(|e| CliError::Open(format!("Redis at {}: {e}", redact(url))))?;
+                .map_err(|e| unreachable("Redis", url, &e))?;
             let mut topology = Topology::new(stream.clone()).with_claim_idle(settings.redelivery);
             if let Some(group) = group {
                 topology = topology.with_group(group.clone());
@@ -1095,6 +1094,14 @@ async fn ready(axum::extract::State(admin): axum::extract::State<Admin>) -> (Sta
             "store unavailable: no answer within 2 s\n".into(),
         ),
     }
+}
+
+/// A broker that cannot be reached at start (exit 3), named without its password.
+fn unreachable(broker: &str, url: &str, e: &dyn fmt::Display) -> CliError {
+    CliError::Open(format!(
+        "cannot reach {broker} at {}: {e} (is it running there? check --from)",
+        redact(url)
+    ))
 }
 
 /// The last line: what the run did.

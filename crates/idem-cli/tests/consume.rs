@@ -656,6 +656,29 @@ fn a_malformed_from_names_the_broker_and_its_form() {
     }
 }
 
+/// A broker out of reach at start: exit 3, naming the broker and where, without the
+/// password.
+#[test]
+fn an_unreachable_broker_is_named() {
+    let port = idem_testkit::harness::refused_port();
+    for (from, broker) in [
+        (
+            format!("amqp://guest:secret@127.0.0.1:{port}/%2f/q"),
+            "RabbitMQ",
+        ),
+        (format!("nats://127.0.0.1:{port}/S/s"), "NATS"),
+        (format!("redis://:secret@127.0.0.1:{port}/s"), "Redis"),
+    ] {
+        let (code, _, err) = run(&["consume", "--from", &from, "--to", "http://127.0.0.1:1"]);
+        assert_eq!(code, 3, "{from}: {err}");
+        assert!(err.contains(&format!("cannot reach {broker} at")), "{err}");
+        assert!(
+            err.contains(&port.to_string()) && !err.contains("secret"),
+            "{err}"
+        );
+    }
+}
+
 /// `--config`: a TOML file of settings, flags over it, checked by `--check-config`
 /// without a broker; a wrong field is refused with the file, its line and the field.
 #[test]
