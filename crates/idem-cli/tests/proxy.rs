@@ -422,10 +422,14 @@ mod memory {
             ("a pass-through answer", echo(), StatusCode::OK, false),
         ] {
             // An answer that closed the connection leaves nothing to send the next one on.
+            sender
+                .ready()
+                .await
+                .unwrap_or_else(|e| panic!("before {what}: the connection is gone: {e}"));
             let response = sender
                 .send_request(req)
                 .await
-                .unwrap_or_else(|e| panic!("{what}: the connection is gone: {e}"));
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(response.status(), status, "{what}");
             assert_eq!(response.version(), hyper::Version::HTTP_11, "{what}");
             let replay = response.headers().get("idempotent-replayed");
@@ -744,9 +748,15 @@ mod express {
 
     const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/express");
 
-    /// `npm ci` in the example, once; `false` (or a failure with
-    /// `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
+    /// `npm ci` in the example, once for all the tests of this binary (a second `npm ci`
+    /// would empty `node_modules` under a service started from it); `false` (or a failure
+    /// with `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
     fn install() -> bool {
+        static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *INSTALLED.get_or_init(npm_ci)
+    }
+
+    fn npm_ci() -> bool {
         let found = |tool: &str| {
             let version = Command::new(tool).arg("--version").output();
             version.is_ok_and(|out| out.status.success())
