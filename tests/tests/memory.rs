@@ -22,4 +22,9 @@ mod memory {
     async fn waiter_is_notified() {
         idem_testkit::cases::waiter_is_notified(Arc::new(MemoryStore::new())).await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stream_appends_wake_watchers() {
+        idem_testkit::cases::stream_appends_wake_watchers(Arc::new(MemoryStore::new())).await;
+    }
 }

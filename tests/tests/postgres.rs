@@ -166,6 +166,16 @@ mod postgres {
         drop_schema(&store).await;
     }
 
+    /// An append wakes a reader watching the record, through the same notifications.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stream_appends_wake_watchers() {
+        let Some(store) = fresh(4).await else {
+            return;
+        };
+        idem_testkit::cases::stream_appends_wake_watchers(Arc::new(store.clone())).await;
+        drop_schema(&store).await;
+    }
+
     /// `complete` and `release` send a notification only for a record someone waits for,
     /// here a waiter of another store on the same schema (as in another process).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -885,6 +895,40 @@ mod postgres {
             let live = store.get(&id(&format!("live-{k}"))).await.expect("get");
             assert!(live.is_some(), "live-{k} was purged");
         }
+        drop_schema(&store).await;
+    }
+
+    /// The streams of records no longer in progress under their token (completed, released,
+    /// taken over) go with the purge; the stream of a live lease stays.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn purge_deletes_the_streams_of_records_no_longer_in_progress() {
+        let Some(store) = fresh(4).await else { return };
+        let stream_rows = || async {
+            let count = format!("SELECT count(*) FROM {}.streams", store.quoted_schema());
+            sqlx::query_scalar::<_, i64>(&count)
+                .fetch_one(store.pool())
+                .await
+                .expect("count")
+        };
+        let finished = claim(&store, &id("streamed-done"), LONG).await;
+        store.append(&finished, 0, b"a").await.expect("append");
+        store.append(&finished, 1, b"b").await.expect("append");
+        store
+            .complete(&finished, &done("ab"), LONG)
+            .await
+            .expect("complete");
+        let released = claim(&store, &id("streamed-released"), LONG).await;
+        store.append(&released, 0, b"r").await.expect("append");
+        store.release(&released).await.expect("release");
+        let live = claim(&store, &id("streamed-live"), LONG).await;
+        store.append(&live, 0, b"live").await.expect("append");
+        assert_eq!(stream_rows().await, 4, "rows stay until the purge");
+        store.purge_expired(100).await.expect("purge");
+        assert_eq!(
+            stream_rows().await,
+            1,
+            "only the live lease's stream is left"
+        );
         drop_schema(&store).await;
     }
 

@@ -96,6 +96,12 @@ macro_rules! suite {
             let Some(store) = store().await else { return };
             idem_testkit::cases::waiter_is_notified(store).await;
         }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn stream_appends_wake_watchers() {
+            let Some(store) = store().await else { return };
+            idem_testkit::cases::stream_appends_wake_watchers(store).await;
+        }
     };
 }
 

@@ -74,6 +74,13 @@ mod tiered {
         idem_testkit::cases::waiter_is_notified(store).await;
     }
 
+    /// An append (to the arbiter) wakes a reader watching the record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stream_appends_wake_watchers() {
+        let Some(store) = store().await else { return };
+        idem_testkit::cases::stream_appends_wake_watchers(store).await;
+    }
+
     // --- helpers ---------------------------------------------------------------------------
 
     fn fp() -> Fingerprint {
@@ -415,7 +422,7 @@ mod tiered {
             .await
             .expect("migrating again is a no-op");
         assert!(has_table(&pg, "outbox").await);
-        assert_eq!(ledger(&pg).await, [1, 1001]);
+        assert_eq!(ledger(&pg).await, [1, 3, 1001]);
     }
 
     /// A database migrated when idem-postgres still made the outbox (its version 2, now
@@ -461,7 +468,7 @@ mod tiered {
         idem_outbox::migrate(&pg)
             .await
             .expect("the outbox migration over the former table");
-        assert_eq!(ledger(&pg).await, [1, 2, 1001]);
+        assert_eq!(ledger(&pg).await, [1, 2, 3, 1001]);
 
         // The tiered store works on it: a completion writes its outbox row.
         let store = TieredStore::new(redis_tier(&redis_url).await, pg.clone());

@@ -96,5 +96,5 @@ pub use record::{
     decode_meta, encode_meta, Completion, CompletionKind, DecodeError, FencingToken, Lease, Record,
     RecordState, Replay, Response,
 };
-pub use store::{Begin, BeginRequest, Stats, Store};
+pub use store::{Begin, BeginRequest, Stats, Store, StreamRead};
 pub use watch::{Watch, Watchers};

@@ -1,21 +1,22 @@
 //! The embedded in-memory store: the default for a single process and the reference
 //! implementation of the [`Store`] contract.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 use crate::key::{RecordId, Scope};
-use crate::record::{Completion, CompletionKind, Lease, Record, RecordState, Replay};
-use crate::store::{Begin, BeginRequest, Stats, Store};
+use crate::record::{Completion, CompletionKind, FencingToken, Lease, Record, RecordState, Replay};
+use crate::store::{Begin, BeginRequest, Stats, Store, StreamRead};
 use crate::transition::{decide_begin, BeginStep, Found};
 use crate::watch::{Watch, Watchers};
 
@@ -118,8 +119,13 @@ struct Inner {
     clock: Arc<dyn Clock>,
     usage: Usage,
     /// Waiters for records to settle, woken in process by `complete`, `release` and `evict`
-    /// (one atomic load each while nobody waits).
+    /// (one atomic load each while nobody waits), and by `append`.
     watchers: Watchers<RecordId>,
+    /// The streams of records in progress ([`Store::append`]), each with the token of the
+    /// lease that appends to it. Locked after a shard's lock, never before.
+    streams: Mutex<HashMap<RecordId, (FencingToken, Vec<u8>)>>,
+    /// How many streams `streams` holds: while none, ending a record looks no further.
+    streaming: AtomicUsize,
 }
 
 /// What the store holds and may hold, over all shards. Counts change under a shard's lock,
@@ -192,6 +198,8 @@ impl MemoryStore {
                     max_bytes: AtomicUsize::new(capacity.bytes),
                 },
                 watchers: Watchers::new(),
+                streams: Mutex::default(),
+                streaming: AtomicUsize::new(0),
             }),
         }
     }
@@ -210,13 +218,44 @@ impl MemoryStore {
         self.inner.usage.capacity()
     }
 
-    /// Removes every expired record now; returns how many.
+    /// Removes every expired record now, and the streams of records no longer in progress
+    /// under the lease that wrote them (a holder that died mid-stream); returns how many
+    /// records.
     pub fn purge_expired(&self) -> usize {
         let now = nanos(self.inner.clock.now());
         let usage = &self.inner.usage;
-        (0..SHARDS)
+        let purged = (0..SHARDS)
             .map(|i| lock(&self.inner.shards[i]).sweep(now, usize::MAX, usage))
-            .sum()
+            .sum();
+        if self.inner.streaming.load(Ordering::Relaxed) > 0 {
+            self.purge_streams(now);
+        }
+        purged
+    }
+
+    /// Drops the streams whose record is not in progress under their token.
+    fn purge_streams(&self, now: u64) {
+        let usage = &self.inner.usage;
+        let streams: Vec<(RecordId, FencingToken)> = lock(&self.inner.streams)
+            .iter()
+            .map(|(id, (token, _))| (id.clone(), *token))
+            .collect();
+        for (id, token) in streams {
+            let hash = self.inner.hash_id(&id);
+            // The shard's lock first, as everywhere: an append in between is then either
+            // before this look (and seen) or after it (a live record, so kept).
+            let mut shard = self.inner.shard(hash);
+            let held = shard
+                .live(hash, &id, now, usage)
+                .and_then(|slot| slot.token());
+            if held != Some(token) {
+                let mut streams = lock(&self.inner.streams);
+                if streams.get(&id).is_some_and(|(t, _)| *t == token) {
+                    streams.remove(&id);
+                }
+                self.inner.streaming.store(streams.len(), Ordering::Relaxed);
+            }
+        }
     }
 
     /// Records held, expired ones not yet swept included.
@@ -347,7 +386,7 @@ fn kept_until(now: Duration, lease: Duration, retention: Duration) -> Duration {
 
 /// A poisoned lock means a panic while a shard was held; every update below leaves the shard
 /// consistent before any call that could panic, so the data is still sound.
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -366,6 +405,17 @@ impl Inner {
     /// bucket and the high ones for the tag; taking those would crowd each shard's table.
     fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
         lock(&self.shards[((hash >> 32) as usize) % SHARDS])
+    }
+
+    /// Drops the stream of `id`, whose record left progress (or changed hands).
+    fn forget_stream(&self, id: &RecordId) {
+        if self.streaming.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut streams = lock(&self.streams);
+        if streams.remove(id).is_some() {
+            self.streaming.store(streams.len(), Ordering::Relaxed);
+        }
     }
 }
 
@@ -555,6 +605,7 @@ impl Store for MemoryStore {
         let old = std::mem::replace(held, done);
         shard.reindexed(hash, &old, at, bytes, usage);
         drop(shard);
+        self.inner.forget_stream(lease.id());
         self.inner.watchers.notify(lease.id());
         Ok(())
     }
@@ -567,6 +618,7 @@ impl Store for MemoryStore {
         shard.held(hash, lease, now, usage)?;
         shard.remove(hash, lease.id(), usage);
         drop(shard);
+        self.inner.forget_stream(lease.id());
         self.inner.watchers.notify(lease.id());
         Ok(())
     }
@@ -620,11 +672,80 @@ impl Store for MemoryStore {
         let existed = shard.live(hash, id, now, usage).is_some();
         shard.remove(hash, id, usage);
         drop(shard);
+        self.inner.forget_stream(id);
         self.inner.watchers.notify(id);
         Ok(existed)
     }
 
-    /// Notified in process: the store's own `complete`, `release` and `evict` fire it.
+    /// The stream lives beside the records, in one map, written under the record's shard
+    /// lock (so a completion cannot come between the check of the lease and the write).
+    /// Its bytes do not count against [`MemoryCapacity`]: the caller bounds each stream
+    /// (the HTTP layer by its largest stored response).
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let hash = self.inner.hash_id(lease.id());
+        let mut shard = self.inner.shard(hash);
+        shard.held(hash, lease, now, usage)?;
+        let mut streams = lock(&self.inner.streams);
+        let stream = streams
+            .entry(lease.id().clone())
+            .or_insert_with(|| (lease.token(), Vec::new()));
+        if stream.0 != lease.token() {
+            // An earlier holder's: this lease starts its own.
+            *stream = (lease.token(), Vec::new());
+        }
+        let at = usize::try_from(at).unwrap_or(usize::MAX);
+        if at > stream.1.len() {
+            return Err(Error::Invalid(format!(
+                "append at byte {at} of a stream of {} bytes: append at its end",
+                stream.1.len()
+            )));
+        }
+        let end = at + bytes.len();
+        if end > stream.1.len() {
+            stream.1.resize(end, 0);
+        }
+        stream.1[at..end].copy_from_slice(bytes);
+        self.inner.streaming.store(streams.len(), Ordering::Relaxed);
+        drop((streams, shard));
+        self.inner.watchers.notify(lease.id());
+        Ok(())
+    }
+
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
+        let now = nanos(self.inner.clock.now());
+        let usage = &self.inner.usage;
+        let hash = self.inner.hash_id(id);
+        let mut shard = self.inner.shard(hash);
+        let Some(slot) = shard.live(hash, id, now, usage) else {
+            drop(shard);
+            self.inner.forget_stream(id);
+            return Ok(StreamRead::Absent);
+        };
+        match (slot.token(), slot.completion()) {
+            (Some(token), _) => {
+                let lease_remaining = until(slot.deadline(), now);
+                let streams = lock(&self.inner.streams);
+                let from = usize::try_from(from).unwrap_or(usize::MAX);
+                let bytes = match streams.get(id) {
+                    Some((t, bytes)) if *t == token => bytes.get(from..).unwrap_or_default(),
+                    _ => &[],
+                };
+                Ok(StreamRead::Live {
+                    token,
+                    bytes: Bytes::copy_from_slice(bytes),
+                    lease_remaining,
+                })
+            }
+            (None, Some(Ok(completion))) => Ok(StreamRead::Completed(completion)),
+            (None, Some(Err(e))) => Err(Error::corrupt(self.name(), e.to_string())),
+            (None, None) => Err(Error::corrupt(self.name(), "record without a state")),
+        }
+    }
+
+    /// Notified in process: the store's own `complete`, `release`, `evict` and `append`
+    /// fire it.
     async fn watch(&self, id: &RecordId) -> Option<Watch> {
         Some(self.inner.watchers.watch(id.clone()))
     }

@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -49,6 +50,28 @@ pub enum Begin {
     /// The key was used with a different fingerprint: the request is not a retry of the
     /// original one and must be refused.
     Mismatch,
+}
+
+/// What [`Store::read_stream`] found: a record's streamed response, as far as it went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StreamRead {
+    /// In progress under `token`'s lease: the bytes appended under it from the offset asked
+    /// for (empty when there are none yet, or none past the offset), and the lease time
+    /// left (zero once the deadline passed: the holder may be dead). Another token on a
+    /// later read means another attempt, whose stream starts again from its first byte.
+    Live {
+        /// The holder's token.
+        token: FencingToken,
+        /// The stream's bytes from the offset asked for.
+        bytes: Bytes,
+        /// The holder's lease time left, by the store's clock.
+        lease_remaining: Duration,
+    },
+    /// The work finished: the stored completion, the whole response.
+    Completed(Completion),
+    /// No record: released, evicted or expired (or never begun).
+    Absent,
 }
 
 /// Counts of records by state, for operators (`idem stats`). Stores build it with the
@@ -106,6 +129,18 @@ pub struct Stats {
 ///   the record again after each firing and polls at [`crate::Config::safety_poll`] anyway.
 ///   `watch` writes nothing to the record and must not slow down the other methods while
 ///   nobody watches.
+/// - **Streams** (optional; the defaults answer [`Error::Unsupported`]). A record in
+///   progress has a stream of bytes that its holder appends to while the work runs (a
+///   streamed response, recorded as it is produced) and that anyone reads
+///   ([`Store::read_stream`]). `append` is fenced like `complete`: it writes only while the
+///   record is in progress with the lease's token, and otherwise returns
+///   [`Error::LeaseLost`] with nothing appended that a reader can see. Appending bytes at an
+///   offset where the stream already holds those bytes changes nothing (a call re-sent
+///   after a lost reply is harmless). A new holder (a takeover, or a new attempt after a
+///   release) starts an empty stream; the stream is forgotten when the record leaves
+///   progress (completed, released, evicted or expired). A store that notifies fires the
+///   record's watches on every `append` too, so that readers wait for more with
+///   [`Store::watch`].
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug {
     /// A short name for errors and metrics: `"memory"`, `"redis"`, `"postgres"`.
@@ -161,6 +196,36 @@ pub trait Store: Send + Sync + fmt::Debug {
     async fn watch(&self, id: &RecordId) -> Option<Watch> {
         let _ = id;
         None
+    }
+
+    /// Writes `bytes` into the stream of the record `lease` holds, at byte offset `at`: the
+    /// length of what this lease appended before (or less, for a call sent again). See the
+    /// trait's contract.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease no longer holds the record; [`Error::Invalid`]
+    /// when `at` is past the stream's end; store errors; [`Error::Unsupported`] from stores
+    /// without streams (the default).
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
+        let _ = (lease, at, bytes);
+        Err(Error::Unsupported {
+            store: self.name(),
+            what: "streams",
+        })
+    }
+
+    /// The stream of `id` from byte `from`, or what became of it (see [`StreamRead`]).
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Unsupported`] from stores without streams (the default).
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
+        let _ = (id, from);
+        Err(Error::Unsupported {
+            store: self.name(),
+            what: "streams",
+        })
     }
 
     /// Counts live records by state, in one scope or in all (an operator's tool; it may scan

@@ -36,7 +36,7 @@ use tracing::Instrument;
 use crate::error::{Error, Result};
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, Lease, Record};
-use crate::store::{Begin, BeginRequest, Stats, Store};
+use crate::store::{Begin, BeginRequest, Stats, Store, StreamRead};
 use crate::watch::Watch;
 
 /// The first 8 bytes of SHA-256 over a record's injective encoding, in hex: the same record
@@ -108,6 +108,8 @@ labels! {
         Get => "get",
         Evict => "evict",
         Stats => "stats",
+        Append => "append",
+        ReadStream => "read_stream",
     }
 }
 
@@ -423,6 +425,26 @@ impl Store for Instrumented {
                 },
                 None,
             )
+        })
+        .await
+    }
+
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
+        let call = self.inner.append(lease, at, bytes);
+        self.observe(Op::Append, None, Some(lease.id()), call, |()| {
+            (Outcome::Ok, Some(lease.attempt()))
+        })
+        .await
+    }
+
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
+        let call = self.inner.read_stream(id, from);
+        self.observe(Op::ReadStream, None, Some(id), call, |read| {
+            let outcome = match read {
+                StreamRead::Absent => Outcome::Absent,
+                _ => Outcome::Found,
+            };
+            (outcome, None)
         })
         .await
     }

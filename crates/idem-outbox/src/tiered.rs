@@ -10,7 +10,7 @@ use idem_core::orphan::Orphans;
 use idem_core::telemetry::KeyHash;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, Record, RecordId,
-    RecordState, Replay, Result, Scope, Stats, Store, Watch,
+    RecordState, Replay, Result, Scope, Stats, Store, StreamRead, Watch,
 };
 use idem_postgres::{map_error, PgStore};
 
@@ -462,5 +462,15 @@ impl Store for TieredStore {
     async fn watch(&self, id: &RecordId) -> Option<Watch> {
         let (redis, pg) = tokio::join!(self.redis.watch(id), self.pg.watch(id));
         Watch::any(redis.into_iter().chain(pg))
+    }
+
+    /// Streams live in PostgreSQL, the arbiter that holds the lease: fenced by its token,
+    /// and woken through its notifications, which [`Store::watch`] listens to as well.
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
+        self.pg.append(lease, at, bytes).await
+    }
+
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
+        self.pg.read_stream(id, from).await
     }
 }

@@ -405,6 +405,7 @@ mod tests {
         for sql in [
             include_str!("sql/complete.sql"),
             include_str!("sql/release.sql"),
+            include_str!("sql/append.sql"),
         ] {
             assert!(sql.contains(&lock), "{sql}");
             assert!(sql.contains(&format!("pg_notify('{CHANNEL}'")), "{sql}");

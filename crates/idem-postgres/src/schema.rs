@@ -88,17 +88,23 @@ crate::statements! {
     evict,
     purge,
     stats,
+    append,
+    read_stream,
+    purge_streams,
 }
 
 impl Statements {
-    /// The store's statements with the schema spliced in (`{records}` in the `.sql` files),
-    /// and the parts `begin.sql` and `claim.sql` share (`{seen}`, `{answer}`).
+    /// The store's statements with the schema spliced in (`{records}` and `{streams}` in
+    /// the `.sql` files), and the parts `begin.sql` and `claim.sql` share (`{seen}`,
+    /// `{answer}`).
     pub(crate) fn new(schema: &Schema) -> Self {
         let table = format!("{}.records", schema.quoted());
+        let streams = format!("{}.streams", schema.quoted());
         Self::build(|sql| {
             sql.replace("{seen}", include_str!("sql/seen.sql"))
                 .replace("{answer}", include_str!("sql/answer.sql"))
                 .replace("{records}", &table)
+                .replace("{streams}", &streams)
         })
     }
 }

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     decode_meta, encode_meta, Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint,
-    Lease, Record, RecordId, RecordState, Replay, Result, Scope, Stats, Store, Watch,
+    Lease, Record, RecordId, RecordState, Replay, Result, Scope, Stats, Store, StreamRead, Watch,
 };
 use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgArguments, PgPoolOptions, PgRow};
@@ -339,6 +339,15 @@ impl PgStore {
             })
             .await
             .map_err(error::map)?;
+        // The streams of records no longer in progress under their token go with them, a
+        // batch at a time too (they are not counted: the count is of records).
+        self.retrying(|| {
+            sqlx::query(&self.sql.purge_streams)
+                .bind(i64::from(batch))
+                .execute(&self.pool)
+        })
+        .await
+        .map_err(error::map)?;
         Ok(done.rows_affected())
     }
 
@@ -554,6 +563,68 @@ impl Store for PgStore {
             state,
             expires_in: micros(row.try_get("expires_us").map_err(error::map)?),
         }))
+    }
+
+    /// One statement (`append.sql`): the lease's check, the stream's length and the insert
+    /// of the bytes as one row keyed by the token and the offset; readers waiting for more
+    /// are notified as for a completion.
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<(), Error> {
+        let id = lease.id();
+        let at_i64 = i64::try_from(at)
+            .map_err(|_| Error::Invalid(format!("append at byte {at}: past any stream")))?;
+        let row = self
+            .retrying(|| {
+                sqlx::query(&self.sql.append)
+                    .bind(id.scope().as_str().as_bytes())
+                    .bind(id.key().as_str())
+                    .bind(*lease.token().as_uuid())
+                    .bind(at_i64)
+                    .bind(bytes)
+                    .bind(self.notification(id))
+                    .fetch_one(&self.pool)
+            })
+            .await
+            .map_err(error::map)?;
+        let held: bool = row.try_get("held").map_err(error::map)?;
+        let len: i64 = row.try_get("len").map_err(error::map)?;
+        if !held {
+            return Err(Error::LeaseLost);
+        }
+        if at_i64 > len {
+            return Err(Error::Invalid(format!(
+                "append at byte {at} of a stream of {len} bytes: append at its end"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead, Error> {
+        let from = i64::try_from(from).unwrap_or(i64::MAX);
+        let row = self
+            .retrying(|| {
+                sqlx::query(&self.sql.read_stream)
+                    .bind(id.scope().as_str().as_bytes())
+                    .bind(id.key().as_str())
+                    .bind(from)
+                    .fetch_optional(&self.pool)
+            })
+            .await
+            .map_err(error::map)?;
+        let Some(row) = row else {
+            return Ok(StreamRead::Absent);
+        };
+        let token: Option<Uuid> = row.try_get("token").map_err(error::map)?;
+        match token {
+            Some(token) => {
+                let bytes: Option<Vec<u8>> = row.try_get("stream").map_err(error::map)?;
+                Ok(StreamRead::Live {
+                    token: FencingToken::from_uuid(token),
+                    bytes: Bytes::from(bytes.unwrap_or_default()),
+                    lease_remaining: micros(row.try_get("lease_us").map_err(error::map)?),
+                })
+            }
+            None => Ok(StreamRead::Completed(completion_of(&row)?)),
+        }
     }
 
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {

@@ -9,10 +9,15 @@
 //!
 //! With a fixed prefix and a fixed-width tag, the encoded id is what follows the tag, so two
 //! different records never share a key.
+//!
+//! A record's stream (a streamed response recorded while its lease runs) has a key of its
+//! own per holder: `<prefix>{<tag>}s<token, 32 hex digits><encoded id>`. It shares the
+//! record's tag (one slot, so a pipeline of both goes to one node), and never equals a
+//! record's key: an encoded id starts with a digit, a stream's part after the tag with `s`.
 
 use std::fmt::Write as _;
 
-use idem_core::{Error, RecordId};
+use idem_core::{Error, FencingToken, RecordId};
 use sha2::{Digest, Sha256};
 
 /// Hex digits in the hash tag: 32 bits spread the keys evenly over the 16384 slots.
@@ -59,11 +64,42 @@ pub(crate) fn record_key(prefix: &str, id: &RecordId) -> String {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
+/// The key of the stream that `token`'s lease writes for the record whose key is
+/// `record_key` (made with `prefix`).
+pub(crate) fn stream_key(prefix: &str, record_key: &str, token: FencingToken) -> String {
+    let tagged = prefix.len() + TAG_HEX + 2;
+    let (head, encoded) = record_key.split_at(tagged.min(record_key.len()));
+    let mut out = String::with_capacity(record_key.len() + 33);
+    out.push_str(head);
+    out.push('s');
+    for byte in token.as_bytes() {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+    out.push_str(encoded);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use idem_core::{Key, Scope};
     use proptest::prelude::*;
+
+    #[test]
+    fn a_stream_shares_its_records_slot_and_never_its_key() {
+        let record = record_key("idem:", &id("tenant", "order-1"));
+        let token = FencingToken::random();
+        let stream = stream_key("idem:", &record, token);
+        assert_eq!(hash_tag(&stream), hash_tag(&record));
+        assert_ne!(stream, record);
+        let tail = &stream["idem:".len() + TAG_HEX + 2..];
+        assert!(tail.starts_with('s'), "{stream}");
+        assert!(tail.ends_with(id("tenant", "order-1").encoded().as_str()));
+        // After the tag, a record's key starts with a digit (the scope's length).
+        assert!(record["idem:".len() + TAG_HEX + 2..].starts_with(|c: char| c.is_ascii_digit()));
+        assert_ne!(stream_key("idem:", &record, FencingToken::random()), stream);
+    }
 
     fn id(scope: &str, key: &str) -> RecordId {
         RecordId::new(Scope::new(scope).unwrap(), Key::new(key).unwrap())

@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     Begin, BeginRequest, Completion, Error, FencingToken, Lease, Record, RecordId, Replay, Result,
-    Scope, Stats, Store, Watch,
+    Scope, Stats, Store, StreamRead, Watch,
 };
 use redis::aio::ConnectionLike as _;
 use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
@@ -455,6 +455,119 @@ impl RedisStore {
     }
 }
 
+/// How long a stream's key outlives its last append: twice the lease time left, and a
+/// minute more, so that a holder renewing its lease through a long pause still finds it.
+fn stream_ttl_ms(lease: &Lease) -> u64 {
+    millis(lease.remaining())
+        .saturating_mul(2)
+        .saturating_add(60_000)
+}
+
+impl RedisStore {
+    /// The key of the stream `token`'s lease writes for the record at `key`.
+    fn stream_key(&self, key: &str, token: FencingToken) -> String {
+        crate::key::stream_key(&self.config().prefix, key, token)
+    }
+
+    /// `append`, in two round trips: the record and the stream's length read (to tell a lost
+    /// lease, and to refuse a gap before anything is written), then the bytes written at
+    /// `at` (`SETRANGE`: the same bytes again change nothing), the stream's expiry pushed
+    /// back and the record's waiters woken. The write needs no compare: a stream's key is
+    /// its holder's token's, and readers read only the stream of the token the record
+    /// holds, so what a holder that lost its lease in between writes is never read, and
+    /// expires.
+    async fn append_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        lease: &Lease,
+        at: u64,
+        bytes: &[u8],
+    ) -> Result<(), Error> {
+        let stream = self.stream_key(key, lease.token());
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(key).cmd("STRLEN").arg(&stream);
+        let (record, len): (Option<Vec<u8>>, u64) =
+            pipe.query_async(conn).await.map_err(classify)?;
+        let held = match (lease.version(), record.as_deref()) {
+            (Some(version), Some(record)) => version == record,
+            (None, Some(record)) => held_by(record, lease.token()),
+            (_, None) => false,
+        };
+        if !held {
+            return Err(Error::LeaseLost);
+        }
+        if at > len {
+            // The caller skipped bytes, or the stream expired during a pause longer than
+            // its time to live.
+            return Err(Error::Invalid(format!(
+                "append at byte {at} of a stream of {len} bytes: append at its end"
+            )));
+        }
+        let publish = if self.is_cluster() {
+            "SPUBLISH"
+        } else {
+            "PUBLISH"
+        };
+        let mut pipe = redis::pipe();
+        pipe.cmd("SETRANGE")
+            .arg(&stream)
+            .arg(at)
+            .arg(bytes)
+            .ignore();
+        pipe.cmd("PEXPIRE")
+            .arg(&stream)
+            .arg(stream_ttl_ms(lease))
+            .ignore();
+        pipe.cmd(publish).arg(key).arg("").ignore();
+        pipe.query_async::<()>(conn).await.map_err(classify)
+    }
+
+    /// `read_stream`: the record and its time to live, then, in progress, the holder's
+    /// stream from `from` (two round trips: the stream's key depends on the holder).
+    async fn read_stream_on(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        from: u64,
+    ) -> Result<StreamRead, Error> {
+        let (value, pttl) = read(conn, key).await?;
+        let Some(value) = value else {
+            return Ok(StreamRead::Absent);
+        };
+        match codec::decode_head(&value, pttl) {
+            Some(Head::Completed { .. }) => Ok(StreamRead::Completed(codec::decode_completion_in(
+                &value, &value,
+            )?)),
+            Some(Head::InProgress {
+                token,
+                lease_left_ms,
+                ..
+            }) => {
+                let token = FencingToken::from_slice(token)
+                    .ok_or_else(|| Error::corrupt(STORE, "a token of the wrong length"))?;
+                let stream = self.stream_key(key, token);
+                let start = i64::try_from(from).unwrap_or(i64::MAX);
+                let bytes: Vec<u8> = redis::cmd("GETRANGE")
+                    .arg(&stream)
+                    .arg(start)
+                    .arg(-1)
+                    .query_async(conn)
+                    .await
+                    .map_err(classify)?;
+                Ok(StreamRead::Live {
+                    token,
+                    bytes: Bytes::from(bytes),
+                    lease_remaining: codec::millis(lease_left_ms),
+                })
+            }
+            // A key that expired between the two commands.
+            None if pttl < 0 && value.first() == Some(&b'P') => Ok(StreamRead::Absent),
+            None => Err(Error::corrupt(STORE, "not a record")),
+        }
+    }
+}
+
 /// Runs a script through `invoke_async` (which loads it on `NOSCRIPT` and sends it once
 /// more), again when the script cache was flushed between that load and that send (a
 /// `SCRIPT FLUSH` or a failover racing it), up to three sends in all.
@@ -537,6 +650,21 @@ impl Store for RedisStore {
             .await
             .map(|deleted: i64| deleted > 0)
             .map_err(classify))
+    }
+
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
+        let key = self.record_key(lease.id());
+        // Sent again after a dropped connection: the same bytes at the same offset.
+        call!(self, |conn, _resent| {
+            self.append_on(&mut conn, &key, lease, at, bytes).await
+        })
+    }
+
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
+        let key = self.record_key(id);
+        call!(self, |conn, _resent| {
+            self.read_stream_on(&mut conn, &key, from).await
+        })
     }
 
     /// Pub/sub (see the [crate docs](crate#waiters)): the waiter subscribes to the record's

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::{
     Begin, BeginRequest, Completion, CompletionKind, Error, FencingToken, Fingerprint, Key, Lease,
-    RecordId, RecordState, Response, Scope, Store,
+    RecordId, RecordState, Response, Scope, Store, StreamRead,
 };
 use tokio::time::{sleep, timeout, Instant};
 
@@ -674,4 +674,135 @@ async fn notified_round(
         other => panic!("{settle}: unexpected answer {other:?}"),
     };
     (answered.saturating_duration_since(settled), allowed)
+}
+
+/// The bytes of a live stream read from `from`, asserting it is `lease`'s.
+async fn live_bytes(store: &dyn Store, lease: &Lease, from: u64) -> Bytes {
+    match store
+        .read_stream(lease.id(), from)
+        .await
+        .expect("read_stream")
+    {
+        StreamRead::Live { token, bytes, .. } => {
+            assert_eq!(token, lease.token(), "the stream of another holder");
+            bytes
+        }
+        other => panic!("expected a live stream, got {other:?}"),
+    }
+}
+
+/// Streams ([`Store::append`], [`Store::read_stream`]): what a holder appends is read back
+/// from any offset, a re-sent append changes nothing, an append past the end is refused,
+/// and once completed the stream reads as the completion while appends find the lease
+/// lost.
+pub async fn stream_appends_are_read_back(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "stream");
+    let lease = acquired(begin(&*store, &id, fp("f"), LONG).await);
+    assert_eq!(live_bytes(&*store, &lease, 0).await, "");
+    store.append(&lease, 0, b"head|").await.expect("append");
+    store.append(&lease, 5, b"one|").await.expect("append");
+    assert_eq!(live_bytes(&*store, &lease, 0).await, "head|one|");
+    assert_eq!(live_bytes(&*store, &lease, 5).await, "one|");
+    assert_eq!(live_bytes(&*store, &lease, 9).await, "");
+    assert_eq!(live_bytes(&*store, &lease, 1000).await, "");
+    // Sent again after a lost reply: the same bytes at the same offset.
+    store
+        .append(&lease, 5, b"one|")
+        .await
+        .expect("a re-sent append");
+    store.append(&lease, 9, b"two|").await.expect("append");
+    assert_eq!(live_bytes(&*store, &lease, 0).await, "head|one|two|");
+    match store.append(&lease, 100, b"gap").await {
+        Err(Error::Invalid(_)) => {}
+        other => panic!("an append past the end: expected Invalid, got {other:?}"),
+    }
+    // Binary bytes survive as they are.
+    store
+        .append(&lease, 13, b"\0\xff\r\n")
+        .await
+        .expect("append");
+    assert_eq!(live_bytes(&*store, &lease, 13).await, &b"\0\xff\r\n"[..]);
+
+    complete_ok(&*store, &lease, "head|one|two|").await;
+    match store.read_stream(&id, 0).await.expect("read_stream") {
+        StreamRead::Completed(c) => assert_eq!(c.response.body, "head|one|two|"),
+        other => panic!("expected the completion, got {other:?}"),
+    }
+    lease_lost(
+        store.append(&lease, 17, b"late").await,
+        "append after complete",
+    );
+    let absent = id_absent(&scope);
+    assert_eq!(
+        store.read_stream(&absent, 0).await.expect("read_stream"),
+        StreamRead::Absent
+    );
+}
+
+fn id_absent(scope: &Scope) -> RecordId {
+    id(scope, "never-begun")
+}
+
+/// Streams are fenced: a holder whose lease was taken over cannot append (and nothing it
+/// tries is read), the new holder starts an empty stream of its own, and a released
+/// record's stream is gone.
+pub async fn a_taken_over_holder_cannot_append(store: Arc<dyn Store>) {
+    let scope = scope();
+    let id = id(&scope, "fenced");
+    let first = acquired(begin(&*store, &id, fp("f"), SHORT).await);
+    store.append(&first, 0, b"first|").await.expect("append");
+    sleep(PAST_SHORT).await;
+    match store.read_stream(&id, 0).await.expect("read_stream") {
+        StreamRead::Live {
+            lease_remaining, ..
+        } => assert_eq!(lease_remaining, Duration::ZERO, "an expired lease"),
+        other => panic!("expected a live stream, got {other:?}"),
+    }
+    let second = match begin(&*store, &id, fp("f"), LONG).await {
+        Begin::TookOver(lease) => lease,
+        other => panic!("expected TookOver, got {other:?}"),
+    };
+    lease_lost(store.append(&first, 6, b"stale|").await, "stale append");
+    lease_lost(
+        store.append(&first, 0, b"stale|").await,
+        "stale append at 0",
+    );
+    assert_eq!(live_bytes(&*store, &second, 0).await, "", "a fresh stream");
+    store.append(&second, 0, b"second|").await.expect("append");
+    assert_eq!(live_bytes(&*store, &second, 0).await, "second|");
+    store.release(&second).await.expect("release");
+    assert_eq!(
+        store.read_stream(&id, 0).await.expect("read_stream"),
+        StreamRead::Absent
+    );
+    lease_lost(
+        store.append(&second, 7, b"late").await,
+        "append after release",
+    );
+    // The next holder starts empty again.
+    let third = acquired(begin(&*store, &id, fp("f"), LONG).await);
+    assert_eq!(live_bytes(&*store, &third, 0).await, "");
+}
+
+/// For stores that notify: a reader watching a record is woken by an `append`, within
+/// [`NOTIFIED_WITHIN`] in one of [`NOTIFY_ROUNDS`] rounds.
+pub async fn stream_appends_wake_watchers(store: Arc<dyn Store>) {
+    let scope = scope();
+    for round in 0..NOTIFY_ROUNDS {
+        let id = id(&scope, &format!("woken-{round}"));
+        let lease = acquired(begin(&*store, &id, fp("f"), LONG).await);
+        let mut watch = store.watch(&id).await.expect("the store notifies");
+        let appended = Instant::now();
+        store.append(&lease, 0, b"piece").await.expect("append");
+        if timeout(NOTIFIED_WITHIN, watch.changed()).await.is_ok() {
+            assert_eq!(live_bytes(&*store, &lease, 0).await, "piece");
+            return;
+        }
+        eprintln!(
+            "round {round}: no notification {:?} after the append",
+            appended.elapsed()
+        );
+    }
+    panic!("no round was woken by an append within {NOTIFIED_WITHIN:?}");
 }

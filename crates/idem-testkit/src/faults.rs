@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::{Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Store};
+use idem_core::{
+    Begin, BeginRequest, Completion, Error, Lease, Record, RecordId, Store, StreamRead, Watch,
+};
 
 /// Forwards to an inner store, failing the calls its switches say (with
 /// [`Error::Unavailable`] named after the inner store, "connection refused"). All switches
@@ -197,5 +199,14 @@ impl Store for FaultyStore {
     }
     async fn evict(&self, id: &RecordId) -> Result<bool, Error> {
         self.inner.evict(id).await
+    }
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        self.inner.watch(id).await
+    }
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<(), Error> {
+        self.inner.append(lease, at, bytes).await
+    }
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead, Error> {
+        self.inner.read_stream(id, from).await
     }
 }

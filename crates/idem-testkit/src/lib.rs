@@ -69,7 +69,9 @@ macro_rules! conformance_suite {
             abandoned_records_expire,
             scopes_are_isolated,
             get_and_evict,
-            racing_writers_on_one_lease
+            racing_writers_on_one_lease,
+            stream_appends_are_read_back,
+            a_taken_over_holder_cannot_append
         );
 
         /// The store against the model of the contract, on random interleavings
