@@ -35,8 +35,10 @@ pub(crate) const CAS_ROUNDS: usize = 8;
 /// Runs one store call, bounded by [`RedisConfig::call_timeout`]: `$body` with a connection
 /// in `$conn`. When the connection fails under it (refused, dropped, reset), `$body` runs
 /// once more on a fresh connection with `$resent` set: the first send may or may not have
-/// reached the server, and every script answers a re-sent call as if only one had run (see
-/// their contracts). This is also what makes the first call after a server restart succeed,
+/// reached the server, and every call answers the second send as if only one had run
+/// (`begin` hands the same token its own lease back; `complete` and `release` with
+/// `$resent` also accept finding their own write done; `extend` and `append` write the same
+/// thing again). This is also what makes the first call after a server restart succeed,
 /// where the connection manager would hand back the error of its last failed reconnect.
 macro_rules! call {
     ($store:expr, |$conn:ident, $resent:ident| $body:expr) => {
@@ -366,11 +368,9 @@ impl RedisStore {
     /// is armed at the first wait.
     ///
     /// What it buys over `tokio::time::timeout` around the call, which arms a timer per
-    /// call: on Redis 7.0 (2 vCPUs shared with builds, load average 7-8), 7 alternated runs
-    /// of `idem-bench --store redis://127.0.0.1:<port> --phases compare --rounds 1 --keys
-    /// 20000` (3 of them `--keys 40000`), medians: the lifecycle at c=32 18 % more
-    /// operations/s and 11 % less client CPU per operation; 4-8 % more operations/s on the
-    /// other phases, less than those runs' spread.
+    /// call: more than 5 % of the lifecycle's operations per second and of its client CPU
+    /// per operation at c=32 (`idem-bench --phases compare`), the timer being the one
+    /// allocation and wheel entry per call that redis-rs's own timers make redundant.
     pub(crate) async fn bounded<T>(
         &self,
         call: impl Future<Output = Result<T, Error>>,

@@ -9,8 +9,8 @@
 //! same writer, so both entry points share one definition of the canonical form.
 //!
 //! Written here rather than with `serde_json_canonicalizer` (correct, but it buffers and
-//! re-parses every key: twice as slow as the `Value`-tree version this replaced, let
-//! alone this one; idem-bench's `middleware` phase). Numbers are the hard part of RFC 8785 and come from
+//! re-parses every key, which a guarded request pays for on its hot path: idem-bench's
+//! `middleware` phase). Numbers are the hard part of RFC 8785 and come from
 //! `ryu-js` (maintained by the Boa JavaScript engine: ECMAScript's
 //! `Number.prototype.toString`, which the RFC prescribes), except integers up to 2^53,
 //! whose form is their digits, written by `itoa`; strings are escaped by `serde_json`.
