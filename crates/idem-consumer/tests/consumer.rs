@@ -476,6 +476,13 @@ fn two_on_a_stallable_store() -> (Consumer, Consumer, Arc<FaultyStore>) {
     (one(), one(), store)
 }
 
+/// A handler that counts its run, then works for 6 s and answers 1.
+async fn six_seconds_of_work(runs: &AtomicU32) -> Result<u32, Failure<String>> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    Ok(1)
+}
+
 /// The store stalls from 0.5 s to 2.9 s into a 3 s lease while the handler works 6 s: the
 /// lease is kept, a redelivery to the other consumer at 3.2 s is handed back (requeued),
 /// and the handler runs once.
@@ -484,11 +491,7 @@ async fn a_store_stall_shorter_than_the_lease_never_costs_it() {
     let (a, b, store) = two_on_a_stallable_store();
     let m = msg("stall", "{}");
     let runs = AtomicU32::new(0);
-    let first = a.process(&m, |_| async {
-        runs.fetch_add(1, Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_secs(6)).await;
-        Ok::<_, Failure<String>>(1u32)
-    });
+    let first = a.process(&m, |_| six_seconds_of_work(&runs));
     let redelivered = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         store.set_extend_stalled(true);
@@ -515,11 +518,7 @@ async fn a_store_stall_longer_than_the_lease_never_acks_a_value_the_key_will_not
     let (a, b, store) = two_on_a_stallable_store();
     let m = msg("long-stall", "{}");
     let runs = AtomicU32::new(0);
-    let first = a.process(&m, |_| async {
-        runs.fetch_add(1, Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_secs(6)).await;
-        Ok::<_, Failure<String>>(1u32)
-    });
+    let first = a.process(&m, |_| six_seconds_of_work(&runs));
     let redelivered = async {
         tokio::time::sleep(Duration::from_millis(200)).await;
         store.set_extend_stalled(true);
