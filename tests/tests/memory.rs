@@ -18,13 +18,6 @@ mod memory {
         idem_testkit::model::check_manual_clock(512);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiter_is_notified() {
-        idem_testkit::cases::waiter_is_notified(Arc::new(MemoryStore::new())).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn stream_appends_wake_watchers() {
-        idem_testkit::cases::stream_appends_wake_watchers(Arc::new(MemoryStore::new())).await;
-    }
+    // Notified in process.
+    idem_testkit::conformance_suite!(store, notifies);
 }

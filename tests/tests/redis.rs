@@ -76,9 +76,9 @@ async fn cluster_store(
 }
 
 /// The conformance suite on the module's `store()`, its unreachable case on a store made by
-/// `$unreachable` (one of [`unreachable_one`] and [`unreachable_cluster`]); with `waiter =
-/// "doc"`, the check that a waiter answers within milliseconds of the completion too, what
-/// notifies it said by `doc`.
+/// `$unreachable` (one of [`unreachable_one`] and [`unreachable_cluster`]); with `notifies`,
+/// the checks that a waiter answers within milliseconds of the completion, and a reader of
+/// an append, too.
 macro_rules! suite {
     ($unreachable:ident) => {
         async fn unreachable() -> Arc<dyn Store> {
@@ -87,21 +87,9 @@ macro_rules! suite {
 
         idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
     };
-    ($unreachable:ident, waiter = $doc:literal) => {
+    ($unreachable:ident, notifies) => {
         suite!($unreachable);
-
-        #[doc = $doc]
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn waiter_is_notified() {
-            let Some(store) = store().await else { return };
-            idem_testkit::cases::waiter_is_notified(store).await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn stream_appends_wake_watchers() {
-            let Some(store) = store().await else { return };
-            idem_testkit::cases::stream_appends_wake_watchers(store).await;
-        }
+        idem_testkit::conformance_suite!(store, notifies);
     };
 }
 
@@ -119,10 +107,8 @@ mod redis {
         ))
     }
 
-    suite!(
-        unreachable_one,
-        waiter = "Pub/sub: a waiter answers within milliseconds of the completion."
-    );
+    // Pub/sub wakes waiters and readers.
+    suite!(unreachable_one, notifies);
 
     pub(crate) mod specific;
 }
@@ -136,11 +122,8 @@ mod redis_cluster {
         cluster_store(cluster, idem_redis::Scripting::Auto).await
     }
 
-    suite!(
-        unreachable_cluster,
-        waiter = "Sharded pub/sub: a waiter answers within milliseconds of the completion, \
-                  with the record on any of the primaries."
-    );
+    // Sharded pub/sub wakes waiters and readers, with the record on any of the primaries.
+    suite!(unreachable_cluster, notifies);
 
     mod specific;
 }
@@ -174,11 +157,8 @@ mod valkey {
         ))
     }
 
-    suite!(
-        unreachable_one,
-        waiter = "Pub/sub: a waiter answers within milliseconds of a completion made without \
-                  scripts."
-    );
+    // Pub/sub wakes waiters of a completion made without scripts, and readers.
+    suite!(unreachable_one, notifies);
 
     /// A restart of the server under load: `Unavailable` while it is down, and every
     /// call started after it is back succeeds.
@@ -281,10 +261,8 @@ mod valkey_cluster {
         cluster_store(cluster, Scripting::NoScripts).await
     }
 
-    suite!(
-        unreachable_cluster,
-        waiter = "Sharded pub/sub without scripts: `SPUBLISH` behind the completion."
-    );
+    // Sharded pub/sub without scripts: `SPUBLISH` behind the completion and the append.
+    suite!(unreachable_cluster, notifies);
 
     /// Thousands of callers racing over keys on all three primaries: once per key.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -67,19 +67,9 @@ mod tiered {
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
 
-    /// Both tiers' notifications: a waiter answers within milliseconds of the completion.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiter_is_notified() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::waiter_is_notified(store).await;
-    }
-
-    /// An append (to the arbiter) wakes a reader watching the record.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn stream_appends_wake_watchers() {
-        let Some(store) = store().await else { return };
-        idem_testkit::cases::stream_appends_wake_watchers(store).await;
-    }
+    // Both tiers' notifications: a waiter answers within milliseconds of the completion,
+    // and a reader of an append (made to the arbiter).
+    idem_testkit::conformance_suite!(store, notifies);
 
     // --- helpers ---------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@
 //!     }
 //!     idem_testkit::conformance_suite!(store, unreachable = unreachable);
 //!     // A store that implements `Store::stats`: `(store, unreachable = unreachable, stats)`.
+//!     // A store that notifies (`Store::watch`): also `idem_testkit::conformance_suite!(store, notifies)`.
 //! }
 //! ```
 //!
@@ -96,6 +97,9 @@ macro_rules! conformance_suite {
     ($store:path, unreachable = $unreachable:path, stats) => {
         $crate::conformance_suite!($store, unreachable = $unreachable);
         $crate::conformance_suite!(@cases $store; stats_count_by_state);
+    };
+    ($store:path, notifies) => {
+        $crate::conformance_suite!(@cases $store; waiter_is_notified, stream_appends_wake_watchers);
     };
     (@cases $store:path; $($case:ident),* $(,)?) => {
         $(
