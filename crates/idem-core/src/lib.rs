@@ -83,7 +83,7 @@ pub mod orphan;
 mod record;
 mod store;
 pub mod telemetry;
-pub mod transition;
+mod transition;
 pub mod watch;
 
 pub use clock::{Clock, ManualClock, SystemClock};

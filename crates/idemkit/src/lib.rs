@@ -52,7 +52,7 @@ pub use idem_postgres as postgres;
 pub use idem_redis as redis;
 
 mod open;
-pub mod reach;
+mod reach;
 pub mod url;
 
 pub use open::{open, OpenError, OpenErrorKind, Opened, SchemaMode};
@@ -96,7 +96,7 @@ pub struct ConnectOptions {
     /// [`Error::Unavailable`] until Redis answers (on a tiered store PostgreSQL answers
     /// alone meanwhile), so a service restarted during an outage does not crash-loop.
     /// Another server answering at that address (PostgreSQL's port, a broker's) is an
-    /// error all the same, naming it ([`crate::reach::foreign`]): it will never become the
+    /// error all the same, naming it: it will never become the
     /// Redis. Such a Redis, alone, is also checked for persistence (a warning). `false`: an
     /// unreachable Redis is an error (an operator's command). Default: `true`.
     pub wait_for_redis: bool,
