@@ -165,6 +165,10 @@ pub struct Config {
     /// Whether the lease is renewed every third of its length while the handler runs, so a
     /// slow handler is not taken over by a retry. Default: `true`.
     pub heartbeat: bool,
+    /// Makes the route a JSON-RPC route: the calls it guards are found in the body (see
+    /// [`crate::jsonrpc`]), and its answers are JSON-RPC. Default: `None`, an HTTP route.
+    #[setters(skip)]
+    pub jsonrpc: Option<crate::JsonRpc>,
 }
 
 impl Default for Config {
@@ -198,6 +202,7 @@ impl Default for Config {
             challenge: HeaderValue::from_static("Bearer"),
             store_response_within: Duration::from_secs(2),
             heartbeat: true,
+            jsonrpc: None,
         }
     }
 }
@@ -229,7 +234,8 @@ impl fmt::Debug for Config {
             anonymous,
             challenge,
             store_response_within,
-            heartbeat
+            heartbeat,
+            jsonrpc
         );
         out.finish()
     }

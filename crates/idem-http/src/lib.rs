@@ -173,6 +173,7 @@ mod config;
 mod error;
 mod future;
 mod handle;
+pub mod jsonrpc;
 mod layer;
 mod outcome;
 mod request;
@@ -187,6 +188,7 @@ pub use config::{
 pub use error::{problem_json, PROBLEM_JSON};
 pub use future::ResponseFuture;
 pub use handle::LeaseHandle;
+pub use jsonrpc::JsonRpc;
 pub use layer::{bearer_scope, IdempotencyLayer};
 pub use outcome::{IdempotencyInfo, KeepInFlight, Outcome};
 pub use response::{EXPIRES, REPLAYED};

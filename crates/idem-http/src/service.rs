@@ -99,6 +99,11 @@ where
             outcome = Empty,
             status = Empty,
         );
+        if self.shared.config.jsonrpc.is_some() {
+            // A protocol inside HTTP: its calls are found in the body, not in the method.
+            let call = crate::jsonrpc::guarded(self.shared.clone(), inner, req);
+            return ResponseFuture::new(call, span);
+        }
         ResponseFuture::new(guarded(self.shared.clone(), inner, req), span)
     }
 }
@@ -401,7 +406,7 @@ where
 }
 
 /// What became of a whole response.
-enum Kept {
+pub(crate) enum Kept {
     /// Stored for replay (by the layer, or by the handler in its transaction).
     Stored,
     /// Not stored: its status is not stored (the key released).
@@ -452,7 +457,7 @@ async fn keep(
 }
 
 /// What became of a whole response whose `complete` failed with `e`.
-async fn not_completed(
+pub(crate) async fn not_completed(
     shared: &Shared,
     lease: &Lease,
     stored: idem_core::Response,
@@ -541,7 +546,7 @@ async fn holds(idem: &Idem, lease: &Lease, response: &idem_core::Response) -> bo
 /// Releases the key after a run whose response is not stored. A failure is logged: the key
 /// then stays held until its lease expires, which refuses retries with 409 meanwhile and
 /// never runs the work twice at once.
-async fn release(idem: &Idem, lease: &Lease, why: &str) {
+pub(crate) async fn release(idem: &Idem, lease: &Lease, why: &str) {
     if let Err(e) = idem.release(lease).await {
         tracing::warn!(error = %e, "could not release the key after {why}");
     }

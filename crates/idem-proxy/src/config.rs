@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 use idem_core::JsonSelection;
-use idem_http::{Anonymous, MissingKey};
+use idem_http::{Anonymous, JsonRpc, MissingKey};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
@@ -61,6 +61,20 @@ pub enum HostSpec {
 pub struct RouteSpec {
     /// `path`: the path prefix, by whole segments (default `/`).
     pub path: Option<PathPrefix>,
+    /// `jsonrpc_methods`: makes the route a JSON-RPC route guarding the calls of these
+    /// methods (such as `["tools/call"]`); every other message passes through untouched,
+    /// and `methods` defaults to `["POST"]` (default: not a JSON-RPC route).
+    pub jsonrpc_methods: Option<Vec<String>>,
+    /// `key_pointer`: where a JSON-RPC call's key is, a JSON pointer into the request
+    /// object; `key_header` is read when it finds no string, and `""` reads the header
+    /// only (default `/params/_meta/idempotencyKey`).
+    pub key_pointer: Option<JsonPointer>,
+    /// `ignore_meta`: `params._meta` entries left out of a JSON-RPC call's fingerprint
+    /// (default `["progressToken"]`).
+    pub ignore_meta: Option<Vec<String>>,
+    /// `store_errors`: store and replay JSON-RPC errors and tool results with
+    /// `isError: true` (default `false`: the key is released, and a retry runs again).
+    pub store_errors: Option<bool>,
     /// `methods`: the guarded methods (default `["POST", "PATCH"]`).
     pub methods: Option<Vec<MethodName>>,
     /// `key_header` (default `Idempotency-Key`).
@@ -344,6 +358,9 @@ impl Settings {
             };
         }
         let base = flags.over(&file.defaults);
+        for route in file.routes.iter().map(|r| r.over(&base)) {
+            route.check_jsonrpc()?;
+        }
         let routes = if file.routes.is_empty() {
             vec![base.to_route()]
         } else {
@@ -367,6 +384,10 @@ impl RouteSpec {
         }
         pick!(
             path,
+            jsonrpc_methods,
+            key_pointer,
+            ignore_meta,
+            store_errors,
             methods,
             key_header,
             missing_key,
@@ -384,6 +405,36 @@ impl RouteSpec {
         )
     }
 
+    /// Refuses JSON-RPC settings on a route that is not a JSON-RPC route, and a JSON-RPC
+    /// route that guards no method: either is a file that does not say what its writer
+    /// meant.
+    fn check_jsonrpc(&self) -> Result<(), ProxyError> {
+        let path = self.path.as_ref().map_or("/", |p| p.0.as_str());
+        match &self.jsonrpc_methods {
+            Some(methods) if methods.is_empty() || methods.iter().any(String::is_empty) => {
+                Err(ProxyError::Config(format!(
+                    "route {path}: `jsonrpc_methods` names the guarded JSON-RPC methods, such \
+                     as [\"tools/call\"]; it may not be empty or hold an empty name"
+                )))
+            }
+            Some(_) => Ok(()),
+            None => {
+                let set = [
+                    ("key_pointer", self.key_pointer.is_some()),
+                    ("ignore_meta", self.ignore_meta.is_some()),
+                    ("store_errors", self.store_errors.is_some()),
+                ];
+                match set.iter().find(|(_, set)| *set) {
+                    Some((field, _)) => Err(ProxyError::Config(format!(
+                        "route {path}: `{field}` applies to JSON-RPC routes only: add \
+                         `jsonrpc_methods = [\"tools/call\"]` (the methods to guard) to the route"
+                    ))),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
     /// The route these settings describe; an absent field takes its built-in default.
     pub fn to_route(&self) -> Route {
         let mut route = Route::default();
@@ -393,6 +444,28 @@ impl RouteSpec {
         let mut http = route.http;
         if let Some(methods) = &self.methods {
             http = http.with_methods(methods.iter().map(|m| m.0.clone()));
+        }
+        if let Some(methods) = &self.jsonrpc_methods {
+            // Every JSON-RPC message is a POST; the others (an MCP session's GET stream,
+            // its DELETE) go to the upstream untouched.
+            if self.methods.is_none() {
+                http = http.with_methods([Method::POST]);
+            }
+            let mut rpc = JsonRpc::new(methods.iter().cloned());
+            match &self.key_pointer {
+                Some(JsonPointer(pointer)) if pointer.is_empty() => {
+                    rpc = rpc.without_key_pointer();
+                }
+                Some(JsonPointer(pointer)) => rpc = rpc.with_key_pointer(pointer.clone()),
+                None => {}
+            }
+            if let Some(entries) = &self.ignore_meta {
+                rpc = rpc.with_ignore_meta(entries.iter().cloned());
+            }
+            if let Some(store) = self.store_errors {
+                rpc = rpc.with_store_errors(store);
+            }
+            http = http.with_jsonrpc(rpc);
         }
         if let Some(Header(name)) = &self.key_header {
             http = http.with_header(name.clone());
@@ -561,5 +634,76 @@ anonymous = "shared"
         .unwrap_err()
         .to_string();
         assert!(e.contains("--upstream") && e.contains("[upstream]"), "{e}");
+    }
+
+    #[test]
+    fn a_jsonrpc_route_guards_its_calls_and_posts_only() {
+        let text = r#"
+[upstream]
+url = "http://127.0.0.1:3000"
+
+[[route]]
+path = "/mcp"
+jsonrpc_methods = ["tools/call"]
+key_pointer = "/params/_meta/idempotencyKey"
+ignore_meta = ["progressToken", "traceparent"]
+
+[[route]]
+path = "/a2a"
+jsonrpc_methods = ["message/send"]
+key_pointer = "/params/message/messageId"
+store_errors = true
+
+[[route]]
+path = "/rpc"
+jsonrpc_methods = ["pay"]
+key_pointer = ""
+"#;
+        let file = ProxyFile::parse("proxy.toml", text).unwrap();
+        let settings =
+            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        let [mcp, a2a, rpc] = &settings.routes[..] else {
+            panic!("three routes expected: {:?}", settings.routes);
+        };
+        assert_eq!(mcp.http.methods, [Method::POST]);
+        let mcp = mcp.http.jsonrpc.as_ref().unwrap();
+        assert_eq!(mcp.methods, ["tools/call"]);
+        assert_eq!(
+            mcp.key_pointer.as_deref(),
+            Some("/params/_meta/idempotencyKey")
+        );
+        assert_eq!(mcp.ignore_meta, ["progressToken", "traceparent"]);
+        assert!(!mcp.store_errors);
+        let a2a = a2a.http.jsonrpc.as_ref().unwrap();
+        assert_eq!(
+            a2a.key_pointer.as_deref(),
+            Some("/params/message/messageId")
+        );
+        assert_eq!(a2a.ignore_meta, ["progressToken"]);
+        assert!(a2a.store_errors);
+        assert_eq!(rpc.http.jsonrpc.as_ref().unwrap().key_pointer, None);
+
+        for (text, expected) in [
+            (
+                "[[route]]\npath = \"/mcp\"\nkey_pointer = \"/id\"\n",
+                "`key_pointer` applies to JSON-RPC routes only",
+            ),
+            ("[[route]]\nstore_errors = true\n", "add `jsonrpc_methods"),
+            ("[[route]]\njsonrpc_methods = []\n", "may not be empty"),
+        ] {
+            let file = ProxyFile::parse("proxy.toml", text).unwrap();
+            let upstream = UpstreamSpec {
+                url: Some("http://127.0.0.1:3000".into()),
+                ..UpstreamSpec::default()
+            };
+            let e = Settings::resolve(&file, &RouteSpec::default(), &upstream)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(expected), "{text}: {e}");
+        }
+        let e = ProxyFile::parse("proxy.toml", "[[route]]\nkey_pointer = \"params\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("JSON pointer"), "{e}");
     }
 }

@@ -1,0 +1,608 @@
+//! JSON-RPC routes end to end over real HTTP: an axum JSON-RPC handler (an MCP-shaped
+//! `tools/call` of a `charge` tool that counts its runs, `tools/list`, notifications, and an
+//! A2A-shaped `message/send`) behind the layer, a hyper client, and the store under test.
+//! The cases are written once in `cases` and run per backend in a module named after it
+//! (`memory`, `redis`, `postgres`), so `cargo test redis` runs one backend.
+
+use std::future::Future;
+use std::pin::Pin;
+
+#[allow(dead_code)]
+mod support;
+
+/// What cleans up after a test.
+type Teardown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// One `#[tokio::test]` per case, on stores from `$factory` (an
+/// `async fn() -> Option<(Arc<dyn Store>, Option<Teardown>)>`; `None`: the backend is
+/// missing and the harness said why, or failed the run when backends are required).
+macro_rules! jsonrpc_cases {
+    ($factory:path) => {
+        jsonrpc_cases!(@each $factory;
+            a_retry_with_a_new_id_gets_the_first_result_with_its_id,
+            twenty_concurrent_copies_run_the_tool_once,
+            with_a_wait_every_copy_gets_the_result_with_its_own_id,
+            other_arguments_under_the_key_get_the_jsonrpc_error_and_no_run,
+            other_messages_pass_through_untouched,
+            a_call_without_a_key_follows_missing_key,
+            failed_calls_release_the_key_unless_store_errors,
+            an_sse_answer_is_replayed_with_the_id_inside_its_event,
+            a_batch_holding_a_guarded_call_is_refused,
+            an_a2a_message_is_sent_once_per_message_id,
+        );
+    };
+    (@each $factory:path; $($case:ident,)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some((store, teardown)) = $factory().await else {
+                    return;
+                };
+                crate::cases::$case(store).await;
+                if let Some(teardown) = teardown {
+                    teardown.await;
+                }
+            }
+        )*
+    };
+}
+
+mod cases {
+    //! The cases, each taking the store under test.
+
+    use std::convert::Infallible;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use axum::Router;
+    use bytes::Bytes;
+    use futures_util::StreamExt;
+    use idem_core::{Idem, Store};
+    use idem_http::jsonrpc::codes;
+    use idem_http::{Config, JsonRpc, MissingKey, Outcome};
+    use serde_json::{json, Value};
+
+    use crate::support::*;
+
+    /// Runs of each method the server counts: `charge` (a tool call), `tools/list`, A2A's
+    /// `message/send`, and notifications.
+    #[derive(Clone, Default)]
+    struct Counts {
+        charge: Runs,
+        list: Runs,
+        send: Runs,
+        notified: Runs,
+    }
+
+    /// A JSON-RPC server: `tools/call` of `charge` answers `charged <amount> (run <n>)`, a
+    /// tool error when `arguments.fail`, after `arguments.delay_ms`, as SSE when the
+    /// request asks for `text/event-stream` only; `tools/list` lists it; `message/send`
+    /// answers a task; a notification gets 202.
+    async fn rpc(counts: Counts, headers: HeaderMap, body: Bytes) -> Response {
+        let message: Value = match serde_json::from_slice(&body) {
+            Ok(message) => message,
+            Err(_) => {
+                let error = json!({"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}});
+                return axum::Json(error).into_response();
+            }
+        };
+        if message.is_array() {
+            let answers: Vec<Value> = message
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m.get("id").is_some())
+                .map(|m| json!({"jsonrpc":"2.0","id":m["id"],"result":{"batched":true}}))
+                .collect();
+            return axum::Json(Value::Array(answers)).into_response();
+        }
+        // A response the client sends back has no method: nothing to answer.
+        let (Some(id), true) = (message.get("id").cloned(), message.get("method").is_some()) else {
+            counts.notified.next();
+            return StatusCode::ACCEPTED.into_response();
+        };
+        let result = match message["method"].as_str().unwrap_or_default() {
+            "tools/call" if message["params"]["name"] != "charge" => {
+                let error = json!({"jsonrpc":"2.0","id":id,"error":{"code":-32602,"message":"Unknown tool"}});
+                return axum::Json(error).into_response();
+            }
+            "tools/call" => {
+                let args = &message["params"]["arguments"];
+                if let Some(ms) = args["delay_ms"].as_u64() {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                let n = counts.charge.next();
+                let text = format!("charged {} (run {n})", args["amount"]);
+                let failed = args["fail"] == json!(true);
+                json!({"content":[{"type":"text","text":text}],"isError":failed})
+            }
+            "tools/list" => {
+                counts.list.next();
+                json!({"tools":[{"name":"charge"}]})
+            }
+            "message/send" => {
+                let n = counts.send.next();
+                json!({"kind":"task","id":format!("task-{n}"),"status":{"state":"completed"}})
+            }
+            _ => {
+                let error = json!({"jsonrpc":"2.0","id":id,"error":{"code":-32601,"message":"Method not found"}});
+                return axum::Json(error).into_response();
+            }
+        };
+        let answer = json!({"result": result, "jsonrpc": "2.0", "id": id}).to_string();
+        let sse = headers.get("accept").and_then(|v| v.to_str().ok()) == Some("text/event-stream");
+        if !sse {
+            return ([("content-type", "application/json")], answer).into_response();
+        }
+        // An event stream that is not whole at once: a comment, then the answer's event.
+        let frames = [
+            Bytes::from_static(b": opening\n\n"),
+            Bytes::from(format!("event: message\nid: ev-1\ndata: {answer}\n\n")),
+        ];
+        let stream = futures_util::stream::iter(frames).then(|frame| async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            Ok::<_, Infallible>(frame)
+        });
+        (
+            [("content-type", "text/event-stream")],
+            axum::body::Body::from_stream(stream),
+        )
+            .into_response()
+    }
+
+    /// The JSON-RPC server on `/mcp` behind a JSON-RPC route of `rpc` on `store`.
+    async fn serve_rpc(
+        store: Arc<dyn Store>,
+        engine: idem_core::Config,
+        rpc_settings: JsonRpc,
+        config: Config,
+    ) -> (Server, Counts, Outcomes) {
+        let (counts, outcomes) = (Counts::default(), Outcomes::default());
+        let idem = Idem::from_arc(store).with_config(engine);
+        let config = config.with_jsonrpc(rpc_settings);
+        let handler_counts = counts.clone();
+        let app = Router::new()
+            .route(
+                "/mcp",
+                post(move |headers: HeaderMap, body: Bytes| {
+                    rpc(handler_counts.clone(), headers, body)
+                }),
+            )
+            .layer(layer_with(idem, config, &outcomes));
+        (serve(app).await, counts, outcomes)
+    }
+
+    async fn mcp_on(store: Arc<dyn Store>) -> (Server, Counts, Outcomes) {
+        let rpc = JsonRpc::new(["tools/call"]);
+        serve_rpc(store, idem_core::Config::default(), rpc, Config::default()).await
+    }
+
+    const ALICE: (&str, &str) = ("authorization", "Bearer alice");
+
+    /// A `tools/call` of `charge` with `id`, `key` (none: no `_meta`) and `arguments`.
+    fn call(id: Value, key: Option<&str>, arguments: Value) -> String {
+        let mut params = json!({"name": "charge", "arguments": arguments});
+        if let Some(key) = key {
+            params["_meta"] = json!({"idempotencyKey": key, "progressToken": id});
+        }
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params}).to_string()
+    }
+
+    fn doc(reply: &Reply) -> Value {
+        serde_json::from_slice(&reply.body).unwrap_or_else(|e| panic!("{e}: {reply:?}"))
+    }
+
+    /// Asserts that `reply` is the layer's JSON-RPC error `code` answering `id`, with HTTP
+    /// 200; returns its `error.data`.
+    #[track_caller]
+    fn assert_error(reply: &Reply, code: i64, id: Value) -> Value {
+        assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+        assert_eq!(reply.header("content-type"), Some("application/json"));
+        let doc = doc(reply);
+        assert_eq!(doc["jsonrpc"], "2.0", "{doc}");
+        assert_eq!(doc["id"], id, "{doc}");
+        assert_eq!(doc["error"]["code"], code, "{doc}");
+        assert!(doc["error"]["message"].is_string(), "{doc}");
+        doc["error"]["data"].clone()
+    }
+
+    pub async fn a_retry_with_a_new_id_gets_the_first_result_with_its_id(store: Arc<dyn Store>) {
+        let (server, counts, outcomes) = mcp_on(store).await;
+        let first = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON],
+                &call(json!(1), Some("pay-1"), json!({"amount": 5})),
+            )
+            .await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert!(!first.replayed());
+        assert!(first.header("idempotency-expires").is_some(), "{first:?}");
+        assert_eq!(
+            doc(&first)["result"]["content"][0]["text"],
+            "charged 5 (run 1)"
+        );
+        // The retry: a new id and progress token, the arguments written otherwise.
+        let retry_body = call(json!("two"), Some("pay-1"), json!({"amount": 5.0}));
+        let retry = server.post("/mcp", &[ALICE, JSON], &retry_body).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.status, StatusCode::OK);
+        // Byte for byte the first answer, but for its id.
+        let expected = String::from_utf8(first.body.to_vec())
+            .unwrap()
+            .replace(r#""id":1"#, r#""id":"two""#);
+        assert_eq!(String::from_utf8(retry.body.to_vec()).unwrap(), expected);
+        assert_eq!(counts.charge.get(), 1);
+        assert_eq!(outcomes.count(Outcome::Replayed), 1);
+        // The key belongs to its principal: another caller runs the tool for itself.
+        let bob = ("authorization", "Bearer bob");
+        let theirs = server.post("/mcp", &[bob, JSON], &retry_body).await;
+        assert!(!theirs.replayed());
+        assert_eq!(counts.charge.get(), 2);
+        // The session header takes no part.
+        let session = ("mcp-session-id", "another-session");
+        let again = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON, session],
+                &call(json!(3), Some("pay-1"), json!({"amount": 5})),
+            )
+            .await;
+        assert!(again.replayed());
+        assert_eq!(doc(&again)["id"], 3);
+        assert_eq!(counts.charge.get(), 2);
+    }
+
+    pub async fn twenty_concurrent_copies_run_the_tool_once(store: Arc<dyn Store>) {
+        let (server, counts, outcomes) = mcp_on(store).await;
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let server = server.clone();
+                let body = call(
+                    json!(i),
+                    Some("burst-1"),
+                    json!({"amount": 7, "delay_ms": 300}),
+                );
+                tokio::spawn(async move { server.post("/mcp", &[ALICE, JSON], &body).await })
+            })
+            .collect();
+        let mut answered = 0;
+        for (i, task) in tasks.into_iter().enumerate() {
+            let reply = task.await.unwrap();
+            let doc = doc(&reply);
+            if doc.get("result").is_some() {
+                answered += 1;
+                assert_eq!(doc["id"], i);
+                assert_eq!(doc["result"]["content"][0]["text"], "charged 7 (run 1)");
+            } else {
+                let data = assert_error(&reply, codes::IN_FLIGHT, json!(i));
+                assert_eq!(data["idempotencyKey"], "burst-1");
+                assert!(data["retryAfterSeconds"].as_u64().unwrap() >= 1);
+                assert!(reply.header("retry-after").is_some());
+            }
+        }
+        assert_eq!(counts.charge.get(), 1);
+        assert!(answered >= 1);
+        assert_eq!(outcomes.count(Outcome::Executed), 1);
+        // Once it is done, each retry gets its result.
+        let late = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON],
+                &call(
+                    json!(99),
+                    Some("burst-1"),
+                    json!({"amount": 7, "delay_ms": 300}),
+                ),
+            )
+            .await;
+        assert!(late.replayed());
+        assert_eq!(doc(&late)["id"], 99);
+        assert_eq!(counts.charge.get(), 1);
+    }
+
+    pub async fn with_a_wait_every_copy_gets_the_result_with_its_own_id(store: Arc<dyn Store>) {
+        let engine = idem_core::Config::default().with_wait(Duration::from_secs(10));
+        let rpc = JsonRpc::new(["tools/call"]);
+        let (server, counts, _) = serve_rpc(store, engine, rpc, Config::default()).await;
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let server = server.clone();
+                let body = call(
+                    json!(i),
+                    Some("wait-1"),
+                    json!({"amount": 8, "delay_ms": 300}),
+                );
+                tokio::spawn(async move { server.post("/mcp", &[ALICE, JSON], &body).await })
+            })
+            .collect();
+        for (i, task) in tasks.into_iter().enumerate() {
+            let doc = doc(&task.await.unwrap());
+            assert_eq!(doc["id"], i, "{doc}");
+            assert_eq!(doc["result"]["content"][0]["text"], "charged 8 (run 1)");
+        }
+        assert_eq!(counts.charge.get(), 1);
+    }
+
+    pub async fn other_arguments_under_the_key_get_the_jsonrpc_error_and_no_run(
+        store: Arc<dyn Store>,
+    ) {
+        let (server, counts, outcomes) = mcp_on(store).await;
+        server
+            .post(
+                "/mcp",
+                &[ALICE, JSON],
+                &call(json!(1), Some("pay-2"), json!({"amount": 5})),
+            )
+            .await;
+        let other = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON],
+                &call(json!(2), Some("pay-2"), json!({"amount": 500})),
+            )
+            .await;
+        let data = assert_error(&other, codes::KEY_REUSED, json!(2));
+        assert_eq!(data["idempotencyKey"], "pay-2");
+        assert_eq!(data["type"], "urn:idem:problem:idempotency-key-reused");
+        assert!(!other.replayed());
+        assert_eq!(counts.charge.get(), 1);
+        assert_eq!(outcomes.count(Outcome::Mismatch), 1);
+    }
+
+    pub async fn other_messages_pass_through_untouched(store: Arc<dyn Store>) {
+        let (server, counts, outcomes) = mcp_on(store).await;
+        let list = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"_meta":{"idempotencyKey":"k"}}}"#;
+        for _ in 0..2 {
+            let reply = server.post("/mcp", &[ALICE, JSON], list).await;
+            assert!(!reply.replayed());
+            assert_eq!(doc(&reply)["result"]["tools"][0]["name"], "charge");
+        }
+        assert_eq!(counts.list.get(), 2);
+        // A notification, even of a guarded method (it has no id, so no answer to keep).
+        let note = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
+        assert_eq!(
+            server.post("/mcp", &[ALICE, JSON], note).await.status,
+            StatusCode::ACCEPTED
+        );
+        let note = r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"charge"}}"#;
+        assert_eq!(
+            server.post("/mcp", &[ALICE, JSON], note).await.status,
+            StatusCode::ACCEPTED
+        );
+        assert_eq!(counts.notified.get(), 2);
+        // A response the client sends back, and a body that is not JSON: the server's.
+        let response = r#"{"jsonrpc":"2.0","id":"s-1","result":{}}"#;
+        assert_eq!(
+            server.post("/mcp", &[ALICE, JSON], response).await.status,
+            StatusCode::ACCEPTED
+        );
+        let garbage = server.post("/mcp", &[ALICE, JSON], "{nope").await;
+        assert_eq!(doc(&garbage)["error"]["code"], -32700);
+        assert_eq!(counts.charge.get(), 0);
+        // None of them is reported as guarded.
+        assert!(outcomes.0.lock().unwrap().is_empty());
+    }
+
+    pub async fn a_call_without_a_key_follows_missing_key(store: Arc<dyn Store>) {
+        let (server, counts, _) = mcp_on(store.clone()).await;
+        let reply = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON],
+                &call(json!(4), None, json!({"amount": 1})),
+            )
+            .await;
+        let data = assert_error(&reply, codes::KEY_MISSING, json!(4));
+        assert!(data["detail"]
+            .as_str()
+            .unwrap()
+            .contains("/params/_meta/idempotencyKey"));
+        assert_eq!(counts.charge.get(), 0);
+        // The key header is read when the body has none.
+        let header = ("idempotency-key", "from-header");
+        let body = call(json!(5), None, json!({"amount": 1}));
+        server.post("/mcp", &[ALICE, JSON, header], &body).await;
+        let retry = server.post("/mcp", &[ALICE, JSON, header], &body).await;
+        assert!(retry.replayed());
+        assert_eq!(counts.charge.get(), 1);
+        // A malformed key is refused.
+        let bad = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON],
+                &call(json!(6), Some("a b"), json!({"amount": 1})),
+            )
+            .await;
+        assert_error(&bad, codes::KEY_INVALID, json!(6));
+        // Keys optional: handed on unguarded, each time.
+        let rpc = JsonRpc::new(["tools/call"]);
+        let config = Config::default().with_missing_key(MissingKey::PassThrough);
+        let (server, counts, outcomes) =
+            serve_rpc(store, idem_core::Config::default(), rpc, config).await;
+        for _ in 0..2 {
+            let reply = server.post("/mcp", &[ALICE, JSON], &body).await;
+            assert!(doc(&reply).get("result").is_some());
+        }
+        assert_eq!(counts.charge.get(), 2);
+        assert_eq!(outcomes.count(Outcome::Unguarded), 2);
+    }
+
+    pub async fn failed_calls_release_the_key_unless_store_errors(store: Arc<dyn Store>) {
+        let (server, counts, outcomes) = mcp_on(store.clone()).await;
+        let failing = call(json!(1), Some("fail-1"), json!({"amount": 1, "fail": true}));
+        for run in 1..=2 {
+            let reply = server.post("/mcp", &[ALICE, JSON], &failing).await;
+            assert!(!reply.replayed());
+            assert_eq!(doc(&reply)["result"]["isError"], true);
+            assert_eq!(counts.charge.get(), run);
+        }
+        assert_eq!(outcomes.count(Outcome::NotStored), 2);
+        // A JSON-RPC error from the server: the key released too.
+        let unknown = json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
+            "params":{"name":"refund","_meta":{"idempotencyKey":"fail-2"}}})
+        .to_string();
+        for _ in 0..2 {
+            let reply = server.post("/mcp", &[ALICE, JSON], &unknown).await;
+            assert!(!reply.replayed());
+            assert_eq!(doc(&reply)["error"]["code"], -32602);
+        }
+        assert_eq!(outcomes.count(Outcome::NotStored), 4);
+        // With store_errors, the failure is the call's answer.
+        let rpc = JsonRpc::new(["tools/call"]).with_store_errors(true);
+        let (server, counts, _) =
+            serve_rpc(store, idem_core::Config::default(), rpc, Config::default()).await;
+        server.post("/mcp", &[ALICE, JSON], &failing).await;
+        let retry = server.post("/mcp", &[ALICE, JSON], &failing).await;
+        assert!(retry.replayed());
+        assert_eq!(doc(&retry)["result"]["isError"], true);
+        assert_eq!(counts.charge.get(), 1);
+    }
+
+    pub async fn an_sse_answer_is_replayed_with_the_id_inside_its_event(store: Arc<dyn Store>) {
+        let (server, counts, _) = mcp_on(store).await;
+        let sse = ("accept", "text/event-stream");
+        let first = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON, sse],
+                &call(json!(1), Some("sse-1"), json!({"amount": 9})),
+            )
+            .await;
+        assert_eq!(first.header("content-type"), Some("text/event-stream"));
+        let text = String::from_utf8(first.body.to_vec()).unwrap();
+        assert!(
+            text.starts_with(": opening\n\nevent: message\nid: ev-1\ndata: {"),
+            "{text}"
+        );
+        let retry = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON, sse],
+                &call(json!(2), Some("sse-1"), json!({"amount": 9})),
+            )
+            .await;
+        assert!(retry.replayed());
+        assert_eq!(retry.header("content-type"), Some("text/event-stream"));
+        let expected = text.replace(r#""id":1,"#, r#""id":2,"#);
+        assert_ne!(expected, text);
+        assert_eq!(String::from_utf8(retry.body.to_vec()).unwrap(), expected);
+        assert_eq!(counts.charge.get(), 1);
+    }
+
+    pub async fn a_batch_holding_a_guarded_call_is_refused(store: Arc<dyn Store>) {
+        let (server, counts, _) = mcp_on(store).await;
+        let batch = format!(
+            "[{},{}]",
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+            call(json!(2), Some("batch-1"), json!({"amount": 1}))
+        );
+        let reply = server.post("/mcp", &[ALICE, JSON], &batch).await;
+        let data = assert_error(&reply, codes::BATCH_REFUSED, Value::Null);
+        assert!(data["detail"].as_str().unwrap().contains("tools/call"));
+        assert_eq!(counts.charge.get(), 0);
+        assert_eq!(counts.list.get(), 0);
+        // A batch of other calls is the server's.
+        let others = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#;
+        let reply = server.post("/mcp", &[ALICE, JSON], others).await;
+        assert_eq!(doc(&reply)[0]["result"]["batched"], true);
+    }
+
+    pub async fn an_a2a_message_is_sent_once_per_message_id(store: Arc<dyn Store>) {
+        let rpc = JsonRpc::new(["message/send"]).with_key_pointer("/params/message/messageId");
+        let (server, counts, _) =
+            serve_rpc(store, idem_core::Config::default(), rpc, Config::default()).await;
+        let send = |id: u32, message_id: &str, text: &str| {
+            json!({"jsonrpc":"2.0","id":id,"method":"message/send","params":{"message":{
+                "role":"user","kind":"message","messageId":message_id,
+                "parts":[{"kind":"text","text":text}]}}})
+            .to_string()
+        };
+        let first = server
+            .post("/mcp", &[ALICE, JSON], &send(1, "m-1", "book it"))
+            .await;
+        assert_eq!(doc(&first)["result"]["id"], "task-1");
+        let retry = server
+            .post("/mcp", &[ALICE, JSON], &send(2, "m-1", "book it"))
+            .await;
+        assert!(retry.replayed());
+        assert_eq!(doc(&retry)["id"], 2);
+        assert_eq!(doc(&retry)["result"]["id"], "task-1");
+        let other = server
+            .post("/mcp", &[ALICE, JSON], &send(3, "m-1", "cancel it"))
+            .await;
+        let data = assert_error(&other, codes::KEY_REUSED, json!(3));
+        assert_eq!(data["idempotencyKey"], "m-1");
+        let next = server
+            .post("/mcp", &[ALICE, JSON], &send(4, "m-2", "book it"))
+            .await;
+        assert_eq!(doc(&next)["result"]["id"], "task-2");
+        assert_eq!(counts.send.get(), 2);
+    }
+}
+
+mod memory {
+    use std::sync::Arc;
+
+    use idem_core::{MemoryStore, Store};
+
+    use crate::Teardown;
+
+    async fn store() -> Option<(Arc<dyn Store>, Option<Teardown>)> {
+        Some((Arc::new(MemoryStore::new()), None))
+    }
+
+    jsonrpc_cases!(store);
+}
+
+mod redis {
+    //! One Redis server: `IDEM_TEST_REDIS_URL`, a key prefix per test.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idem_core::Store;
+    use idem_redis::RedisStore;
+    use idem_testkit::harness;
+
+    use crate::Teardown;
+
+    async fn store() -> Option<(Arc<dyn Store>, Option<Teardown>)> {
+        let url = harness::redis_url()?;
+        let prefix = format!("idem-http-jsonrpc-{}:", uuid::Uuid::new_v4().simple());
+        let store = RedisStore::builder(url)
+            .with_prefix(prefix)
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
+            .with_call_timeout(Duration::from_secs(15))
+            .connect()
+            .await
+            .expect("connect to IDEM_TEST_REDIS_URL");
+        Some((Arc::new(store), None))
+    }
+
+    jsonrpc_cases!(store);
+}
+
+mod postgres {
+    //! PostgreSQL: `IDEM_TEST_DATABASE_URL`, a schema per test, dropped when it passes.
+
+    use std::sync::Arc;
+
+    use idem_core::Store;
+    use idem_testkit::postgres;
+
+    use crate::Teardown;
+
+    async fn store() -> Option<(Arc<dyn Store>, Option<Teardown>)> {
+        let store = postgres::fresh_store(8).await?;
+        store.migrate().await.expect("migrate");
+        let dropped = store.clone();
+        let teardown: Teardown = Box::pin(async move { postgres::drop_schema(&dropped).await });
+        Some((Arc::new(store), Some(teardown)))
+    }
+
+    jsonrpc_cases!(store);
+}
