@@ -52,6 +52,7 @@ pub use idem_postgres as postgres;
 pub use idem_redis as redis;
 
 mod open;
+#[cfg(any(feature = "redis", feature = "postgres"))]
 mod reach;
 pub mod url;
 

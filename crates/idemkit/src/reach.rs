@@ -35,6 +35,7 @@ pub async fn explain(url: &str, e: &Error) -> Option<String> {
 /// says it; `None` when nothing answers there, or nothing that tells. A service may start
 /// and wait for a server that is not there yet, never for one that another server's port
 /// will never become.
+#[cfg(feature = "redis")]
 pub async fn foreign(url: &str) -> Option<String> {
     let (host, port) = host_port(url)?;
     let addr = format!("{host}:{port}");
