@@ -178,12 +178,12 @@ mod valkey {
         super::redis::specific::race(store, 2000, 24).await;
     }
 
-    /// Calls sent again after a dropped connection count once, without scripts.
+    /// A lease without its version, and the records of a takeover, without scripts.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn resent_calls_count_once() {
+    async fn leases_without_a_version_and_takeovers() {
         let Some(url) = url().await else { return };
         let store = builder(&url).connect().await.unwrap();
-        super::redis::specific::resent_calls_on(&store).await;
+        super::redis::specific::versionless_leases_on(&store).await;
     }
 
     /// An instance on scripts and one on the commands, racing over the same keys.

@@ -157,8 +157,6 @@ mod error;
 mod key;
 mod notify;
 mod reach;
-#[doc(hidden)]
-pub mod resend;
 mod scripts;
 mod stats;
 mod store;

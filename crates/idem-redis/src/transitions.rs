@@ -684,3 +684,105 @@ impl Store for RedisStore {
         Ok(scan.counts().stats)
     }
 }
+
+#[cfg(test)]
+mod on_redis {
+    //! A call sent twice (its first reply lost with its connection) is answered as if it ran
+    //! once, on both paths: Lua scripts (the server at `IDEM_TEST_REDIS_URL`) and the
+    //! compare-and-set commands (a throwaway Valkey). The module's name puts it among the
+    //! Redis tests (`scripts/test redis`).
+    use super::*;
+    use idem_core::{Fingerprint, Key, Response, Scope};
+
+    const KEEP: Duration = Duration::from_secs(600);
+
+    async fn acquired(store: &RedisStore, key: &str) -> Lease {
+        let id = RecordId::new(Scope::new("resend").unwrap(), Key::new(key).unwrap());
+        let req = BeginRequest {
+            id: &id,
+            fingerprint: Fingerprint::of_bytes(b"f"),
+            token: FencingToken::random(),
+            lease: Duration::from_secs(30),
+            retention: KEEP,
+        };
+        match store.begin(req).await.unwrap() {
+            Begin::Acquired(lease) => lease,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    /// `complete` as the store sends it again after its connection dropped.
+    async fn complete_resent(store: &RedisStore, lease: &Lease, c: &Completion) -> Result<()> {
+        let encoded = codec::encode_completion(c, &store.config().body)?;
+        let key = store.record_key(lease.id());
+        let mut conn = store.ready().await?;
+        store
+            .complete_on(&mut conn, &key, lease, &encoded, KEEP, true)
+            .await
+    }
+
+    /// `release` as the store sends it again after its connection dropped.
+    async fn release_resent(store: &RedisStore, lease: &Lease) -> Result<()> {
+        let key = store.record_key(lease.id());
+        let mut conn = store.ready().await?;
+        store.release_on(&mut conn, &key, lease, true).await
+    }
+
+    /// A re-sent complete that finds its own completion, and a re-sent release that finds
+    /// the key gone, succeed; the same calls not marked as re-sent are lease-lost, and a
+    /// re-sent complete of another completion too.
+    async fn resent_calls_count_once_on(store: &RedisStore) {
+        let body = Completion::succeeded(Response::new(200, "body"));
+        let lease = acquired(store, "complete").await;
+        store.complete(&lease, &body, KEEP).await.unwrap();
+        let again = store.complete(&lease, &body, KEEP).await;
+        assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
+        complete_resent(store, &lease, &body)
+            .await
+            .expect("the same completion, sent again");
+        let other = Completion::succeeded(Response::new(200, "other"));
+        let other = complete_resent(store, &lease, &other).await;
+        assert!(matches!(other, Err(Error::LeaseLost)), "{other:?}");
+        let stored = store.get(lease.id()).await.unwrap().expect("the record");
+        match stored.state {
+            idem_core::RecordState::Completed(c) => assert_eq!(c.response.body, "body"),
+            other => panic!("expected the completion, got {other:?}"),
+        }
+
+        let lease = acquired(store, "release").await;
+        store.release(&lease).await.unwrap();
+        let again = store.release(&lease).await;
+        assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
+        release_resent(store, &lease)
+            .await
+            .expect("a release sent again");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn resent_calls_count_once() {
+        let Some(url) = idem_testkit::harness::redis_url() else {
+            return;
+        };
+        let prefix = idem_testkit::harness::unique_name("idem_resend_");
+        let store = RedisStore::builder(url)
+            .with_prefix(prefix)
+            .connect()
+            .await
+            .unwrap();
+        resent_calls_count_once_on(&store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn resent_calls_count_once_without_scripts() {
+        let server = tokio::task::spawn_blocking(|| idem_testkit::valkey::throwaway(&[]));
+        let Some(server) = server.await.unwrap() else {
+            return;
+        };
+        let store = RedisStore::builder(server.url())
+            .with_scripting(crate::Scripting::NoScripts)
+            .connect()
+            .await
+            .unwrap();
+        resent_calls_count_once_on(&store).await;
+    }
+}

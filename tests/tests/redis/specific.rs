@@ -498,43 +498,17 @@ async fn body_limit_policies() {
     }
 }
 
-/// A call sent twice (its first reply lost) is answered as if it ran once: a re-sent
-/// complete that finds its own completion, and a re-sent release that finds the key gone,
-/// succeed; the same calls not marked as re-sent are lease-lost, and a re-sent complete of
-/// another completion too.
+/// A lease without its version, and the records of a takeover, through the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resent_calls_count_once() {
+async fn leases_without_a_version_and_takeovers() {
     let Some((store, _conn)) = on_the_shared_server().await else {
         return;
     };
-    resent_calls_on(&store).await;
+    versionless_leases_on(&store).await;
 }
 
-/// [`resent_calls_count_once`] on `store`.
-pub(crate) async fn resent_calls_on(store: &RedisStore) {
-    use idem_redis::resend::{complete_resent, release_resent};
-    let id = new_id("kw");
-    let lease = acquire(store, &id).await;
-    let body = succeeded(200, "body");
-    store.complete(&lease, &body, KEEP).await.expect("complete");
-    let again = store.complete(&lease, &body, KEEP).await;
-    assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
-    complete_resent(store, &lease, &body, KEEP)
-        .await
-        .expect("the same completion, sent again");
-    let other = complete_resent(store, &lease, &succeeded(200, "other"), KEEP).await;
-    assert!(matches!(other, Err(Error::LeaseLost)), "{other:?}");
-    assert_eq!(replay(store, &id).await.completion.response.body, "body");
-
-    let id = new_id("r");
-    let lease = acquire(store, &id).await;
-    store.release(&lease).await.expect("release");
-    let again = store.release(&lease).await;
-    assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
-    release_resent(store, &lease)
-        .await
-        .expect("a release sent again");
-
+/// [`leases_without_a_version_and_takeovers`] on `store`.
+pub(crate) async fn versionless_leases_on(store: &RedisStore) {
     // A lease made without its version (a claim whose begin answer was lost): the record is
     // read and written only because the lease's token holds it, and keeps the fingerprint
     // its begin wrote.
