@@ -73,6 +73,7 @@
 //! `idem-testkit` checks any of them against the contract.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod begin_rule;
 mod clock;
 mod engine;
 mod error;
@@ -83,7 +84,6 @@ pub mod orphan;
 mod record;
 mod store;
 pub mod telemetry;
-mod transition;
 pub mod watch;
 
 pub use clock::{Clock, ManualClock, SystemClock};

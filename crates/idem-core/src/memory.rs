@@ -12,12 +12,12 @@ use bytes::Bytes;
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
+use crate::begin_rule::{decide_begin, BeginStep, Found};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 use crate::key::{RecordId, Scope};
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Record, RecordState, Replay};
 use crate::store::{Begin, BeginRequest, Stats, Store, StreamRead};
-use crate::transition::{decide_begin, BeginStep, Found};
 use crate::watch::{Watch, Watchers};
 
 mod slot;
