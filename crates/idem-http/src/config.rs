@@ -30,8 +30,26 @@ pub enum Unstored {
     /// [`crate::IdempotencyInfo::attempt`] above 1.
     #[default]
     KeepLease,
-    /// Release the key at once: the next retry runs the work again.
+    /// Release the key at once (a streamed response's once its body has ended): the next
+    /// retry runs the work again.
     Release,
+}
+
+/// What happens to a streamed response's work when its client goes away before the end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnDisconnect {
+    /// The body is read to its end and stored as if the client were there (the default):
+    /// a retry with the same key gets the whole response replayed, and the work is done
+    /// once.
+    #[default]
+    Continue,
+    /// The body is dropped as soon as the layer sees the client gone (for a proxy: the
+    /// upstream connection is closed), the key is released and nothing is stored: a retry
+    /// runs the work again. For streams whose work is worth nothing without a reader.
+    /// A response whose body was already whole when the handler returned it is stored
+    /// either way.
+    Cancel,
 }
 
 /// What to do with a guarded request whose scope extractor finds no principal (or when the
@@ -126,6 +144,9 @@ pub struct Config {
     /// What happens to the key when a response is too large to store. Default:
     /// [`Unstored::KeepLease`].
     pub unstored: Unstored,
+    /// What happens to a streamed response's work when its client goes away before the
+    /// end. Default: [`OnDisconnect::Continue`].
+    pub on_disconnect: OnDisconnect,
     /// Which statuses are stored and replayed; for the others the key is released so that a
     /// retry runs the handler again. Default: [`default_store_status`], 2xx and the 4xx
     /// that are final for the request, never 401, 403, 408, 409, 423, 425 or 429 (its docs
@@ -182,6 +203,7 @@ impl Default for Config {
             max_request_body: 1 << 20,
             max_response_body: 1 << 20,
             unstored: Unstored::KeepLease,
+            on_disconnect: OnDisconnect::Continue,
             store_status: Arc::new(default_store_status),
             replay_headers: [
                 http::header::CONTENT_TYPE,
@@ -223,7 +245,8 @@ impl fmt::Debug for Config {
             json_selection,
             max_request_body,
             max_response_body,
-            unstored
+            unstored,
+            on_disconnect
         );
         out.field("store_status", &"Fn(StatusCode) -> bool");
         fields!(

@@ -47,7 +47,7 @@
 //! | malformed key (not 1 to 255 bytes of visible ASCII; an RFC 8941 quoted string is unwrapped first), or the header twice | 400 |
 //! | no principal: the scope extractor found none ([`IdempotencyLayer::with_scope`]) | 401, unless the route opts into a shared anonymous scope ([`Anonymous::Shared`]) |
 //! | body larger than [`Config::max_request_body`] | 413 (before the handler runs) |
-//! | first request for the key | the handler runs; its response is stored, then sent, with `Idempotency-Expires: <HTTP date>`, when the stored response is forgotten |
+//! | first request for the key | the handler runs; its response is stored, then sent, with `Idempotency-Expires: <HTTP date>`, when the stored response is forgotten; a streamed body is sent as it comes and stored at its end (below) |
 //! | retry of a completed request | the stored status, body and allowed headers, plus `Idempotent-Replayed: true` and `Idempotency-Expires` |
 //! | same key, different request | 422 |
 //! | same key while the first is running | 409 with a short `Retry-After` ([`Config::in_flight_retry_after`], 1 s by default, never past the first request's lease time left), or, with [`idem_core::Config::wait`] set, the first request's response once it is stored |
@@ -144,9 +144,29 @@
 //! The tiered store's `complete_in` is called the same way; call its `publish` after the
 //! commit to copy the completion into Redis at once (its relay does it otherwise).
 //!
+//! ## Streamed responses
+//!
+//! A body that is not whole when the handler returns it (Server-Sent Events, chunked
+//! NDJSON, an upstream's answer still arriving) goes to the client frame by frame as it is
+//! produced, read in a task of its own and kept, up to [`Config::max_response_body`], to be
+//! stored. Its end is the commit point: the client's body ends cleanly only once the
+//! response is stored (a body of known length holds back its last frame until then), and
+//! ends with an error when it cannot be (the store down past
+//! [`Config::store_response_within`], or the lease lost): over HTTP/1.1 chunked the
+//! connection is cut before the terminating chunk. So a clean end means recorded; a cut
+//! means not recorded, and a retry with the same key gets 409 until the response is
+//! stored or the lease ends, as for a buffered response's 503. A client that goes away
+//! mid-stream stops nothing: the body is read to its end under the renewed lease and
+//! stored, and a retry gets it replayed whole; with [`OnDisconnect::Cancel`] the body is
+//! dropped instead, the key released and nothing stored. A stream over the limit is passed
+//! on unstored per [`Config::unstored`], decided at its end. Memory per live stream is the
+//! kept copy (at most the limit) and a few frames on their way to a slow client, whose
+//! pace the reading follows while it is connected. Duplicates meanwhile get 409, or wait
+//! with [`idem_core::Config::wait`], as for any request in flight.
+//!
 //! ## When storing the response fails
 //!
-//! The response is stored before it is sent. If storing fails (the store went down while
+//! A whole response is stored before it is sent. If storing fails (the store went down while
 //! the handler ran), the layer does **not** release the key, since a retry would then run
 //! the handler again at once. It keeps trying to store the response in a background task
 //! for up to the lease length, and waits up to [`Config::store_response_within`] for it:
@@ -183,7 +203,8 @@ mod shared;
 
 pub use body::{RequestBody, ResponseBody};
 pub use config::{
-    default_store_status, Anonymous, Config, MissingKey, StatusFilter, Unstored, TRANSIENT_4XX,
+    default_store_status, Anonymous, Config, MissingKey, OnDisconnect, StatusFilter, Unstored,
+    TRANSIENT_4XX,
 };
 pub use error::{problem_json, PROBLEM_JSON};
 pub use future::ResponseFuture;

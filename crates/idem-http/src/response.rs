@@ -7,11 +7,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
-use http_body::Body;
-use http_body_util::BodyExt;
 use idem_core::{BoxError, Replay};
 
-use crate::body::{Chunks, ResponseBody};
+use crate::body::ResponseBody;
 use crate::config::Config;
 use crate::error::Problem;
 
@@ -68,44 +66,14 @@ pub(crate) fn insert_expires(headers: &mut HeaderMap, retention: Duration) {
     }
 }
 
-/// A response body, read up to the storing limit.
+/// A response body that was whole when the handler returned it.
 pub(crate) enum Buffer<B> {
     /// Read whole, with its trailers.
     Whole(Bytes, Option<HeaderMap>),
-    /// Over the limit: what was read, and the rest, still to be streamed.
+    /// Over the limit: what was read, and the rest (ended), to be sent on.
     Oversize(Bytes, Pin<Box<B>>),
     /// Broken off: what was read, and the error.
     Broken(Bytes, BoxError),
-}
-
-/// Reads `body` until its end, or until it is over `limit` bytes.
-pub(crate) async fn buffer<B>(body: B, limit: usize) -> Buffer<B>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let mut body = Box::pin(body);
-    let mut read = Chunks::default();
-    let mut trailers = None;
-    if body.size_hint().lower() > limit as u64 {
-        return Buffer::Oversize(read.into_bytes(), body);
-    }
-    // Ended (as the request body's reading asks too): no frame follows, trailers included.
-    while !body.is_end_stream() {
-        let frame = match body.frame().await {
-            None => break,
-            Some(Ok(frame)) => frame,
-            Some(Err(e)) => return Buffer::Broken(read.into_bytes(), e.into()),
-        };
-        match frame.into_data() {
-            Ok(data) => read.push(data),
-            Err(frame) => trailers = frame.into_trailers().ok().or(trailers),
-        }
-        if read.len() > limit {
-            return Buffer::Oversize(read.into_bytes(), body);
-        }
-    }
-    Buffer::Whole(read.into_bytes(), trailers)
 }
 
 #[cfg(test)]
