@@ -1,0 +1,87 @@
+// An MCP server built with the official TypeScript SDK, with no idempotency of its own:
+// every `tools/call` of `charge` charges again. Run it behind `idem proxy` with a JSON-RPC
+// route, and a retried call (same idempotency key, new JSON-RPC id) charges once.
+//
+//   PORT=3001 node server.js                  # answers each call as an SSE stream
+//   PORT=3001 JSON_RESPONSE=1 node server.js  # answers each call as one JSON body
+//
+// POST /mcp       MCP over Streamable HTTP (stateless: a server and transport per request)
+// GET  /charges   every charge made, to count them
+const http = require("node:http");
+const { McpServer } = require("@modelcontextprotocol/sdk/server/mcp.js");
+const { StreamableHTTPServerTransport } = require("@modelcontextprotocol/sdk/server/streamableHttp.js");
+const { z } = require("zod");
+
+const charges = [];
+
+function mcpServer() {
+  const server = new McpServer({ name: "idem-charge-example", version: "1.0.0" });
+  server.registerTool(
+    "charge",
+    {
+      description: "Charges the customer. Every call charges again: it is not idempotent.",
+      inputSchema: {
+        amount: z.number().int().positive(),
+        currency: z.string(),
+        // How long the charge takes, to watch retries meet it in flight.
+        delay_ms: z.number().int().min(0).max(60000).optional(),
+      },
+    },
+    async ({ amount, currency, delay_ms }) => {
+      const charge = { id: `ch_${charges.length + 1}`, amount, currency };
+      charges.push(charge); // the side effect
+      if (delay_ms) await new Promise((resolve) => setTimeout(resolve, delay_ms));
+      return {
+        content: [{ type: "text", text: `charged ${amount} ${currency}: ${charge.id}` }],
+        structuredContent: charge,
+      };
+    },
+  );
+  return server;
+}
+
+function readBody(req) {
+  return new Promise((resolve, reject) => {
+    const chunks = [];
+    req.on("data", (chunk) => chunks.push(chunk));
+    req.on("end", () => resolve(Buffer.concat(chunks).toString("utf8")));
+    req.on("error", reject);
+  });
+}
+
+const httpServer = http.createServer(async (req, res) => {
+  if (req.method === "GET" && req.url === "/charges") {
+    res.writeHead(200, { "content-type": "application/json" });
+    return res.end(JSON.stringify({ count: charges.length, charges }));
+  }
+  if (req.url !== "/mcp" || req.method !== "POST") {
+    // Stateless: no session stream to GET, no session to DELETE.
+    res.writeHead(405, { "content-type": "application/json", allow: "POST" });
+    const error = { code: -32000, message: "Method not allowed." };
+    return res.end(JSON.stringify({ jsonrpc: "2.0", error, id: null }));
+  }
+  let body;
+  try {
+    body = JSON.parse(await readBody(req));
+  } catch {
+    res.writeHead(400, { "content-type": "application/json" });
+    const error = { code: -32700, message: "Parse error" };
+    return res.end(JSON.stringify({ jsonrpc: "2.0", error, id: null }));
+  }
+  const server = mcpServer();
+  const transport = new StreamableHTTPServerTransport({
+    sessionIdGenerator: undefined,
+    enableJsonResponse: process.env.JSON_RESPONSE === "1",
+  });
+  res.on("close", () => {
+    transport.close();
+    server.close();
+  });
+  await server.connect(transport);
+  await transport.handleRequest(req, res, body);
+});
+
+httpServer.listen(Number(process.env.PORT ?? 3001), "127.0.0.1", () => {
+  const { port } = httpServer.address();
+  console.log(`MCP server listening on http://127.0.0.1:${port}/mcp`);
+});
