@@ -189,9 +189,23 @@ fn describe(settings: &Settings) -> String {
             secs(route.engine.lease),
             secs(route.engine.retention),
         ));
-        match route.engine.wait {
-            Some(wait) => out.push_str(&format!(", wait_ms = {}\n", wait.as_millis())),
-            None => out.push_str(" (no wait_ms: 409 at once)\n"),
+        if let Some(rpc) = &route.http.jsonrpc {
+            let key = rpc.key_pointer.as_ref().map_or_else(
+                || "\"\" (the key header only)".to_owned(),
+                |p| format!("{p:?}"),
+            );
+            out.push_str(&format!(
+                ", jsonrpc_methods = {:?}, key_pointer = {key}, ignore_meta = {:?}, \
+                 store_errors = {}",
+                rpc.methods, rpc.ignore_meta, rpc.store_errors
+            ));
+        }
+        match (route.engine.wait, &route.http.jsonrpc) {
+            (Some(wait), _) => out.push_str(&format!(", wait_ms = {}\n", wait.as_millis())),
+            (None, None) => out.push_str(" (no wait_ms: 409 at once)\n"),
+            (None, Some(_)) => {
+                out.push_str(" (no wait_ms: the in-flight JSON-RPC error at once)\n")
+            }
         }
     }
     out.push_str("every other request passes through\n");

@@ -300,3 +300,36 @@ on_store!(memory, redis, postgres);
 async fn json_answers_too() {
     the_official_client_charges_once_per_key(Store::memory().unwrap(), true).await;
 }
+
+/// `--check-config` names a JSON-RPC route's settings.
+#[test]
+fn check_config_shows_the_jsonrpc_route() {
+    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_mcp_"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("routes.toml");
+    std::fs::write(&file, MCP_ROUTES).unwrap();
+    let out = idem(&[
+        "proxy",
+        "--upstream",
+        "http://127.0.0.1:3001",
+        "--check-config",
+    ])
+    .arg("--config")
+    .arg(&file)
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(
+            r#"route POST /mcp: key_header = "idempotency-key", scope_header = "authorization""#
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"jsonrpc_methods = ["tools/call"], key_pointer = "/params/_meta/idempotencyKey", ignore_meta = ["progressToken"], store_errors = false (no wait_ms: the in-flight JSON-RPC error at once)"#
+        ),
+        "{text}"
+    );
+}
