@@ -26,7 +26,13 @@
 //! HTTP status 200, as a JSON-RPC server answers an error; the one exception is a caller
 //! without a principal, answered 401 with the `WWW-Authenticate` challenge so that a
 //! client's authorization flow starts. Their codes, in [`codes`], are in the range JSON-RPC
-//! leaves to implementations (-32000 to -32099).
+//! leaves to implementations (-32000 to -32099), away from the -32000 and -32001 that the
+//! MCP SDKs use for their own errors.
+//!
+//! An answer is read to its end (an MCP SSE answer ends after the call's response event)
+//! within [`crate::Config::max_response_body`] before it is stored and sent, so that whether
+//! the call failed is known; a tool's progress notifications reach the client with its
+//! result. A larger answer is sent on unstored, per [`crate::Config::unstored`].
 
 use std::collections::HashMap;
 use std::panic::{resume_unwind, AssertUnwindSafe};

@@ -186,6 +186,16 @@
 //! only when the store stayed unreachable past the lease's deadline (the heartbeat retries
 //! a failed renewal within 250 ms until then), and then the other attempt may have run
 //! while this one still did: see [`IdempotencyInfo::attempt`].
+//!
+//! ## JSON-RPC routes (MCP, A2A)
+//!
+//! A protocol inside HTTP sends every call as a `POST` to one path, with a request `id`
+//! that changes on every retry. [`Config::with_jsonrpc`] makes a route guard the calls of
+//! the methods it names (MCP's `tools/call`, A2A's `message/send`), keyed by a JSON pointer
+//! into the request (or the key header), fingerprinted by `method` and `params` without the
+//! `id`, the key and the per-attempt `_meta` entries; every other message passes through
+//! untouched, a replay carries the retry's `id`, and every refusal is a JSON-RPC error
+//! ([`jsonrpc`] has the table and the codes).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
