@@ -2,8 +2,9 @@
 // every `tools/call` of `charge` charges again. Run it behind `idem proxy` with a JSON-RPC
 // route, and a retried call (same idempotency key, new JSON-RPC id) charges once.
 //
-//   PORT=3001 node server.js                  # answers each call as an SSE stream
-//   PORT=3001 JSON_RESPONSE=1 node server.js  # answers each call as one JSON body
+//   ADDR=127.0.0.1:3001 node server.js                  # answers each call as an SSE stream
+//   ADDR=127.0.0.1:3001 JSON_RESPONSE=1 node server.js  # answers each call as one JSON body
+//   PORT=0 node server.js                               # a free port on 127.0.0.1
 //
 // POST /mcp       MCP over Streamable HTTP (stateless: a server and transport per request)
 // GET  /charges   every charge made, to count them
@@ -81,7 +82,8 @@ const httpServer = http.createServer(async (req, res) => {
   await transport.handleRequest(req, res, body);
 });
 
-httpServer.listen(Number(process.env.PORT ?? 3001), "127.0.0.1", () => {
-  const { port } = httpServer.address();
-  console.log(`MCP server listening on http://127.0.0.1:${port}/mcp`);
+const [host, port] = (process.env.ADDR ?? `127.0.0.1:${process.env.PORT ?? 3001}`).split(":");
+httpServer.listen(Number(port), host, () => {
+  const { address, port } = httpServer.address();
+  console.log(`MCP server listening on http://${address}:${port}/mcp`);
 });

@@ -296,9 +296,16 @@ macro_rules! on_store {
 on_store!(memory, redis, postgres);
 
 /// The same cases with the server answering each call as one JSON body, not an SSE stream.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn json_answers_too() {
-    the_official_client_charges_once_per_key(Store::memory().unwrap(), true).await;
+mod json_answers {
+    mod memory {
+        use crate::{the_official_client_charges_once_per_key, Store};
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_official_mcp_client_charges_once_per_key() {
+            let store = Store::memory().unwrap();
+            the_official_client_charges_once_per_key(store, true).await;
+        }
+    }
 }
 
 /// `--check-config` names a JSON-RPC route's settings.
