@@ -14,6 +14,9 @@ as HTTP/1.0 and closes each connection, as Python's `http.server` does by defaul
 - `* /echo...`: the request as JSON (method, target, headers, body in latin-1), for
   pass-through checks.
 - `GET /stream`: a chunked response in five parts, 100 ms apart.
+- `GET|POST /events?n=N&ms=D`: a counted side effect answered with Server-Sent Events, N
+  (default 5) events D ms (default 200) apart, chunked; `GET /events/status?key=K` says how
+  many events the run of key K sent, and whether it ended or its connection was cut.
 """
 
 import json
@@ -26,6 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 LOCK = threading.Lock()
 RUNS = {}  # key -> [attempt, ...]
 SERIAL = [0]
+STREAMS = {}  # key -> {"sent": n, "ended": bool, "cut": bool}, of its last run
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -63,6 +67,13 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 attempts = list(RUNS.get(key, []))
             return self.reply(200, {"runs": len(attempts), "attempts": attempts})
+        if url.path == "/events/status":
+            key = parse_qs(url.query).get("key", [""])[0]
+            with LOCK:
+                status = dict(STREAMS.get(key, {}))
+            return self.reply(200, status)
+        if url.path == "/events":
+            return self.events(url)
         if url.path == "/stream":
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
@@ -80,6 +91,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         url = urlsplit(self.path)
         body = self.body()
+        if url.path == "/events":
+            return self.events(url)
         if url.path.startswith("/echo"):
             return self.echo(body)
         serial = self.side_effect()
@@ -98,6 +111,42 @@ class Handler(BaseHTTPRequestHandler):
         )
 
     do_PATCH = do_POST
+
+    def events(self, url):
+        """Server-Sent Events, one chunk each, written as they are made."""
+        query = parse_qs(url.query)
+        count = int(query.get("n", ["5"])[0])
+        gap = int(query.get("ms", ["200"])[0]) / 1000
+        key = self.headers.get("Idempotency-Key", "")
+        serial = self.side_effect()
+        status = {"sent": 0, "ended": False, "cut": False}
+        with LOCK:
+            STREAMS[key] = status
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for i in range(count):
+                if i:
+                    time.sleep(gap)
+                chunk = f"id: {i}\ndata: run {serial} event {i}\n\n".encode()
+                # Counted before it is written, so that a client holding an event never
+                # finds it uncounted.
+                with LOCK:
+                    status["sent"] = i + 1
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            with LOCK:
+                status["ended"] = True
+        except OSError:
+            # The proxy closed the connection: its client left and the route cancels.
+            with LOCK:
+                status["cut"] = True
+            self.close_connection = True
 
     def other(self):
         url = urlsplit(self.path)

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 use idem_core::JsonSelection;
-use idem_http::{Anonymous, JsonRpc, MissingKey};
+use idem_http::{Anonymous, JsonRpc, MissingKey, OnDisconnect};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
@@ -108,6 +108,20 @@ pub struct RouteSpec {
     pub store_status: Option<Vec<StatusSpec>>,
     /// `release_unknown`: release the key when the outcome is unknown (default `false`).
     pub release_unknown: Option<bool>,
+    /// `on_disconnect`: `"continue"` (a streamed response is read to its end and stored
+    /// when its client leaves, the default) or `"cancel"` (the upstream connection is
+    /// closed, the key released, nothing stored).
+    pub on_disconnect: Option<OnDisconnectSpec>,
+}
+
+/// `on_disconnect = "continue" | "cancel"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnDisconnectSpec {
+    /// Read on and store.
+    Continue,
+    /// Drop the stream and release the key.
+    Cancel,
 }
 
 /// `missing_key = "reject" | "pass"`.
@@ -401,7 +415,8 @@ impl RouteSpec {
             max_request_body,
             max_response_body,
             store_status,
-            release_unknown
+            release_unknown,
+            on_disconnect
         )
     }
 
@@ -507,6 +522,12 @@ impl RouteSpec {
         if let Some(limit) = self.max_response_body {
             http = http.with_max_response_body(limit);
         }
+        if let Some(on_disconnect) = self.on_disconnect {
+            http = http.with_on_disconnect(match on_disconnect {
+                OnDisconnectSpec::Continue => OnDisconnect::Continue,
+                OnDisconnectSpec::Cancel => OnDisconnect::Cancel,
+            });
+        }
         if let Some(statuses) = &self.store_status {
             let ranges: Vec<StatusRange> = statuses.iter().map(|s| s.0).collect();
             http = http.with_store_status(move |status| ranges.iter().any(|r| r.contains(status)));
@@ -554,6 +575,7 @@ path = "/orders"
 lease_secs = 60
 missing_key = "pass"
 anonymous = "shared"
+on_disconnect = "cancel"
 "#;
 
     #[test]
@@ -576,6 +598,8 @@ anonymous = "shared"
         assert_eq!(orders.http.missing_key, MissingKey::PassThrough);
         assert_eq!(orders.http.anonymous, Anonymous::Shared);
         assert_eq!(orders.http.methods, [Method::POST, Method::PATCH]);
+        assert_eq!(payments.http.on_disconnect, OnDisconnect::Continue);
+        assert_eq!(orders.http.on_disconnect, OnDisconnect::Cancel);
     }
 
     #[test]
@@ -609,6 +633,7 @@ anonymous = "shared"
             ("[[route]]\nstore_status = [\"6xx\"]\n", "2xx"),
             ("[[route]]\nscope_header = \"X Api\"\n", "header name"),
             ("[[route]]\nmissing_key = \"maybe\"\n", "reject"),
+            ("[[route]]\non_disconnect = \"stop\"\n", "continue"),
             ("[route]\n", "write `[[route]]` above each one"),
         ];
         for (text, expected) in cases {
