@@ -14,6 +14,9 @@ const { StreamableHTTPServerTransport } = require("@modelcontextprotocol/sdk/ser
 const { z } = require("zod");
 
 const charges = [];
+// The ledger of charges by caller and idempotency key: each entry the promise of its charge,
+// so that a later attempt finds a charge still running as well as a finished one.
+const ledger = new Map();
 
 function mcpServer() {
   const server = new McpServer({ name: "idem-charge-example", version: "1.0.0" });
@@ -28,17 +31,32 @@ function mcpServer() {
         delay_ms: z.number().int().min(0).max(60000).optional(),
       },
     },
-    async ({ amount, currency, delay_ms }) => {
-      const charge = { id: `ch_${charges.length + 1}`, amount, currency };
-      charges.push(charge); // the side effect
-      if (delay_ms) await new Promise((resolve) => setTimeout(resolve, delay_ms));
-      return {
-        content: [{ type: "text", text: `charged ${amount} ${currency}: ${charge.id}` }],
-        structuredContent: charge,
-      };
+    async ({ amount, currency, delay_ms }, extra) => {
+      // `idem proxy` sends `Idempotency-Attempt`: above 1, an earlier attempt of this key
+      // may have charged (its proxy died, its answer was lost), and may still be charging.
+      // Its charge is the answer then, not a second one.
+      const headers = extra.requestInfo?.headers ?? {};
+      const key = extra._meta?.idempotencyKey;
+      const entry = key && `${headers.authorization ?? ""}\n${key}`;
+      if (Number(headers["idempotency-attempt"] ?? 1) > 1 && entry && ledger.has(entry)) {
+        return answer(await ledger.get(entry));
+      }
+      const charging = (async () => {
+        const charge = { id: `ch_${charges.length + 1}`, amount, currency };
+        charges.push(charge); // the side effect
+        if (delay_ms) await new Promise((resolve) => setTimeout(resolve, delay_ms));
+        return charge;
+      })();
+      if (entry) ledger.set(entry, charging);
+      return answer(await charging);
     },
   );
   return server;
+}
+
+function answer(charge) {
+  const text = `charged ${charge.amount} ${charge.currency}: ${charge.id}`;
+  return { content: [{ type: "text", text }], structuredContent: charge };
 }
 
 function readBody(req) {

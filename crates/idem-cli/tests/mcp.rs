@@ -12,8 +12,9 @@ mod support;
 use std::process::Command;
 
 use idem_http::jsonrpc::codes;
+use idem_testkit::harness::eventually;
 use serde_json::{json, Value};
-use support::{call, client, idem, Proc};
+use support::{call, client, idem, ms, secs, Proc};
 
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mcp");
 const CLIENT_JS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp_client.js");
@@ -272,6 +273,80 @@ key_pointer = "/params/message/messageId"
     assert_eq!(sent.json()["sent"], 1);
 }
 
+/// A raw `tools/call` of `charge` with `id` and `key`, the server taking `delay_ms`.
+fn raw_call(id: u64, key: &str, delay_ms: u64) -> String {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": "charge",
+        "arguments": {"amount": 300, "currency": "EUR", "delay_ms": delay_ms},
+        "_meta": {"idempotencyKey": key}}})
+    .to_string()
+}
+
+/// The JSON-RPC message of an SSE answer's `data:` line.
+fn event_data(reply: &support::Reply) -> Value {
+    let text = String::from_utf8_lossy(&reply.body);
+    let data = text
+        .lines()
+        .find_map(|line| line.strip_prefix("data: "))
+        .unwrap_or_else(|| panic!("no data line: {reply:?}"));
+    serde_json::from_str(data).unwrap()
+}
+
+/// A proxy killed (`kill -9`) while the tool charges: a retry through another proxy gets
+/// the in-flight error until the dead proxy's lease (2 s) ends, then runs as attempt 2,
+/// which the example answers from its ledger: one charge, and the retry gets it with its
+/// own id.
+async fn a_killed_proxy_leaves_the_call_to_its_lease(store: Store) {
+    if !tokio::task::spawn_blocking(install).await.unwrap() {
+        return;
+    }
+    let server = mcp_server(false);
+    let a = proxy(&server.printed, &store, MCP_ROUTES, &["--lease", "2"]);
+    let b = proxy(&server.printed, &store, MCP_ROUTES, &["--lease", "2"]);
+    let key = format!("crash-{}", uuid::Uuid::new_v4().simple());
+    let headers = [
+        ("authorization", "Bearer alice"),
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    let client = client();
+    let mut a = a;
+    let slow = {
+        let (client, url, body) = (
+            client.clone(),
+            format!("{}/mcp", a.printed),
+            raw_call(1, &key, 4000),
+        );
+        tokio::spawn(async move {
+            support::send(&client, support::request("POST", &url, &headers, &body))
+                .await
+                .is_ok()
+        })
+    };
+    let charged = || async { (charges(&server).await > 0).then_some(()) };
+    eventually("the charge upstream", secs(10), ms(50), charged).await;
+    a.stop();
+    assert!(!slow.await.unwrap(), "the killed proxy answered");
+    let url = format!("{}/mcp", b.printed);
+    let first = call(&client, "POST", &url, &headers, &raw_call(2, &key, 4000)).await;
+    assert_eq!(first.json()["error"]["code"], codes::IN_FLIGHT, "{first:?}");
+    assert!(first.header("retry-after").is_some());
+    let answered = || async {
+        let reply = call(&client, "POST", &url, &headers, &raw_call(3, &key, 4000)).await;
+        let in_flight = reply.header("content-type") == Some("application/json");
+        (!in_flight).then_some(reply)
+    };
+    let taken_over = eventually("an answer but in flight", secs(15), ms(200), answered).await;
+    let doc = event_data(&taken_over);
+    assert_eq!(doc["id"], 3, "{doc}");
+    assert_eq!(doc["result"]["structuredContent"]["id"], "ch_1", "{doc}");
+    assert_eq!(charges(&server).await, 1);
+    let replay = call(&client, "POST", &url, &headers, &raw_call(4, &key, 4000)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(event_data(&replay)["id"], 4);
+    assert_eq!(charges(&server).await, 1);
+}
+
 /// The cases on one store, in a module named after it.
 macro_rules! on_store {
     ($($backend:ident),* $(,)?) => {$(
@@ -294,6 +369,27 @@ macro_rules! on_store {
 }
 
 on_store!(memory, redis, postgres);
+
+/// The crash of a proxy, on the stores two proxies share.
+macro_rules! on_shared_store {
+    ($($backend:ident),* $(,)?) => {$(
+        mod $backend {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_killed_proxy_leaves_the_call_to_its_lease() {
+                let Some(store) = Store::$backend() else { return };
+                super::super::a_killed_proxy_leaves_the_call_to_its_lease(store).await;
+            }
+        }
+    )*};
+}
+
+mod crash {
+    use super::*;
+
+    on_shared_store!(redis, postgres);
+}
 
 /// The same cases with the server answering each call as one JSON body, not an SSE stream.
 mod json_answers {

@@ -29,6 +29,7 @@ macro_rules! jsonrpc_cases {
             an_sse_answer_is_replayed_with_the_id_inside_its_event,
             a_batch_holding_a_guarded_call_is_refused,
             an_a2a_message_is_sent_once_per_message_id,
+            a_client_that_gives_up_gets_the_answer_on_retry,
         );
     };
     (@each $factory:path; $($case:ident,)*) => {
@@ -509,6 +510,37 @@ mod cases {
         let others = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#;
         let reply = server.post("/mcp", &[ALICE, JSON], others).await;
         assert_eq!(doc(&reply)[0]["result"]["batched"], true);
+    }
+
+    pub async fn a_client_that_gives_up_gets_the_answer_on_retry(store: Arc<dyn Store>) {
+        let (server, counts, _) = mcp_on(store).await;
+        let body = call(
+            json!(1),
+            Some("dropped-1"),
+            json!({"amount": 3, "delay_ms": 600}),
+        );
+        // The client gives up after 100 ms, the answer lost; the call runs on.
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(100),
+            server.post("/mcp", &[ALICE, JSON], &body),
+        )
+        .await;
+        assert!(gave_up.is_err());
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert_eq!(counts.charge.get(), 1);
+        let retry_body = call(
+            json!(2),
+            Some("dropped-1"),
+            json!({"amount": 3, "delay_ms": 600}),
+        );
+        let retry = server.post("/mcp", &[ALICE, JSON], &retry_body).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(doc(&retry)["id"], 2);
+        assert_eq!(
+            doc(&retry)["result"]["content"][0]["text"],
+            "charged 3 (run 1)"
+        );
+        assert_eq!(counts.charge.get(), 1);
     }
 
     pub async fn an_a2a_message_is_sent_once_per_message_id(store: Arc<dyn Store>) {
