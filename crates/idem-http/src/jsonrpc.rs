@@ -19,6 +19,7 @@
 //! | same key, other arguments | [`codes::KEY_REUSED`], `data.idempotencyKey` naming the key; the service is not called |
 //! | same key while the first runs | [`codes::IN_FLIGHT`] with `Retry-After` and `data.retryAfterSeconds`, or, with [`idem_core::Config::wait`], the first call's answer once stored |
 //! | a batch (JSON array) holding a guarded call | [`codes::BATCH_REFUSED`]: send guarded calls one per request |
+//! | any request with a `Content-Encoding` (but `identity`), or over [`crate::Config::max_request_body`] | [`codes::BODY_REFUSED`]: its method cannot be read |
 //! | store unavailable | [`codes::STORE_UNAVAILABLE`] with `Retry-After` (or unguarded with [`crate::Config::fail_open`]) |
 //!
 //! The layer's errors are JSON-RPC error responses (`{"jsonrpc":"2.0","id":..,"error":
@@ -42,7 +43,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::header::{HeaderValue, CONTENT_ENCODING, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
@@ -54,6 +55,7 @@ use idem_core::{
 };
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
+use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::body::{Prefixed, RequestBody, ResponseBody};
@@ -202,6 +204,19 @@ where
         return pass(inner, req.map(Either::Right)).await;
     };
     let (parts, body) = req.into_parts();
+    let encoded = parts
+        .headers
+        .get(CONTENT_ENCODING)
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        // A compressed body hides its method: passing it on could run a guarded call
+        // unguarded.
+        let detail = "send JSON-RPC requests uncompressed: this route reads each request to \
+                      find its method and idempotency key";
+        let kind = "request-body-unreadable";
+        let error = RpcError::new(codes::BODY_REFUSED, kind, "Request body refused", detail);
+        return Ok(refuse(&shared, Outcome::Rejected, error, &Value::Null));
+    }
     let limit = shared.config.max_request_body;
     let bytes = match Limited::new(body, limit).collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -563,17 +578,23 @@ where
     .catch_unwind();
     let mut work = std::pin::pin!(work);
     let granted = handle.lease().clone();
-    if !shared.config.heartbeat {
-        return (work.await, granted);
-    }
-    let beating = shared
-        .idem
-        .run_with_heartbeat(granted, OnLost::Finish, work.as_mut());
-    // `Finish` never gives the work up; were it to, the work still ends here.
-    match beating.await {
-        Ok((lease, ran)) => (ran, lease),
-        Err(_) => (work.await, handle.lease().clone()),
-    }
+    let started = Instant::now();
+    let (ran, lease) = if shared.config.heartbeat {
+        let beating = shared
+            .idem
+            .run_with_heartbeat(granted, OnLost::Finish, work.as_mut());
+        // `Finish` never gives the work up; were it to, the work still ends here.
+        match beating.await {
+            Ok((lease, ran)) => (ran, lease),
+            Err(_) => (work.await, handle.lease().clone()),
+        }
+    } else {
+        (work.await, granted)
+    };
+    // The service's time and its answer's, as for an HTTP route's handler.
+    metrics::histogram!("idem_http_handler_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
+    (ran, lease)
 }
 
 /// Reads `body` to its end, or until it is over `limit` bytes.

@@ -506,6 +506,16 @@ mod cases {
         assert!(data["detail"].as_str().unwrap().contains("tools/call"));
         assert_eq!(counts.charge.get(), 0);
         assert_eq!(counts.list.get(), 0);
+        // A compressed body hides its method: refused, whatever it holds.
+        let gzip = ("content-encoding", "gzip");
+        let reply = server
+            .post("/mcp", &[ALICE, JSON, gzip], "\u{1f}\u{8b}")
+            .await;
+        let data = assert_error(&reply, codes::BODY_REFUSED, Value::Null);
+        assert!(
+            data["detail"].as_str().unwrap().contains("uncompressed"),
+            "{data}"
+        );
         // A batch of other calls is the server's.
         let others = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#;
         let reply = server.post("/mcp", &[ALICE, JSON], others).await;
