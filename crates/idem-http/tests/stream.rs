@@ -77,34 +77,44 @@ async fn serve_events(
     gap: Duration,
     pad: usize,
 ) -> (Server, Runs, Outcomes, Probe) {
+    serve_events_with(Idem::from_arc(store), config, count, gap, pad).await
+}
+
+/// [`serve_events`] on `idem`.
+async fn serve_events_with(
+    idem: Idem,
+    config: Config,
+    count: usize,
+    gap: Duration,
+    pad: usize,
+) -> (Server, Runs, Outcomes, Probe) {
     let probe = Probe::default();
     let p = probe.clone();
-    let (server, runs, outcomes) =
-        serve_counted(Idem::from_arc(store), config, "/events", move |n, _, _| {
-            let probe = p.clone();
-            async move {
-                let events =
-                    futures_util::stream::unfold((0, Guard(probe)), move |(i, guard)| async move {
-                        if i == count {
-                            guard.0 .0.ended.store(true, Ordering::SeqCst);
-                            return None;
-                        }
-                        if i > 0 {
-                            tokio::time::sleep(gap).await;
-                        }
-                        guard.0 .0.sent.store(i + 1, Ordering::SeqCst);
-                        let chunk = Ok::<_, std::io::Error>(Bytes::from(event(n, i, pad)));
-                        Some((chunk, (i + 1, guard)))
-                    });
-                (
-                    StatusCode::OK,
-                    [("content-type", "text/event-stream")],
-                    Body::from_stream(events),
-                )
-                    .into_response()
-            }
-        })
-        .await;
+    let (server, runs, outcomes) = serve_counted(idem, config, "/events", move |n, _, _| {
+        let probe = p.clone();
+        async move {
+            let events =
+                futures_util::stream::unfold((0, Guard(probe)), move |(i, guard)| async move {
+                    if i == count {
+                        guard.0 .0.ended.store(true, Ordering::SeqCst);
+                        return None;
+                    }
+                    if i > 0 {
+                        tokio::time::sleep(gap).await;
+                    }
+                    guard.0 .0.sent.store(i + 1, Ordering::SeqCst);
+                    let chunk = Ok::<_, std::io::Error>(Bytes::from(event(n, i, pad)));
+                    Some((chunk, (i + 1, guard)))
+                });
+            (
+                StatusCode::OK,
+                [("content-type", "text/event-stream")],
+                Body::from_stream(events),
+            )
+                .into_response()
+        }
+    })
+    .await;
     (server, runs, outcomes, probe)
 }
 
@@ -262,4 +272,25 @@ async fn a_stream_over_the_limit_is_sent_whole_and_unstored_per_policy() {
         }
         assert_eq!(runs.get(), runs_after, "{unstored:?}");
     }
+}
+
+#[tokio::test]
+async fn a_stream_longer_than_the_lease_keeps_its_key() {
+    let engine = idem_core::Config::default().with_lease(ms(600));
+    let idem = Idem::new(MemoryStore::new()).with_config(engine);
+    let gap = Duration::from_millis(250);
+    let (server, runs, _, probe) = serve_events_with(idem, Config::default(), 7, gap, 0).await;
+
+    let response = open(&server).await;
+    // Well past the lease (1.5 s of events against 600 ms), the stream still holds the key:
+    // a duplicate is refused, not run again.
+    tokio::time::sleep(ms(1200)).await;
+    let duplicate = server.post("/events", &[KEY], "").await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    let body = response.into_body().collect().await.expect("a clean end");
+    assert_eq!(body.to_bytes(), all_events(1, 7, 0));
+    assert!(probe.ended());
+    let retry = server.post("/events", &[KEY], "").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(runs.get(), 1);
 }
