@@ -294,3 +294,72 @@ async fn a_stream_longer_than_the_lease_keeps_its_key() {
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(runs.get(), 1);
 }
+
+/// A bare tower service answering with two data frames, 20 ms apart, then trailers.
+#[derive(Clone)]
+struct Trailing;
+
+type TrailingBody = http_body_util::StreamBody<
+    futures_util::stream::BoxStream<'static, Result<http_body::Frame<Bytes>, std::io::Error>>,
+>;
+
+impl tower_service::Service<http::Request<idem_http::RequestBody<Full<Bytes>>>> for Trailing {
+    type Response = http::Response<TrailingBody>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: http::Request<idem_http::RequestBody<Full<Bytes>>>) -> Self::Future {
+        use futures_util::StreamExt;
+        let frames = futures_util::stream::unfold(0, |i| async move {
+            tokio::time::sleep(ms(20)).await;
+            let frame = match i {
+                0 | 1 => http_body::Frame::data(Bytes::from(format!("part {i}\n"))),
+                2 => {
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("x-checksum", "abc".parse().unwrap());
+                    http_body::Frame::trailers(trailers)
+                }
+                _ => return None,
+            };
+            Some((Ok(frame), i + 1))
+        });
+        let body = http_body_util::StreamBody::new(frames.boxed());
+        std::future::ready(Ok(http::Response::new(body)))
+    }
+}
+
+/// The trailers of a streamed body go to its first client, held back with its end, and are
+/// not stored: a replay has none, as for a buffered body.
+#[tokio::test]
+async fn a_streamed_bodys_trailers_reach_its_client_and_are_not_replayed() {
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    let outcomes = Outcomes::default();
+    let idem = Idem::new(MemoryStore::new());
+    let mut svc = layer_with(idem, Config::default(), &outcomes).layer(Trailing);
+    let request = || {
+        http::Request::post("/x")
+            .header(KEY.0, KEY.1)
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+
+    let first = svc.call(request()).await.unwrap();
+    let collected = first.into_body().collect().await.expect("a clean end");
+    assert_eq!(collected.trailers().unwrap()["x-checksum"], "abc");
+    assert_eq!(collected.to_bytes(), "part 0\npart 1\n");
+    assert_eq!(outcomes.count(Outcome::Executed), 1);
+    let replay = svc.call(request()).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let collected = replay.into_body().collect().await.unwrap();
+    assert!(collected.trailers().is_none());
+    assert_eq!(collected.to_bytes(), "part 0\npart 1\n");
+}
