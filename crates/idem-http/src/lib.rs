@@ -153,9 +153,10 @@
 //! response is stored (a body of known length holds back its last frame until then), and
 //! ends with an error when it cannot be (the store down past
 //! [`Config::store_response_within`], or the lease lost): over HTTP/1.1 chunked the
-//! connection is cut before the terminating chunk. So a clean end means recorded; a cut
-//! means not recorded, and a retry with the same key gets 409 until the response is
-//! stored or the lease ends, as for a buffered response's 503. A client that goes away
+//! connection is cut before the terminating chunk. So a clean end means recorded (for a
+//! stream within the limit whose status is stored); a cut means not recorded, and a retry
+//! with the same key gets 409 until the response is stored or the lease ends, as for a
+//! buffered response's 503. A client that goes away
 //! mid-stream stops nothing: the body is read to its end under the renewed lease and
 //! stored, and a retry gets it replayed whole; with [`OnDisconnect::Cancel`] the body is
 //! dropped instead, the key released and nothing stored. A stream over the limit is passed

@@ -475,7 +475,8 @@ where
     let config = &shared.config;
     let head = (parts.status, parts.headers.clone());
     let keep_in_flight = parts.extensions.get::<KeepInFlight>().copied();
-    // Sent before the body is known to be stored: it holds if the stream ends cleanly.
+    // Sent before the body is known to be stored: it holds if the stream ends cleanly
+    // within the limit.
     let storable = body.size_hint().lower() <= config.max_response_body as u64;
     if storable && (config.store_status)(parts.status) {
         insert_expires(&mut parts.headers, shared.idem.config().retention);
