@@ -40,7 +40,7 @@ const BATCH: usize = 16;
 /// A store that grants every `begin` a fresh lease without any I/O and keeps nothing: the
 /// worker runs exactly as with idem, minus idem's store round trips.
 #[derive(Debug)]
-struct NoStore;
+pub(crate) struct NoStore;
 
 #[async_trait]
 impl Store for NoStore {

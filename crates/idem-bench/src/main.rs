@@ -29,6 +29,7 @@ use idemkit::redis::RedisStore;
 use idemkit::{Completion, Response, Scope, Store};
 
 mod compare;
+mod consume;
 mod consumers;
 mod footprint;
 mod middleware;
@@ -74,7 +75,8 @@ struct Args {
     /// upstream, guarded on the memory store and on `--store`), relay (the tiered store's outbox relay:
     /// `--store tiered:...` only), wait, compare (alone, on a `redis://` store), consumers
     /// (alone: the Redis Streams and JetStream workers with idem against the same workers
-    /// without its store).
+    /// without its store), consume (alone: `idem consume` against the same loop on a store
+    /// that grants everything, on RabbitMQ and Redis Streams).
     #[arg(
         long,
         value_delimiter = ',',
@@ -102,13 +104,28 @@ struct Args {
         env = "IDEM_BENCH_NATS_URL"
     )]
     nats_url: String,
+    /// The RabbitMQ server (vhost included) of the `consume` phase.
+    #[arg(
+        long,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        env = "IDEM_BENCH_AMQP_URL"
+    )]
+    amqp_url: String,
+    /// The `idem` binary the `consume` phase runs [default: `idem` beside this binary].
+    #[arg(long, value_name = "PATH")]
+    idem: Option<std::path::PathBuf>,
+    /// Internal, for the `consume` phase: run as its bare loop (`BROKER FROM TO`) with
+    /// `--concurrency`, until SIGTERM.
+    #[arg(long, hide = true, num_args = 3)]
+    bare_consume: Option<Vec<String>>,
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
 }
 
-const PHASES: [&str; 11] = [
+const PHASES: [&str; 12] = [
     "compare",
+    "consume",
     "consumers",
     "memory",
     "lifecycle",
@@ -127,7 +144,11 @@ const RETENTION: Duration = Duration::from_secs(300);
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    match run(&args).await {
+    let result = match &args.bare_consume {
+        Some(spec) => consume::bare(spec, args.concurrency).await,
+        None => run(&args).await,
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("idem-bench: {e}");
@@ -166,6 +187,11 @@ async fn run(args: &Args) -> Result<(), String> {
             "the peers have no cluster support; --compare-cluster adds idem's cluster figures";
         let url = alone_on_redis(args, "compare", why)?;
         return compare::run(args, &url, &run_id).await;
+    }
+    if args.phases.iter().any(|p| p == "consume") {
+        let why = "the Redis store and the Redis Streams broker";
+        let url = alone_on_redis(args, "consume", why)?;
+        return consume::run(args, &url, &run_id).await;
     }
     if args.phases.iter().any(|p| p == "consumers") {
         let why = "idem's store and the Redis Streams broker";
