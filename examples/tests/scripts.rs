@@ -43,7 +43,7 @@ fn each_backend_starts_only_its_servers_and_runs_only_its_tests() {
         ("nats", "servers: nats\n", "-- nats"),
         (
             "walkthrough",
-            "servers: postgres\n",
+            "servers: redis postgres\n",
             "then: scripts/walkthrough",
         ),
     ];
