@@ -33,7 +33,15 @@
 //! An answer is read to its end (an MCP SSE answer ends after the call's response event)
 //! within [`crate::Config::max_response_body`] before it is stored and sent, so that whether
 //! the call failed is known; a tool's progress notifications reach the client with its
-//! result. A larger answer is sent on unstored, per [`crate::Config::unstored`].
+//! result. A larger answer is sent on unstored, per [`crate::Config::unstored`]. A replay
+//! carries those notifications as the first attempt got them, with its `progressToken`
+//! (the MCP TypeScript client reports a notification for a token it does not know to its
+//! `onerror` and goes on).
+//!
+//! Keys are kept per principal ([`crate::IdempotencyLayer::with_scope`]): a scope read
+//! from a bearer token changes when an OAuth client refreshes its token between a call and
+//! its retry, so take the principal from what stays the same (the token's subject, or a
+//! caller id an authorizing gateway sets).
 
 use std::collections::HashMap;
 use std::panic::{resume_unwind, AssertUnwindSafe};
