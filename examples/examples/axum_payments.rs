@@ -1,4 +1,4 @@
-//! The README's complete axum handler: a payment and its idempotency record committed in one
+//! The guide's complete axum handler: a payment and its idempotency record committed in one
 //! PostgreSQL transaction. Run it next to a PostgreSQL server:
 //!   DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run -p idem-examples --example axum_payments
 use axum::extract::State;

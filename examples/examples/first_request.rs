@@ -1,4 +1,4 @@
-//! The README's quick start: one request under an idempotency key, then its retry.
+//! The guide's quick start: one request under an idempotency key, then its retry.
 //! Run it: cargo run -p idem-examples --example first_request
 use idemkit::{Begin, Fingerprint, Idem, Key, MemoryStore, RecordId, Response, Scope};
 

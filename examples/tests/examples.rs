@@ -1,4 +1,4 @@
-//! The README's Rust examples: quoted in the README exactly as they are in `examples/`, with
+//! The guide's Rust examples (docs/library.md): quoted there exactly as they are in `examples/`, with
 //! the dependency versions idem uses, and run: the quick start always, the axum handler
 //! against PostgreSQL (`mod postgres`, `IDEM_TEST_DATABASE_URL`).
 
@@ -7,15 +7,16 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const README: &str = include_str!("../../README.md");
+/// The chapter of the guide that quotes the examples.
+const CHAPTER: &str = include_str!("../../docs/library.md");
 const WORKSPACE: &str = include_str!("../../Cargo.toml");
 
-/// The body of the fenced block right after the line `marker` in the README.
+/// The body of the fenced block right after the line `marker` in the chapter.
 fn block_after(marker: &str) -> String {
-    let start = README
+    let start = CHAPTER
         .find(marker)
-        .unwrap_or_else(|| panic!("the README has no line {marker:?}"));
-    let mut lines = README[start..].lines().skip(1);
+        .unwrap_or_else(|| panic!("docs/library.md has no line {marker:?}"));
+    let mut lines = CHAPTER[start..].lines().skip(1);
     let fence = lines.next().unwrap_or_default();
     assert!(fence.starts_with("```"), "no code block after {marker:?}");
     let mut body = String::new();
@@ -30,7 +31,7 @@ fn block_after(marker: &str) -> String {
 }
 
 #[test]
-fn the_readme_quotes_each_example_as_it_is() {
+fn the_guide_quotes_each_example_as_it_is() {
     for name in ["first_request", "axum_payments"] {
         let path = format!("examples/examples/{name}.rs");
         let file = std::fs::read_to_string(
@@ -40,7 +41,7 @@ fn the_readme_quotes_each_example_as_it_is() {
         let quoted = block_after(&format!("<!-- {path} -->"));
         assert!(
             quoted == file,
-            "the README's copy of {path} differs from the file: copy the file into the README"
+            "docs/library.md's copy of {path} differs from the file: copy the file into it"
         );
     }
 }
@@ -58,7 +59,7 @@ fn workspace_version(name: &str) -> Option<String> {
 }
 
 #[test]
-fn the_readme_lists_the_dependencies_at_the_versions_idem_uses() {
+fn the_guide_lists_the_dependencies_at_the_versions_idem_uses() {
     let block = block_after("<!-- dependencies of examples/examples/axum_payments.rs -->");
     let mut named = Vec::new();
     for line in block.lines().filter(|l| l.contains(" = ")) {
@@ -76,7 +77,7 @@ fn the_readme_lists_the_dependencies_at_the_versions_idem_uses() {
             .unwrap_or_else(|| panic!("the workspace does not depend on {name}"));
         assert!(
             ours.starts_with(version),
-            "the README asks for {name} {version}; idem uses {ours}"
+            "docs/library.md asks for {name} {version}; idem uses {ours}"
         );
         named.push(name.to_owned());
     }

@@ -48,7 +48,7 @@ pub struct ConsumeArgs {
     /// On PostgreSQL and tiered stores, delete expired records every SECS.
     #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
     purge_every: Duration,
-    /// A TOML file of settings (see the README); flags override it.
+    /// A TOML file of settings (see docs/consumers.md); flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Check the flags and `--config`, print the settings, and exit without starting.

@@ -1,4 +1,4 @@
-//! Where the demo's payments live (README, "Where the demo's payments live"): rows of
+//! Where the demo's payments live (docs/stores.md, "The demo's payments on PostgreSQL"): rows of
 //! `idem_demo.payments` on `postgres://` and `tiered:` stores, each committed in the
 //! transaction that completes its idempotency record (`complete_in`); else this process's
 //! memory.

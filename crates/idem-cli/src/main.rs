@@ -24,7 +24,7 @@ mod store;
 use idemkit::postgres::{PurgeConfig, PurgeHandle};
 use idemkit::url::StoreUrl;
 
-/// The exit codes, as `--help` and the README list them.
+/// The exit codes, as `--help` and docs/operations.md list them.
 const EXIT_CODES: &str = "Exit codes: 0 success, 1 no such record, 2 bad input or unsupported, \
     3 store, I/O or listen error (unreachable store, missing schema, port in use), 4 corrupt \
     record (inspect) or partial answer (stats, stuck, purge stopped at --timeout; the output \

@@ -34,7 +34,7 @@ pub struct ProxyArgs {
     /// On PostgreSQL and tiered stores, delete expired records every SECS.
     #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
     purge_every: Duration,
-    /// A TOML routes file (see the README); flags override its `[defaults]`.
+    /// A TOML routes file (see docs/proxy.md); flags override its `[defaults]`.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Check the flags and `--config`, print the routes, and exit without starting.

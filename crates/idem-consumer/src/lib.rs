@@ -27,7 +27,7 @@
 //!   ([`KeySource::PayloadHash`], volatile fields left out). [`child_key`] derives stable
 //!   keys for the calls a handler makes downstream.
 //! - Three workers carry the decisions out on a broker, each behind a feature (`rabbitmq`,
-//!   `nats`, `redis-streams`): README's "Message consumers" table says what each decision
+//!   `nats`, `redis-streams`): docs/consumers.md's table says what each decision
 //!   does on each broker, and each module's docs say how.
 //!
 //! Use a consumer scope of its own (the consumer group or queue): the record of a message is

@@ -20,7 +20,7 @@
 //!                                                   with x-idem-dead-letter-reason, then ack
 //! ```
 //!
-//! README's "Message consumers" table says what each [`Delivery`](crate::Delivery) does
+//! docs/consumers.md's table says what each [`Delivery`](crate::Delivery) does
 //! here. A copy (retry, dead letter) carries [`ATTEMPT_HEADER`], and [`RETRY_AT_HEADER`] or
 //! [`DEAD_LETTER_REASON_HEADER`]; the original is acked once the stream confirmed the copy.
 //! A worker that receives a retry early NAKs it with the time left (not an attempt).

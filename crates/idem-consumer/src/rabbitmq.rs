@@ -19,7 +19,7 @@
 //!                                     x-dead-letter-routing-key <queue>)
 //! ```
 //!
-//! README's "Message consumers" table says what each [`Delivery`](crate::Delivery) does
+//! docs/consumers.md's table says what each [`Delivery`](crate::Delivery) does
 //! here. A requeue is held for its delay without a concurrency slot, but within the prefetch
 //! window (cut short on shutdown). A retry is a copy in the retry queue with a TTL of the
 //! backoff and [`ATTEMPT_HEADER`], which the broker dead-letters back to the main queue:

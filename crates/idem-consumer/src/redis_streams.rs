@@ -21,7 +21,7 @@
 //!                                    XACK the original, EXEC
 //! ```
 //!
-//! README's "Message consumers" table says what each [`Delivery`](crate::Delivery) does
+//! docs/consumers.md's table says what each [`Delivery`](crate::Delivery) does
 //! here. A requeued entry is left pending and made claimable after the delay (at most
 //! [`Topology::claim_idle`]). A copy (retry, dead letter) carries [`ATTEMPT_HEADER`], and
 //! [`RETRY_AT_HEADER`] or [`DEAD_LETTER_REASON_HEADER`]; it is added and the original

@@ -18,7 +18,7 @@
 //! | `elapsed_us` | how long the store took |
 //!
 //! and records `idem_store_calls_total`, `idem_store_call_duration_seconds` and
-//! `idem_lease_lost_total` (README.md, "Metrics", gives their kinds and labels).
+//! `idem_lease_lost_total` (docs/operations.md, "Metrics", gives their kinds and labels).
 //!
 //! Bodies, fingerprints and keys are never recorded.
 

@@ -61,7 +61,7 @@
 //!
 //! ## Work outlives the connection, scope, fingerprint, what is stored
 //!
-//! README.md, "HTTP middleware", says these once: the claimed work runs to its end when the
+//! docs/http-middleware.md says these once: the claimed work runs to its end when the
 //! client disconnects; keys are scoped by [`IdempotencyLayer::with_scope`] ([`bearer_scope`]
 //! is ready-made); the fingerprint covers the method, the path with its query,
 //! [`Config::fingerprint_headers`] and the body (canonical JSON, [`Config::json_selection`]);
@@ -87,7 +87,7 @@
 //! ## Completing in the handler's transaction
 //!
 //! On `PgStore` and the tiered store the handler can commit the completed record in the
-//! same transaction as its business write (README.md, "HTTP middleware"): the
+//! same transaction as its business write (docs/http-middleware.md): the
 //! [`LeaseHandle`] in its request extensions (an axum extractor with the `axum` feature)
 //! hands it the lease, and [`LeaseHandle::committed`] tells the layer not to store the
 //! response again. A handler that does not complete leaves the storing to the layer.

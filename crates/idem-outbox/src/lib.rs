@@ -38,18 +38,18 @@
 //! SKIP LOCKED`, one Redis script per row (pipelined), one `DELETE`.
 //!
 //! What a client sees during each kind of fault (Redis flushed, down or stalled; PostgreSQL
-//! down) is README's table in "The tiered store and its outbox".
+//! down) is the table of docs/tiered.md.
 //!
 //! ## The relay
 //!
 //! [`Relay`] copies the committed completions of the outbox table into Redis, at least once;
 //! its docs say what a batch does and how a failing row ends up dead. Run it as `idem relay
-//! run` (crate `idem-cli`; README, "Running the relay", gives its options, its shutdown and
+//! run` (crate `idem-cli`; docs/tiered.md, "Running the relay", gives its options, its shutdown and
 //! its `--prefix`, which must match [`idem_redis::RedisConfig::prefix`]) or in-process with
 //! [`Relay::run`]. A dead row weakens no guarantee, it only delays the fast path for its
 //! key: PostgreSQL holds the completion, and replays it once the completing lease expired.
 //! Its metrics ([`Relay::metrics`], and `idem_relay_*` through the `metrics` facade) are
-//! listed in README, "Metrics".
+//! listed in docs/operations.md, "Metrics".
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod metrics;

@@ -1,6 +1,6 @@
 //! The routes file (`idem proxy --config FILE`): TOML, every field checked, and an error
-//! that names the file, the line, the field and what is expected. README.md, "idem proxy:
-//! any HTTP service", shows a file with every field.
+//! that names the file, the line, the field and what is expected. The guide's chapter
+//! docs/proxy.md shows a file with every field.
 
 use std::path::Path;
 use std::time::Duration;

@@ -7,8 +7,8 @@
 //! layer's, with nothing written twice. The `idem proxy` command runs it.
 //!
 //! Routes ([`Route`]), forwarding by RFC 9110 ([`HostHeader`], the [`ATTEMPT`] header) and
-//! what becomes of a key when the outcome is unknown ([`idem_http::KeepInFlight`]): README.md,
-//! "idem proxy: any HTTP service".
+//! what becomes of a key when the outcome is unknown ([`idem_http::KeepInFlight`]): the guide's
+//! chapter docs/proxy.md.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {

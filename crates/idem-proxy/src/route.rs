@@ -213,7 +213,7 @@ mod tests {
         assert_eq!(scope_of(&AUTHORIZATION, b"Bearer alice"), Some(alice));
     }
 
-    /// The derivation as the README and `scope_of` describe it, computed by hand.
+    /// The derivation as docs/proxy.md and `scope_of` describe it, computed by hand.
     #[test]
     fn a_scope_is_the_header_name_and_the_framed_sha256_of_the_value() {
         use sha2::{Digest as _, Sha256};

@@ -13,10 +13,11 @@
 //! When it connects (and again whenever a node refuses a command, as after a failover onto
 //! an older server) the store reads every primary's `INFO server` and logs what it chose,
 //! per [`RedisConfig::scripting`]: `SET .. IFEQ` with `DELIFEQ` or `DELEX .. IFEQ` on
-//! Valkey 8.1+ and Redis 8.4+, the [`lua`] scripts on older servers (README.md, "Choosing a
-//! backend", gives the table). Each compare is with the whole in-progress record the lease
-//! holds, rebuilt from the lease; the scripts go through redis-rs's
-//! `Script::invoke_async`, which loads them again after a restart or `SCRIPT FLUSH`.
+//! Valkey 8.1+ and Redis 8.4+, the [`lua`] scripts on older servers (docs/stores.md gives
+//! the table). Each compare is with the whole in-progress record the lease holds: the exact
+//! bytes its `begin` wrote, which the lease carries ([`idem_core::Lease::version`]); the
+//! scripts go through redis-rs's `Script::invoke_async`, which loads them again after a
+//! restart or `SCRIPT FLUSH`.
 //!
 //! ## Quick start
 //!
@@ -144,7 +145,7 @@
 //!
 //! A caller waiting for another worker's result ([`idem_core::Config::wait`]) is woken by
 //! pub/sub on the record's key (sharded pub/sub on a cluster), published only when the
-//! write counts a subscriber: README.md, "Waiting for the holder's result". The conformance
+//! write counts a subscriber: docs/library.md, "Waiting for the holder's result". The conformance
 //! suite runs against Redis 7.0 and Valkey 9.1, one server and a 3-primary cluster each.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
