@@ -814,14 +814,21 @@ fn with_id(headers: &HeaderMap, body: &Bytes, id: &Value) -> Bytes {
 
 /// The JSON-RPC messages of an answer, each with its offset in `body`: the whole body, or,
 /// for `text/event-stream`, each event's `data:` line (a JSON message is one line, as every
-/// SDK writes it; data split over several lines is not looked into).
+/// SDK writes it; data split over several lines is not looked into). A body that does not
+/// open as JSON is read as an event stream too, so that a replay whose `Content-Type` was
+/// not kept ([`crate::Config::replay_headers`]) is still found.
 fn messages<'a>(headers: &HeaderMap, body: &'a [u8]) -> impl Iterator<Item = (usize, &'a str)> {
-    let sse = headers
+    let declared = headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("text/event-stream"));
-    let whole = (!sse)
+    let opens_as_json = body
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|b| matches!(b, b'{' | b'['));
+    let sse = declared || !opens_as_json;
+    let whole = (!declared)
         .then(|| std::str::from_utf8(body).ok().map(|text| (0, text)))
         .flatten();
     let mut lines = Vec::new();
@@ -990,6 +997,12 @@ mod tests {
         assert_eq!(
             &with_id(&sse(), &tight, &json!(2))[..],
             b"data:{\"error\":{\"code\":1},\"id\":2}\n\n"
+        );
+        // An event stream whose Content-Type was not kept is still read as one.
+        let bare = Bytes::from_static(b"event: message\ndata: {\"result\":{},\"id\":1}\n\n");
+        assert_eq!(
+            &with_id(&HeaderMap::new(), &bare, &json!(5))[..],
+            b"event: message\ndata: {\"result\":{},\"id\":5}\n\n"
         );
         // Nothing to rewrite: as it was.
         let other = Bytes::from_static(b"not json");

@@ -464,7 +464,7 @@ mod cases {
     }
 
     pub async fn an_sse_answer_is_replayed_with_the_id_inside_its_event(store: Arc<dyn Store>) {
-        let (server, counts, _) = mcp_on(store).await;
+        let (server, counts, _) = mcp_on(store.clone()).await;
         let sse = ("accept", "text/event-stream");
         let first = server
             .post(
@@ -490,6 +490,19 @@ mod cases {
         assert_eq!(retry.header("content-type"), Some("text/event-stream"));
         let expected = text.replace(r#""id":1,"#, r#""id":2,"#);
         assert_ne!(expected, text);
+        assert_eq!(String::from_utf8(retry.body.to_vec()).unwrap(), expected);
+        assert_eq!(counts.charge.get(), 1);
+        // A route that replays no headers: the stream is still found, and its id rewritten.
+        let rpc = JsonRpc::new(["tools/call"]);
+        let config = Config::default().with_replay_headers([]);
+        let (server, counts, _) = serve_rpc(store, idem_core::Config::default(), rpc, config).await;
+        let body = |id| call(json!(id), Some("sse-2"), json!({"amount": 9}));
+        let first = server.post("/mcp", &[ALICE, JSON, sse], &body(1)).await;
+        let retry = server.post("/mcp", &[ALICE, JSON, sse], &body(2)).await;
+        assert!(retry.replayed());
+        assert_eq!(retry.header("content-type"), None);
+        let text = String::from_utf8(first.body.to_vec()).unwrap();
+        let expected = text.replace(r#""id":1,"#, r#""id":2,"#);
         assert_eq!(String::from_utf8(retry.body.to_vec()).unwrap(), expected);
         assert_eq!(counts.charge.get(), 1);
     }
