@@ -216,3 +216,95 @@ async fn a_store_lost_before_the_end_cuts_the_stream_without_its_last_chunk() {
     // Every event came; only the end did not.
     assert_eq!(rest, events(1, 3)[events(1, 1).len()..], "{broken}");
 }
+
+/// A store two proxies share, for one test: its `--store` URL and naming flags; `None` (the
+/// test returns) when its server is missing and not required.
+async fn shared_store(
+    backend: &str,
+) -> Option<(
+    String,
+    Vec<String>,
+    Option<idem_testkit::redis::RedisCluster>,
+)> {
+    let name = idem_testkit::harness::unique_name("idem_join_");
+    let redis = || idem_testkit::harness::redis_url();
+    let pg = || idem_testkit::harness::database_url();
+    Some(match backend {
+        "redis" => (redis()?, vec!["--prefix".into(), name], None),
+        "postgres" => (pg()?, vec!["--schema".into(), name], None),
+        "tiered" => (
+            format!("tiered:{}|{}", redis()?, pg()?),
+            vec!["--prefix".into(), name.clone(), "--schema".into(), name],
+            None,
+        ),
+        _ => {
+            if !idem_testkit::redis::available() {
+                return None;
+            }
+            let cluster =
+                tokio::task::spawn_blocking(|| idem_testkit::redis::RedisCluster::start(3))
+                    .await
+                    .unwrap()
+                    .expect("start a 3-primary cluster");
+            (cluster.url(), vec![], Some(cluster))
+        }
+    })
+}
+
+/// Two proxies on one store: a client streams through the first, and a duplicate that comes
+/// through the second while the stream runs joins it: the same status and content type, the
+/// whole stream byte for byte (what came before it joined, then the rest live), and the
+/// same clean end; the upstream runs once.
+async fn a_duplicate_on_another_proxy_joins_the_stream(backend: &str) {
+    let Some((store, flags, _cluster)) = shared_store(backend).await else {
+        return;
+    };
+    let (up, client) = (upstream(), client());
+    let start = |extra: &[String]| {
+        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_stream_"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.toml");
+        std::fs::write(&file, routes("")).unwrap();
+        let args = [
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &up.printed,
+        ];
+        let mut command = idem(&args);
+        command.args(["--store", &store, "--config"]).arg(&file);
+        command.arg("--migrate").args(extra);
+        Proc::listening(command)
+    };
+    let (a, b) = (start(&flags), start(&flags));
+    let key = format!("join-{}", uuid::Uuid::new_v4().simple());
+    let response = open(&client, &a, &key, "n=8&ms=250").await;
+    let mut body = response.into_body();
+    let first = next_data(&mut body).await;
+    // Events 0 and 1 have gone out before the duplicate comes.
+    let second = next_data(&mut body).await;
+    let joined = open(&client, &b, &key, "n=8&ms=250").await;
+    assert_eq!(joined.status(), StatusCode::OK);
+    assert_eq!(joined.headers()["content-type"], "text/event-stream");
+    assert_eq!(joined.headers()["idempotent-replayed"], "true");
+    let rest = body.collect().await.expect("a clean end").to_bytes();
+    let whole = Bytes::from([first, second, rest].concat());
+    assert_eq!(whole, events(1, 8));
+    let joined = joined.into_body().collect().await.expect("a clean end");
+    assert_eq!(joined.to_bytes(), whole, "the joined stream, byte for byte");
+    assert_eq!(runs(&client, &up, &key).await, 1);
+}
+
+macro_rules! on_every_shared_store {
+    ($($backend:ident),* $(,)?) => {$(
+        mod $backend {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_duplicate_on_another_proxy_joins_the_stream() {
+                super::a_duplicate_on_another_proxy_joins_the_stream(stringify!($backend)).await;
+            }
+        }
+    )*};
+}
+
+on_every_shared_store!(redis, redis_cluster, postgres, tiered);

@@ -162,8 +162,15 @@
 //! dropped instead, the key released and nothing stored. A stream over the limit is passed
 //! on unstored per [`Config::unstored`], decided at its end. Memory per live stream is the
 //! kept copy (at most the limit) and a few frames on their way to a slow client, whose
-//! pace the reading follows while it is connected. Duplicates meanwhile get 409, or wait
-//! with [`idem_core::Config::wait`], as for any request in flight.
+//! pace the reading follows while it is connected.
+//!
+//! A duplicate that comes while the stream runs joins it, on any instance on the same
+//! store: the stream is written to the store in batches as it comes (16 KiB, or 20 ms after
+//! a batch's first byte; [`idem_core::Store::append`], fenced by the lease), and the
+//! duplicate gets the same status and replayed headers, every byte so far, then the rest as
+//! it comes, and the same end. Before the head is written, or once the stream has ended or
+//! will not be stored, duplicates get 409, or wait with [`idem_core::Config::wait`], as for
+//! any request in flight.
 //!
 //! ## When storing the response fails
 //!
@@ -204,6 +211,7 @@ mod config;
 mod error;
 mod future;
 mod handle;
+mod join;
 pub mod jsonrpc;
 mod layer;
 mod outcome;

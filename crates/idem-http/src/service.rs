@@ -250,6 +250,11 @@ async fn decide(shared: &Shared, id: &RecordId, fingerprint: Fingerprint) -> Dec
             Decision::Answer(replay_response(config, replay))
         }
         Ok(Begin::InFlight { retry_after }) => {
+            // A response that streams is joined: its head, what came so far, then the rest.
+            if let Some(joined) = crate::join::join(config, &shared.idem, id).await {
+                shared.observe(Outcome::Replayed);
+                return Decision::Answer(joined);
+            }
             let retry_after = retry_after.min(config.in_flight_retry_after);
             answer(Outcome::InFlight, Problem::in_flight(retry_after))
         }
@@ -481,6 +486,11 @@ where
     if storable && (config.store_status)(parts.status) {
         insert_expires(&mut parts.headers, shared.idem.config().retention);
     }
+    // Recorded as it comes, for duplicates to join, when it may be stored at its end.
+    let recorder = (storable && (config.store_status)(parts.status)).then(|| {
+        let head = crate::join::encode_head(config, parts.status, &parts.headers);
+        crate::join::Recorder::start(&shared.idem, lease.clone(), head)
+    });
     let (tx, mut rx) = mpsc::channel::<Sent>(FRAMES_AHEAD);
     let pumped = pump(
         shared.clone(),
@@ -488,7 +498,7 @@ where
         lease,
         head,
         keep_in_flight,
-        (first, body),
+        (first, body, recorder),
         tx,
     );
     tokio::spawn(pumped.in_current_span());
@@ -523,7 +533,11 @@ async fn pump<R>(
     lease: Lease,
     (status, headers): (StatusCode, HeaderMap),
     keep_in_flight: Option<KeepInFlight>,
-    body: (Option<Frame<Bytes>>, Pin<Box<R>>),
+    body: (
+        Option<Frame<Bytes>>,
+        Pin<Box<R>>,
+        Option<crate::join::Recorder>,
+    ),
     tx: mpsc::Sender<Sent>,
 ) where
     R: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
@@ -613,7 +627,11 @@ async fn pump<R>(
 /// seen gone, dropping the body.
 async fn read_on<R>(
     config: &crate::Config,
-    (mut first, mut body): (Option<Frame<Bytes>>, Pin<Box<R>>),
+    (mut first, mut body, mut recorder): (
+        Option<Frame<Bytes>>,
+        Pin<Box<R>>,
+        Option<crate::join::Recorder>,
+    ),
     tx: &mpsc::Sender<Sent>,
 ) -> Read
 where
@@ -660,9 +678,17 @@ where
             chunks.push(data.clone());
             if chunks.len() > limit {
                 kept = None;
+                // Never stored: nothing more for duplicates to join.
+                recorder = None;
             }
         }
+        if let Some(recorder) = &recorder {
+            recorder.push(data.clone());
+        }
         if body.is_end_stream() {
+            if let Some(recorder) = recorder {
+                recorder.end();
+            }
             return Read::Ended {
                 kept: kept.map(Chunks::into_bytes),
                 trailers,
@@ -676,6 +702,9 @@ where
             }
             client = false;
         }
+    }
+    if let Some(recorder) = recorder {
+        recorder.end();
     }
     Read::Ended {
         kept: kept.map(Chunks::into_bytes),

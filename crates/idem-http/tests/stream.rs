@@ -283,12 +283,18 @@ async fn a_stream_longer_than_the_lease_keeps_its_key() {
 
     let response = open(&server).await;
     // Well past the lease (1.5 s of events against 600 ms), the stream still holds the key:
-    // a duplicate is refused, not run again.
+    // a duplicate joins it, and the work is not run again.
     tokio::time::sleep(ms(1200)).await;
     let duplicate = server.post("/events", &[KEY], "").await;
-    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
     let body = response.into_body().collect().await.expect("a clean end");
     assert_eq!(body.to_bytes(), all_events(1, 7, 0));
+    assert_eq!(duplicate.status, StatusCode::OK, "{duplicate:?}");
+    assert!(duplicate.replayed(), "{duplicate:?}");
+    assert_eq!(
+        duplicate.body,
+        all_events(1, 7, 0),
+        "the joined stream, byte for byte"
+    );
     assert!(probe.ended());
     let retry = server.post("/events", &[KEY], "").await;
     assert!(retry.replayed(), "{retry:?}");

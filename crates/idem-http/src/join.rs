@@ -1,0 +1,373 @@
+//! Streamed responses shared while they run: the first caller's streamed response goes to
+//! the store as it comes ([`Recorder`]), and a duplicate that arrives meanwhile, on any
+//! instance on the same store, joins it ([`join`]): the same status and headers, every byte
+//! produced so far, then the rest live, and the same end.
+//!
+//! What the store holds for a stream ([`idem_core::Store::append`]) is a sequence of frames,
+//! each `[kind, u8][length, u32][payload]`: `H`, the head (`idem_core::encode_meta` of the
+//! status and the replayed headers); `D`, bytes of the body as they were sent; then `E` once
+//! the body has ended (its completion is being stored), or `X` when the response will not
+//! be stored (over the size limit, broken off, or given up with its client). A duplicate
+//! joins only a stream still being produced; one that comes after `E` or `X` is answered as
+//! for any request in flight. The completion, stored when the body ends, is the commit
+//! point for a joined client as for the first one: its body ends cleanly only once the
+//! record is completed, and with an error on `X`, when the record is released, or when its
+//! holder's lease runs out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::StreamBody;
+use idem_core::{
+    decode_meta, encode_meta, BoxError, CompletionKind, Idem, Lease, RecordId, Store, StreamRead,
+};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::body::ResponseBody;
+use crate::config::Config;
+use crate::response::REPLAYED;
+
+/// A batch is written once it holds this many bytes...
+const BATCH_BYTES: usize = 16 * 1024;
+/// ... or this long after its first byte came, whichever is first: a token-by-token stream
+/// costs a store write per batch, not per token, and a joined client lags by at most this
+/// (plus a store round trip).
+const BATCH_WAIT: Duration = Duration::from_millis(20);
+/// A joined client's look at the stream when no notification came: a safety net for a
+/// notification lost with a connection.
+const SAFETY_POLL: Duration = Duration::from_secs(1);
+
+const HEAD: u8 = b'H';
+const DATA: u8 = b'D';
+const ENDED: u8 = b'E';
+const ABANDONED: u8 = b'X';
+
+/// One frame of a stream, as the store keeps it.
+fn frame(kind: u8, payload: &[u8], out: &mut BytesMut) {
+    out.extend_from_slice(&[kind]);
+    out.extend_from_slice(
+        &u32::try_from(payload.len())
+            .unwrap_or(u32::MAX)
+            .to_be_bytes(),
+    );
+    out.extend_from_slice(payload);
+}
+
+/// The frames at the start of `bytes`, and how many bytes they take (a frame cut short at
+/// the end is left for the next read).
+fn frames(bytes: &[u8]) -> (Vec<(u8, &[u8])>, usize) {
+    let mut found = Vec::new();
+    let mut at = 0;
+    while let Some(header) = bytes.get(at..at + 5) {
+        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+        let Some(payload) = bytes.get(at + 5..at + 5 + len) else {
+            break;
+        };
+        found.push((header[0], payload));
+        at += 5 + len;
+    }
+    (found, at)
+}
+
+/// The head of a stream as the store keeps it: the status and the headers a replay carries.
+pub(crate) fn encode_head(config: &Config, status: StatusCode, headers: &HeaderMap) -> Vec<u8> {
+    let head = config.to_stored(status, headers, Bytes::new());
+    let mut out = BytesMut::new();
+    frame(
+        HEAD,
+        &encode_meta(CompletionKind::Succeeded, &head),
+        &mut out,
+    );
+    out.to_vec()
+}
+
+/// What the recording task is handed.
+#[derive(Debug)]
+enum Piece {
+    /// Bytes of the body.
+    Data(Bytes),
+    /// The end: `E` (the body ended; its completion follows) or `X` (it will not be stored).
+    End(u8),
+}
+
+/// Writes a streamed response into the store under its lease, in batches, from a task of
+/// its own, so that the client's frames never wait for a store write. A write that fails
+/// ends the recording (joined clients then see the stream end with an error, or its
+/// completion): the first client's response does not depend on it. Dropped without
+/// [`Recorder::end`], it marks the stream as not to be stored.
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    pieces: mpsc::UnboundedSender<Piece>,
+    ended: bool,
+}
+
+impl Recorder {
+    /// Starts recording the stream of `lease`'s record: `head` first (written at once, so a
+    /// duplicate can join as soon as the head is there), then what [`Recorder::push`] gets.
+    pub(crate) fn start(idem: &Idem, lease: Lease, head: Vec<u8>) -> Self {
+        let (pieces, received) = mpsc::unbounded_channel();
+        let store = idem.store().clone();
+        let limit = idem.config().store_timeout;
+        tokio::spawn(record(store, limit, lease, head, received).in_current_span());
+        Self {
+            pieces,
+            ended: false,
+        }
+    }
+
+    /// Hands the next bytes of the body to the recording. The caller bounds what it hands
+    /// over (the layer stops at [`Config::max_response_body`]).
+    pub(crate) fn push(&self, bytes: Bytes) {
+        // The task ended (a failed write): the recording is over, the response goes on.
+        let _ = self.pieces.send(Piece::Data(bytes));
+    }
+
+    /// The body ended whole: joined clients wait for its completion.
+    pub(crate) fn end(mut self) {
+        self.ended = true;
+        let _ = self.pieces.send(Piece::End(ENDED));
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        if !self.ended {
+            let _ = self.pieces.send(Piece::End(ABANDONED));
+        }
+    }
+}
+
+/// The recording task: the head, then batches of what comes (a `D` frame each), each
+/// written at the offset where the last one ended, then the end's frame.
+async fn record(
+    store: Arc<dyn Store>,
+    limit: Duration,
+    lease: Lease,
+    head: Vec<u8>,
+    mut received: mpsc::UnboundedReceiver<Piece>,
+) {
+    let mut at = 0u64;
+    let mut pending = BytesMut::from(&head[..]);
+    let mut data = BytesMut::new();
+    let mut end = None;
+    loop {
+        if !data.is_empty() {
+            frame(DATA, &data, &mut pending);
+            data.clear();
+        }
+        if let Some(kind) = end {
+            frame(kind, &[], &mut pending);
+        }
+        if !pending.is_empty() {
+            let written = tokio::time::timeout(limit, store.append(&lease, at, &pending)).await;
+            match written {
+                Ok(Ok(())) => {
+                    at += pending.len() as u64;
+                    pending.clear();
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "a streamed response is no longer recorded");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "a streamed response is no longer recorded: the store did not answer"
+                    );
+                    return;
+                }
+            }
+        }
+        if end.is_some() {
+            return;
+        }
+        // The next batch: its first piece, then what comes within the batch's time.
+        match received.recv().await {
+            Some(Piece::Data(piece)) => data.extend_from_slice(&piece),
+            Some(Piece::End(kind)) => end = Some(kind),
+            None => end = Some(ABANDONED),
+        }
+        let due = Instant::now() + BATCH_WAIT;
+        while end.is_none() && data.len() < BATCH_BYTES {
+            tokio::select! {
+                piece = received.recv() => match piece {
+                    Some(Piece::Data(piece)) => data.extend_from_slice(&piece),
+                    Some(Piece::End(kind)) => end = Some(kind),
+                    None => end = Some(ABANDONED),
+                },
+                () = tokio::time::sleep_until(due) => break,
+            }
+        }
+    }
+}
+
+/// A duplicate of a request whose response streams: the response as far as the store has
+/// it, then the rest as it comes, and the same end. `None` when there is nothing to join
+/// (no stream, or its head not written yet): the caller answers as for any request in
+/// flight.
+pub(crate) async fn join(
+    config: &Config,
+    idem: &Idem,
+    id: &RecordId,
+) -> Option<Response<ResponseBody>> {
+    let store = idem.store().clone();
+    let limit = idem.config().store_timeout;
+    // Registered before the first read, so that nothing appended after it goes unnoticed.
+    let watch = tokio::time::timeout(limit, store.watch(id))
+        .await
+        .ok()
+        .flatten();
+    let read = tokio::time::timeout(limit, store.read_stream(id, 0)).await;
+    let StreamRead::Live { token, bytes, .. } = read.ok()?.ok()? else {
+        return None;
+    };
+    let (found, _) = frames(&bytes);
+    let (&(kind, meta), rest) = found.split_first()?;
+    // Only a stream still being produced is joined.
+    if kind != HEAD || rest.iter().any(|(kind, _)| *kind != DATA) {
+        return None;
+    }
+    let head = decode_meta(meta, Bytes::new()).ok()?.response;
+    let status = StatusCode::from_u16(head.status).ok()?;
+    let mut response = Response::new(());
+    *response.status_mut() = status;
+    for (name, value) in head.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&value),
+        ) {
+            if config.replays(&name) {
+                response.headers_mut().append(name, value);
+            }
+        }
+    }
+    response
+        .headers_mut()
+        .insert(REPLAYED, HeaderValue::from_static("true"));
+    let follow = Follow {
+        store,
+        limit,
+        id: id.clone(),
+        token,
+        at: bytes.len() as u64,
+        unread: BytesMut::from(&bytes[..]),
+        sent: 0,
+        ended: false,
+        watch,
+        done: false,
+    };
+    let frames = futures_util::stream::unfold(follow, Follow::next);
+    Some(response.map(|()| ResponseBody::new(StreamBody::new(frames))))
+}
+
+/// A joined client's place in the stream.
+struct Follow {
+    store: Arc<dyn Store>,
+    limit: Duration,
+    id: RecordId,
+    /// The holder whose stream this is: another token means another attempt's stream.
+    token: idem_core::FencingToken,
+    /// How far into the stream's bytes it has read.
+    at: u64,
+    /// Bytes read and not parsed yet (a frame cut short by the read's end).
+    unread: BytesMut,
+    /// How many bytes of the body the client was sent.
+    sent: u64,
+    /// The stream's `E` frame was read: the body ended, its completion is on its way.
+    ended: bool,
+    watch: Option<idem_core::Watch>,
+    done: bool,
+}
+
+impl Follow {
+    /// The next frame: body bytes recorded since the last one, the rest of the completion
+    /// and then the clean end, or an error when the stream will not complete.
+    async fn next(mut self) -> Option<(Result<Frame<Bytes>, BoxError>, Self)> {
+        if self.done {
+            return None;
+        }
+        loop {
+            // What was read and not sent yet: the body's bytes, up to the last whole frame.
+            let (found, used) = frames(&self.unread);
+            let mut body = BytesMut::new();
+            let mut abandoned = false;
+            for (kind, payload) in found {
+                match kind {
+                    HEAD => {}
+                    DATA => body.extend_from_slice(payload),
+                    ENDED => self.ended = true,
+                    _ => abandoned = true,
+                }
+            }
+            let _ = self.unread.split_to(used);
+            if !body.is_empty() {
+                self.sent += body.len() as u64;
+                return Some((Ok(Frame::data(body.freeze())), self));
+            }
+            if abandoned {
+                return self.fail("the response will not be recorded".to_owned());
+            }
+            let read =
+                tokio::time::timeout(self.limit, self.store.read_stream(&self.id, self.at)).await;
+            let read = match read {
+                Ok(Ok(read)) => read,
+                Ok(Err(e)) => return self.fail(format!("the stream could not be read: {e}")),
+                Err(_) => return self.fail("the store did not answer".to_owned()),
+            };
+            match read {
+                StreamRead::Live { token, .. } if token != self.token => {
+                    return self.fail("another attempt took the key over".to_owned())
+                }
+                StreamRead::Live { bytes, .. } if !bytes.is_empty() => {
+                    self.at += bytes.len() as u64;
+                    self.unread.extend_from_slice(&bytes);
+                }
+                StreamRead::Live {
+                    lease_remaining, ..
+                } if lease_remaining.is_zero() => {
+                    return self.fail("the stream's holder stopped before its end".to_owned())
+                }
+                StreamRead::Live { .. } => self.wait().await,
+                StreamRead::Completed(completion) => {
+                    // The rest from the stored response, which is the stream's body whole.
+                    self.done = true;
+                    let body = completion.response.body;
+                    let Some(rest) = usize::try_from(self.sent)
+                        .ok()
+                        .filter(|sent| *sent <= body.len())
+                        .map(|sent| body.slice(sent..))
+                    else {
+                        return self.fail("the stored response differs from the stream".into());
+                    };
+                    return (!rest.is_empty()).then(|| (Ok(Frame::data(rest)), self));
+                }
+                StreamRead::Absent => {
+                    return self.fail("the work ended without a stored response".to_owned())
+                }
+                _ => return self.fail("the stream is in an unknown state".to_owned()),
+            }
+        }
+    }
+
+    /// Waits for more: a notification, or the safety poll.
+    async fn wait(&mut self) {
+        match &mut self.watch {
+            Some(watch) => {
+                let _ = tokio::time::timeout(SAFETY_POLL, watch.changed()).await;
+            }
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+
+    /// Ends the joined client's body with an error: it sees no clean end, and a retry with
+    /// the same key gets the key's answer.
+    fn fail(mut self, why: String) -> Option<(Result<Frame<Bytes>, BoxError>, Self)> {
+        self.done = true;
+        tracing::debug!(why, "a joined stream ends without its clean end");
+        Some((Err(why.into()), self))
+    }
+}
