@@ -213,6 +213,7 @@ pub(crate) async fn join(
     config: &Config,
     idem: &Idem,
     id: &RecordId,
+    last_event_id: Option<&str>,
 ) -> Option<Response<ResponseBody>> {
     let store = idem.store().clone();
     let limit = idem.config().store_timeout;
@@ -233,6 +234,10 @@ pub(crate) async fn join(
     }
     let head = decode_meta(meta, Bytes::new()).ok()?.response;
     let status = StatusCode::from_u16(head.status).ok()?;
+    // A client resuming a stream of events gets those after the last one it received.
+    let resume = last_event_id
+        .filter(|_| is_event_stream(&head.headers))
+        .map(|last| (last.to_owned(), BytesMut::new()));
     let mut response = Response::new(());
     *response.status_mut() = status;
     for (name, value) in head.headers {
@@ -255,6 +260,7 @@ pub(crate) async fn join(
         token,
         at: bytes.len() as u64,
         unread: BytesMut::from(&bytes[..]),
+        resume,
         sent: 0,
         ended: false,
         watch,
@@ -275,6 +281,9 @@ struct Follow {
     at: u64,
     /// Bytes read and not parsed yet (a frame cut short by the read's end).
     unread: BytesMut,
+    /// While the client resumes after an event (`Last-Event-ID`) not seen yet: its id, and
+    /// the body's bytes held back until that event has gone by.
+    resume: Option<(String, BytesMut)>,
     /// How many bytes of the body the client was sent.
     sent: u64,
     /// The stream's `E` frame was read: the body ended, its completion is on its way.
@@ -306,7 +315,10 @@ impl Follow {
             let _ = self.unread.split_to(used);
             if !body.is_empty() {
                 self.sent += body.len() as u64;
-                return Some((Ok(Frame::data(body.freeze())), self));
+                if let Some(body) = self.resumed(body.freeze()) {
+                    return Some((Ok(Frame::data(body)), self));
+                }
+                continue;
             }
             if abandoned {
                 return self.fail("the response will not be recorded".to_owned());
@@ -336,11 +348,12 @@ impl Follow {
                     // The rest from the stored response, which is the stream's body whole.
                     self.done = true;
                     let body = completion.response.body;
-                    let Some(rest) = usize::try_from(self.sent)
-                        .ok()
-                        .filter(|sent| *sent <= body.len())
-                        .map(|sent| body.slice(sent..))
-                    else {
+                    let from = match self.resume.take() {
+                        // The event was not in what came before: look in the whole body.
+                        Some((last, _)) => after_event(&body, &last).unwrap_or(0),
+                        None => usize::try_from(self.sent).unwrap_or(usize::MAX),
+                    };
+                    let Some(rest) = (from <= body.len()).then(|| body.slice(from..)) else {
                         return self.fail("the stored response differs from the stream".into());
                     };
                     return (!rest.is_empty()).then(|| (Ok(Frame::data(rest)), self));
@@ -351,6 +364,19 @@ impl Follow {
                 _ => return self.fail("the stream is in an unknown state".to_owned()),
             }
         }
+    }
+
+    /// What of `body` the client gets: all of it, or, while it resumes after an event not
+    /// seen yet, nothing until that event has gone by, then the bytes after it.
+    fn resumed(&mut self, body: Bytes) -> Option<Bytes> {
+        let Some((last, held)) = &mut self.resume else {
+            return Some(body);
+        };
+        held.extend_from_slice(&body);
+        let at = after_event(held, last)?;
+        let rest = held.split_off(at).freeze();
+        self.resume = None;
+        (!rest.is_empty()).then_some(rest)
     }
 
     /// Waits for more: a notification, or the safety poll.
@@ -369,5 +395,80 @@ impl Follow {
         self.done = true;
         tracing::debug!(why, "a joined stream ends without its clean end");
         Some((Err(why.into()), self))
+    }
+}
+
+/// The offset in a Server-Sent Events body just past the event whose `id` field is `id`:
+/// where a client that last received that event resumes (`Last-Event-ID`); `None` when no
+/// event carries it. Events end at a blank line; the bytes are kept as they were sent.
+///
+/// Written here rather than with an SSE parsing crate: those hand back parsed events, and a
+/// resumed stream must be the recorded bytes from an event's end on, which needs each
+/// event's place in the bytes.
+pub(crate) fn after_event(body: &[u8], id: &str) -> Option<usize> {
+    let mut at = 0;
+    let mut event_id: Option<&[u8]> = None;
+    while at < body.len() {
+        let rest = &body[at..];
+        let (line, next) = match rest.iter().position(|b| *b == b'\n' || *b == b'\r') {
+            Some(end) => {
+                let skip = if rest[end] == b'\r' && rest.get(end + 1) == Some(&b'\n') {
+                    2
+                } else {
+                    1
+                };
+                (&rest[..end], at + end + skip)
+            }
+            // An event not ended yet.
+            None => return None,
+        };
+        if line.is_empty() {
+            if event_id == Some(id.as_bytes()) {
+                return Some(next);
+            }
+            event_id = None;
+        } else if let Some(value) = line.strip_prefix(b"id:") {
+            event_id = Some(value.strip_prefix(b" ").unwrap_or(value));
+        }
+        at = next;
+    }
+    None
+}
+
+/// Whether a response's headers say its body is Server-Sent Events.
+pub(crate) fn is_event_stream(headers: &[(String, Vec<u8>)]) -> bool {
+    headers.iter().any(|(name, value)| {
+        name.eq_ignore_ascii_case("content-type") && value.starts_with(b"text/event-stream")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_found_by_id_and_resumed_after_their_blank_line() {
+        let body = b"id: 1\ndata: a\n\n: a comment\nid:2\r\ndata: b\r\n\r\ndata: c\n\n";
+        let after = |id| after_event(body, id).map(|at| &body[at..]);
+        assert_eq!(
+            after("1"),
+            Some(&b": a comment\nid:2\r\ndata: b\r\n\r\ndata: c\n\n"[..])
+        );
+        assert_eq!(after("2"), Some(&b"data: c\n\n"[..]));
+        assert_eq!(after("3"), None);
+        // An event not ended yet is not resumed after.
+        assert_eq!(after_event(b"id: 9\ndata: x\n", "9"), None);
+    }
+
+    #[test]
+    fn frames_are_read_whole_and_a_frame_cut_short_waits() {
+        let mut bytes = BytesMut::new();
+        frame(HEAD, b"h", &mut bytes);
+        frame(DATA, b"data", &mut bytes);
+        let whole = bytes.len();
+        frame(DATA, b"more", &mut bytes);
+        let (found, used) = frames(&bytes[..whole + 3]);
+        assert_eq!(found, vec![(HEAD, &b"h"[..]), (DATA, &b"data"[..])]);
+        assert_eq!(used, whole);
     }
 }

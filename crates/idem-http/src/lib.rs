@@ -170,7 +170,8 @@
 //! duplicate gets the same status and replayed headers, every byte so far, then the rest as
 //! it comes, and the same end. Before the head is written, or once the stream has ended or
 //! will not be stored, duplicates get 409, or wait with [`idem_core::Config::wait`], as for
-//! any request in flight.
+//! any request in flight. A retry of a `text/event-stream` response that carries
+//! `Last-Event-ID` gets only the events after that one, joined live or replayed.
 //!
 //! ## When storing the response fails
 //!

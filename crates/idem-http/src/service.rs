@@ -214,7 +214,14 @@ where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
-    let lease = match decide(&shared, &id, fingerprint).await {
+    // The client's place in a stream of events it resumes: a replay or a joined stream
+    // starts after that event.
+    let last_event_id = req
+        .headers()
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let lease = match decide(&shared, &id, fingerprint, last_event_id.as_deref()).await {
         Decision::Run(lease) => lease,
         Decision::Answer(response) => return Ok(response),
         Decision::FailOpen => return pass(inner, req).await,
@@ -240,18 +247,31 @@ enum Decision {
 /// another request holds the key (or, with [`idem_core::Config::wait`], answer with its
 /// response once stored), refuse a mismatch with 422, or, the store failing, refuse with
 /// 503 / 500 or fail open.
-async fn decide(shared: &Shared, id: &RecordId, fingerprint: Fingerprint) -> Decision {
+async fn decide(
+    shared: &Shared,
+    id: &RecordId,
+    fingerprint: Fingerprint,
+    last_event_id: Option<&str>,
+) -> Decision {
     let config = &shared.config;
     let answer = |outcome, problem| Decision::Answer(refuse(shared, outcome, problem));
     match shared.idem.begin(id, fingerprint).await {
         Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => Decision::Run(lease),
-        Ok(Begin::Replay(replay)) => {
+        Ok(Begin::Replay(mut replay)) => {
             shared.observe(Outcome::Replayed);
+            let response = &mut replay.completion.response;
+            if let Some(last) =
+                last_event_id.filter(|_| crate::join::is_event_stream(&response.headers))
+            {
+                if let Some(at) = crate::join::after_event(&response.body, last) {
+                    response.body = response.body.slice(at..);
+                }
+            }
             Decision::Answer(replay_response(config, replay))
         }
         Ok(Begin::InFlight { retry_after }) => {
             // A response that streams is joined: its head, what came so far, then the rest.
-            if let Some(joined) = crate::join::join(config, &shared.idem, id).await {
+            if let Some(joined) = crate::join::join(config, &shared.idem, id, last_event_id).await {
                 shared.observe(Outcome::Replayed);
                 return Decision::Answer(joined);
             }

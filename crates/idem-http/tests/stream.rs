@@ -369,3 +369,40 @@ async fn a_streamed_bodys_trailers_reach_its_client_and_are_not_replayed() {
     assert!(collected.trailers().is_none());
     assert_eq!(collected.to_bytes(), "part 0\npart 1\n");
 }
+
+/// `POST /events` with the key and `Last-Event-ID: last`, read whole.
+async fn resume(server: &Server, last: &'static str) -> Reply {
+    server
+        .post("/events", &[KEY, ("last-event-id", last)], "")
+        .await
+}
+
+/// A client that lost a stream of events resumes after the last event it received: from
+/// the record once the stream is complete, and live when it joins the stream still
+/// running; the work runs once.
+#[tokio::test]
+async fn a_dropped_client_resumes_after_its_last_event_id() {
+    let store = Arc::new(MemoryStore::new());
+    let gap = Duration::from_millis(200);
+    let (server, runs, _, _) = serve_events(store, Config::default(), 6, gap, 0).await;
+
+    let mut body = open(&server).await.into_body();
+    next_data(&mut body).await;
+    next_data(&mut body).await;
+    // Joined while it runs, after event 1: events 2 to 5, live, then the clean end.
+    let joined = resume(&server, "1").await;
+    assert!(joined.replayed(), "{joined:?}");
+    let after =
+        |from: usize| -> Bytes { (from..6).map(|i| event(1, i, 0)).collect::<String>().into() };
+    assert_eq!(joined.body, after(2));
+    body.collect().await.expect("a clean end");
+    // From the record: after event 3, then after the last one (nothing left).
+    assert_eq!(resume(&server, "3").await.body, after(4));
+    assert_eq!(resume(&server, "5").await.body, "");
+    // An id the stream never had: the whole stream.
+    assert_eq!(
+        resume(&server, "no-such-id").await.body,
+        all_events(1, 6, 0)
+    );
+    assert_eq!(runs.get(), 1);
+}
