@@ -296,12 +296,70 @@ async fn a_duplicate_on_another_proxy_joins_the_stream(backend: &str) {
     assert_eq!(runs(&client, &up, &key).await, 1);
 }
 
+/// A proxy killed (`kill -9`) while it streams: a duplicate that joined through the other
+/// proxy sees its stream end with an error (not a clean end: nothing was recorded), and a
+/// retry once the dead proxy's lease ran out runs the work again as attempt 2, whose
+/// stream the retry gets whole.
+async fn a_killed_holder_ends_a_joined_stream_with_an_error(backend: &str) {
+    let Some((store, flags, _cluster)) = shared_store(backend).await else {
+        return;
+    };
+    let (up, client) = (upstream(), client());
+    let start = |extra: &[String]| {
+        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_stream_"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.toml");
+        std::fs::write(&file, routes("lease_secs = 2")).unwrap();
+        let args = [
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &up.printed,
+        ];
+        let mut command = idem(&args);
+        command.args(["--store", &store, "--config"]).arg(&file);
+        command.arg("--migrate").args(extra);
+        Proc::listening(command)
+    };
+    let (mut a, b) = (start(&flags), start(&flags));
+    let key = format!("kill-{}", uuid::Uuid::new_v4().simple());
+    let mut body = open(&client, &a, &key, "n=12&ms=100").await.into_body();
+    next_data(&mut body).await;
+    next_data(&mut body).await;
+    let joined = open(&client, &b, &key, "n=12&ms=100").await;
+    assert_eq!(joined.status(), StatusCode::OK);
+    let mut joined = joined.into_body();
+    a.stop();
+    let ended = loop {
+        match tokio::time::timeout(secs(15), joined.frame()).await {
+            Ok(Some(Ok(_))) => continue,
+            Ok(Some(Err(e))) => break Ok(e),
+            Ok(None) => break Err("a clean end of a stream whose holder died"),
+            Err(_) => break Err("the joined stream never ended"),
+        }
+    };
+    ended.expect("the joined stream ends with an error");
+    // The dead proxy's lease (2 s) has run out: a retry runs the work again, attempt 2.
+    let retry = post(&client, &b, &key, "n=12&ms=100").await;
+    assert_eq!(retry.status, StatusCode::OK, "{retry:?}");
+    assert!(!retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, events(2, 12));
+    assert_eq!(runs(&client, &up, &key).await, 2);
+}
+
 macro_rules! on_every_shared_store {
     ($($backend:ident),* $(,)?) => {$(
         mod $backend {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_duplicate_on_another_proxy_joins_the_stream() {
                 super::a_duplicate_on_another_proxy_joins_the_stream(stringify!($backend)).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_killed_holder_ends_a_joined_stream_with_an_error() {
+                super::a_killed_holder_ends_a_joined_stream_with_an_error(stringify!($backend))
+                    .await;
             }
         }
     )*};
