@@ -147,6 +147,11 @@ pub struct Config {
     /// What happens to a streamed response's work when its client goes away before the
     /// end. Default: [`OnDisconnect::Continue`].
     pub on_disconnect: OnDisconnect,
+    /// Numbers the events of a `text/event-stream` response that carry no `id:` field of
+    /// their own: each event with data gets `id: N`, its sequence number from 0, before its
+    /// other lines, so that a client can resume with `Last-Event-ID` and every replay
+    /// carries the same ids. Default: `false` (the events as the service sent them).
+    pub sse_ids: bool,
     /// Which statuses are stored and replayed; for the others the key is released so that a
     /// retry runs the handler again. Default: [`default_store_status`], 2xx and the 4xx
     /// that are final for the request, never 401, 403, 408, 409, 423, 425 or 429 (its docs
@@ -204,6 +209,7 @@ impl Default for Config {
             max_response_body: 1 << 20,
             unstored: Unstored::KeepLease,
             on_disconnect: OnDisconnect::Continue,
+            sse_ids: false,
             store_status: Arc::new(default_store_status),
             replay_headers: [
                 http::header::CONTENT_TYPE,
@@ -246,7 +252,8 @@ impl fmt::Debug for Config {
             max_request_body,
             max_response_body,
             unstored,
-            on_disconnect
+            on_disconnect,
+            sse_ids
         );
         out.field("store_status", &"Fn(StatusCode) -> bool");
         fields!(

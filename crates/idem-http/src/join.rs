@@ -435,6 +435,80 @@ pub(crate) fn after_event(body: &[u8], id: &str) -> Option<usize> {
     None
 }
 
+/// Numbers the events of a stream of Server-Sent Events that carry no `id:` field
+/// ([`Config::sse_ids`]): each event with data gets `id: N`, its sequence number from 0, as
+/// its first line. Bytes are handed on event by event: a partial event waits for its end
+/// (or for [`SseIds::finish`]).
+#[derive(Debug, Default)]
+pub(crate) struct SseIds {
+    next: u64,
+    pending: BytesMut,
+}
+
+impl SseIds {
+    /// The complete events of what came so far, numbered.
+    pub(crate) fn push(&mut self, data: &[u8]) -> Bytes {
+        self.pending.extend_from_slice(data);
+        let mut out = BytesMut::new();
+        while let Some(end) = event_end(&self.pending) {
+            let event = self.pending.split_to(end);
+            let has = |field: &[u8]| {
+                event[..]
+                    .split(|b: &u8| *b == b'\n' || *b == b'\r')
+                    .any(|line| line.starts_with(field))
+            };
+            if has(b"data")
+                && !has(b"id:")
+                && !event[..].split(|b: &u8| *b == b'\n').any(|l| l == b"id")
+            {
+                out.extend_from_slice(format!("id: {}\n", self.next).as_bytes());
+            }
+            if has(b"data") {
+                self.next += 1;
+            }
+            out.extend_from_slice(&event);
+        }
+        out.freeze()
+    }
+
+    /// What is left at the body's end: an event never ended, as it came.
+    pub(crate) fn finish(&mut self) -> Bytes {
+        self.pending.split().freeze()
+    }
+}
+
+/// Where the first event of `bytes` ends, its blank line included.
+fn event_end(bytes: &[u8]) -> Option<usize> {
+    let mut at = 0;
+    while at < bytes.len() {
+        let rest = &bytes[at..];
+        let end = rest.iter().position(|b| *b == b'\n' || *b == b'\r')?;
+        let skip = if rest[end] == b'\r' {
+            match rest.get(end + 1) {
+                Some(b'\n') => 2,
+                // A lone `\r` at the end may be the first half of `\r\n`: wait.
+                None => return None,
+                _ => 1,
+            }
+        } else {
+            1
+        };
+        let next = at + end + skip;
+        if end == 0 {
+            return Some(next);
+        }
+        at = next;
+    }
+    None
+}
+
+/// Whether a response head says its body is Server-Sent Events.
+pub(crate) fn is_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
 /// Whether a response's headers say its body is Server-Sent Events.
 pub(crate) fn is_event_stream(headers: &[(String, Vec<u8>)]) -> bool {
     headers.iter().any(|(name, value)| {
@@ -458,6 +532,23 @@ mod tests {
         assert_eq!(after("3"), None);
         // An event not ended yet is not resumed after.
         assert_eq!(after_event(b"id: 9\ndata: x\n", "9"), None);
+    }
+
+    #[test]
+    fn events_without_an_id_are_numbered_across_chunks() {
+        let mut ids = SseIds::default();
+        let mut out = BytesMut::new();
+        for chunk in [
+            &b"data: a\n\n: ping\n\nda"[..],
+            b"ta: b\r\n\r\nid: x\ndata: c\n\ndata: d\n",
+        ] {
+            out.extend_from_slice(&ids.push(chunk));
+        }
+        out.extend_from_slice(&ids.finish());
+        assert_eq!(
+            &out[..],
+            &b"id: 0\ndata: a\n\n: ping\n\nid: 1\ndata: b\r\n\r\nid: x\ndata: c\n\ndata: d\n"[..]
+        );
     }
 
     #[test]

@@ -455,7 +455,11 @@ where
             shared.observe(Outcome::NotStored);
             ResponseBody::new(Prefixed::new(read, rest))
         }
-        Buffer::Whole(bytes, trailers) => {
+        Buffer::Whole(mut bytes, trailers) => {
+            if config.sse_ids && crate::join::is_sse(&parts.headers) {
+                let mut ids = crate::join::SseIds::default();
+                bytes = [ids.push(&bytes), ids.finish()].concat().into();
+            }
             let (status, headers) = (parts.status, &parts.headers);
             match keep(shared, lease, handle, status, headers, bytes.clone()).await {
                 // The first response advertises its expiry too, as replays do.
@@ -518,13 +522,28 @@ where
         lease,
         head,
         keep_in_flight,
-        (first, body, recorder),
+        (
+            first,
+            body,
+            recorder,
+            (config.sse_ids && crate::join::is_sse(&parts.headers))
+                .then(crate::join::SseIds::default),
+        ),
         tx,
     );
     tokio::spawn(pumped.in_current_span());
     let received = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
     Response::from_parts(parts, ResponseBody::new(StreamBody::new(received)))
 }
+
+/// A streamed body as [`pump`] reads it: its first frame if one was read, the rest, its
+/// recording for duplicates to join, and the numbering of its events.
+type Streamed<R> = (
+    Option<Frame<Bytes>>,
+    Pin<Box<R>>,
+    Option<crate::join::Recorder>,
+    Option<crate::join::SseIds>,
+);
 
 /// How the reading of a streamed body ended.
 enum Read {
@@ -553,17 +572,13 @@ async fn pump<R>(
     lease: Lease,
     (status, headers): (StatusCode, HeaderMap),
     keep_in_flight: Option<KeepInFlight>,
-    body: (
-        Option<Frame<Bytes>>,
-        Pin<Box<R>>,
-        Option<crate::join::Recorder>,
-    ),
+    (first, body, recorder, ids): Streamed<R>,
     tx: mpsc::Sender<Sent>,
 ) where
     R: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let config = &shared.config;
-    let reading = std::pin::pin!(read_on(config, body, &tx));
+    let reading = std::pin::pin!(read_on(config, (first, body, recorder), ids, &tx));
     let (lease, read) = if config.heartbeat {
         let mut reading = reading;
         let beating =
@@ -652,6 +667,7 @@ async fn read_on<R>(
         Pin<Box<R>>,
         Option<crate::join::Recorder>,
     ),
+    mut ids: Option<crate::join::SseIds>,
     tx: &mpsc::Sender<Sent>,
 ) -> Read
 where
@@ -694,6 +710,15 @@ where
                 continue;
             }
         };
+        // Events numbered as they end; at the body's end, what never ended too.
+        let data = match &mut ids {
+            Some(ids) if body.is_end_stream() => [ids.push(&data), ids.finish()].concat().into(),
+            Some(ids) => ids.push(&data),
+            None => data,
+        };
+        if data.is_empty() && !body.is_end_stream() {
+            continue;
+        }
         if let Some(chunks) = &mut kept {
             chunks.push(data.clone());
             if chunks.len() > limit {
@@ -723,13 +748,20 @@ where
             client = false;
         }
     }
+    // What the numbering still holds (an event the body never ended) goes out as the end.
+    let last = ids
+        .map(|mut ids| ids.finish())
+        .filter(|rest| !rest.is_empty());
+    if let (Some(chunks), Some(rest)) = (&mut kept, &last) {
+        chunks.push(rest.clone());
+    }
     if let Some(recorder) = recorder {
         recorder.end();
     }
     Read::Ended {
         kept: kept.map(Chunks::into_bytes),
         trailers,
-        last: None,
+        last,
     }
 }
 

@@ -406,3 +406,41 @@ async fn a_dropped_client_resumes_after_its_last_event_id() {
     );
     assert_eq!(runs.get(), 1);
 }
+
+/// With `sse_ids`, the events of a service that sends no `id:` are numbered as they pass:
+/// the first client, every replay and a resumed client see the same ids.
+#[tokio::test]
+async fn events_without_ids_are_numbered_the_same_in_every_replay() {
+    let config = Config::default().with_sse_ids(true);
+    let idem = Idem::new(MemoryStore::new());
+    let (server, runs, _) = serve_counted(idem, config, "/events", |n, _, _| async move {
+        let events = futures_util::stream::unfold(0, move |i| async move {
+            if i == 4 {
+                return None;
+            }
+            tokio::time::sleep(ms(30)).await;
+            let event = Bytes::from(format!("data: run {n} token {i}\n\n"));
+            Some((Ok::<_, std::io::Error>(event), i + 1))
+        });
+        (
+            StatusCode::OK,
+            [("content-type", "text/event-stream")],
+            Body::from_stream(events),
+        )
+            .into_response()
+    })
+    .await;
+    let numbered = |from: usize| -> Bytes {
+        (from..4)
+            .map(|i| format!("id: {i}\ndata: run 1 token {i}\n\n"))
+            .collect::<String>()
+            .into()
+    };
+    let first = open(&server).await.into_body().collect().await.unwrap();
+    assert_eq!(first.to_bytes(), numbered(0));
+    let replay = server.post("/events", &[KEY], "").await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, numbered(0));
+    assert_eq!(resume(&server, "1").await.body, numbered(2));
+    assert_eq!(runs.get(), 1);
+}

@@ -112,6 +112,9 @@ pub struct RouteSpec {
     /// when its client leaves, the default) or `"cancel"` (the upstream connection is
     /// closed, the key released, nothing stored).
     pub on_disconnect: Option<OnDisconnectSpec>,
+    /// `sse_ids`: number the events of a `text/event-stream` answer that carry no `id:`
+    /// (default `false`).
+    pub sse_ids: Option<bool>,
 }
 
 /// `on_disconnect = "continue" | "cancel"`.
@@ -416,7 +419,8 @@ impl RouteSpec {
             max_response_body,
             store_status,
             release_unknown,
-            on_disconnect
+            on_disconnect,
+            sse_ids
         )
     }
 
@@ -528,6 +532,9 @@ impl RouteSpec {
                 OnDisconnectSpec::Cancel => OnDisconnect::Cancel,
             });
         }
+        if let Some(on) = self.sse_ids {
+            http = http.with_sse_ids(on);
+        }
         if let Some(statuses) = &self.store_status {
             let ranges: Vec<StatusRange> = statuses.iter().map(|s| s.0).collect();
             http = http.with_store_status(move |status| ranges.iter().any(|r| r.contains(status)));
@@ -576,6 +583,7 @@ lease_secs = 60
 missing_key = "pass"
 anonymous = "shared"
 on_disconnect = "cancel"
+sse_ids = true
 "#;
 
     #[test]
@@ -600,6 +608,8 @@ on_disconnect = "cancel"
         assert_eq!(orders.http.methods, [Method::POST, Method::PATCH]);
         assert_eq!(payments.http.on_disconnect, OnDisconnect::Continue);
         assert_eq!(orders.http.on_disconnect, OnDisconnect::Cancel);
+        assert!(!payments.http.sse_ids);
+        assert!(orders.http.sse_ids);
     }
 
     #[test]
