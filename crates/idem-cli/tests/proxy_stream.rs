@@ -28,6 +28,11 @@ fn upstream() -> Proc {
 /// `idem proxy` to `upstream` on `store`, with `routes` as its routes file; its base URL is
 /// `Proc::printed`.
 fn proxy(upstream: &str, store: &str, routes: &str) -> Proc {
+    proxy_with(upstream, store, routes, &[])
+}
+
+/// [`proxy`] with `extra` flags (a key prefix or a schema of the test's own).
+fn proxy_with(upstream: &str, store: &str, routes: &str, extra: &[String]) -> Proc {
     let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_stream_"));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("routes.toml");
@@ -37,7 +42,8 @@ fn proxy(upstream: &str, store: &str, routes: &str) -> Proc {
     command
         .args(["--store", store, "--config"])
         .arg(&file)
-        .arg("--migrate");
+        .arg("--migrate")
+        .args(extra);
     Proc::listening(command)
 }
 
@@ -260,23 +266,7 @@ async fn a_duplicate_on_another_proxy_joins_the_stream(backend: &str) {
         return;
     };
     let (up, client) = (upstream(), client());
-    let start = |extra: &[String]| {
-        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_stream_"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("routes.toml");
-        std::fs::write(&file, routes("")).unwrap();
-        let args = [
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &up.printed,
-        ];
-        let mut command = idem(&args);
-        command.args(["--store", &store, "--config"]).arg(&file);
-        command.arg("--migrate").args(extra);
-        Proc::listening(command)
-    };
+    let start = |extra: &[String]| proxy_with(&up.printed, &store, &routes(""), extra);
     let (a, b) = (start(&flags), start(&flags));
     let key = format!("join-{}", uuid::Uuid::new_v4().simple());
     let response = open(&client, &a, &key, "n=8&ms=250").await;
@@ -305,23 +295,8 @@ async fn a_killed_holder_ends_a_joined_stream_with_an_error(backend: &str) {
         return;
     };
     let (up, client) = (upstream(), client());
-    let start = |extra: &[String]| {
-        let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_stream_"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("routes.toml");
-        std::fs::write(&file, routes("lease_secs = 2")).unwrap();
-        let args = [
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &up.printed,
-        ];
-        let mut command = idem(&args);
-        command.args(["--store", &store, "--config"]).arg(&file);
-        command.arg("--migrate").args(extra);
-        Proc::listening(command)
-    };
+    let start =
+        |extra: &[String]| proxy_with(&up.printed, &store, &routes("lease_secs = 2"), extra);
     let (mut a, b) = (start(&flags), start(&flags));
     let key = format!("kill-{}", uuid::Uuid::new_v4().simple());
     let mut body = open(&client, &a, &key, "n=12&ms=100").await.into_body();
