@@ -13,7 +13,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::RecordId;
 use crate::orphan::Orphans;
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
-use crate::store::{Begin, BeginRequest, Store};
+use crate::store::{Begin, BeginRequest, Store, StreamRead};
 use crate::telemetry::{Instrumented, KeyHash};
 use crate::watch::Watch;
 
@@ -329,6 +329,34 @@ impl Idem {
     /// [`Error::LeaseLost`] when the lease was taken over or released; store errors.
     pub async fn release(&self, lease: &Lease) -> Result<(), Error> {
         self.calls.release(lease).await
+    }
+
+    /// Writes `bytes` into the stream of the record `lease` holds, at byte offset `at`
+    /// ([`Store::append`]), bounded by [`Config::store_timeout`] and reported like every
+    /// store call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::append`]; [`Error::Unavailable`] past the time limit.
+    pub async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<(), Error> {
+        self.calls.append(lease, at, bytes).await
+    }
+
+    /// The stream of `id` from byte `from` ([`Store::read_stream`]), bounded by
+    /// [`Config::store_timeout`] and reported like every store call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::read_stream`]; [`Error::Unavailable`] past the time limit.
+    pub async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead, Error> {
+        self.calls.read_stream(id, from).await
+    }
+
+    /// Registers interest in `id` changing ([`Store::watch`]): a completion, a release, an
+    /// append. `None` when the store cannot notify, or does not register within
+    /// [`Config::store_timeout`]: the caller polls.
+    pub async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        self.calls.watch(id).await
     }
 
     /// Renews the lease for another [`Config::lease`] (a heartbeat for long work).

@@ -14,7 +14,6 @@
 //! record is completed, and with an error on `X`, when the record is released, or when its
 //! holder's lease runs out.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -22,7 +21,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::StreamBody;
 use idem_core::{
-    decode_meta, encode_meta, BoxError, CompletionKind, Idem, Lease, RecordId, Store, StreamRead,
+    decode_meta, encode_meta, BoxError, CompletionKind, Idem, Lease, RecordId, StreamRead,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -111,9 +110,7 @@ impl Recorder {
     /// duplicate can join as soon as the head is there), then what [`Recorder::push`] gets.
     pub(crate) fn start(idem: &Idem, lease: Lease, head: Vec<u8>) -> Self {
         let (pieces, received) = mpsc::unbounded_channel();
-        let store = idem.store().clone();
-        let limit = idem.config().store_timeout;
-        tokio::spawn(record(store, limit, lease, head, received).in_current_span());
+        tokio::spawn(record(idem.clone(), lease, head, received).in_current_span());
         Self {
             pieces,
             ended: false,
@@ -145,8 +142,7 @@ impl Drop for Recorder {
 /// The recording task: the head, then batches of what comes (a `D` frame each), each
 /// written at the offset where the last one ended, then the end's frame.
 async fn record(
-    store: Arc<dyn Store>,
-    limit: Duration,
+    idem: Idem,
     lease: Lease,
     head: Vec<u8>,
     mut received: mpsc::UnboundedReceiver<Piece>,
@@ -164,23 +160,13 @@ async fn record(
             frame(kind, &[], &mut pending);
         }
         if !pending.is_empty() {
-            let written = tokio::time::timeout(limit, store.append(&lease, at, &pending)).await;
-            match written {
-                Ok(Ok(())) => {
-                    at += pending.len() as u64;
-                    pending.clear();
-                }
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "a streamed response is no longer recorded");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(
-                        "a streamed response is no longer recorded: the store did not answer"
-                    );
-                    return;
-                }
+            // Bounded by the engine's time limit on store calls, and counted with them.
+            if let Err(e) = idem.append(&lease, at, &pending).await {
+                tracing::debug!(error = %e, "a streamed response is no longer recorded");
+                return;
             }
+            at += pending.len() as u64;
+            pending.clear();
         }
         if end.is_some() {
             return;
@@ -215,15 +201,9 @@ pub(crate) async fn join(
     id: &RecordId,
     last_event_id: Option<&str>,
 ) -> Option<Response<ResponseBody>> {
-    let store = idem.store().clone();
-    let limit = idem.config().store_timeout;
     // Registered before the first read, so that nothing appended after it goes unnoticed.
-    let watch = tokio::time::timeout(limit, store.watch(id))
-        .await
-        .ok()
-        .flatten();
-    let read = tokio::time::timeout(limit, store.read_stream(id, 0)).await;
-    let StreamRead::Live { token, bytes, .. } = read.ok()?.ok()? else {
+    let watch = idem.watch(id).await;
+    let StreamRead::Live { token, bytes, .. } = idem.read_stream(id, 0).await.ok()? else {
         return None;
     };
     let (found, _) = frames(&bytes);
@@ -254,8 +234,7 @@ pub(crate) async fn join(
         .headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));
     let follow = Follow {
-        store,
-        limit,
+        idem: idem.clone(),
         id: id.clone(),
         token,
         at: bytes.len() as u64,
@@ -272,8 +251,7 @@ pub(crate) async fn join(
 
 /// A joined client's place in the stream.
 struct Follow {
-    store: Arc<dyn Store>,
-    limit: Duration,
+    idem: Idem,
     id: RecordId,
     /// The holder whose stream this is: another token means another attempt's stream.
     token: idem_core::FencingToken,
@@ -323,12 +301,9 @@ impl Follow {
             if abandoned {
                 return self.fail("the response will not be recorded".to_owned());
             }
-            let read =
-                tokio::time::timeout(self.limit, self.store.read_stream(&self.id, self.at)).await;
-            let read = match read {
-                Ok(Ok(read)) => read,
-                Ok(Err(e)) => return self.fail(format!("the stream could not be read: {e}")),
-                Err(_) => return self.fail("the store did not answer".to_owned()),
+            let read = match self.idem.read_stream(&self.id, self.at).await {
+                Ok(read) => read,
+                Err(e) => return self.fail(format!("the stream could not be read: {e}")),
             };
             match read {
                 StreamRead::Live { token, .. } if token != self.token => {
