@@ -283,6 +283,21 @@ async fn a_duplicate_on_another_proxy_joins_the_stream(backend: &str) {
     assert_eq!(whole, events(1, 8));
     let joined = joined.into_body().collect().await.expect("a clean end");
     assert_eq!(joined.to_bytes(), whole, "the joined stream, byte for byte");
+    // Once complete, through either proxy: the replay byte for byte, and a client that
+    // resumes after event 5 gets events 6 and 7.
+    for proxy in [&a, &b] {
+        let replay = post(&client, proxy, &key, "n=8&ms=250").await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, whole);
+        let url = format!("{}/events?n=8&ms=250", proxy.printed);
+        let headers = [
+            ALICE,
+            ("idempotency-key", key.as_str()),
+            ("last-event-id", "5"),
+        ];
+        let resumed = call(&client, "POST", &url, &headers, "").await;
+        assert_eq!(resumed.body, events(1, 8).slice(events(1, 6).len()..));
+    }
     assert_eq!(runs(&client, &up, &key).await, 1);
 }
 
