@@ -241,7 +241,6 @@ pub(crate) async fn join(
         unread: BytesMut::from(&bytes[..]),
         resume,
         sent: 0,
-        ended: false,
         watch,
         done: false,
     };
@@ -264,8 +263,6 @@ struct Follow {
     resume: Option<(String, BytesMut)>,
     /// How many bytes of the body the client was sent.
     sent: u64,
-    /// The stream's `E` frame was read: the body ended, its completion is on its way.
-    ended: bool,
     watch: Option<idem_core::Watch>,
     done: bool,
 }
@@ -286,7 +283,8 @@ impl Follow {
                 match kind {
                     HEAD => {}
                     DATA => body.extend_from_slice(payload),
-                    ENDED => self.ended = true,
+                    // The body ended: its completion follows, read as `Completed` below.
+                    ENDED => {}
                     _ => abandoned = true,
                 }
             }
