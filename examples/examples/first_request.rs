@@ -20,6 +20,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Response::new(409, format!("retry in {retry_after:?}"))
             }
             Begin::Mismatch => Response::new(422, "key reused with a different request"),
+            Begin::Expired { .. } => Response::new(410, "key expired: its result was forgotten"),
         };
         let body = String::from_utf8_lossy(&response.body);
         println!("{attempt}: {} {body}", response.status);

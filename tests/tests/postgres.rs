@@ -425,6 +425,7 @@ mod postgres {
                                 break;
                             }
                             Ok(Begin::Mismatch) => panic!("same request reported as mismatch"),
+                            Ok(Begin::Expired { .. }) => panic!("a store never answers expired"),
                             Err(e) if is_transaction_conflict(&e) => {
                                 conflicts.fetch_add(1, Ordering::Relaxed);
                             }

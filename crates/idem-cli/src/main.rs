@@ -173,6 +173,18 @@ struct ServeArgs {
     /// request's response, instead of answering 409 at once.
     #[arg(long, value_name = "MS")]
     wait_ms: Option<u64>,
+    /// The longest a duplicate waits for the first request's response when it asks with
+    /// `Prefer: wait=N`.
+    #[arg(long, default_value = "10000", value_name = "MS")]
+    max_wait_ms: u64,
+    /// A request on a key whose stored response was forgotten (its retention ended): run
+    /// it again, or refuse it with 410 while the key's tombstone is kept.
+    #[arg(long, default_value = "run", value_parser = ["run", "refuse"])]
+    after_retention: String,
+    /// How long a tombstone is kept after the stored response is forgotten, with
+    /// --after-retention refuse.
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    tombstone_secs: Option<Duration>,
     /// How long a request holds its key while the handler runs (fractions allowed); a
     /// crashed server's keys are taken over by a retry after it.
     #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
@@ -412,8 +424,24 @@ async fn run(command: Command, json: bool) -> Result<Done, CliError> {
             let listener = tokio::net::TcpListener::bind(args.listen)
                 .await
                 .map_err(|e| listen_error(args.listen, &e))?;
+            let after_retention = match args.after_retention.as_str() {
+                "refuse" => idem_core::AfterRetention::Refuse,
+                _ if args.tombstone_secs.is_some() => {
+                    return Err(CliError::Usage(
+                        "--tombstone-secs applies only with --after-retention refuse: add it, \
+                         or remove --tombstone-secs"
+                            .into(),
+                    ))
+                }
+                _ => idem_core::AfterRetention::Run,
+            };
             let options = serve::Options {
                 wait: args.wait_ms.map(Duration::from_millis),
+                max_wait: Duration::from_millis(args.max_wait_ms),
+                after_retention,
+                tombstone: args
+                    .tombstone_secs
+                    .unwrap_or_else(|| idem_core::Config::default().tombstone),
                 lease: args.lease,
                 retention: args.retention,
                 store: url.to_string(),

@@ -9,8 +9,8 @@ use std::time::Duration;
 use clap::Args;
 use http::{HeaderName, Method};
 use idem_proxy::{
-    AnonymousSpec, Drained, Header, HostHeader, HostSpec, MethodName, MissingKeySpec, PathPrefix,
-    Proxy, ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
+    AfterRetentionSpec, AnonymousSpec, Drained, Header, HostHeader, HostSpec, MethodName,
+    MissingKeySpec, PathPrefix, Proxy, ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
 };
 
 use crate::{listen_error, parse_listen, parse_secs, CliError, Done, StoreArg};
@@ -88,6 +88,18 @@ pub struct ProxyArgs {
     /// response, instead of answering 409 at once.
     #[arg(long, value_name = "MS")]
     wait_ms: Option<u64>,
+    /// The longest a duplicate waits for the first response when it asks with
+    /// `Prefer: wait=N` [default: 10000].
+    #[arg(long, value_name = "MS")]
+    max_wait_ms: Option<u64>,
+    /// A request on a key whose stored response was forgotten (its retention ended): run
+    /// it again, or refuse it with 410 while the key's tombstone is kept [default: run].
+    #[arg(long, value_parser = ["run", "refuse"])]
+    after_retention: Option<String>,
+    /// How long a tombstone is kept after the stored response is forgotten, with
+    /// --after-retention refuse [default: 604800].
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    tombstone_secs: Option<Duration>,
     /// When the upstream's answer is lost after the request was sent (a timeout, a reset),
     /// release the key at once instead of leaving it in flight until its lease ends.
     #[arg(long)]
@@ -135,6 +147,12 @@ impl ProxyArgs {
             lease_secs: self.lease.map(Secs),
             retention_secs: self.retention.map(Secs),
             wait_ms: self.wait_ms,
+            max_wait_ms: self.max_wait_ms,
+            after_retention: self.after_retention.as_deref().map(|a| match a {
+                "refuse" => AfterRetentionSpec::Refuse,
+                _ => AfterRetentionSpec::Run,
+            }),
+            tombstone_secs: self.tombstone_secs.map(Secs),
             release_unknown: self.release_unknown.then_some(true),
             ..RouteSpec::default()
         })
@@ -198,6 +216,12 @@ fn describe(settings: &Settings) -> String {
                 ", jsonrpc_methods = {:?}, key_pointer = {key}, ignore_meta = {:?}, \
                  store_errors = {}",
                 rpc.methods, rpc.ignore_meta, rpc.store_errors
+            ));
+        }
+        if route.engine.after_retention == idem_core::AfterRetention::Refuse {
+            out.push_str(&format!(
+                ", after_retention = refuse, tombstone_secs = {}",
+                secs(route.engine.tombstone)
             ));
         }
         match (route.engine.wait, &route.http.jsonrpc) {

@@ -50,6 +50,12 @@ pub struct Options {
     pub lease: Duration,
     /// How long a stored response is replayed.
     pub retention: Duration,
+    /// The longest a duplicate waits when it asks with `Prefer: wait=N`.
+    pub max_wait: Duration,
+    /// What a request on a key whose stored response was forgotten gets.
+    pub after_retention: idem_core::AfterRetention,
+    /// How long a tombstone is kept, under [`idem_core::AfterRetention::Refuse`].
+    pub tombstone: Duration,
     /// The store as printed at start-up: its URL without the password.
     pub store: String,
     /// What `GET /metrics` renders.
@@ -68,11 +74,14 @@ pub fn app(backend: Backend, options: &Options) -> Router {
         .with_lease(options.lease)
         .with_retention(options.retention);
     config.wait = options.wait;
+    config.after_retention = options.after_retention;
+    config.tombstone = options.tombstone;
     let idem = Idem::from_arc(store).with_config(config);
     let layer = IdempotencyLayer::new(idem)
         .with_config(
             Config::default()
                 .with_missing_key(MissingKey::Reject)
+                .with_max_wait(options.max_wait)
                 // A method the path does not take (405) says nothing about the request's
                 // outcome: the key is released, not kept for a refusal.
                 .with_store_status(|status| {
@@ -84,6 +93,7 @@ pub fn app(backend: Backend, options: &Options) -> Router {
 
     // Only the payment routes are guarded: /metrics, /livez and /readyz stay readable when
     // the store is down.
+    let monitor = layer.monitor();
     let payments = Router::new()
         .route("/payments", get(list_payments).post(create_payment))
         .route("/payments/{id}", get(get_payment))
@@ -95,6 +105,9 @@ pub fn app(backend: Backend, options: &Options) -> Router {
         .route("/metrics", get(metrics))
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        // What became of a key, without sending its request again (`Link: rel="monitor"`).
+        .route_service("/.idem/keys", monitor.clone())
+        .route_service("/.idem/keys/{*id}", monitor)
         .merge(payments)
         .fallback(|| async {
             problem(

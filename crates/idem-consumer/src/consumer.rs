@@ -182,6 +182,10 @@ pub enum DeadLetterReason {
     /// The key was used before by a message with another fingerprint: a key collision or a
     /// reused key, not a duplicate. The handler did not run.
     Mismatch,
+    /// The key's message was handled before, and its stored value was forgotten when its
+    /// retention ended (the engine's `after_retention` is `Refuse`): the handler did not
+    /// run again.
+    Expired,
     /// The handler failed for good; `stored` tells whether the failure was stored for replay.
     Terminal {
         /// The handler's error.
@@ -207,6 +211,7 @@ impl fmt::Display for DeadLetterReason {
         match self {
             Self::Invalid(e) => write!(f, "invalid message: {e}"),
             Self::Mismatch => f.write_str("key reused by a message with another fingerprint"),
+            Self::Expired => f.write_str("key handled before, its stored value since forgotten"),
             Self::Terminal { error, .. } => write!(f, "terminal failure: {error}"),
             Self::Exhausted { error, .. } => write!(f, "attempts exhausted: {error}"),
             Self::Codec(e) => write!(f, "stored value codec error: {e}"),
@@ -531,6 +536,10 @@ impl Consumer {
             },
             Once::Mismatch => Delivery::DeadLetter {
                 reason: DeadLetterReason::Mismatch,
+                attempt: before,
+            },
+            Once::Expired { .. } => Delivery::DeadLetter {
+                reason: DeadLetterReason::Expired,
                 attempt: before,
             },
         }

@@ -2,7 +2,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -15,6 +15,7 @@ use crate::orphan::Orphans;
 use crate::record::{Completion, CompletionKind, FencingToken, Lease, Replay, Response};
 use crate::store::{Begin, BeginRequest, Store, StreamRead};
 use crate::telemetry::{Instrumented, KeyHash};
+use crate::tombstone;
 use crate::watch::Watch;
 
 /// What to do when the work fails for good.
@@ -26,6 +27,21 @@ pub enum FailurePolicy {
     Release,
     /// Store the failure, and replay it to every retry like a success.
     Store,
+}
+
+/// What a request on a key gets once the key's completed record is forgotten (its
+/// retention ended).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum AfterRetention {
+    /// The key is new again: the work runs (the default).
+    #[default]
+    Run,
+    /// A tombstone (the fingerprint and when the work completed, no response) is kept for
+    /// [`Config::tombstone`] after the record, and a request on the key meanwhile gets
+    /// [`Begin::Expired`] and never runs. Costs one more store write per completion and one
+    /// more read per first request.
+    Refuse,
 }
 
 /// What [`Idem::run_with_heartbeat`] does with the work when it finds the lease lost (taken
@@ -74,6 +90,12 @@ pub struct Config {
     /// that claim by its token in the background, retrying with backoff until the store
     /// answers, so retries of the key are not answered in flight for a whole lease.
     pub store_timeout: Duration,
+    /// What a request on a key whose completed record was forgotten gets. Default:
+    /// [`AfterRetention::Run`].
+    pub after_retention: AfterRetention,
+    /// How long a tombstone is kept after the completed record is forgotten, under
+    /// [`AfterRetention::Refuse`]. Default: 7 days.
+    pub tombstone: Duration,
 }
 
 impl Default for Config {
@@ -86,6 +108,8 @@ impl Default for Config {
             safety_poll: Duration::from_secs(1),
             failure: FailurePolicy::Release,
             store_timeout: Duration::from_secs(5),
+            after_retention: AfterRetention::Run,
+            tombstone: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }
@@ -144,6 +168,12 @@ pub enum Once<T> {
     },
     /// The key was used for a different request or message.
     Mismatch,
+    /// The key completed at `completed_at` and its stored value was forgotten since
+    /// ([`AfterRetention::Refuse`]): the work does not run again.
+    Expired {
+        /// When the work completed.
+        completed_at: SystemTime,
+    },
 }
 
 /// How the work of [`Idem::execute_once`] failed.
@@ -227,8 +257,52 @@ impl Idem {
     /// [`Config::store_timeout`] (the claim it may have made is released in the background;
     /// see there).
     pub async fn begin(&self, id: &RecordId, fingerprint: Fingerprint) -> Result<Begin, Error> {
+        self.begin_within(id, fingerprint, self.config.wait).await
+    }
+
+    /// [`Idem::begin`], waiting up to `wait` (rather than [`Config::wait`]) for a key held by
+    /// another worker: a caller's own bound, such as an HTTP client's `Prefer: wait=N`.
+    /// `None` answers [`Begin::InFlight`] at once.
+    ///
+    /// # Errors
+    ///
+    /// As [`Idem::begin`].
+    pub async fn begin_within(
+        &self,
+        id: &RecordId,
+        fingerprint: Fingerprint,
+        wait: Option<Duration>,
+    ) -> Result<Begin, Error> {
+        let begun = self.claim(id, fingerprint, wait).await?;
+        match begun {
+            // A fresh key may be one whose record was forgotten: its tombstone says.
+            Begin::Acquired(lease) if self.config.after_retention == AfterRetention::Refuse => {
+                match tombstone::find(&self.calls, id).await {
+                    Ok(None) => Ok(Begin::Acquired(lease)),
+                    Ok(Some(completed_at)) => {
+                        self.release(&lease).await?;
+                        Ok(Begin::Expired { completed_at })
+                    }
+                    Err(e) => {
+                        // Undecided: the work must not run, and the key must not stay held.
+                        let _ = self.release(&lease).await;
+                        Err(e)
+                    }
+                }
+            }
+            begun => Ok(begun),
+        }
+    }
+
+    /// The begin steps of [`Idem::begin_within`], with its wait.
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: Fingerprint,
+        wait: Option<Duration>,
+    ) -> Result<Begin, Error> {
         let token = FencingToken::random();
-        let give_up = self.config.wait.map(|w| {
+        let give_up = wait.map(|w| {
             let now = Instant::now();
             // A wait too long for an Instant is a wait without end, not a panic.
             now.checked_add(w)
@@ -300,7 +374,53 @@ impl Idem {
         let completion = Completion::succeeded(response);
         self.calls
             .complete(lease, &completion, self.config.retention)
-            .await
+            .await?;
+        self.leave_tombstone(lease).await;
+        Ok(())
+    }
+
+    /// Under [`AfterRetention::Refuse`], writes the tombstone of the key `lease` completed,
+    /// kept until [`Config::tombstone`] after the completion is forgotten. The completion
+    /// stands either way: a tombstone that cannot be written is logged and counted
+    /// (`idem_tombstones_lost_total`), and its key runs again once its retention ends.
+    async fn leave_tombstone(&self, lease: &Lease) {
+        if self.config.after_retention != AfterRetention::Refuse {
+            return;
+        }
+        let ttl = self.config.retention.saturating_add(self.config.tombstone);
+        let fingerprint = match self.calls.get(lease.id()).await {
+            Ok(Some(record)) => record.fingerprint,
+            _ => Fingerprint::of_bytes(b""),
+        };
+        if let Err(e) = tombstone::write(&self.calls, lease.id(), fingerprint, ttl).await {
+            metrics::counter!("idem_tombstones_lost_total").increment(1);
+            tracing::warn!(
+                key_hash = %KeyHash::of(lease.id()),
+                error = %e,
+                "the key's tombstone could not be written: once its retention ends, a request \
+                 on it runs again"
+            );
+        }
+    }
+
+    /// The record of `id` as the store holds it ([`Store::get`]), bounded by
+    /// [`Config::store_timeout`] and reported like every store call: for status lookups.
+    ///
+    /// # Errors
+    ///
+    /// Store errors; [`Error::Unavailable`] past the time limit.
+    pub async fn get(&self, id: &RecordId) -> Result<Option<crate::Record>, Error> {
+        self.calls.get(id).await
+    }
+
+    /// When the key `id` completed, if its tombstone is kept ([`AfterRetention::Refuse`]):
+    /// for status lookups, which tell a forgotten key from one never used.
+    ///
+    /// # Errors
+    ///
+    /// Store errors.
+    pub async fn tombstone(&self, id: &RecordId) -> Result<Option<SystemTime>, Error> {
+        tombstone::find(&self.calls, id).await
     }
 
     /// Handles a terminal failure by [`Config::failure`]: releases the key, or stores
@@ -316,8 +436,9 @@ impl Idem {
                 let completion = Completion::failed(response);
                 self.calls
                     .complete(lease, &completion, self.config.retention)
-                    .await
-                    .map(|()| true)
+                    .await?;
+                self.leave_tombstone(lease).await;
+                Ok(true)
             }
         }
     }
@@ -420,6 +541,7 @@ impl Idem {
             }
             Begin::InFlight { retry_after } => return Ok(Once::InFlight { retry_after }),
             Begin::Mismatch => return Ok(Once::Mismatch),
+            Begin::Expired { completed_at } => return Ok(Once::Expired { completed_at }),
         };
         let attempt = lease.attempt();
         let (lease, outcome) = self

@@ -64,6 +64,7 @@
 //!     Begin::Replay(replay) => replay.completion.response,
 //!     Begin::InFlight { retry_after } => Response::new(409, format!("retry in {retry_after:?}")),
 //!     Begin::Mismatch => Response::new(422, "key reused with another request"),
+//!     Begin::Expired { .. } => Response::new(410, "key used long ago; its result is gone"),
 //! };
 //! assert_eq!(response.status, 201);
 //! # Ok(()) }
@@ -84,10 +85,11 @@ pub mod orphan;
 mod record;
 mod store;
 pub mod telemetry;
+mod tombstone;
 pub mod watch;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{Config, Failure, FailurePolicy, Idem, OnLost, Once, OnceError};
+pub use engine::{AfterRetention, Config, Failure, FailurePolicy, Idem, OnLost, Once, OnceError};
 pub use error::{BoxError, Error, Result};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection};
 pub use key::{Key, KeyError, RecordId, Scope, MAX_KEY_LEN, MAX_SCOPE_LEN};

@@ -30,7 +30,7 @@ pub struct BeginRequest<'a> {
     pub retention: Duration,
 }
 
-/// The answer to `begin`: one of five outcomes, all of them values.
+/// The answer to `begin`: one of its outcomes, all of them values.
 #[derive(Debug, Clone)]
 pub enum Begin {
     /// The key was absent (or released): the caller holds a fresh lease (attempt 1) and must
@@ -50,6 +50,13 @@ pub enum Begin {
     /// The key was used with a different fingerprint: the request is not a retry of the
     /// original one and must be refused.
     Mismatch,
+    /// The key's work completed, and its stored outcome was forgotten when its retention
+    /// ended; its tombstone is kept, so the work must not run again. Answered by
+    /// [`crate::Idem::begin`] under [`crate::AfterRetention::Refuse`], never by a store.
+    Expired {
+        /// When the work completed.
+        completed_at: std::time::SystemTime,
+    },
 }
 
 /// What [`Store::read_stream`] found: a record's streamed response, as far as it went.

@@ -122,6 +122,7 @@ labels! {
         Replay => "replay",
         InFlight => "in_flight",
         Mismatch => "mismatch",
+        Expired => "expired",
         Found => "found",
         Absent => "absent",
         Evicted => "evicted",
@@ -143,6 +144,7 @@ impl Outcome {
             Begin::Replay(_) => Outcome::Replay,
             Begin::InFlight { .. } => Outcome::InFlight,
             Begin::Mismatch => Outcome::Mismatch,
+            Begin::Expired { .. } => Outcome::Expired,
         }
     }
 

@@ -191,6 +191,15 @@ pub struct Config {
     /// Whether the lease is renewed every third of its length while the handler runs, so a
     /// slow handler is not taken over by a retry. Default: `true`.
     pub heartbeat: bool,
+    /// The longest a duplicate of a request in flight waits for its response when it asks
+    /// with `Prefer: wait=N` (RFC 7240): it waits `min(N, max_wait)`, then answers as
+    /// without the header, with `Preference-Applied: wait=M` (`M` the seconds honoured).
+    /// Without the header, [`idem_core::Config::wait`] applies. Default: 10 s.
+    pub max_wait: Duration,
+    /// Where the status monitor answers (see [`crate::monitor`]): every guarded answer names
+    /// its key's monitor under it in `Link: <…>; rel="monitor"`. Default: `/.idem/keys`.
+    #[setters(into)]
+    pub monitor_path: String,
     /// Makes the route a JSON-RPC route: the calls it guards are found in the body (see
     /// [`crate::jsonrpc`]), and its answers are JSON-RPC. Default: `None`, an HTTP route.
     #[setters(skip)]
@@ -230,6 +239,8 @@ impl Default for Config {
             challenge: HeaderValue::from_static("Bearer"),
             store_response_within: Duration::from_secs(2),
             heartbeat: true,
+            max_wait: Duration::from_secs(10),
+            monitor_path: "/.idem/keys".to_owned(),
             jsonrpc: None,
         }
     }
@@ -265,6 +276,8 @@ impl fmt::Debug for Config {
             challenge,
             store_response_within,
             heartbeat,
+            max_wait,
+            monitor_path,
             jsonrpc
         );
         out.finish()

@@ -101,6 +101,38 @@ impl Problem {
         Self::new(status, "idempotency-key-reused", title, detail)
     }
 
+    /// 410: the key's work completed long ago, and its response was forgotten when its
+    /// retention ended; its tombstone says so, and the request does not run. A 410 rather
+    /// than a 409 or a 422: the request is neither in flight nor another request, and no
+    /// retry with this key will ever succeed: the key's answer is gone for good.
+    pub(crate) fn key_expired(completed_at: std::time::SystemTime) -> Self {
+        let detail = format!(
+            "the request with this idempotency key completed on {}, and its response was \
+             kept only until its retention ended; the key cannot run again. Look up the \
+             outcome by other means, or use a new key for a new request",
+            httpdate::fmt_http_date(completed_at)
+        );
+        let (status, title) = (StatusCode::GONE, "Idempotency key expired");
+        Self::new(status, "key-expired", title, detail)
+    }
+
+    /// 404 from the status monitor: no completed or running work under this key for this
+    /// caller (released, never stored, abandoned, or never used).
+    pub(crate) fn not_completed() -> Self {
+        let detail = "no work under this idempotency key has completed or is running for \
+                      you: it was released, failed without a stored response, was abandoned \
+                      by a worker that stopped, or never began. The key can be retried";
+        let (status, title) = (StatusCode::NOT_FOUND, "Not completed");
+        Self::new(status, "not-completed", title, detail)
+    }
+
+    /// 405 from the status monitor: it takes only the `allow`ed methods.
+    pub(crate) fn method_not_allowed(allow: &str) -> Self {
+        let detail = format!("the idempotency status monitor takes {allow}");
+        let (status, title) = (StatusCode::METHOD_NOT_ALLOWED, "Method not allowed");
+        Self::new(status, "method-not-allowed", title, detail)
+    }
+
     /// The store failed before the handler ran: 503 with `retry_after` when retrying may
     /// help (`e` is retryable), else 500.
     pub(crate) fn store_failed(e: &Error, retry_after: Duration) -> Self {

@@ -105,6 +105,9 @@ pub mod codes {
     pub const BODY_REFUSED: i64 = -32059;
     /// The answer stored for the key cannot be replayed (`stored-response-invalid`).
     pub const STORED_INVALID: i64 = -32060;
+    /// The key's call completed long ago and its answer was forgotten when its retention
+    /// ended; its tombstone refuses it (`key-expired`): use a new key for a new call.
+    pub const KEY_EXPIRED: i64 = -32061;
 }
 
 /// The settings of a JSON-RPC route (see the module docs): which calls are guarded, where
@@ -485,6 +488,19 @@ where
             .with_key(key)
             .with_retry_after(retry_after);
             return Ok(refuse(&shared, Outcome::InFlight, error, &call.id));
+        }
+        Ok(Begin::Expired { .. }) => {
+            let detail = "the call with this idempotency key completed long ago, and its \
+                          answer was kept only until its retention ended; the key cannot run \
+                          again: use a new key for a new call";
+            let error = RpcError::new(
+                codes::KEY_EXPIRED,
+                "key-expired",
+                "Idempotency key expired",
+                detail,
+            )
+            .with_key(key);
+            return Ok(refuse(&shared, Outcome::Expired, error, &call.id));
         }
         Ok(Begin::Mismatch) => {
             let detail = "this idempotency key was already used for a call with other \

@@ -47,8 +47,16 @@ impl IdempotencyLayer {
                 config: Config::default(),
                 scope: None,
                 observer: None,
+                sealer: Default::default(),
             }),
         }
+    }
+
+    /// The status monitor of this layer's keys (see [`crate::monitor`]) as a service, to
+    /// route the requests under [`Config::monitor_path`] to when they do not pass through
+    /// the layer's own services.
+    pub fn monitor(&self) -> crate::monitor::Monitor {
+        crate::monitor::Monitor::new(self.shared.clone())
     }
 
     /// Replaces the [`Config`].

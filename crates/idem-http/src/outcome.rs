@@ -23,6 +23,9 @@ pub enum Outcome {
     InFlight,
     /// The key was used with a different request: answered 422.
     Mismatch,
+    /// The key's work completed before and its response was forgotten since, and its
+    /// tombstone refuses it ([`idem_core::AfterRetention::Refuse`]): answered 410.
+    Expired,
     /// Refused before the handler ran: missing or malformed key (400), no principal (401),
     /// unreadable body (400) or a body over the limit (413).
     Rejected,
@@ -40,12 +43,13 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, in declaration order (for pre-registering metric labels).
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Executed,
         Outcome::NotStored,
         Outcome::Replayed,
         Outcome::InFlight,
         Outcome::Mismatch,
+        Outcome::Expired,
         Outcome::Rejected,
         Outcome::StoreError,
         Outcome::LeaseLost,
@@ -53,7 +57,7 @@ impl Outcome {
     ];
 
     /// A stable snake_case name, usable as a metric label: `executed`, `not_stored`,
-    /// `replayed`, `in_flight`, `mismatch`, `rejected`, `store_error`, `lease_lost`,
+    /// `replayed`, `in_flight`, `mismatch`, `expired`, `rejected`, `store_error`, `lease_lost`,
     /// `unguarded`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -62,6 +66,7 @@ impl Outcome {
             Outcome::Replayed => "replayed",
             Outcome::InFlight => "in_flight",
             Outcome::Mismatch => "mismatch",
+            Outcome::Expired => "expired",
             Outcome::Rejected => "rejected",
             Outcome::StoreError => "store_error",
             Outcome::LeaseLost => "lease_lost",

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::request::Parts;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Either, Full, StreamBody};
 use idem_core::telemetry::KeyHash;
@@ -30,6 +30,7 @@ use crate::error::Problem;
 use crate::future::{Detach, ResponseFuture};
 use crate::handle::LeaseHandle;
 use crate::outcome::{IdempotencyInfo, KeepInFlight, Outcome};
+use crate::prefer::{Prefer, PREFERENCE_APPLIED};
 use crate::request::{fingerprint, read_body, read_key};
 use crate::response::{insert_expires, replay_response, Buffer};
 use crate::shared::Shared;
@@ -50,6 +51,28 @@ impl<S> IdempotencyService<S> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    /// Whether `path` is this layer's status monitor's (see [`crate::monitor`]), which the
+    /// service answers itself, whatever the method.
+    pub fn is_monitor(&self, path: &str) -> bool {
+        crate::monitor::is_monitor(&self.shared, path)
+    }
+
+    /// The status monitor's answer to a request under its path; `None` when this layer
+    /// knows nothing of the key it names (no record, or not the caller's), where the service
+    /// answers 404 `not-completed`: for a server with several layers over one store, which
+    /// asks each in turn.
+    pub async fn monitor(&self, parts: &Parts) -> Option<Response<ResponseBody>> {
+        crate::monitor::answer(&self.shared, parts).await
+    }
+
+    /// This layer's key lifetime, as `OPTIONS` on the monitor path answers it: lease,
+    /// retention, waits and tombstones, as JSON.
+    pub fn lifetime(&self) -> serde_json::Value {
+        crate::monitor::lifetime(&self.shared)
     }
 }
 
@@ -86,6 +109,15 @@ where
         // request, and a fresh clone (not yet ready) stays behind for the next `poll_ready`.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
+        if crate::monitor::is_monitor(&self.shared, req.uri().path()) {
+            let shared = self.shared.clone();
+            let (parts, _) = req.into_parts();
+            let answer = async move {
+                let answer = crate::monitor::answer(&shared, &parts).await;
+                Ok(answer.unwrap_or_else(crate::monitor::not_found))
+            };
+            return ResponseFuture::new(answer, tracing::Span::none());
+        }
         if !self.shared.config.methods.contains(req.method()) {
             return ResponseFuture::new(pass(inner, req.map(Either::Right)), tracing::Span::none());
         }
@@ -133,7 +165,12 @@ where
         Admission::Pass(req) => return pass(inner, req).await,
         Admission::Refuse(response) => return Ok(response),
     };
-    Detach::new(claim(shared, inner, id, fingerprint, req)).await
+    // Every answer for the key names its status monitor, by the key the client knows.
+    let link = crate::monitor::by_key_path(&shared.config.monitor_path, id.key().as_str());
+    let claimed = claim(shared.clone(), inner, id, fingerprint, req);
+    let mut response = Detach::new(claimed).await?;
+    crate::monitor::insert_link(response.headers_mut(), &link);
+    Ok(response)
 }
 
 /// What admission decided.
@@ -203,6 +240,9 @@ fn record_id(shared: &Shared, parts: &Parts) -> Result<Option<RecordId>, Problem
 
 /// Steps 2 to 4, the work that runs to its end once begun: [`decide`], then [`run`] and
 /// [`store`] when the key is ours.
+///
+/// Under `Prefer: respond-async` the work runs on in a task of its own, to its end, and the
+/// client is answered `202 Accepted` at once, with the `Location` of the key's monitor.
 async fn claim<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     inner: S,
@@ -211,7 +251,10 @@ async fn claim<S, ReqBody, ResBody>(
     req: Request<RequestBody<ReqBody>>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
     ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     // The client's place in a stream of events it resumes: a replay or a joined stream
@@ -221,15 +264,54 @@ where
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let lease = match decide(&shared, &id, fingerprint, last_event_id.as_deref()).await {
+    let prefer = Prefer::of(req.headers());
+    // The monitor a 202 sends the client to, by an id that does not reveal the key.
+    let opaque = match prefer.respond_async {
+        true => crate::monitor::opaque(&shared, &id).await,
+        false => None,
+    };
+    let asked = Asked {
+        last_event_id: last_event_id.as_deref(),
+        prefer,
+        opaque: opaque.as_deref(),
+    };
+    let lease = match decide(&shared, &id, fingerprint, asked).await {
         Decision::Run(lease) => lease,
         Decision::Answer(response) => return Ok(response),
         Decision::FailOpen => return pass(inner, req).await,
     };
     let retention = shared.idem.config().retention;
     let handle = LeaseHandle::new(lease, retention, shared.clone());
+    if prefer.respond_async {
+        let work = {
+            let shared = shared.clone();
+            async move {
+                let (ran, lease) = run(&shared, inner, id, &handle, req).await;
+                // Read to its end, so a streamed body is recorded whole with nobody reading.
+                if let Ok(response) = store(&shared, &handle, lease, ran).await {
+                    let _ = response.into_body().collect().await;
+                }
+            }
+        };
+        tokio::spawn(work.in_current_span());
+        let mut accepted = crate::monitor::accepted(&shared, opaque.as_deref());
+        let applied = HeaderValue::from_static("respond-async");
+        accepted.headers_mut().insert(PREFERENCE_APPLIED, applied);
+        return Ok(accepted);
+    }
     let (ran, lease) = run(&shared, inner, id, &handle, req).await;
     store(&shared, &handle, lease, ran).await
+}
+
+/// What the client asked for besides the request itself.
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    /// `Last-Event-ID`: where a resumed stream of events starts.
+    last_event_id: Option<&'a str>,
+    /// Its `Prefer` header.
+    prefer: Prefer,
+    /// The key's monitor id, for the `Location` of a `202`.
+    opaque: Option<&'a str>,
 }
 
 /// What the store's `begin` decided.
@@ -247,15 +329,44 @@ enum Decision {
 /// another request holds the key (or, with [`idem_core::Config::wait`], answer with its
 /// response once stored), refuse a mismatch with 422, or, the store failing, refuse with
 /// 503 / 500 or fail open.
+///
+/// `Prefer: wait=N` bounds the wait by `min(N, max_wait)` in place of the engine's, and
+/// every answer given without running says so in `Preference-Applied`; under
+/// `Prefer: respond-async` a duplicate in flight is answered `202` with the key's monitor.
 async fn decide(
     shared: &Shared,
     id: &RecordId,
     fingerprint: Fingerprint,
-    last_event_id: Option<&str>,
+    asked: Asked<'_>,
 ) -> Decision {
     let config = &shared.config;
+    let honoured = asked.prefer.wait.map(|n| n.min(config.max_wait));
+    let wait = honoured.or(shared.idem.config().wait);
+    let decision = decide_within(shared, id, fingerprint, asked, wait).await;
+    match (decision, honoured) {
+        (Decision::Answer(mut response), Some(wait)) => {
+            let applied = HeaderValue::try_from(format!("wait={}", wait.as_secs()));
+            if let Ok(applied) = applied {
+                response.headers_mut().append(PREFERENCE_APPLIED, applied);
+            }
+            Decision::Answer(response)
+        }
+        (decision, _) => decision,
+    }
+}
+
+/// [`decide`], waiting up to `wait` for a key in flight.
+async fn decide_within(
+    shared: &Shared,
+    id: &RecordId,
+    fingerprint: Fingerprint,
+    asked: Asked<'_>,
+    wait: Option<Duration>,
+) -> Decision {
+    let config = &shared.config;
+    let last_event_id = asked.last_event_id;
     let answer = |outcome, problem| Decision::Answer(refuse(shared, outcome, problem));
-    match shared.idem.begin(id, fingerprint).await {
+    match shared.idem.begin_within(id, fingerprint, wait).await {
         Ok(Begin::Acquired(lease) | Begin::TookOver(lease)) => Decision::Run(lease),
         Ok(Begin::Replay(mut replay)) => {
             shared.observe(Outcome::Replayed);
@@ -269,6 +380,13 @@ async fn decide(
             }
             Decision::Answer(replay_response(config, replay))
         }
+        Ok(Begin::InFlight { .. }) if asked.prefer.respond_async => {
+            shared.observe(Outcome::InFlight);
+            let mut accepted = crate::monitor::accepted(shared, asked.opaque);
+            let applied = HeaderValue::from_static("respond-async");
+            accepted.headers_mut().insert(PREFERENCE_APPLIED, applied);
+            Decision::Answer(accepted)
+        }
         Ok(Begin::InFlight { retry_after }) => {
             // A response that streams is joined: its head, what came so far, then the rest.
             if let Some(joined) = crate::join::join(config, &shared.idem, id, last_event_id).await {
@@ -279,6 +397,9 @@ async fn decide(
             answer(Outcome::InFlight, Problem::in_flight(retry_after))
         }
         Ok(Begin::Mismatch) => answer(Outcome::Mismatch, Problem::mismatch()),
+        Ok(Begin::Expired { completed_at }) => {
+            answer(Outcome::Expired, Problem::key_expired(completed_at))
+        }
         Err(e) if e.is_retryable() && config.fail_open => {
             tracing::debug!(error = %e, "idempotency store unavailable; failing open");
             shared.observe(Outcome::Unguarded);

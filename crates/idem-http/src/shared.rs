@@ -22,6 +22,8 @@ pub(crate) struct Shared {
     pub(crate) config: Config,
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) observer: Option<ObserverFn>,
+    /// The key sealing the status monitor's ids, once read.
+    pub(crate) sealer: crate::monitor::Sealer,
 }
 
 impl Shared {

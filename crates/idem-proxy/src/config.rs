@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
-use idem_core::JsonSelection;
+use idem_core::{AfterRetention, JsonSelection};
 use idem_http::{Anonymous, JsonRpc, MissingKey, OnDisconnect};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
@@ -99,6 +99,15 @@ pub struct RouteSpec {
     /// `wait_ms`: wait this long for an in-flight request's response instead of 409
     /// (default: answer 409 at once).
     pub wait_ms: Option<u64>,
+    /// `max_wait_ms`: the longest a duplicate waits when it asks with `Prefer: wait=N`
+    /// (default 10000).
+    pub max_wait_ms: Option<u64>,
+    /// `after_retention`: `"run"` (a key whose stored response was forgotten runs again,
+    /// the default) or `"refuse"` (a tombstone refuses it with 410 for `tombstone_secs`).
+    pub after_retention: Option<AfterRetentionSpec>,
+    /// `tombstone_secs`: how long a tombstone is kept after the stored response is
+    /// forgotten, with `after_retention = "refuse"` (default 604800, 7 days).
+    pub tombstone_secs: Option<Secs>,
     /// `max_request_body` in bytes (default 1 MiB).
     pub max_request_body: Option<usize>,
     /// `max_response_body` in bytes (default 1 MiB).
@@ -125,6 +134,16 @@ pub enum OnDisconnectSpec {
     Continue,
     /// Drop the stream and release the key.
     Cancel,
+}
+
+/// `after_retention = "run" | "refuse"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterRetentionSpec {
+    /// Run again.
+    Run,
+    /// Refuse with 410 while the tombstone is kept.
+    Refuse,
 }
 
 /// `missing_key = "reject" | "pass"`.
@@ -377,7 +396,9 @@ impl Settings {
         let base = flags.over(&file.defaults);
         for route in file.routes.iter().map(|r| r.over(&base)) {
             route.check_jsonrpc()?;
+            route.check_tombstone()?;
         }
+        base.check_tombstone()?;
         let routes = if file.routes.is_empty() {
             vec![base.to_route()]
         } else {
@@ -415,6 +436,9 @@ impl RouteSpec {
             lease_secs,
             retention_secs,
             wait_ms,
+            max_wait_ms,
+            after_retention,
+            tombstone_secs,
             max_request_body,
             max_response_body,
             store_status,
@@ -452,6 +476,20 @@ impl RouteSpec {
                 }
             }
         }
+    }
+
+    /// Refuses `tombstone_secs` on a route that keeps no tombstones.
+    fn check_tombstone(&self) -> Result<(), ProxyError> {
+        if self.tombstone_secs.is_some() && self.after_retention != Some(AfterRetentionSpec::Refuse)
+        {
+            let path = self.path.as_ref().map_or("/", |p| p.0.as_str());
+            return Err(ProxyError::Config(format!(
+                "route {path}: `tombstone_secs` applies only where keys are refused after their \
+                 retention: add `after_retention = \"refuse\"` (or --after-retention refuse), \
+                 or remove `tombstone_secs`"
+            )));
+        }
+        Ok(())
     }
 
     /// The route these settings describe; an absent field takes its built-in default.
@@ -548,6 +586,15 @@ impl RouteSpec {
         }
         if let Some(ms) = self.wait_ms {
             route.engine.wait = Some(Duration::from_millis(ms));
+        }
+        if let Some(ms) = self.max_wait_ms {
+            route.http = route.http.with_max_wait(Duration::from_millis(ms));
+        }
+        if self.after_retention == Some(AfterRetentionSpec::Refuse) {
+            route.engine.after_retention = AfterRetention::Refuse;
+        }
+        if let Some(Secs(tombstone)) = self.tombstone_secs {
+            route.engine.tombstone = tombstone;
         }
         if let Some(release) = self.release_unknown {
             route.release_unknown = release;

@@ -30,8 +30,9 @@ mod route;
 mod server;
 
 pub use config::{
-    AnonymousSpec, Header, HostSpec, JsonPointer, MethodName, MissingKeySpec, OnDisconnectSpec,
-    PathPrefix, ProxyFile, RouteSpec, Secs, Settings, StatusRange, StatusSpec, UpstreamSpec,
+    AfterRetentionSpec, AnonymousSpec, Header, HostSpec, JsonPointer, MethodName, MissingKeySpec,
+    OnDisconnectSpec, PathPrefix, ProxyFile, RouteSpec, Secs, Settings, StatusRange, StatusSpec,
+    UpstreamSpec,
 };
 pub use forward::{Forward, HostHeader, Peer, ProxyBody, UpstreamConfig, UpstreamFailure, ATTEMPT};
 pub use route::{header_scope, scope_of, Proxy, Route};

@@ -5,11 +5,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::AUTHORIZATION;
+use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE};
 use http::request::Parts;
-use http::{HeaderName, Method, Request, Response};
+use http::{HeaderName, HeaderValue, Method, Request, Response};
 use http_body::Body;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use idem_core::{BoxError, Idem, Scope, Store};
 use idem_http::{IdempotencyLayer, IdempotencyService};
 use tower::{Layer, ServiceExt};
@@ -152,6 +152,13 @@ impl Proxy {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
+        if self
+            .routes
+            .iter()
+            .any(|g| g.service.is_monitor(req.uri().path()))
+        {
+            return self.monitor(req).await;
+        }
         let guarded = self.routes.iter().find(|g| {
             g.route.matches(req.uri().path()) && g.route.http.methods.contains(req.method())
         });
@@ -166,6 +173,42 @@ impl Proxy {
         };
         // A failure reaches here after the layer released its key: it was never stored.
         answered.unwrap_or_else(UpstreamFailure::into_response)
+    }
+
+    /// The status monitor (see [`idem_http::monitor`]): `OPTIONS` on its path lists every
+    /// route's key lifetime; a lookup is answered by the first route that knows the key
+    /// for the caller (each route finds the caller's scope its own way), else 404.
+    async fn monitor<B>(&self, req: Request<B>) -> Response<ProxyBody> {
+        let (parts, _) = req.into_parts();
+        let path = parts.uri.path().trim_end_matches('/');
+        let bare = self
+            .routes
+            .iter()
+            .any(|g| g.route.http.monitor_path.trim_end_matches('/') == path);
+        if bare && parts.method == Method::OPTIONS {
+            let routes: Vec<serde_json::Value> = self
+                .routes
+                .iter()
+                .map(|g| {
+                    let mut lifetime = g.service.lifetime();
+                    lifetime["path"] = g.route.path.clone().into();
+                    lifetime
+                })
+                .collect();
+            let body = serde_json::json!({ "routes": routes }).to_string();
+            let body = Full::new(Bytes::from(body)).map_err(|e| match e {});
+            let mut response = Response::new(body.boxed_unsync());
+            let headers = response.headers_mut();
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            headers.insert(ALLOW, HeaderValue::from_static("OPTIONS, GET, HEAD"));
+            return response;
+        }
+        for g in self.routes.iter() {
+            if let Some(answer) = g.service.monitor(&parts).await {
+                return answer.map(BodyExt::boxed_unsync);
+            }
+        }
+        idem_http::monitor::not_found().map(BodyExt::boxed_unsync)
     }
 
     /// Whether `method` on `path` would be guarded.

@@ -56,6 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "caller {caller}: in flight, retry in {retry_after:?}"
                 )),
                 Begin::Mismatch => Ok(format!("caller {caller}: mismatch")),
+                Begin::Expired { .. } => Ok(format!("caller {caller}: key expired")),
             }
         }));
     }

@@ -1,0 +1,85 @@
+//! Tombstones: what is left of a completed key once its retention ends, on routes that
+//! refuse such a key rather than run it again ([`crate::AfterRetention::Refuse`]).
+//!
+//! A tombstone is an ordinary record of the store, under the key's own key in a scope of
+//! its own ([`id`]), written after the completion and kept `retention + tombstone` from
+//! then, so it outlives the completed record by `tombstone`. It holds the request's
+//! fingerprint and when the work completed (milliseconds since the Unix epoch, as its
+//! body), and no response. Being a record, it expires, is purged and is counted like one,
+//! on every store, with no store of its own knowing about it.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::{RecordId, Scope};
+use crate::record::{Completion, FencingToken, RecordState, Response};
+use crate::store::{Begin, BeginRequest, Store};
+use crate::telemetry::Instrumented;
+
+/// Starts the scope of every tombstone: a control character, which no principal's scope
+/// taken from an HTTP header can hold, so a tombstone's scope never meets a caller's.
+const PREFIX: &str = "\u{1}tombstone\u{1}";
+
+/// The record holding `id`'s tombstone.
+pub(crate) fn id(id: &RecordId) -> RecordId {
+    let scope = id.scope().as_str();
+    let mut tomb = String::with_capacity(PREFIX.len() + scope.len());
+    tomb.push_str(PREFIX);
+    tomb.push_str(scope);
+    // A scope near the length limit is named by its digest instead: still its own.
+    let scope = Scope::new(tomb).unwrap_or_else(|_| {
+        let digest = Fingerprint::of_bytes(scope.as_bytes());
+        Scope::new(format!("{PREFIX}#{}", digest.to_hex())).expect("a digest fits in a scope")
+    });
+    RecordId::new(scope, id.key().clone())
+}
+
+/// Writes `id`'s tombstone, kept for `ttl`. A tombstone already there (the key completed
+/// again after a release, or a second writer) is left as it is.
+pub(crate) async fn write(
+    calls: &Instrumented,
+    id: &RecordId,
+    fingerprint: Fingerprint,
+    ttl: Duration,
+) -> Result<()> {
+    let tomb = self::id(id);
+    let req = BeginRequest {
+        id: &tomb,
+        fingerprint,
+        token: FencingToken::random(),
+        lease: Duration::from_secs(10),
+        retention: ttl,
+    };
+    let lease = match calls.begin(req).await? {
+        Begin::Acquired(lease) | Begin::TookOver(lease) => lease,
+        _ => return Ok(()),
+    };
+    let completed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    let stone = Completion::succeeded(Response::new(0, completed.to_string()));
+    calls.complete(&lease, &stone, ttl).await
+}
+
+/// When `id` completed, if its tombstone is kept.
+pub(crate) async fn find(calls: &Instrumented, id: &RecordId) -> Result<Option<SystemTime>> {
+    let Some(record) = calls.get(&self::id(id)).await? else {
+        return Ok(None);
+    };
+    let RecordState::Completed(stone) = record.state else {
+        // Being written: the key completed a moment ago.
+        return Ok(Some(SystemTime::now()));
+    };
+    let millis = std::str::from_utf8(&stone.response.body)
+        .ok()
+        .and_then(|text| text.parse::<u64>().ok())
+        .ok_or_else(|| {
+            Error::corrupt(
+                calls.name(),
+                "a tombstone's completion time is not a number",
+            )
+        })?;
+    Ok(Some(UNIX_EPOCH + Duration::from_millis(millis)))
+}
