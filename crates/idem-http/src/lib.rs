@@ -51,13 +51,20 @@
 //! | retry of a completed request | the stored status, body and allowed headers, plus `Idempotent-Replayed: true` and `Idempotency-Expires` |
 //! | same key, different request | 422 |
 //! | same key while the first is running | 409 with a short `Retry-After` ([`Config::in_flight_retry_after`], 1 s by default, never past the first request's lease time left), or, with [`idem_core::Config::wait`] set, the first request's response once it is stored |
+//! | same key while the first is running, with `Prefer: wait=N` | waits up to `min(N, `[`Config::max_wait`]`)` for the stored response, then 409; `Preference-Applied: wait=M` |
+//! | `Prefer: respond-async` | 202 at once with the `Location` of the key's status monitor ([`monitor`]); the work runs on; a duplicate in flight gets the same 202 |
+//! | key whose stored response was forgotten, under [`idem_core::AfterRetention::Refuse`] | 410 `key-expired` while its tombstone is kept; the handler does not run |
 //! | store unavailable | 503 with `Retry-After` ([`Config::store_retry_after`]); with [`Config::fail_open`], the handler runs unguarded |
+//!
+//! Every answer for a key names its status monitor: `Link: </.idem/keys/by-key/{key}>;
+//! rel="monitor"` (see [`monitor`]).
 //!
 //! The layer's own answers are `application/problem+json` documents (RFC 9457) whose `type`
 //! is `urn:idem:problem:<kind>`: `idempotency-key-missing`, `idempotency-key-invalid`,
 //! `request-body-too-large`, `request-body-unreadable`, `idempotency-key-reused`,
 //! `principal-missing`, `request-in-flight`, `store-unavailable`, `store-error`,
-//! `outcome-not-recorded`, `lease-lost`, `stored-response-invalid`.
+//! `outcome-not-recorded`, `lease-lost`, `stored-response-invalid`, `key-expired`, and from
+//! the status monitor `not-completed` and `method-not-allowed`.
 //!
 //! ## Work outlives the connection, scope, fingerprint, what is stored
 //!
