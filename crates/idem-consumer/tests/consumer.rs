@@ -628,3 +628,35 @@ async fn child_keys_in_the_context_are_stable_across_redeliveries() {
         idem_consumer::child_key(&Key::new("parent-key").unwrap(), "send-email")
     );
 }
+
+/// Under `AfterRetention::Refuse`, a message redelivered after its key's stored value was
+/// forgotten is dead-lettered as `Expired`, and the handler does not run again.
+#[tokio::test]
+async fn a_message_redelivered_after_its_retention_is_dead_lettered_under_refuse() {
+    let clock = ManualClock::new();
+    let store = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let config = Config::default()
+        .with_retention(Duration::from_secs(60))
+        .with_after_retention(idem_core::AfterRetention::Refuse);
+    let c = Consumer::new(Idem::from_arc(store).with_config(config), scope());
+    let runs = AtomicU32::new(0);
+    let d = c
+        .process(&msg("late", "{}"), |_| counted(&runs, Ok(1)))
+        .await;
+    assert_executed(&d, 1, 1);
+    clock.advance(Duration::from_secs(61));
+    let d = c
+        .process(&msg("late", "{}"), |_| counted(&runs, Ok(2)))
+        .await;
+    assert!(
+        matches!(
+            d,
+            Delivery::DeadLetter {
+                reason: DeadLetterReason::Expired,
+                ..
+            }
+        ),
+        "{d:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

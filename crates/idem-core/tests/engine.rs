@@ -542,3 +542,62 @@ fn a_full_memory_store_is_not_logged_as_an_outage() {
     assert!(!out.contains("unavailable"), "{out}");
     assert!(!out.contains("answers again"), "{out}");
 }
+
+/// `AfterRetention::Refuse`: once a completed key's record is forgotten, its tombstone
+/// answers `Begin::Expired` (and `execute_once` `Once::Expired`, without running the work)
+/// until the tombstone's own time is over; then the key is new again. Under the default
+/// `Run`, no tombstone is kept.
+#[tokio::test]
+async fn a_completed_key_is_refused_after_its_retention_while_its_tombstone_lasts() {
+    use idem_core::{AfterRetention, ManualClock};
+    let clock = ManualClock::new();
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let config = Config::default()
+        .with_retention(Duration::from_secs(60))
+        .with_after_retention(AfterRetention::Refuse)
+        .with_tombstone(Duration::from_secs(600));
+    let idem = Idem::new(store).with_config(config);
+    let lease = acquired(&idem, "stone").await;
+    idem.complete(&lease, Response::new(201, "done"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        idem.begin(&id("stone"), fp()).await.unwrap(),
+        Begin::Replay(_)
+    ));
+
+    clock.advance(Duration::from_secs(61));
+    let Begin::Expired { completed_at } = idem.begin(&id("stone"), fp()).await.unwrap() else {
+        panic!("a forgotten key under its tombstone is refused");
+    };
+    let ago = std::time::SystemTime::now()
+        .duration_since(completed_at)
+        .unwrap();
+    assert!(ago < Duration::from_secs(5), "{ago:?}");
+    let runs = AtomicUsize::new(0);
+    let once = idem
+        .execute_once(&id("stone"), fp(), |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(1)
+        })
+        .await
+        .unwrap();
+    assert!(matches!(once, Once::Expired { .. }), "{once:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // The refusal left nothing held: another key runs, and so does this one later.
+    acquired(&idem, "other").await;
+    clock.advance(Duration::from_secs(600));
+    acquired(&idem, "stone").await;
+
+    // Under the default, a forgotten key is new again at once.
+    let clock = ManualClock::new();
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let config = Config::default().with_retention(Duration::from_secs(60));
+    let idem = Idem::new(store).with_config(config);
+    let lease = acquired(&idem, "run").await;
+    idem.complete(&lease, Response::new(201, "done"))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(61));
+    acquired(&idem, "run").await;
+}

@@ -719,6 +719,44 @@ sse_ids = true
     }
 
     #[test]
+    fn a_key_lifetime_route_sets_its_engine_and_a_stray_tombstone_is_refused() {
+        let text = r#"
+[upstream]
+url = "http://127.0.0.1:3000"
+
+[[route]]
+path = "/payments"
+max_wait_ms = 2500
+after_retention = "refuse"
+tombstone_secs = 3600
+
+[[route]]
+path = "/other"
+"#;
+        let file = ProxyFile::parse("proxy.toml", text).unwrap();
+        let settings =
+            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        let [payments, other] = &settings.routes[..] else {
+            panic!("two routes expected");
+        };
+        assert_eq!(payments.http.max_wait, Duration::from_millis(2500));
+        assert_eq!(payments.engine.after_retention, AfterRetention::Refuse);
+        assert_eq!(payments.engine.tombstone, Duration::from_secs(3600));
+        assert_eq!(other.engine.after_retention, AfterRetention::Run);
+        assert_eq!(other.http.max_wait, Duration::from_secs(10));
+
+        let stray = text.replace("after_retention = \"refuse\"\n", "");
+        let file = ProxyFile::parse("proxy.toml", &stray).unwrap();
+        let e = Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tombstone_secs") && e.contains("after_retention"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_jsonrpc_route_guards_its_calls_and_posts_only() {
         let text = r#"
 [upstream]
