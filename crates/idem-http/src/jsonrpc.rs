@@ -73,7 +73,7 @@ use crate::handle::LeaseHandle;
 use crate::outcome::{IdempotencyInfo, KeepInFlight, Outcome};
 use crate::request::read_key;
 use crate::response::{insert_expires, REPLAYED};
-use crate::service::{not_completed, release, Kept};
+use crate::settle::{not_completed, release, Kept};
 use crate::shared::Shared;
 
 /// The error codes of the layer's JSON-RPC answers, all in the range JSON-RPC leaves to

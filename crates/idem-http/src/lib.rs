@@ -228,6 +228,7 @@ mod prefer;
 mod request;
 mod response;
 mod service;
+mod settle;
 mod shared;
 
 pub use body::{RequestBody, ResponseBody};

@@ -35,21 +35,12 @@ use idem_core::{
     RecordId, RecordState, Replay, Scope,
 };
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-use tokio::sync::OnceCell;
 
 use crate::body::ResponseBody;
 use crate::config::Anonymous;
 use crate::error::Problem;
 use crate::response::replay_response;
 use crate::shared::Shared;
-
-/// The key that seals monitor ids, once read from (or written to) the store, and when a
-/// read last failed.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Sealer {
-    key: std::sync::Arc<OnceCell<[u8; 32]>>,
-    failed: std::sync::Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
-}
 
 /// After the sealing key could not be read, answers go without a monitor for this long
 /// rather than each wait for the store again.

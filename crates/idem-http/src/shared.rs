@@ -23,7 +23,15 @@ pub(crate) struct Shared {
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) observer: Option<ObserverFn>,
     /// The key sealing the status monitor's ids, once read.
-    pub(crate) sealer: crate::monitor::Sealer,
+    pub(crate) sealer: Sealer,
+}
+
+/// The key that seals the status monitor's ids (see [`crate::monitor`]), once read from (or
+/// written to) the store, and when a read last failed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sealer {
+    pub(crate) key: Arc<tokio::sync::OnceCell<[u8; 32]>>,
+    pub(crate) failed: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
 }
 
 impl Shared {
