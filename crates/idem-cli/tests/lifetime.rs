@@ -81,6 +81,27 @@ async fn charge(
     call(client, "POST", &url, &headers, r#"{"amount":100}"#).await
 }
 
+/// [`charge`] as alice, in a task of its own: the first request of a key, which a
+/// duplicate then meets in flight.
+fn in_background(
+    client: &HttpClient,
+    proxy: &Proc,
+    key: &str,
+    delay_ms: u64,
+) -> tokio::task::JoinHandle<Reply> {
+    let (client, url, key) = (client.clone(), proxy.printed.clone(), key.to_owned());
+    tokio::spawn(async move {
+        let url = format!("{url}/charge");
+        let delay = delay_ms.to_string();
+        let headers = [
+            ALICE,
+            ("idempotency-key", key.as_str()),
+            ("x-delay-ms", delay.as_str()),
+        ];
+        call(&client, "POST", &url, &headers, r#"{"amount":100}"#).await
+    })
+}
+
 /// `GET <proxy><path>` as `who`.
 async fn get(client: &HttpClient, proxy: &Proc, who: (&str, &str), path: &str) -> Reply {
     let url = format!("{}{path}", proxy.printed);
@@ -112,18 +133,7 @@ async fn a_duplicate_waits_as_long_as_it_prefers(backend: &str) {
 
     // wait=2 against a 1 s handler: the stored 201.
     let key = fresh("wait");
-    let first = {
-        let (client, p, key) = (client.clone(), p.printed.clone(), key.clone());
-        tokio::spawn(async move {
-            let url = format!("{p}/charge");
-            let headers = [
-                ALICE,
-                ("idempotency-key", key.as_str()),
-                ("x-delay-ms", "1000"),
-            ];
-            call(&client, "POST", &url, &headers, r#"{"amount":100}"#).await
-        })
-    };
+    let first = in_background(&client, &p, &key, 1000);
     tokio::time::sleep(ms(300)).await;
     let waited = charge(&client, &p, ALICE, &key, 1000, &[("prefer", "wait=2")]).await;
     let first = first.await.unwrap();
@@ -137,18 +147,7 @@ async fn a_duplicate_waits_as_long_as_it_prefers(backend: &str) {
     // Against a 5 s handler: wait=0 is answered at once, wait=9 after the bound (2.5 s,
     // said in whole seconds).
     let key = fresh("slow");
-    let slow = {
-        let (client, p, key) = (client.clone(), p.printed.clone(), key.clone());
-        tokio::spawn(async move {
-            let url = format!("{p}/charge");
-            let headers = [
-                ALICE,
-                ("idempotency-key", key.as_str()),
-                ("x-delay-ms", "5000"),
-            ];
-            call(&client, "POST", &url, &headers, r#"{"amount":100}"#).await
-        })
-    };
+    let slow = in_background(&client, &p, &key, 5000);
     tokio::time::sleep(ms(300)).await;
     let started = Instant::now();
     let at_once = charge(&client, &p, ALICE, &key, 5000, &[("prefer", "wait=0")]).await;
