@@ -45,12 +45,15 @@ fn render(
 ///
 /// [`CliError::NotFound`] when there was none; store errors.
 pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Done, CliError> {
-    if !store.evict(id).await? {
+    let record = store.evict(id).await?;
+    // Its tombstone too (routes with `after_retention = "refuse"`), so the key runs again.
+    let tombstone = store.evict(&idem_core::tombstone_id(id)).await?;
+    if !record && !tombstone {
         return Err(CliError::NotFound(absent(id)));
     }
     let doc = || {
         let (scope, key) = (id.scope().as_str(), id.key().as_str());
-        serde_json::json!({"evicted": true, "scope": scope, "key": key})
+        serde_json::json!({"evicted": true, "scope": scope, "key": key, "tombstone": tombstone})
     };
     let text = || format!("evicted {}\n", describe(id));
     Ok(Done::ok(render(json, doc, text)))

@@ -170,9 +170,11 @@ async fn a_duplicate_waits_as_long_as_it_prefers(backend: &str) {
 /// response, to the same principal only (404 to another); the monitor by key answers
 /// alike; the upstream runs once.
 async fn respond_async_answers_at_once_and_the_monitor_follows(backend: &str) {
-    let Some((store, flags, _)) = self::store(backend) else {
+    let Some((store, mut flags, _)) = self::store(backend) else {
         return;
     };
+    // A route that makes duplicates wait: one that asked for an answer at once does not.
+    flags.extend(["--wait-ms".into(), "5000".into()]);
     let (up, client) = (upstream(), client());
     let a = proxy(&up.printed, &store, &flags);
     let b_proc = (backend != "memory").then(|| proxy(&up.printed, &store, &flags));
@@ -192,7 +194,9 @@ async fn respond_async_answers_at_once_and_the_monitor_follows(backend: &str) {
         "the opaque id shows the key: {location}"
     );
 
+    let started = Instant::now();
     let duplicate = charge(&client, b, ALICE, &key, 1500, &prefer).await;
+    assert!(started.elapsed() < ms(1000), "{:?}", started.elapsed());
     assert_eq!(duplicate.status, StatusCode::ACCEPTED, "{duplicate:?}");
     assert_eq!(duplicate.header("location"), Some(location.as_str()));
 

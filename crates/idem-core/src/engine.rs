@@ -274,23 +274,27 @@ impl Idem {
         wait: Option<Duration>,
     ) -> Result<Begin, Error> {
         let begun = self.claim(id, fingerprint, wait).await?;
-        match begun {
-            // A fresh key may be one whose record was forgotten: its tombstone says.
-            Begin::Acquired(lease) if self.config.after_retention == AfterRetention::Refuse => {
-                match tombstone::find(&self.calls, id).await {
-                    Ok(None) => Ok(Begin::Acquired(lease)),
-                    Ok(Some(completed_at)) => {
-                        self.release(&lease).await?;
-                        Ok(Begin::Expired { completed_at })
-                    }
-                    Err(e) => {
-                        // Undecided: the work must not run, and the key must not stay held.
-                        let _ = self.release(&lease).await;
-                        Err(e)
-                    }
-                }
+        if self.config.after_retention != AfterRetention::Refuse {
+            return Ok(begun);
+        }
+        // A key claimed to run may be one whose record was forgotten (or whose claim after
+        // that was abandoned, a takeover): its tombstone says.
+        let (Begin::Acquired(lease) | Begin::TookOver(lease)) = &begun else {
+            return Ok(begun);
+        };
+        let found = tombstone::find(&self.calls, id).await;
+        if !matches!(found, Ok(None)) {
+            // Refused, or undecided: the work must not run, and the key must not stay
+            // held; a release that fails is tried again in the background.
+            if self.release(lease).await.is_err() {
+                let (store, limit) = (self.store.clone(), self.config.store_timeout);
+                self.orphans
+                    .release_later(store, id, lease.token(), self.config.lease, limit);
             }
-            begun => Ok(begun),
+        }
+        match found? {
+            None => Ok(begun),
+            Some(completed_at) => Ok(Begin::Expired { completed_at }),
         }
     }
 
@@ -379,10 +383,20 @@ impl Idem {
         Ok(())
     }
 
+    /// Tells the engine that the key `lease` holds was completed outside it, in the
+    /// caller's own transaction (a store's `complete_in`): under [`AfterRetention::Refuse`]
+    /// it writes the key's tombstone, as [`Idem::complete`] does.
+    pub async fn completed_elsewhere(&self, lease: &Lease) {
+        self.leave_tombstone(lease).await;
+    }
+
     /// Under [`AfterRetention::Refuse`], writes the tombstone of the key `lease` completed,
     /// kept until [`Config::tombstone`] after the completion is forgotten. The completion
     /// stands either way: a tombstone that cannot be written is logged and counted
-    /// (`idem_tombstones_lost_total`), and its key runs again once its retention ends.
+    /// (`idem_tombstones_lost_total`), and its key runs again once its retention ends (as
+    /// it does after a crash between the completion and this write). The write is on the
+    /// completion's path, so that an answer sent means a tombstone kept: a store that
+    /// stalls there delays the answer by up to three of its time limits.
     async fn leave_tombstone(&self, lease: &Lease) {
         if self.config.after_retention != AfterRetention::Refuse {
             return;

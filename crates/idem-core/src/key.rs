@@ -32,6 +32,9 @@ pub enum KeyError {
         /// Its offset in the key.
         position: usize,
     },
+    /// The scope starts with U+0001, which marks idem's own records.
+    #[error("a scope may not start with U+0001: that marks idem's own records (tombstones, the status monitor's key)")]
+    Reserved,
 }
 
 /// A validated idempotency key: 1 to 255 bytes of visible ASCII (`0x21..=0x7e`).
@@ -109,21 +112,45 @@ impl std::str::FromStr for Key {
 }
 
 /// The namespace a key lives in: a tenant, a principal, a route, a consumer group, or any
-/// combination. Any UTF-8 text up to [`MAX_SCOPE_LEN`] bytes, the empty scope included.
+/// combination. Any UTF-8 text up to [`MAX_SCOPE_LEN`] bytes, the empty scope included,
+/// that does not start with U+0001: that start marks idem's own records
+/// ([`Scope::reserved`]), which no caller's scope may meet.
 ///
 /// Two requests share a record only when both their scope and their key are equal, so one
 /// tenant can never be handed another tenant's stored response.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Scope(String);
 
+/// What starts a reserved scope, and no other.
+const RESERVED: char = '\u{1}';
+
 impl Scope {
     /// Validates `scope`.
     ///
     /// # Errors
     ///
-    /// [`KeyError::TooLong`] when it is longer than [`MAX_SCOPE_LEN`] bytes.
+    /// [`KeyError::TooLong`] when it is longer than [`MAX_SCOPE_LEN`] bytes;
+    /// [`KeyError::Reserved`] when it starts with U+0001.
     pub fn new(scope: impl Into<String>) -> Result<Self, KeyError> {
         let scope = scope.into();
+        if scope.starts_with(RESERVED) {
+            return Err(KeyError::Reserved);
+        }
+        Self::stored(scope)
+    }
+
+    /// A scope of idem's own records (a key's tombstone, the status monitor's sealing key):
+    /// U+0001, `name`, U+0001, so that it never equals a scope [`Scope::new`] accepts.
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::TooLong`] when that is longer than [`MAX_SCOPE_LEN`] bytes.
+    pub fn reserved(name: &str) -> Result<Self, KeyError> {
+        Self::stored(format!("{RESERVED}{name}{RESERVED}"))
+    }
+
+    /// A scope as a store holds it, reserved or not.
+    fn stored(scope: String) -> Result<Self, KeyError> {
         if scope.len() > MAX_SCOPE_LEN {
             return Err(KeyError::TooLong {
                 what: "scope",
@@ -192,7 +219,10 @@ impl RecordId {
             return None;
         }
         let (scope, key) = rest.split_at(len);
-        Some(Self::new(Scope::new(scope).ok()?, Key::new(key).ok()?))
+        Some(Self::new(
+            Scope::stored(scope.to_owned()).ok()?,
+            Key::new(key).ok()?,
+        ))
     }
 }
 
@@ -231,6 +261,12 @@ mod tests {
         assert!(Key::new("é").is_err());
         assert!(Key::new("~!{}:").is_ok());
         assert!(Scope::new("x".repeat(256)).is_err());
+        assert_eq!(Scope::new("\u{1}tombstone:a\u{1}"), Err(KeyError::Reserved));
+        let reserved = Scope::reserved("tombstone:a").unwrap();
+        assert_eq!(reserved.as_str(), "\u{1}tombstone:a\u{1}");
+        // A store's reserved records read back as what they are.
+        let id = RecordId::new(reserved, Key::new("k").unwrap());
+        assert_eq!(RecordId::decode(&id.encoded()), Some(id));
     }
 
     proptest! {
@@ -239,8 +275,8 @@ mod tests {
             s1 in ".{0,12}", k1 in "[!-~]{1,12}",
             s2 in ".{0,12}", k2 in "[!-~]{1,12}",
         ) {
-            let a = RecordId::new(Scope::new(s1).unwrap(), Key::new(k1).unwrap());
-            let b = RecordId::new(Scope::new(s2).unwrap(), Key::new(k2).unwrap());
+            let a = RecordId::new(Scope::stored(s1).unwrap(), Key::new(k1).unwrap());
+            let b = RecordId::new(Scope::stored(s2).unwrap(), Key::new(k2).unwrap());
             prop_assert_eq!(a == b, a.encoded() == b.encoded());
             prop_assert_eq!(RecordId::decode(&a.encoded()), Some(a));
         }

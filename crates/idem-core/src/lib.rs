@@ -99,4 +99,5 @@ pub use record::{
     RecordState, Replay, Response,
 };
 pub use store::{Begin, BeginRequest, Stats, Store, StreamRead};
+pub use tombstone::id as tombstone_id;
 pub use watch::{Watch, Watchers};

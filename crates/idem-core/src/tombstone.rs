@@ -17,22 +17,17 @@ use crate::record::{Completion, FencingToken, RecordState, Response};
 use crate::store::{Begin, BeginRequest, Store};
 use crate::telemetry::Instrumented;
 
-/// Starts the scope of every tombstone: a control character, which no principal's scope
-/// taken from an HTTP header can hold, so a tombstone's scope never meets a caller's.
-const PREFIX: &str = "\u{1}tombstone\u{1}";
-
-/// The record holding `id`'s tombstone.
-pub(crate) fn id(id: &RecordId) -> RecordId {
+/// The record holding `id`'s tombstone: the same key, in the reserved scope
+/// `U+0001 "tombstone:" scope U+0001` ([`Scope::reserved`]), which no caller's scope can
+/// equal. A scope too long for that is named by its digest instead (`"tombstone#" hex`,
+/// which no `"tombstone:"` name can equal either).
+pub fn id(id: &RecordId) -> RecordId {
     let scope = id.scope().as_str();
-    let mut tomb = String::with_capacity(PREFIX.len() + scope.len());
-    tomb.push_str(PREFIX);
-    tomb.push_str(scope);
-    // A scope near the length limit is named by its digest instead: still its own.
-    let scope = Scope::new(tomb).unwrap_or_else(|_| {
-        let digest = Fingerprint::of_bytes(scope.as_bytes());
-        Scope::new(format!("{PREFIX}#{}", digest.to_hex())).expect("a digest fits in a scope")
+    let reserved = Scope::reserved(&format!("tombstone:{scope}")).unwrap_or_else(|_| {
+        let digest = Fingerprint::of_bytes(scope.as_bytes()).to_hex();
+        Scope::reserved(&format!("tombstone#{digest}")).expect("a digest fits in a scope")
     });
-    RecordId::new(scope, id.key().clone())
+    RecordId::new(reserved, id.key().clone())
 }
 
 /// Writes `id`'s tombstone, kept for `ttl`. A tombstone already there (the key completed

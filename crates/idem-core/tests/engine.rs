@@ -584,8 +584,26 @@ async fn a_completed_key_is_refused_after_its_retention_while_its_tombstone_last
         .unwrap();
     assert!(matches!(once, Once::Expired { .. }), "{once:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
-    // The refusal left nothing held: another key runs, and so does this one later.
-    acquired(&idem, "other").await;
+    // The refusal left nothing held: at once, the key is refused again, not in flight.
+    let again = idem.begin(&id("stone"), fp()).await.unwrap();
+    assert!(matches!(again, Begin::Expired { .. }), "{again:?}");
+    // A claim that skipped the check (its worker died between claiming and looking) is
+    // taken over once its lease ends, and the takeover is refused too.
+    let raw = BeginRequest {
+        id: &id("stone"),
+        fingerprint: fp(),
+        token: FencingToken::random(),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(60),
+    };
+    assert!(matches!(
+        idem.store().begin(raw).await.unwrap(),
+        Begin::Acquired(_)
+    ));
+    clock.advance(Duration::from_secs(31));
+    let taken = idem.begin(&id("stone"), fp()).await.unwrap();
+    assert!(matches!(taken, Begin::Expired { .. }), "{taken:?}");
+    // Once the tombstone's time is over, the key is new again.
     clock.advance(Duration::from_secs(600));
     acquired(&idem, "stone").await;
 

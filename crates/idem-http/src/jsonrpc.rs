@@ -697,6 +697,7 @@ where
                  are replayed the committed one"
             );
         }
+        shared.idem.completed_elsewhere(lease).await;
         Kept::Stored
     } else if !storable(rpc, parts.status, &parts.headers, &bytes) {
         release(&shared.idem, lease, "a failed call").await;

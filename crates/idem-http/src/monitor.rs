@@ -46,10 +46,9 @@ use crate::shared::Shared;
 /// rather than each wait for the store again.
 const AFTER_FAILURE: Duration = Duration::from_secs(1);
 
-/// The record holding the sealing key: a scope no caller's can be (it starts with a
-/// control character, which no HTTP header holds).
+/// The record holding the sealing key, in a reserved scope no caller's can be.
 fn secret_id() -> RecordId {
-    let scope = Scope::new("\u{1}idem\u{1}").expect("a short scope");
+    let scope = Scope::reserved("idem").expect("a short scope");
     RecordId::new(scope, Key::new("monitor-secret").expect("a valid key"))
 }
 
@@ -175,7 +174,7 @@ pub(crate) fn insert_link(headers: &mut HeaderMap, monitor: &str) {
 
 /// The `202 Accepted` of work that runs on, or of a duplicate of it that asked for
 /// `respond-async`: `Location` of the monitor (when it can be named) and `Retry-After`.
-pub(crate) fn accepted(shared: &Shared, opaque: Option<&str>) -> Response<ResponseBody> {
+pub(crate) fn accepted(shared: &Shared, location: Option<&str>) -> Response<ResponseBody> {
     let body = r#"{"status":"in_progress"}"#;
     let mut response = Response::new(ResponseBody::full(Bytes::from_static(body.as_bytes())));
     *response.status_mut() = StatusCode::ACCEPTED;
@@ -183,30 +182,40 @@ pub(crate) fn accepted(shared: &Shared, opaque: Option<&str>) -> Response<Respon
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     let after = shared.config.in_flight_retry_after.as_secs().max(1);
     headers.insert(RETRY_AFTER, HeaderValue::from(after));
-    if let Some(opaque) = opaque {
-        let path = &shared.config.monitor_path;
-        if let Ok(location) = HeaderValue::try_from(format!("{path}/{opaque}")) {
-            headers.insert(LOCATION, location);
-        }
+    if let Some(location) = location.and_then(|l| HeaderValue::try_from(l).ok()) {
+        headers.insert(LOCATION, location);
     }
     response
 }
 
 /// Whether `path` is the monitor's or under it.
 pub(crate) fn is_monitor(shared: &Shared, path: &str) -> bool {
-    path.strip_prefix(shared.config.monitor_path.as_str())
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    let base = base(shared);
+    !base.is_empty()
+        && path
+            .strip_prefix(base)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// The monitor's path without a trailing `/` (empty: no monitor).
+fn base(shared: &Shared) -> &str {
+    shared.config.monitor_path.trim_end_matches('/')
+}
+
+/// Where the `202` of a `respond-async` request sends its client: the key's monitor by an
+/// opaque id, or, when the sealing key cannot be read, by its key.
+pub(crate) async fn location(shared: &Shared, id: &RecordId) -> String {
+    match opaque(shared, id).await {
+        Some(opaque) => format!("{}/{opaque}", base(shared)),
+        None => by_key_path(&shared.config.monitor_path, id.key().as_str()),
+    }
 }
 
 /// What the monitor knows of the key a request names: `None` when it knows nothing (no
 /// record, or not this caller's), for the caller to answer 404 or ask another route.
 pub(crate) async fn answer(shared: &Shared, parts: &Parts) -> Option<Response<ResponseBody>> {
     let config = &shared.config;
-    let rest = parts
-        .uri
-        .path()
-        .strip_prefix(config.monitor_path.as_str())
-        .unwrap_or("");
+    let rest = parts.uri.path().strip_prefix(base(shared)).unwrap_or("");
     if rest.is_empty() || rest == "/" {
         return Some(if parts.method == Method::OPTIONS {
             describe(shared)
@@ -234,8 +243,15 @@ pub(crate) async fn answer(shared: &Shared, parts: &Parts) -> Option<Response<Re
             RecordId::new(scope, Key::new(key.into_owned()).ok()?)
         }
         None => {
-            let key = secret(shared).await.ok();
-            let id = key.and_then(|key| unseal(&key, rest))?;
+            let key = match secret(shared).await {
+                Ok(key) => key,
+                // Not knowing is not "not completed": the client asks again later.
+                Err(e) => {
+                    let problem = Problem::store_failed(&e, config.store_retry_after);
+                    return Some(problem.into_response());
+                }
+            };
+            let id = unseal(&key, rest)?;
             // Another principal's key: as if there were none.
             if *id.scope() != scope {
                 return None;
@@ -404,7 +420,8 @@ const KEY_IN_PATH: &AsciiSet = &NON_ALPHANUMERIC
 /// `{path}/by-key/{key}`: the monitor path a client builds from its key.
 pub fn by_key_path(monitor_path: &str, key: &str) -> String {
     format!(
-        "{monitor_path}/by-key/{}",
+        "{}/by-key/{}",
+        monitor_path.trim_end_matches('/'),
         utf8_percent_encode(key, KEY_IN_PATH)
     )
 }

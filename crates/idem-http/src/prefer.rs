@@ -50,6 +50,30 @@ impl Prefer {
     }
 }
 
+/// Removes from `headers` the preferences the layer honours (`wait`, `respond-async`),
+/// keeping every other one: the service behind the layer must not honour them a second
+/// time (its own `202` would be stored as the key's final answer).
+pub(crate) fn strip_honoured(headers: &mut HeaderMap) {
+    let kept: Vec<String> = headers
+        .get_all(PREFER)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter(|preference| {
+            let token = preference.split([';', '=']).next().unwrap_or("").trim();
+            !token.eq_ignore_ascii_case("wait") && !token.eq_ignore_ascii_case("respond-async")
+        })
+        .map(|preference| preference.trim().to_owned())
+        .filter(|preference| !preference.is_empty())
+        .collect();
+    headers.remove(PREFER);
+    if let Ok(value) = http::HeaderValue::try_from(kept.join(", ")) {
+        if !kept.is_empty() {
+            headers.insert(PREFER, value);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,5 +101,18 @@ mod tests {
         );
         assert_eq!(prefer(&["wait=soon"]).wait, None);
         assert!(!prefer(&["respond-asyncx"]).respond_async);
+    }
+
+    #[test]
+    fn the_honoured_preferences_are_not_passed_on() {
+        let mut headers = HeaderMap::new();
+        headers.append(PREFER, "respond-async, return=minimal".parse().unwrap());
+        headers.append(PREFER, "Wait=5; x=y, handling=lenient".parse().unwrap());
+        strip_honoured(&mut headers);
+        assert_eq!(headers[PREFER], "return=minimal, handling=lenient");
+        let mut headers = HeaderMap::new();
+        headers.append(PREFER, "wait=5".parse().unwrap());
+        strip_honoured(&mut headers);
+        assert!(headers.get(PREFER).is_none());
     }
 }

@@ -264,15 +264,19 @@ where
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let prefer = Prefer::of(req.headers());
+    let mut req = req;
+    if prefer != Prefer::default() {
+        crate::prefer::strip_honoured(req.headers_mut());
+    }
     // The monitor a 202 sends the client to, by an id that does not reveal the key.
-    let opaque = match prefer.respond_async {
-        true => crate::monitor::opaque(&shared, &id).await,
+    let location = match prefer.respond_async {
+        true => Some(crate::monitor::location(&shared, &id).await),
         false => None,
     };
     let asked = Asked {
         last_event_id: last_event_id.as_deref(),
         prefer,
-        opaque: opaque.as_deref(),
+        location: location.as_deref(),
     };
     let lease = match decide(&shared, &id, fingerprint, asked).await {
         Decision::Run(lease) => lease,
@@ -293,7 +297,7 @@ where
             }
         };
         tokio::spawn(work.in_current_span());
-        let mut accepted = crate::monitor::accepted(&shared, opaque.as_deref());
+        let mut accepted = crate::monitor::accepted(&shared, location.as_deref());
         let applied = HeaderValue::from_static("respond-async");
         accepted.headers_mut().insert(PREFERENCE_APPLIED, applied);
         return Ok(accepted);
@@ -309,8 +313,8 @@ struct Asked<'a> {
     last_event_id: Option<&'a str>,
     /// Its `Prefer` header.
     prefer: Prefer,
-    /// The key's monitor id, for the `Location` of a `202`.
-    opaque: Option<&'a str>,
+    /// The key's monitor, for the `Location` of a `202`.
+    location: Option<&'a str>,
 }
 
 /// What the store's `begin` decided.
@@ -340,7 +344,11 @@ async fn decide(
 ) -> Decision {
     let config = &shared.config;
     let honoured = asked.prefer.wait.map(|n| n.min(config.max_wait));
-    let wait = honoured.or(shared.idem.config().wait);
+    // A client that asked for an answer at once waits only as long as it said.
+    let wait = match asked.prefer.respond_async {
+        true => honoured,
+        false => honoured.or(shared.idem.config().wait),
+    };
     let decision = decide_within(shared, id, fingerprint, asked, wait).await;
     match (decision, honoured) {
         (Decision::Answer(mut response), Some(wait)) => {
@@ -381,7 +389,7 @@ async fn decide_within(
         }
         Ok(Begin::InFlight { .. }) if asked.prefer.respond_async => {
             shared.observe(Outcome::InFlight);
-            let mut accepted = crate::monitor::accepted(shared, asked.opaque);
+            let mut accepted = crate::monitor::accepted(shared, asked.location);
             let applied = HeaderValue::from_static("respond-async");
             accepted.headers_mut().insert(PREFERENCE_APPLIED, applied);
             Decision::Answer(accepted)
@@ -905,6 +913,7 @@ async fn keep(
                  retries are replayed the committed one"
             );
         }
+        shared.idem.completed_elsewhere(lease).await;
         Kept::Stored
     } else if !(config.store_status)(status) {
         release(&shared.idem, lease, "a response whose status is not stored").await;

@@ -398,7 +398,9 @@ impl Settings {
             route.check_jsonrpc()?;
             route.check_tombstone()?;
         }
-        base.check_tombstone()?;
+        if file.routes.is_empty() {
+            base.check_tombstone()?;
+        }
         let routes = if file.routes.is_empty() {
             vec![base.to_route()]
         } else {
@@ -480,8 +482,9 @@ impl RouteSpec {
 
     /// Refuses `tombstone_secs` on a route that keeps no tombstones.
     fn check_tombstone(&self) -> Result<(), ProxyError> {
-        if self.tombstone_secs.is_some() && self.after_retention != Some(AfterRetentionSpec::Refuse)
-        {
+        // Only when nothing says what happens after the retention: a route may set "run"
+        // under defaults that keep tombstones for the others.
+        if self.tombstone_secs.is_some() && self.after_retention.is_none() {
             let path = self.path.as_ref().map_or("/", |p| p.0.as_str());
             return Err(ProxyError::Config(format!(
                 "route {path}: `tombstone_secs` applies only where keys are refused after their \
@@ -744,6 +747,29 @@ path = "/other"
         assert_eq!(payments.engine.tombstone, Duration::from_secs(3600));
         assert_eq!(other.engine.after_retention, AfterRetention::Run);
         assert_eq!(other.http.max_wait, Duration::from_secs(10));
+
+        // One route may opt out under defaults that keep tombstones.
+        let opted_out = text
+            .replace("tombstone_secs = 3600\n", "")
+            .replace(
+                "[[route]]\npath = \"/payments\"",
+                "[defaults]\ntombstone_secs = 3600\n\n[[route]]\npath = \"/payments\"",
+            )
+            .replace(
+                "path = \"/other\"",
+                "path = \"/other\"\nafter_retention = \"run\"",
+            );
+        let file = ProxyFile::parse("proxy.toml", &opted_out).unwrap();
+        let settings =
+            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        assert_eq!(
+            settings.routes[0].engine.tombstone,
+            Duration::from_secs(3600)
+        );
+        assert_eq!(
+            settings.routes[1].engine.after_retention,
+            AfterRetention::Run
+        );
 
         let stray = text.replace("after_retention = \"refuse\"\n", "");
         let file = ProxyFile::parse("proxy.toml", &stray).unwrap();
