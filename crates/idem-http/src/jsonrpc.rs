@@ -14,7 +14,7 @@
 //! | no key | [`crate::Config::missing_key`]: handed on unguarded, or [`codes::KEY_MISSING`] |
 //! | malformed key | [`codes::KEY_INVALID`] |
 //! | fingerprint | RFC 8785 canonical JSON of `method` and `params`, without the key and the `params._meta` entries of [`JsonRpc::ignore_meta`] (then [`crate::Config::json_selection`] over `{"method", "params"}`); the request `id`, the headers (`Mcp-Session-Id` among them) and the path take no part |
-//! | first call | the service runs; its answer (JSON, or an SSE stream read to its end) is stored when the HTTP status is 2xx and the JSON-RPC response is a success (a JSON-RPC `error`, or an MCP tool result with `isError: true`, is stored only with [`JsonRpc::store_errors`]; otherwise the key is released) |
+//! | first call | the service runs; its answer (JSON, or an SSE stream sent on as it comes) is stored when the HTTP status is 2xx and the JSON-RPC response is a success (a JSON-RPC `error`, or an MCP tool result with `isError: true`, is stored only with [`JsonRpc::store_errors`]; otherwise the key is released) |
 //! | retry (a new `id`) | the stored answer with its response's `id` replaced by the retry's, byte for byte otherwise (inside its SSE event for a stream), plus `Idempotent-Replayed: true` |
 //! | same key, other arguments | [`codes::KEY_REUSED`], `data.idempotencyKey` naming the key; the service is not called |
 //! | same key while the first runs | [`codes::IN_FLIGHT`] with `Retry-After` and `data.retryAfterSeconds`, or, with [`idem_core::Config::wait`], the first call's answer once stored |
@@ -30,10 +30,13 @@
 //! leaves to implementations (-32000 to -32099), away from the -32000 and -32001 that the
 //! MCP SDKs use for their own errors.
 //!
-//! An answer is read to its end (an MCP SSE answer ends after the call's response event)
-//! within [`crate::Config::max_response_body`] before it is stored and sent, so that whether
-//! the call failed is known; a tool's progress notifications reach the client with its
-//! result. A larger answer is sent on unstored, per [`crate::Config::unstored`]. A replay
+//! A JSON answer is read to its end within [`crate::Config::max_response_body`] before it
+//! is stored and sent, so that whether the call failed is known. An SSE answer (an MCP
+//! tool's progress notifications, then its response event) goes to the client as it comes
+//! and is stored at its end when its response is a success, like any streamed response of
+//! the layer; a duplicate meanwhile gets the in-flight error, never the live stream, whose
+//! events carry the first call's `id`. A larger answer is sent on unstored, per
+//! [`crate::Config::unstored`]. A replay
 //! carries those notifications as the first attempt got them, with its `progressToken`
 //! (the MCP TypeScript client reports a notification for a token it does not know to its
 //! `onerror` and goes on).
@@ -566,6 +569,9 @@ enum Read<B> {
     Oversize(Bytes, Pin<Box<B>>),
     /// Broken off: what was read, and the error.
     Broken(Bytes, BoxError),
+    /// A stream of events (Server-Sent Events), not read: it goes to the client as it
+    /// comes, and is stored at its end.
+    Live(B),
 }
 
 /// The service's head and its body as read, or its error, or its panic.
@@ -594,6 +600,9 @@ where
         match inner.call(req).await {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
+                if crate::join::is_sse(&parts.headers) {
+                    return Ok((parts, Read::Live(body)));
+                }
                 Ok((parts, read(body, limit).await))
             }
             Err(e) => Err(e),
@@ -649,7 +658,7 @@ where
 /// [`JsonRpc::store_errors`]) under a 2xx status, else releases the key, and answers with
 /// it; an answer that broke off or is too large is sent on unstored.
 async fn store<B>(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     rpc: &JsonRpc,
     handle: &LeaseHandle,
     lease: &Lease,
@@ -664,6 +673,10 @@ where
     let keep_in_flight = parts.extensions.get::<KeepInFlight>().copied();
     let bytes = match read {
         Read::Whole(bytes) => bytes,
+        Read::Live(body) => {
+            let answer = Response::from_parts(parts, body);
+            return crate::respond::store_response(shared, handle, lease.clone(), answer).await;
+        }
         Read::Oversize(head, rest) => {
             let limit = config.max_response_body;
             tracing::warn!(limit, "JSON-RPC answer too large to store; sent unstored");
@@ -749,7 +762,12 @@ where
 /// Whether an answer is stored: a 2xx whose JSON-RPC response is a success, or any
 /// JSON-RPC response with [`JsonRpc::store_errors`]. Any other status (a session the
 /// server no longer knows, a transport error) says nothing final about the call.
-fn storable(rpc: &JsonRpc, status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
+pub(crate) fn storable(
+    rpc: &JsonRpc,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> bool {
     if !status.is_success() {
         return false;
     }

@@ -10,7 +10,7 @@ use tower_layer::Layer;
 use crate::config::Config;
 use crate::outcome::Outcome;
 use crate::service::IdempotencyService;
-use crate::shared::{requests_total, Shared};
+use crate::shared::{requests_total, AnswerFilter, Shared};
 
 /// A tower [`Layer`] that makes the guarded methods (POST and PATCH by default) of the
 /// wrapped service idempotent with an `Idempotency-Key` header, over an [`Idem`] engine and
@@ -48,6 +48,7 @@ impl IdempotencyLayer {
                 scope: None,
                 observer: None,
                 sealer: Default::default(),
+                answers: None,
             }),
         }
     }
@@ -61,7 +62,14 @@ impl IdempotencyLayer {
 
     /// Replaces the [`Config`].
     pub fn with_config(mut self, config: Config) -> Self {
-        Arc::make_mut(&mut self.shared).config = config;
+        let shared = Arc::make_mut(&mut self.shared);
+        shared.answers = config.jsonrpc.clone().map(|rpc| {
+            let stores: AnswerFilter = Arc::new(move |status, headers, body| {
+                crate::jsonrpc::storable(&rpc, status, headers, body)
+            });
+            stores
+        });
+        shared.config = config;
         self
     }
 

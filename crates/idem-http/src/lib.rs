@@ -226,6 +226,7 @@ pub mod monitor;
 mod outcome;
 mod prefer;
 mod request;
+mod respond;
 mod response;
 mod service;
 mod settle;

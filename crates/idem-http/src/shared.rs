@@ -24,7 +24,14 @@ pub(crate) struct Shared {
     pub(crate) observer: Option<ObserverFn>,
     /// The key sealing the status monitor's ids, once read.
     pub(crate) sealer: Sealer,
+    /// Which answers a JSON-RPC route stores (by their JSON-RPC response, not only their
+    /// status); `None` on an HTTP route.
+    pub(crate) answers: Option<AnswerFilter>,
 }
+
+/// Whether an answer (its status, headers and whole body) is stored.
+pub(crate) type AnswerFilter =
+    Arc<dyn Fn(http::StatusCode, &http::HeaderMap, &[u8]) -> bool + Send + Sync>;
 
 /// The key that seals the status monitor's ids (see [`crate::monitor`]), once read from (or
 /// written to) the store, and when a read last failed.
@@ -35,6 +42,20 @@ pub(crate) struct Sealer {
 }
 
 impl Shared {
+    /// Whether an answer is stored: by [`Shared::answers`] on a JSON-RPC route, else by
+    /// its status ([`Config::store_status`]).
+    pub(crate) fn stores(
+        &self,
+        status: http::StatusCode,
+        headers: &http::HeaderMap,
+        body: &[u8],
+    ) -> bool {
+        match &self.answers {
+            Some(stores) => stores(status, headers, body),
+            None => (self.config.store_status)(status),
+        }
+    }
+
     /// Reports what the layer did with a guarded request: to the observer, to the request's
     /// span (`outcome`), and as the `idem_http_requests_total` counter.
     pub(crate) fn observe(&self, outcome: Outcome) {

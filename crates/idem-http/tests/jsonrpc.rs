@@ -27,6 +27,7 @@ macro_rules! jsonrpc_cases {
             a_call_without_a_key_follows_missing_key,
             failed_calls_release_the_key_unless_store_errors,
             an_sse_answer_is_replayed_with_the_id_inside_its_event,
+            an_sse_answer_reaches_the_caller_as_it_comes,
             a_batch_holding_a_guarded_call_is_refused,
             an_a2a_message_is_sent_once_per_message_id,
             a_client_that_gives_up_gets_the_answer_on_retry,
@@ -138,13 +139,21 @@ mod cases {
         if !sse {
             return ([("content-type", "application/json")], answer).into_response();
         }
-        // An event stream that is not whole at once: a comment, then the answer's event.
+        // An event stream that is not whole at once: a comment, then the answer's event
+        // (after `x-answer-after-ms`, 5 by default).
+        let after = headers
+            .get("x-answer-after-ms")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(5);
         let frames = [
-            Bytes::from_static(b": opening\n\n"),
-            Bytes::from(format!("event: message\nid: ev-1\ndata: {answer}\n\n")),
+            (5, Bytes::from_static(b": opening\n\n")),
+            (
+                after,
+                Bytes::from(format!("event: message\nid: ev-1\ndata: {answer}\n\n")),
+            ),
         ];
-        let stream = futures_util::stream::iter(frames).then(|frame| async move {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let stream = futures_util::stream::iter(frames).then(|(ms, frame)| async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
             Ok::<_, Infallible>(frame)
         });
         (
@@ -460,6 +469,60 @@ mod cases {
         let retry = server.post("/mcp", &[ALICE, JSON], &failing).await;
         assert!(retry.replayed());
         assert_eq!(doc(&retry)["result"]["isError"], true);
+        assert_eq!(counts.charge.get(), 1);
+    }
+
+    /// An SSE answer goes to its caller event by event, not buffered to its end: the
+    /// first event arrives while the answer's is still to come; the whole stream is then
+    /// stored, and a retry gets it with its own `id`.
+    pub async fn an_sse_answer_reaches_the_caller_as_it_comes(store: Arc<dyn Store>) {
+        use http_body_util::BodyExt;
+        let (server, counts, _) = mcp_on(store).await;
+        let mut req = http::Request::post(format!("{}/mcp", server.base));
+        let headers = [
+            ALICE,
+            JSON,
+            ("accept", "text/event-stream"),
+            ("x-answer-after-ms", "1500"),
+        ];
+        for (n, v) in headers {
+            req = req.header(n, v);
+        }
+        let body = call(json!(1), Some("live-1"), json!({"amount": 9}));
+        let body = http_body_util::Full::new(Bytes::from(body)).boxed();
+        let started = tokio::time::Instant::now();
+        let response = server
+            .client
+            .request(req.body(body).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        let mut body = response.into_body();
+        let first = loop {
+            let frame = body.frame().await.expect("a frame").expect("no error");
+            if let Ok(data) = frame.into_data() {
+                break data;
+            }
+        };
+        assert_eq!(first, ": opening\n\n");
+        assert!(
+            started.elapsed() < Duration::from_millis(1000),
+            "{:?}",
+            started.elapsed()
+        );
+        let rest = body.collect().await.expect("a clean end").to_bytes();
+        let text = String::from_utf8([first, rest].concat()).unwrap();
+        assert!(text.contains(r#""id":1"#), "{text}");
+        let retry = server
+            .post(
+                "/mcp",
+                &[ALICE, JSON, ("accept", "text/event-stream")],
+                &call(json!(2), Some("live-1"), json!({"amount": 9})),
+            )
+            .await;
+        assert!(retry.replayed(), "{retry:?}");
+        let expected = text.replace(r#""id":1,"#, r#""id":2,"#);
+        assert_eq!(String::from_utf8(retry.body.to_vec()).unwrap(), expected);
         assert_eq!(counts.charge.get(), 1);
     }
 
