@@ -28,6 +28,11 @@ mod tiered {
 
     use crate::common::{patient_builder, redis_pid, Stopped};
 
+    /// Tiers `redis` over `pg`, as patient with Redis as [`patient_builder`]'s timeouts.
+    pub(super) fn tiered_over(redis: RedisStore, pg: PgStore) -> TieredStore {
+        TieredStore::new(redis, pg).with_redis_timeout(Duration::from_secs(15))
+    }
+
     async fn redis_tier(url: &str) -> RedisStore {
         patient_builder(url, "idem-tiered")
             .connect_lazy()
@@ -44,7 +49,7 @@ mod tiered {
     /// and a fresh schema, and that server.
     async fn on_a_throwaway_redis() -> Option<(RedisServer, TieredStore)> {
         let server = throwaway(&[])?;
-        let store = TieredStore::new(redis_tier(&server.url()).await, pg_tier().await?);
+        let store = tiered_over(redis_tier(&server.url()).await, pg_tier().await?);
         Some((server, store))
     }
 
@@ -52,7 +57,7 @@ mod tiered {
     async fn tiered() -> Option<TieredStore> {
         let redis_url = harness::redis_url()?;
         let pg = pg_tier().await?;
-        Some(TieredStore::new(redis_tier(&redis_url).await, pg))
+        Some(tiered_over(redis_tier(&redis_url).await, pg))
     }
 
     async fn store() -> Option<Arc<dyn Store>> {
@@ -62,7 +67,7 @@ mod tiered {
     /// Both tiers pointed at ports nothing listens on.
     async fn unreachable() -> Arc<dyn Store> {
         let redis = redis_tier(&format!("redis://127.0.0.1:{}", harness::refused_port())).await;
-        Arc::new(TieredStore::new(redis, pg::closed_port_store()))
+        Arc::new(tiered_over(redis, pg::closed_port_store()))
     }
 
     idem_testkit::conformance_suite!(store, unreachable = unreachable, stats);
@@ -364,7 +369,7 @@ mod tiered {
             .with_body_limit(16, idem_redis::OversizeBody::StatusAndHeaders)
             .connect_lazy()
             .expect("lazy store");
-        let store = TieredStore::new(redis, pg);
+        let store = tiered_over(redis, pg);
         let id = id("big");
         let big = charged(&"x".repeat(1000));
         let lease = acquired(&store, &id, LONG).await;
@@ -461,7 +466,7 @@ mod tiered {
         assert_eq!(ledger(&pg).await, [1, 2, 3, 1001]);
 
         // The tiered store works on it: a completion writes its outbox row.
-        let store = TieredStore::new(redis_tier(&redis_url).await, pg.clone());
+        let store = tiered_over(redis_tier(&redis_url).await, pg.clone());
         let id = id("order-1");
         let lease = acquired(&store, &id, LONG).await;
         let mut tx = pg.pool().begin().await.expect("tx");
@@ -501,7 +506,7 @@ mod tiered {
         );
     }
 
-    /// Redis lost a committed key and then stalled longer than its call timeout. Begins sent
+    /// Redis lost a committed key and then stalled longer than the tier's Redis timeout. Begins sent
     /// meanwhile are answered by PostgreSQL alone; when Redis resumes, what they sent must not
     /// turn into claims that answer the committed request's retries with 409 or 422.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,11 +517,10 @@ mod tiered {
         let Some(pg) = pg_tier().await else { return };
         let redis = patient_builder(server.url(), "idem-stall")
             .with_timeouts(Duration::from_secs(1), Duration::from_millis(500))
-            .with_call_timeout(Duration::from_secs(1))
             .connect()
             .await
             .expect("connect");
-        let store = TieredStore::new(redis, pg);
+        let store = TieredStore::new(redis, pg).with_redis_timeout(Duration::from_secs(1));
         // The committed request's fingerprint is fp(), which assert_replays sends.
         let (paid, other) = (fp(), Fingerprint::of_bytes(b"401 EUR"));
         let id = id("k4");
@@ -531,7 +535,7 @@ mod tiered {
                 Begin::Mismatch
             ));
             assert_replays(&store, &id, &charged("pay_k4"), "during the stall").await;
-            // Redis is stalled indeed: it answers nothing within its call timeout.
+            // Redis is stalled indeed: it answers nothing within its response timeout.
             let read = store.redis().get(&id).await;
             assert!(read.is_err(), "Redis answered during the stall: {read:?}");
         };
@@ -608,9 +612,8 @@ mod tiered_cluster {
     use std::sync::Arc;
 
     use idem_core::Store;
-    use idem_outbox::TieredStore;
 
-    use super::tiered::pg_tier;
+    use super::tiered::{pg_tier, tiered_over};
     use crate::common::{patient_builder, redis_cluster_url};
 
     async fn store() -> Option<Arc<dyn Store>> {
@@ -620,7 +623,7 @@ mod tiered_cluster {
             .await
             .expect("connect to the cluster");
         assert!(redis.is_cluster());
-        Some(Arc::new(TieredStore::new(redis, pg_tier().await?)))
+        Some(Arc::new(tiered_over(redis, pg_tier().await?)))
     }
 
     idem_testkit::conformance_suite!(store);

@@ -38,7 +38,6 @@ mod tls {
         RedisStore::builder(url)
             .with_prefix(format!("idem-tls-{}:", uuid::Uuid::new_v4().simple()))
             .with_timeouts(Duration::from_secs(2), Duration::from_secs(4))
-            .with_call_timeout(Duration::from_secs(6))
             .connect_lazy()
     }
 

@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::key::RecordId;
 use crate::record::{FencingToken, Lease};
 use crate::store::Store;
-use crate::telemetry::KeyHash;
+use crate::telemetry::{time_limit, KeyHash};
 
 /// Releases in progress at most, per engine: past that, an orphan claim is left to expire
 /// with its lease (an outage under heavy load must not turn into a flood of tasks, nor
@@ -86,14 +86,14 @@ impl Orphans {
             let mut pause = FIRST_PAUSE;
             let mut absent_since = None;
             loop {
-                match tokio::time::timeout(call_timeout, store.release(&claim)).await {
-                    Ok(Ok(())) => {
+                match time_limit(store.name(), call_timeout, store.release(&claim)).await {
+                    Ok(()) => {
                         tracing::info!(%key_hash, "released a claim whose begin timed out: its key is free again");
                         return;
                     }
                     // No such claim (never landed, or already expired or taken over): once
                     // the answer held for SETTLE, there is nothing to give back.
-                    Ok(Err(Error::LeaseLost)) => {
+                    Err(Error::LeaseLost) => {
                         let since = *absent_since.get_or_insert_with(Instant::now);
                         if since.elapsed() >= SETTLE {
                             return;
@@ -101,9 +101,8 @@ impl Orphans {
                         pause = FIRST_PAUSE;
                     }
                     // Still unreachable (or the try timed out itself): try again later.
-                    Ok(Err(e)) if e.is_retryable() => {}
-                    Err(_elapsed) => {}
-                    Ok(Err(e)) => {
+                    Err(e) if e.is_retryable() => {}
+                    Err(e) => {
                         tracing::warn!(%key_hash, error = %e, "releasing a claim whose begin timed out failed; it expires with its lease");
                         return;
                     }

@@ -308,10 +308,7 @@ impl Instrumented {
         let started = Instant::now();
         let bounded = async {
             match self.timeout {
-                Some(limit) => match tokio::time::timeout(limit, call).await {
-                    Ok(result) => result,
-                    Err(elapsed) => Err(Error::unavailable(store, elapsed)),
-                },
+                Some(limit) => time_limit(store, limit, call).await,
                 None => call.await,
             }
         };
@@ -352,6 +349,26 @@ impl Instrumented {
         self.keys.call(store, op, outcome).increment(1);
         self.keys.duration(store, op).record(elapsed.as_secs_f64());
         result
+    }
+}
+
+/// Runs one call to `store`, bounded by `limit`: a call that takes longer is dropped, and
+/// answers [`Error::Unavailable`] naming `store`. The one time limit of store calls:
+/// [`Instrumented::with_timeout`] bounds every call with it, and a store made of other
+/// stores (the tiered store's Redis tier) bounds its calls to them the same way. A store
+/// sets none of its own: its client's timeouts bound each round trip, this the call.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`] when `limit` passes first; otherwise the call's own error.
+pub async fn time_limit<T>(
+    store: &'static str,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(result) => result,
+        Err(elapsed) => Err(Error::unavailable(store, elapsed)),
     }
 }
 

@@ -531,7 +531,6 @@ mod redis {
         let store = RedisStore::builder(url)
             .with_prefix(prefix())
             .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
-            .with_call_timeout(Duration::from_secs(15))
             .connect()
             .await
             .expect("connect to IDEM_TEST_REDIS_URL");

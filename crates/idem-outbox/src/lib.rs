@@ -54,6 +54,7 @@
 
 mod metrics;
 mod migrate;
+mod outage;
 mod outbox;
 mod relay;
 mod statements;

@@ -1,7 +1,5 @@
 //! [`TieredStore`]: Redis first, PostgreSQL as the arbiter.
 
-use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,11 +12,11 @@ use idem_core::{
 };
 use idem_postgres::{map_error, PgStore};
 
+use crate::outage::RedisOutages;
 use crate::statements::Statements;
 use idem_redis::tier::Applied;
 use idem_redis::{OversizeBody, RedisStore};
 use sqlx::PgConnection;
-use tokio::time::Instant;
 
 /// The name in errors and metrics.
 pub const STORE: &str = "tiered";
@@ -49,11 +47,13 @@ pub(crate) fn fits_redis(redis: &RedisStore, completion: &Completion) -> bool {
 ///   the relay ([`crate::Relay`]), at least once.
 /// - `release` and `extend` act on PostgreSQL (whose answer counts) and then on Redis.
 /// - `watch` (a waiter for another worker's result) listens to both tiers.
-/// - While Redis does not answer, PostgreSQL answers alone and Redis is left out of every
-///   call until a probe finds it back (one `PING` every half second): the outage is logged
-///   once when it starts and once when it ends, with the count of begins answered without
-///   Redis. A Redis write that timed out may still land when Redis resumes: the lease it
-///   wrote is given back (fenced by its token) as soon as Redis answers.
+/// - A Redis call that takes longer than [`TieredStore::with_redis_timeout`] fails as
+///   unavailable. While Redis does not answer, PostgreSQL answers alone and Redis is left
+///   out of every call until a probe finds it back (one `PING` every half second): the
+///   outage is logged once when it starts and once when it ends, with the count of begins
+///   answered without Redis. A Redis write that timed out may still land when Redis
+///   resumes: the lease it wrote is given back (fenced by its token) as soon as Redis
+///   answers.
 ///
 /// See the [crate docs](crate) for the exact guarantee and its cost.
 #[derive(Debug, Clone)]
@@ -61,22 +61,12 @@ pub struct TieredStore {
     redis: RedisStore,
     pg: PgStore,
     sql: Arc<Statements>,
-    outage: Arc<Outage>,
+    outages: RedisOutages,
     orphans: Orphans,
 }
 
-/// How often a probe asks whether Redis answers again, during an outage.
-const PROBE_EVERY: Duration = Duration::from_millis(500);
-
-/// Whether Redis answers, as the store last saw it, and what happened meanwhile.
-#[derive(Debug, Default)]
-struct Outage {
-    /// Set from the first Redis call that failed as unavailable until a probe's `PING`
-    /// is answered.
-    down: AtomicBool,
-    /// Begins answered by PostgreSQL alone during the current outage.
-    without_redis: AtomicU64,
-}
+/// The default of [`TieredStore::with_redis_timeout`].
+const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl TieredStore {
     /// Tiers `redis` over `pg`. Run [`TieredStore::migrate`] (or [`crate::migrate`]) once
@@ -87,9 +77,18 @@ impl TieredStore {
             redis,
             pg,
             sql,
-            outage: Arc::default(),
+            outages: RedisOutages::new(REDIS_TIMEOUT),
             orphans: Orphans::new(),
         }
+    }
+
+    /// Sets how long one call to the Redis tier may take before it fails as unavailable,
+    /// PostgreSQL answers alone, and an outage starts. Keep it well under
+    /// [`idem_core::Config::store_timeout`], so that PostgreSQL still answers within the
+    /// call's own limit. Default: 2 s.
+    pub fn with_redis_timeout(mut self, limit: Duration) -> Self {
+        self.outages = RedisOutages::new(limit);
+        self
     }
 
     /// Applies idem-postgres's migrations and the outbox's in the PostgreSQL tier's schema
@@ -173,7 +172,7 @@ impl TieredStore {
         completion: &Completion,
         retention: Duration,
     ) -> Result<Applied> {
-        if self.redis_down() {
+        if self.outages.is_down() {
             // The relay writes it; a lease record Redis may still hold is given back.
             self.release_redis_later(lease);
             return Err(Error::unavailable(STORE, "Redis is unavailable"));
@@ -216,7 +215,9 @@ impl TieredStore {
         // The common case: Redis still holds the lease, whose record supplies the
         // fingerprint and attempt: one Redis round trip.
         let applied = self
-            .redis_call(
+            .outages
+            .call(
+                &self.redis,
                 self.redis
                     .tier()
                     .apply_completion(id, None, token, completion, ttl),
@@ -236,14 +237,18 @@ impl TieredStore {
         else {
             return Ok(Applied::Absent);
         };
-        self.redis_call(self.redis.tier().apply_completion(
-            id,
-            Some((&record.fingerprint, record.attempt)),
-            token,
-            completion,
-            record.expires_in,
-        ))
-        .await
+        self.outages
+            .call(
+                &self.redis,
+                self.redis.tier().apply_completion(
+                    id,
+                    Some((&record.fingerprint, record.attempt)),
+                    token,
+                    completion,
+                    record.expires_in,
+                ),
+            )
+            .await
     }
 
     /// Makes a lease PostgreSQL granted visible in Redis, so duplicates get their in-flight
@@ -251,11 +256,12 @@ impl TieredStore {
     /// Redis tier's fenced writes, extend and release, compare with). Best effort: without
     /// it duplicates ask PostgreSQL, and the lease is returned as it was.
     async fn hold_in_redis(&self, lease: Lease, fingerprint: &Fingerprint) -> Lease {
-        if self.redis_down() {
+        if self.outages.is_down() {
             return lease;
         }
         match self
-            .redis_call(self.redis.tier().hold(&lease, fingerprint))
+            .outages
+            .call(&self.redis, self.redis.tier().hold(&lease, fingerprint))
             .await
         {
             Ok(held) => held,
@@ -274,7 +280,7 @@ impl TieredStore {
     /// Writes a completion PostgreSQL replayed back into Redis (which had lost it), so the
     /// next retry is answered there. Best effort.
     async fn repair(&self, req: &BeginRequest<'_>, replay: &Replay) {
-        if self.redis_down() {
+        if self.outages.is_down() {
             return;
         }
         let id = req.id;
@@ -288,11 +294,15 @@ impl TieredStore {
 
     /// Gives back the Redis record of `lease`, fenced by its token; best effort.
     async fn release_redis(&self, lease: &Lease) {
-        if self.redis_down() {
+        if self.outages.is_down() {
             self.release_redis_later(lease);
             return;
         }
-        match self.redis_call(self.redis.release(lease)).await {
+        match self
+            .outages
+            .call(&self.redis, self.redis.release(lease))
+            .await
+        {
             Ok(()) | Err(Error::LeaseLost) => {}
             Err(e) if e.is_retryable() => self.release_redis_later(lease),
             Err(e) => {
@@ -305,60 +315,13 @@ impl TieredStore {
     /// write of it that timed out may land when Redis resumes, and nobody would hold it.
     fn release_redis_later(&self, lease: &Lease) {
         let redis: Arc<dyn Store> = Arc::new(self.redis.clone());
-        let call_timeout = self.redis.config().call_timeout;
         self.orphans.release_later(
             redis,
             lease.id(),
             lease.token(),
             lease.remaining(),
-            call_timeout,
+            self.outages.limit(),
         );
-    }
-
-    /// Whether Redis is left out of calls (an outage is under way).
-    fn redis_down(&self) -> bool {
-        self.outage.down.load(Ordering::Acquire)
-    }
-
-    /// Runs one Redis call, and notes an outage when it fails as unavailable.
-    async fn redis_call<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
-        let result = call.await;
-        if let Err(e) = &result {
-            if e.is_retryable() {
-                self.redis_unavailable(e);
-            }
-        }
-        result
-    }
-
-    /// Starts an outage (once): logs it and spawns the probe that ends it.
-    fn redis_unavailable(&self, error: &Error) {
-        if self.outage.down.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        tracing::warn!(%error, "Redis unavailable: PostgreSQL answers alone until Redis is back");
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            // Nothing can probe: the next call tries Redis again.
-            self.outage.down.store(false, Ordering::Release);
-            return;
-        };
-        let (redis, outage) = (self.redis.clone(), self.outage.clone());
-        runtime.spawn(async move {
-            let started = Instant::now();
-            loop {
-                tokio::time::sleep(PROBE_EVERY).await;
-                if redis.ping().await.is_ok() {
-                    break;
-                }
-            }
-            outage.down.store(false, Ordering::Release);
-            let without_redis = outage.without_redis.swap(0, Ordering::AcqRel);
-            tracing::warn!(
-                outage = ?started.elapsed(),
-                begins_without_redis = without_redis,
-                "Redis is back: {without_redis} begins were answered by PostgreSQL alone"
-            );
-        });
     }
 
     /// PostgreSQL's answer to `req`, after Redis had none (or was left out), made visible
@@ -389,16 +352,20 @@ impl Store for TieredStore {
     }
 
     async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
-        if self.redis_down() {
-            self.outage.without_redis.fetch_add(1, Ordering::Relaxed);
+        if self.outages.is_down() {
+            self.outages.answered_without_redis();
             return self.decide(req).await;
         }
-        match self.redis_call(self.redis.tier().peek(&req)).await {
+        match self
+            .outages
+            .call(&self.redis, self.redis.tier().peek(&req))
+            .await
+        {
             Ok(Some(answer)) => Ok(answer),
             Ok(None) => self.decide(req).await,
             Err(e) if e.is_retryable() => {
                 // Redis is down or stalled: the arbiter alone keeps every guarantee.
-                self.outage.without_redis.fetch_add(1, Ordering::Relaxed);
+                self.outages.answered_without_redis();
                 self.decide(req).await
             }
             Err(e) => Err(e),
@@ -423,8 +390,12 @@ impl Store for TieredStore {
 
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
         let renewed = self.pg.extend(lease, by).await?;
-        if !self.redis_down() {
-            if let Err(e) = self.redis_call(self.redis.extend(lease, by)).await {
+        if !self.outages.is_down() {
+            if let Err(e) = self
+                .outages
+                .call(&self.redis, self.redis.extend(lease, by))
+                .await
+            {
                 // Without it, duplicates are answered by PostgreSQL once Redis's lease ends.
                 tracing::debug!(key_hash = %KeyHash::of(lease.id()), error = %e, "Redis lease not extended");
             }

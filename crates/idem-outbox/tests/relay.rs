@@ -59,7 +59,6 @@ mod relay {
             .with_config(RedisConfig::default().with_reconnect_retries(0))
             .with_prefix(prefix)
             .with_timeouts(Duration::from_secs(1), Duration::from_secs(10))
-            .with_call_timeout(Duration::from_secs(15))
             .connect()
             .await
             .expect("connect to Redis")

@@ -33,13 +33,11 @@ pub struct RedisConfig {
     pub response_timeout: Duration,
     /// How many times a failed connection to one server is retried, with a short exponential
     /// backoff, before a call gives up with [`idem_core::Error::Unavailable`]. (A cluster
-    /// connection follows redirections and retries with redis-rs's defaults, within
-    /// `call_timeout`.) Default: 2.
+    /// connection follows redirections and retries with redis-rs's defaults.) Default: 2.
+    ///
+    /// The store puts no limit of its own on a call as a whole: [`idem_core::Idem`] bounds
+    /// every store call by [`idem_core::Config::store_timeout`].
     pub reconnect_retries: usize,
-    /// The longest one store call may take in all (connecting, retries, the script reload
-    /// after `NOSCRIPT`, `WAIT`) before it gives [`idem_core::Error::Unavailable`].
-    /// Default: 4 s.
-    pub call_timeout: Duration,
     /// How big a stored body may be, and what happens to bigger ones.
     /// Default: [`BodyLimit::default`] (1 MiB, compressed above it).
     pub body: BodyLimit,
@@ -63,7 +61,6 @@ impl Default for RedisConfig {
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(2),
             reconnect_retries: 2,
-            call_timeout: Duration::from_secs(4),
             body: BodyLimit::default(),
             eviction: EvictionCheck::default(),
             durability: None,

@@ -24,7 +24,7 @@ pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
 pub(crate) const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
 /// The longest pause between two attempts of a reconnection (redis-rs's backoff grows up to
 /// it). A call that finds a reconnection in its pause waits that long at most.
-pub(crate) const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
+const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
 /// The query parameter naming a PEM file of certificate authorities to trust instead of the
 /// system's roots (a private CA): `rediss://host:6380/?tls_ca_file=/etc/idem/ca.pem`.
 const TLS_CA_FILE: &str = "tls_ca_file";
@@ -84,9 +84,11 @@ impl Connection {
                 let builder = ClusterClientBuilder::new(nodes.clone())
                     .connection_timeout(config.connect_timeout)
                     .response_timeout(config.response_timeout)
-                    // Redirections, reconnections and retries (redis-rs's defaults) all fit
-                    // in one call's time; `call_timeout` bounds the call as a whole anyway.
-                    .overall_response_timeout(Some(config.call_timeout));
+                    // Redirections, reconnections and retries (redis-rs's defaults) each
+                    // have their own bound; a request as a whole has the caller's (core's
+                    // store timeout), not the response timeout redis-rs would put on it,
+                    // which a redirection during a failover easily outlasts.
+                    .overall_response_timeout(None);
                 match certs {
                     Some(certs) => with_cluster_certs(builder, certs),
                     None => Ok(builder),

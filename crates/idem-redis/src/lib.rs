@@ -52,8 +52,10 @@
 //!
 //! [`RedisStore::connect`] connects at once and fails with [`idem_core::Error::Unavailable`]
 //! when Redis cannot be reached; [`RedisStoreBuilder::connect_lazy`] builds the store without
-//! a server and connects on the first call. Every call is bounded by the timeouts of
-//! [`RedisConfig`]: an unreachable Redis answers `Unavailable` within them, never hangs.
+//! a server and connects on the first call. Each connection attempt and each round trip is
+//! bounded by the timeouts of [`RedisConfig`], and the attempts by its retries: an
+//! unreachable Redis answers `Unavailable` within them, never hangs. A call as a whole has
+//! the one time limit of every store call, [`idem_core::Config::store_timeout`].
 //!
 //! When the connection fails under a call (refused, reset, dropped), the call is sent once
 //! more on a fresh connection, marked as re-sent, and answered as if only one had run:

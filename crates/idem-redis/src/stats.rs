@@ -13,7 +13,6 @@ use crate::codec::{self, Head};
 use crate::connection::Node;
 use crate::error::unexpected;
 use crate::store::RedisStore;
-use crate::STORE;
 
 /// Keys asked for per `SCAN` step.
 const PAGE: usize = 1000;
@@ -90,8 +89,8 @@ pub struct Finding {
 /// A walk over the store's keys, a page at a time. Made by [`RedisStore::scan`].
 ///
 /// Each [`Scan::step`] reads one `SCAN` page (`COUNT 1000`) on one primary and the types and
-/// values of the keys it returns, in two pipelined round trips, bounded by
-/// [`crate::RedisConfig::call_timeout`]; the walk as a whole has no limit of its own. Every
+/// values of the keys it returns, in two pipelined round trips, each bounded by
+/// [`crate::RedisConfig::response_timeout`]; the walk as a whole has no limit of its own. Every
 /// key under the store's pattern is counted once, in one category: a record in one of its
 /// states, corrupt (a string that does not decode), or foreign (another type, or a name
 /// that is not a record's). Not a snapshot: records that change meanwhile may be counted in
@@ -166,26 +165,18 @@ impl Scan {
     /// # Errors
     ///
     /// [`Error::Unavailable`] when Redis does not answer within
-    /// [`crate::RedisConfig::call_timeout`] (after one retry on a fresh connection when the
-    /// connection failed); [`Error::Backend`] when it answers with an error.
+    /// [`crate::RedisConfig::response_timeout`] (after one retry on a fresh connection when
+    /// the connection failed); [`Error::Backend`] when it answers with an error.
     pub async fn step(&mut self) -> Result<bool, Error> {
         if self.done {
             return Ok(false);
         }
-        let limit = self.store.config().call_timeout;
         let mut retried = false;
         loop {
-            let page = tokio::time::timeout(limit, self.page()).await;
-            match page {
-                Ok(Ok(())) => return Ok(!self.done),
-                Ok(Err(e)) if e.is_retryable() && !retried => retried = true,
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(Error::unavailable(
-                        STORE,
-                        format!("no answer to a SCAN page within {limit:?}"),
-                    ))
-                }
+            match self.page().await {
+                Ok(()) => return Ok(!self.done),
+                Err(e) if e.is_retryable() && !retried => retried = true,
+                Err(e) => return Err(e),
             }
         }
     }

@@ -3,22 +3,18 @@
 //! again after a dropped connection. The calls themselves are in `transitions.rs`.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{Error, RecordId};
 use tokio::sync::OnceCell;
-use tokio::time::Instant;
 
 use crate::caps::{self, Path, Server};
 use crate::codec;
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
-use crate::connection::{Conn, Connection, CLUSTER_SCHEME, RECONNECT_MAX_DELAY};
+use crate::connection::{Conn, Connection, CLUSTER_SCHEME};
 use crate::error::{classify, EvictionPolicyError, ReplicationError};
 use crate::key;
 use crate::notify::Waiters;
@@ -32,8 +28,8 @@ const MAX_MS: u64 = 1 << 40;
 /// was read, before it answers [`Error::Unavailable`].
 pub(crate) const CAS_ROUNDS: usize = 8;
 
-/// Runs one store call, bounded by [`RedisConfig::call_timeout`]: `$body` with a connection
-/// in `$conn`. When the connection fails under it (refused, dropped, reset), `$body` runs
+/// Runs one store call: `$body` with a connection in `$conn`. When the connection fails
+/// under it (refused, dropped, reset), `$body` runs
 /// once more on a fresh connection with `$resent` set: the first send may or may not have
 /// reached the server, and every call answers the second send as if only one had run
 /// (`begin` hands the same token its own lease back; `complete` and `release` with
@@ -42,21 +38,20 @@ pub(crate) const CAS_ROUNDS: usize = 8;
 /// where the connection manager would hand back the error of its last failed reconnect.
 macro_rules! call {
     ($store:expr, |$conn:ident, $resent:ident| $body:expr) => {
-        $store
-            .bounded(async {
-                let mut $resent = false;
-                loop {
-                    let result = match $store.ready().await {
-                        Ok(mut $conn) => $body,
-                        Err(e) => Err(e),
-                    };
-                    match result {
-                        Err(e) if !$resent && $store.send_again(&e) => $resent = true,
-                        other => break other,
-                    }
+        async {
+            let mut $resent = false;
+            loop {
+                let result = match $store.ready().await {
+                    Ok(mut $conn) => $body,
+                    Err(e) => Err(e),
+                };
+                match result {
+                    Err(e) if !$resent && $store.send_again(&e) => $resent = true,
+                    other => break other,
                 }
-            })
-            .await
+            }
+        }
+        .await
     };
 }
 pub(crate) use call;
@@ -155,32 +150,23 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Sets [`RedisConfig::call_timeout`]. Default: 4 s.
-    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
-        self.config.call_timeout = timeout;
-        self
-    }
-
     /// Connects and checks the server's `maxmemory-policy` per [`RedisConfig::eviction`].
     /// Scripts are loaded on first use.
     ///
     /// # Errors
     ///
     /// [`Error::Invalid`] for a bad URL or setting; [`Error::Unavailable`] when Redis cannot
-    /// be reached within [`RedisConfig::call_timeout`]; [`Error::Backend`] when the policy
-    /// evicts and [`EvictionCheck::Refuse`] is set.
+    /// be reached within [`RedisConfig`]'s connection timeout and retries, or does not
+    /// answer within its response timeout; [`Error::Backend`] when the policy evicts and
+    /// [`EvictionCheck::Refuse`] is set.
     pub async fn connect(self) -> Result<RedisStore, Error> {
         let store = self.connect_lazy()?;
-        store
-            .bounded(async {
-                let mut conn = store.ready().await?;
-                // The eviction check may be off: make sure the server answers.
-                redis::cmd("PING")
-                    .query_async::<()>(&mut conn)
-                    .await
-                    .map_err(classify)
-            })
-            .await?;
+        let mut conn = store.ready().await?;
+        // The eviction check may be off: make sure the server answers.
+        redis::cmd("PING")
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(classify)?;
         Ok(store)
     }
 
@@ -206,8 +192,10 @@ impl RedisStoreBuilder {
                 )));
             }
         }
-        if config.call_timeout.is_zero() || config.response_timeout.is_zero() {
-            return Err(Error::Invalid("redis timeouts must not be zero".into()));
+        if config.response_timeout.is_zero() {
+            return Err(Error::Invalid(
+                "the redis response timeout must not be zero".into(),
+            ));
         }
         let (connection, pubsub) = Connection::open(&self.url, &config)?;
         let notifier = Waiters::start(pubsub, config.response_timeout);
@@ -259,7 +247,8 @@ impl RedisStore {
         key::record_key(&self.inner.config.prefix, id)
     }
 
-    /// Sends `PING`, bounded by [`RedisConfig::call_timeout`]: whether Redis answers.
+    /// Sends `PING`: whether Redis answers within [`RedisConfig::response_timeout`] (once
+    /// connected).
     ///
     /// # Errors
     ///
@@ -353,56 +342,6 @@ impl RedisStore {
             self.inner.path.store(0, Ordering::Relaxed);
         }
         refused
-    }
-
-    /// Bounds a whole call by [`RedisConfig::call_timeout`], counted from its first poll.
-    ///
-    /// The timer is armed only when the call waits a second time. Nearly every call waits
-    /// once (for the one round trip of its command) and is answered by the wake-up that
-    /// follows, so it never pays for registering and clearing a timer: redis-rs already
-    /// runs one per command. The first wait is always one redis-rs bounds by a timer of
-    /// its own (the response timeout around a command, the connection timeout and the
-    /// backoff pause of a reconnection, the cluster client's whole-request timeout, which is
-    /// the call's). When the first three are shorter than the call's timeout, as by default,
-    /// the call wakes again before its deadline and arms the timer then; otherwise the timer
-    /// is armed at the first wait.
-    ///
-    /// What it buys over `tokio::time::timeout` around the call, which arms a timer per
-    /// call: more than 5 % of the lifecycle's operations per second and of its client CPU
-    /// per operation at c=32 (`idem-bench --phases compare`), the timer being the one
-    /// allocation and wheel entry per call that redis-rs's own timers make redundant.
-    pub(crate) async fn bounded<T>(
-        &self,
-        call: impl Future<Output = Result<T, Error>>,
-    ) -> Result<T, Error> {
-        let config = &self.inner.config;
-        let limit = config.call_timeout;
-        let deadline = Instant::now() + limit;
-        let first_wait = config
-            .response_timeout
-            .max(config.connect_timeout)
-            .max(RECONNECT_MAX_DELAY);
-        let mut waited = first_wait >= limit;
-        let mut call = std::pin::pin!(call);
-        let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(result) = call.as_mut().poll(cx) {
-                return Poll::Ready(result);
-            }
-            if !waited {
-                waited = true;
-                return Poll::Pending;
-            }
-            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            match timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(Error::unavailable(
-                    STORE,
-                    format!("no answer within {limit:?}"),
-                ))),
-                Poll::Pending => Poll::Pending,
-            }
-        })
-        .await
     }
 
     /// Waits for replicas after a write when durability is on: `Ok(None)` when enough

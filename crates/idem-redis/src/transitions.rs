@@ -676,8 +676,8 @@ impl Store for RedisStore {
 
     /// Scans every primary for the store's keys (`SCAN MATCH` on the prefix and scope) and
     /// reads each record, a page of keys at a time ([`RedisStore::scan`] to its end). Not a
-    /// snapshot: records changing meanwhile may be counted in either state. Each page is
-    /// bounded by [`crate::RedisConfig::call_timeout`]; the whole count is not.
+    /// snapshot: records changing meanwhile may be counted in either state. Each round trip
+    /// is bounded by [`crate::RedisConfig::response_timeout`]; the whole count is not.
     async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats, Error> {
         let mut scan = self.scan(scope, stuck_after);
         while scan.step().await? {}

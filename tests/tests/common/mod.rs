@@ -19,7 +19,6 @@ pub fn patient_builder(url: impl Into<String>, name: &str) -> RedisStoreBuilder 
     RedisStore::builder(url.into())
         .with_prefix(format!("{name}-{}:", uuid::Uuid::new_v4().simple()))
         .with_timeouts(Duration::from_secs(1), Duration::from_secs(8))
-        .with_call_timeout(Duration::from_secs(15))
 }
 
 /// One 3-primary Redis Cluster for the whole test binary, started on first use; `None` when
