@@ -193,8 +193,8 @@ const QUICK: [&str; 8] = [
 ];
 
 /// The memory store's flags.
-fn memory_store() -> Vec<String> {
-    vec!["--store".into(), "memory".into()]
+fn memory_store() -> Option<Vec<String>> {
+    Some(vec!["--store".into(), "memory".into()])
 }
 
 /// Redis at `IDEM_TEST_REDIS_URL` as the store, with a prefix of the test's own.
@@ -204,124 +204,156 @@ fn redis_store() -> Option<Vec<String>> {
     Some(vec!["--store".into(), url, "--prefix".into(), prefix])
 }
 
-fn with<'a>(store: &'a [String], extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args: Vec<&str> = store.iter().map(String::as_str).collect();
-    args.extend_from_slice(&QUICK);
-    args.extend_from_slice(extra);
-    args
+/// A key no other test uses, starting with `what`.
+fn new_key(what: &str) -> String {
+    format!("{what}-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// What every case runs on: a broker with a queue or stream of its own, the handler, a
+/// store's flags, and a client to ask the handler what ran.
+struct Case<B> {
+    broker: B,
+    handler: Proc,
+    store: Vec<String>,
+    client: HttpClient,
+}
+
+impl<B: Broker> Case<B> {
+    /// The broker opened and the handler started; `None` (the test returns) when the
+    /// broker's URL is not set.
+    async fn open(store: Vec<String>) -> Option<Self> {
+        let broker = B::open().await?;
+        Some(Self {
+            broker,
+            handler: handler_on(0),
+            store,
+            client: client(),
+        })
+    }
+
+    /// `idem consume` from the broker to the handler, on the store, with `extra` flags.
+    fn consume(&self, extra: &[&str]) -> Consume {
+        self.consume_to(&self.handler.printed, extra)
+    }
+
+    /// `idem consume` from the broker to `to`, on the store, with `extra` flags.
+    fn consume_to(&self, to: &str, extra: &[&str]) -> Consume {
+        let mut args: Vec<&str> = self.store.iter().map(String::as_str).collect();
+        args.extend_from_slice(&QUICK);
+        args.extend_from_slice(extra);
+        Consume::start(&self.broker.from(), to, &args)
+    }
+
+    /// [`runs`] of `key` in the handler.
+    async fn runs(&self, key: &str) -> (u64, Vec<String>, serde_json::Value) {
+        runs(&self.client, &self.handler.printed, key).await
+    }
+
+    /// The attempts `key` ran with, asserted to be `want` ("1", "2", ...).
+    async fn assert_attempts(&self, key: &str, want: &[&str]) {
+        let (count, attempts, _) = self.runs(key).await;
+        assert_eq!(
+            (count, attempts),
+            (
+                want.len() as u64,
+                want.iter().map(|a| (*a).to_owned()).collect()
+            ),
+            "{key}"
+        );
+    }
+
+    /// Waits until `key` ran at least `n` times.
+    async fn until_ran(&self, key: &str, n: u64) {
+        let ran = || async { (self.runs(key).await.0 >= n).then_some(()) };
+        eventually(&format!("run {n} of {key}"), secs(20), ms(20), ran).await;
+    }
+
+    /// The runs per key of every key the handler saw.
+    async fn counts(&self) -> serde_json::Value {
+        let url = format!("{}/counts", self.handler.printed);
+        call(&self.client, "GET", &url, &[], "").await.json()
+    }
+
+    /// Waits up to `patience` until one message reached the dead letters.
+    async fn until_dead_lettered(&self, patience: Duration) {
+        let dead = || async { (self.broker.dead_letters().await == 1).then_some(()) };
+        eventually("the dead letter", patience, ms(100), dead).await;
+    }
 }
 
 /// One message published 5 times: the handler runs once, and every copy is acked; the
 /// handler gets the payload, its content type, the key and the attempt.
-async fn a_message_published_five_times_runs_once<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let mut consume = Consume::start(&broker.from(), &handler.printed, &with(&store, &[]));
-    let key = format!("dup-{}", uuid::Uuid::new_v4().simple());
+async fn a_message_published_five_times_runs_once<B: Broker>(case: &Case<B>) {
+    let mut consume = case.consume(&[]);
+    let key = new_key("dup");
     for _ in 0..5 {
-        broker.publish(&key, r#"{"delay_ms": 300}"#).await;
+        case.broker.publish(&key, r#"{"delay_ms": 300}"#).await;
     }
     consume.until_acked(5).await;
     let (status, last) = consume.terminate();
     assert!(status.success(), "{status:?}: {}", consume.stderr());
     assert!(last.contains("5 acked"), "{last}");
-    let client = client();
-    let (count, attempts, headers) = runs(&client, &handler.printed, &key).await;
-    assert_eq!((count, attempts), (1, vec!["1".to_owned()]));
+    case.assert_attempts(&key, &["1"]).await;
+    let headers = case.runs(&key).await.2;
     assert_eq!(headers["idempotency-key"], key.as_str());
     assert_eq!(headers["content-type"], "application/json");
     assert_eq!(headers[":path"], "/");
-    assert_eq!(broker.dead_letters().await, 0);
-    broker.delete().await;
+    assert_eq!(case.broker.dead_letters().await, 0);
 }
 
 /// The handler answers 422: dead-lettered at once, never run again.
-async fn a_terminal_answer_is_dead_lettered_at_once<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let _consume = Consume::start(&broker.from(), &handler.printed, &with(&store, &[]));
-    let key = format!("bad-{}", uuid::Uuid::new_v4().simple());
-    broker.publish(&key, r#"{"status": 422}"#).await;
-    let dead = || async { (broker.dead_letters().await == 1).then_some(()) };
-    eventually("the dead letter", secs(20), ms(100), dead).await;
+async fn a_terminal_answer_is_dead_lettered_at_once<B: Broker>(case: &Case<B>) {
+    let _consume = case.consume(&[]);
+    let key = new_key("bad");
+    case.broker.publish(&key, r#"{"status": 422}"#).await;
+    case.until_dead_lettered(secs(20)).await;
     tokio::time::sleep(ms(700)).await;
-    let client = client();
-    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
-    assert_eq!((count, attempts), (1, vec!["1".to_owned()]));
-    broker.delete().await;
+    case.assert_attempts(&key, &["1"]).await;
 }
 
 /// The handler answers 500 every time: retried with backoff up to `--max-attempts`, then
 /// dead-lettered.
-async fn a_failing_handler_is_retried_then_dead_lettered<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &["--max-attempts", "3"]);
-    let _consume = Consume::start(&broker.from(), &handler.printed, &args);
-    let key = format!("fail-{}", uuid::Uuid::new_v4().simple());
-    broker.publish(&key, r#"{"status": 500}"#).await;
-    let dead = || async { (broker.dead_letters().await == 1).then_some(()) };
-    eventually("the dead letter", secs(30), ms(100), dead).await;
+async fn a_failing_handler_is_retried_then_dead_lettered<B: Broker>(case: &Case<B>) {
+    let _consume = case.consume(&["--max-attempts", "3"]);
+    let key = new_key("fail");
+    case.broker.publish(&key, r#"{"status": 500}"#).await;
+    case.until_dead_lettered(secs(30)).await;
     tokio::time::sleep(ms(700)).await;
-    let client = client();
-    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
-    assert_eq!(
-        (count, attempts),
-        (3, vec!["1".into(), "2".into(), "3".into()])
-    );
-    broker.delete().await;
+    case.assert_attempts(&key, &["1", "2", "3"]).await;
 }
 
 /// The handler is down (connections refused) when the message comes, then up: the message
 /// is not lost, and runs once.
-async fn a_handler_down_then_up_loses_nothing<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
+async fn a_handler_down_then_up_loses_nothing<B: Broker>(case: &Case<B>) {
     let port = idem_testkit::harness::free_port();
     let to = format!("http://127.0.0.1:{port}");
-    let args = with(&store, &["--max-attempts", "100"]);
-    let consume = Consume::start(&broker.from(), &to, &args);
-    let key = format!("down-{}", uuid::Uuid::new_v4().simple());
-    broker.publish(&key, "{}").await;
+    let consume = case.consume_to(&to, &["--max-attempts", "100"]);
+    let key = new_key("down");
+    case.broker.publish(&key, "{}").await;
     let refused = || async { consume.stderr().contains("did not answer").then_some(()) };
     eventually("a refused delivery", secs(20), ms(50), refused).await;
     let handler = handler_on(port);
     consume.until_acked(1).await;
-    let client = client();
-    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
+    let (count, attempts, _) = runs(&case.client, &handler.printed, &key).await;
     assert_eq!(count, 1, "{attempts:?}");
-    assert_eq!(broker.dead_letters().await, 0);
-    broker.delete().await;
+    assert_eq!(case.broker.dead_letters().await, 0);
 }
 
 /// A call that times out may still be running in the handler: the key stays held for one
 /// more lease (a copy arriving meanwhile waits), then the message is retried and runs again,
 /// once.
-async fn a_timed_out_call_holds_its_key_for_a_lease<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &["--timeout", "0.5", "--lease", "2"]);
-    let consume = Consume::start(&broker.from(), &handler.printed, &args);
-    let key = format!("slow-{}", uuid::Uuid::new_v4().simple());
-    broker.publish(&key, r#"{"delay_first_ms": 1500}"#).await;
-    let client = client();
-    let ran = |n: u64| {
-        let (client, handler, key) = (client.clone(), handler.printed.clone(), key.clone());
-        async move { (runs(&client, &handler, &key).await.0 >= n).then_some(()) }
-    };
-    eventually("the first run", secs(20), ms(20), || ran(1)).await;
+async fn a_timed_out_call_holds_its_key_for_a_lease<B: Broker>(case: &Case<B>) {
+    let consume = case.consume(&["--timeout", "0.5", "--lease", "2"]);
+    let key = new_key("slow");
+    case.broker
+        .publish(&key, r#"{"delay_first_ms": 1500}"#)
+        .await;
+    case.until_ran(&key, 1).await;
     let first = Instant::now();
-    broker.publish(&key, r#"{"delay_first_ms": 1500}"#).await;
-    eventually("the second run", secs(20), ms(20), || ran(2)).await;
+    case.broker
+        .publish(&key, r#"{"delay_first_ms": 1500}"#)
+        .await;
+    case.until_ran(&key, 2).await;
     let held = first.elapsed();
     assert!(
         held >= secs(2),
@@ -329,45 +361,29 @@ async fn a_timed_out_call_holds_its_key_for_a_lease<B: Broker>(store: Vec<String
     );
     consume.until_acked(2).await;
     tokio::time::sleep(ms(500)).await;
-    assert_eq!(runs(&client, &handler.printed, &key).await.0, 2);
-    assert_eq!(broker.dead_letters().await, 0);
-    broker.delete().await;
+    assert_eq!(case.runs(&key).await.0, 2);
+    assert_eq!(case.broker.dead_letters().await, 0);
 }
 
 /// A handler that works three times longer than the lease keeps its key: the lease (and the
 /// broker's redelivery clock) are renewed while it runs, so a copy published meanwhile waits
 /// and is acked with the stored answer, and the handler runs once.
-async fn a_slow_handler_keeps_its_lease<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &["--lease", "1"]);
-    let consume = Consume::start(&broker.from(), &handler.printed, &args);
-    let key = format!("long-{}", uuid::Uuid::new_v4().simple());
-    broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
-    let client = client();
-    let started = || async { (runs(&client, &handler.printed, &key).await.0 > 0).then_some(()) };
-    eventually("the first run", secs(20), ms(20), started).await;
-    broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
+async fn a_slow_handler_keeps_its_lease<B: Broker>(case: &Case<B>) {
+    let consume = case.consume(&["--lease", "1"]);
+    let key = new_key("long");
+    case.broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
+    case.until_ran(&key, 1).await;
+    case.broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
     consume.until_acked(2).await;
-    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
-    assert_eq!((count, attempts), (1, vec!["1".to_owned()]));
-    broker.delete().await;
+    case.assert_attempts(&key, &["1"]).await;
 }
 
 /// With `--key payload --key-fields /order`: a message without the field is dead-lettered
 /// with the reason, and the handler never sees it; one with it runs.
-async fn a_message_without_its_key_fields_is_dead_lettered<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &["--key", "payload", "--key-fields", "/order"]);
-    let consume = Consume::start(&broker.from(), &handler.printed, &args);
-    broker.publish("ignored-1", r#"{"amount": 5}"#).await;
-    let dead = || async { (broker.dead_letters().await == 1).then_some(()) };
-    eventually("the dead letter", secs(20), ms(100), dead).await;
+async fn a_message_without_its_key_fields_is_dead_lettered<B: Broker>(case: &Case<B>) {
+    let consume = case.consume(&["--key", "payload", "--key-fields", "/order"]);
+    case.broker.publish("ignored-1", r#"{"amount": 5}"#).await;
+    case.until_dead_lettered(secs(20)).await;
     assert!(
         consume
             .stderr()
@@ -375,46 +391,29 @@ async fn a_message_without_its_key_fields_is_dead_lettered<B: Broker>(store: Vec
         "{}",
         consume.stderr()
     );
-    broker
+    case.broker
         .publish("ignored-2", r#"{"order": 7, "amount": 5}"#)
         .await;
     consume.until_acked(1).await;
-    let client = client();
-    let counts = call(
-        &client,
-        "GET",
-        &format!("{}/counts", handler.printed),
-        &[],
-        "",
-    )
-    .await
-    .json();
+    let counts = case.counts().await;
     let counts = counts.as_object().unwrap();
     assert_eq!(counts.len(), 1, "{counts:?}");
     assert!(
         counts.keys().all(|key| key.starts_with("msg-")),
         "{counts:?}"
     );
-    broker.delete().await;
 }
 
 /// 200 messages, 40 of them duplicates of others, across two `idem consume` processes on
 /// one store: every key runs exactly once, and every message is acked by one of them.
-async fn two_processes_run_each_key_once<B: Broker>() {
-    let Some(store) = redis_store() else { return };
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &[]);
-    let mut a = Consume::start(&broker.from(), &handler.printed, &args);
-    let mut b = Consume::start(&broker.from(), &handler.printed, &args);
+async fn two_processes_run_each_key_once<B: Broker>(case: &Case<B>) {
+    let (mut a, mut b) = (case.consume(&[]), case.consume(&[]));
     let run = uuid::Uuid::new_v4().simple().to_string();
     let keys: Vec<String> = (0..160).map(|i| format!("many-{run}-{i}")).collect();
     for i in 0..200 {
         // Every fourth of the first 160 is published a second time, right after itself.
         let key = &keys[if i < 160 { i } else { (i - 160) * 4 }];
-        broker.publish(key, r#"{"delay_ms": 20}"#).await;
+        case.broker.publish(key, r#"{"delay_ms": 20}"#).await;
     }
     let all = || async { (a.acked() + b.acked() >= 200).then_some(()) };
     eventually("200 acked", secs(60), ms(100), all).await;
@@ -425,46 +424,26 @@ async fn two_processes_run_each_key_once<B: Broker>() {
         200,
         "{last_a}\n{last_b}"
     );
-    let client = client();
-    let counts = call(
-        &client,
-        "GET",
-        &format!("{}/counts", handler.printed),
-        &[],
-        "",
-    )
-    .await
-    .json();
+    let counts = case.counts().await;
     for key in &keys {
         assert_eq!(counts[key], 1, "{key}: {counts}");
     }
     assert_eq!(counts.as_object().unwrap().len(), 160);
-    broker.delete().await;
 }
 
 /// `kill -9` of `idem consume` while the handler works on a message: the broker delivers it
 /// again to a second process on the same store, which waits for the dead one's lease (2 s)
 /// to end, then runs it once, as attempt 2.
-async fn a_killed_consumer_leaves_its_message_to_the_lease<B: Broker>() {
-    let Some(store) = redis_store() else { return };
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &["--lease", "2"]);
-    let mut first = Consume::start(&broker.from(), &handler.printed, &args);
-    let key = format!("crash-{}", uuid::Uuid::new_v4().simple());
-    broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
-    let client = client();
-    let arrived = || async { (runs(&client, &handler.printed, &key).await.0 > 0).then_some(()) };
-    eventually("the first run", secs(20), ms(50), arrived).await;
+async fn a_killed_consumer_leaves_its_message_to_the_lease<B: Broker>(case: &Case<B>) {
+    let mut first = case.consume(&["--lease", "2"]);
+    let key = new_key("crash");
+    case.broker.publish(&key, r#"{"delay_ms": 3000}"#).await;
+    case.until_ran(&key, 1).await;
     first.kill();
-    let second = Consume::start(&broker.from(), &handler.printed, &args);
+    let second = case.consume(&["--lease", "2"]);
     second.until_acked(1).await;
-    let (count, attempts, _) = runs(&client, &handler.printed, &key).await;
-    assert_eq!((count, attempts), (2, vec!["1".to_owned(), "2".to_owned()]));
-    assert_eq!(broker.dead_letters().await, 0);
-    broker.delete().await;
+    case.assert_attempts(&key, &["1", "2"]).await;
+    assert_eq!(case.broker.dead_letters().await, 0);
 }
 
 /// The numbers of `idem consume`'s last line: acked, requeued, retried, dead-lettered,
@@ -482,19 +461,11 @@ fn summary(last: &str) -> [u64; 5] {
 /// SIGTERM while handlers work: the process stops taking messages, lets the calls in flight
 /// finish, settles them and exits 0, with nothing unsettled; a second process on the same
 /// store takes the rest. Every message runs once, and every one is acked by one of the two.
-async fn sigterm_under_load_settles_what_ran_and_loses_nothing<B: Broker>() {
-    let Some(store) = redis_store() else { return };
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
-    let args = with(&store, &[]);
-    let mut first = Consume::start(&broker.from(), &handler.printed, &args);
-    let keys: Vec<String> = (0..12)
-        .map(|i| format!("load-{i}-{}", uuid::Uuid::new_v4().simple()))
-        .collect();
+async fn sigterm_under_load_settles_what_ran_and_loses_nothing<B: Broker>(case: &Case<B>) {
+    let mut first = case.consume(&[]);
+    let keys: Vec<String> = (0..12).map(|i| new_key(&format!("load-{i}"))).collect();
     for key in &keys {
-        broker.publish(key, r#"{"delay_ms": 400}"#).await;
+        case.broker.publish(key, r#"{"delay_ms": 400}"#).await;
     }
     first.until_acked(2).await;
     let (status, last) = first.terminate();
@@ -502,35 +473,23 @@ async fn sigterm_under_load_settles_what_ran_and_loses_nothing<B: Broker>() {
     let [acked, _, _, dead, unsettled] = summary(&last);
     assert_eq!((dead, unsettled), (0, 0), "{last}");
     let left = keys.len() - usize::try_from(acked).unwrap();
-    let mut second = Consume::start(&broker.from(), &handler.printed, &args);
+    let mut second = case.consume(&[]);
     second.until_acked(left).await;
     let (status, last) = second.terminate();
     assert!(status.success(), "{status:?}");
     assert_eq!(summary(&last)[0], left as u64, "{last}");
-    let client = client();
     for key in &keys {
-        let (count, attempts, _) = runs(&client, &handler.printed, key).await;
-        assert_eq!((count, attempts), (1, vec!["1".to_owned()]), "{key}");
+        case.assert_attempts(key, &["1"]).await;
     }
-    broker.delete().await;
 }
 
 /// `--admin-listen`: `/livez`, `/readyz` (broker and store reachable) and `/metrics` with
 /// the handler's answers by class and its latency.
-async fn the_admin_endpoints_answer<B: Broker>(store: Vec<String>) {
-    let Some(broker) = B::open().await else {
-        return;
-    };
-    let handler = handler_on(0);
+async fn the_admin_endpoints_answer<B: Broker>(case: &Case<B>) {
     let admin = format!("127.0.0.1:{}", idem_testkit::harness::free_port());
-    let consume = Consume::start(
-        &broker.from(),
-        &handler.printed,
-        &with(&store, &["--admin-listen", &admin]),
-    );
-    let client = client();
+    let consume = case.consume(&["--admin-listen", &admin]);
     let get = |path: &str| {
-        let (client, url) = (client.clone(), format!("http://{admin}{path}"));
+        let (client, url) = (case.client.clone(), format!("http://{admin}{path}"));
         async move { call(&client, "GET", &url, &[], "").await }
     };
     assert_eq!(get("/livez").await.status, 200);
@@ -539,7 +498,7 @@ async fn the_admin_endpoints_answer<B: Broker>(store: Vec<String>) {
         (ready.status.as_u16(), &ready.body[..]),
         (200, &b"ready\n"[..])
     );
-    broker.publish("admin-1", "{}").await;
+    case.broker.publish("admin-1", "{}").await;
     consume.until_acked(1).await;
     let metrics = String::from_utf8(get("/metrics").await.body.to_vec()).unwrap();
     assert!(
@@ -550,90 +509,57 @@ async fn the_admin_endpoints_answer<B: Broker>(store: Vec<String>) {
         metrics.contains("idem_consume_handler_duration_seconds_count 1"),
         "{metrics}"
     );
-    broker.delete().await;
 }
 
-/// The cases, each a `#[tokio::test]` of the broker `$broker`.
+/// Each case a `#[tokio::test]` of the broker `$broker` on the store `$store` gives (the
+/// test returns when it gives none, or the broker's URL is not set); the queues or streams
+/// are deleted after a case that passed.
+macro_rules! cases {
+    ($broker:ty, $store:path: $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(store) = $store() else { return };
+                let Some(case) = crate::Case::<$broker>::open(store).await else {
+                    return;
+                };
+                crate::$case(&case).await;
+                crate::Broker::delete(&case.broker).await;
+            }
+        )+
+    };
+}
+
+/// The cases of a broker: on the memory store those that need no shared store, on Redis
+/// those with a second process taking over from the first.
 macro_rules! consume_suite {
     ($broker:ty) => {
         mod memory_store {
             use super::*;
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_message_published_five_times_runs_once() {
-                crate::a_message_published_five_times_runs_once::<$broker>(crate::memory_store())
-                    .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_terminal_answer_is_dead_lettered_at_once() {
-                crate::a_terminal_answer_is_dead_lettered_at_once::<$broker>(crate::memory_store())
-                    .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_failing_handler_is_retried_then_dead_lettered() {
-                crate::a_failing_handler_is_retried_then_dead_lettered::<$broker>(
-                    crate::memory_store(),
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_handler_down_then_up_loses_nothing() {
-                crate::a_handler_down_then_up_loses_nothing::<$broker>(crate::memory_store()).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_timed_out_call_holds_its_key_for_a_lease() {
-                crate::a_timed_out_call_holds_its_key_for_a_lease::<$broker>(crate::memory_store())
-                    .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_slow_handler_keeps_its_lease() {
-                crate::a_slow_handler_keeps_its_lease::<$broker>(crate::memory_store()).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_message_without_its_key_fields_is_dead_lettered() {
-                crate::a_message_without_its_key_fields_is_dead_lettered::<$broker>(
-                    crate::memory_store(),
-                )
-                .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn the_admin_endpoints_answer() {
-                crate::the_admin_endpoints_answer::<$broker>(crate::memory_store()).await;
-            }
+            cases!(
+                $broker,
+                crate::memory_store: a_message_published_five_times_runs_once,
+                a_terminal_answer_is_dead_lettered_at_once,
+                a_failing_handler_is_retried_then_dead_lettered,
+                a_handler_down_then_up_loses_nothing,
+                a_timed_out_call_holds_its_key_for_a_lease,
+                a_slow_handler_keeps_its_lease,
+                a_message_without_its_key_fields_is_dead_lettered,
+                the_admin_endpoints_answer,
+            );
         }
 
         mod shared_store {
             use super::*;
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_message_published_five_times_runs_once() {
-                let Some(store) = crate::redis_store() else {
-                    return;
-                };
-                crate::a_message_published_five_times_runs_once::<$broker>(store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_killed_consumer_leaves_its_message_to_the_lease() {
-                crate::a_killed_consumer_leaves_its_message_to_the_lease::<$broker>().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn two_processes_run_each_key_once() {
-                crate::two_processes_run_each_key_once::<$broker>().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sigterm_under_load_settles_what_ran_and_loses_nothing() {
-                crate::sigterm_under_load_settles_what_ran_and_loses_nothing::<$broker>().await;
-            }
+            cases!(
+                $broker,
+                crate::redis_store: a_message_published_five_times_runs_once,
+                a_killed_consumer_leaves_its_message_to_the_lease,
+                two_processes_run_each_key_once,
+                sigterm_under_load_settles_what_ran_and_loses_nothing,
+            );
         }
     };
 }
