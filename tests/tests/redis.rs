@@ -167,7 +167,7 @@ mod valkey {
         let Some(server) = started(|| valkey::throwaway(&[])).await else {
             return;
         };
-        super::redis::specific::restart(server).await;
+        super::redis::specific::outages::restart(server).await;
     }
 
     /// 2000 keys, 24 concurrent callers each: the work runs once per key.
@@ -175,7 +175,7 @@ mod valkey {
     async fn race_exactly_once_per_key() {
         let Some(url) = url().await else { return };
         let store: Arc<dyn Store> = Arc::new(builder(&url).connect().await.unwrap());
-        super::redis::specific::race(store, 2000, 24).await;
+        super::redis::specific::fencing::race(store, 2000, 24).await;
     }
 
     /// A lease without its version, and the records of a takeover, without scripts.
@@ -183,14 +183,14 @@ mod valkey {
     async fn leases_without_a_version_and_takeovers() {
         let Some(url) = url().await else { return };
         let store = builder(&url).connect().await.unwrap();
-        super::redis::specific::versionless_leases_on(&store).await;
+        super::redis::specific::fencing::versionless_leases_on(&store).await;
     }
 
     /// An instance on scripts and one on the commands, racing over the same keys.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_instances_on_both_paths() {
         let Some(url) = url().await else { return };
-        super::redis::specific::two_instances(&url).await;
+        super::redis::specific::fencing::two_instances(&url).await;
     }
 }
 
@@ -268,6 +268,6 @@ mod valkey_cluster {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn race_across_primaries() {
         let Some(store) = store().await else { return };
-        super::redis::specific::race(store, 1000, 16).await;
+        super::redis::specific::fencing::race(store, 1000, 16).await;
     }
 }

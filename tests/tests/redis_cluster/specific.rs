@@ -9,7 +9,8 @@ use idem_redis::ReplicationError;
 
 use super::super::{builder, started};
 use super::cluster;
-use crate::redis::specific::{acquire, new_id, race, try_begin, unavailable_source};
+use crate::redis::specific::fencing::race;
+use crate::redis::specific::{acquire, new_id, try_begin, unavailable_source};
 
 async fn cluster_store() -> Option<(
     idem_redis::RedisStore,
