@@ -60,13 +60,39 @@ pub fn refused_port() -> u16 {
     port
 }
 
-/// A loopback port that was free a moment ago (the OS picked it). Another process may take
-/// it before the caller binds it; callers that start servers retry on a new port.
+/// A loopback port nothing listens on now, for a server about to start on it. It lies below
+/// the kernel's range of ports for outgoing connections
+/// (`/proc/sys/net/ipv4/ip_local_port_range`), where no client's connection (nor one to the
+/// port itself while the server starts) can take it first. Another process starting a
+/// server may still: callers that start servers retry on a new port. Scripts get theirs
+/// from this crate's `free-port` binary.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("the OS hands out a free loopback port")
+    free_port_and(0)
+}
+
+/// A [`free_port`] whose port `offset` above is free too (a Redis Cluster node's bus port
+/// is its port + 10000).
+pub fn free_port_and(offset: u16) -> u16 {
+    use std::hash::{BuildHasher, RandomState};
+
+    let outgoing = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    const LOWEST: u16 = 10_000;
+    let top = match outgoing.saturating_sub(offset) {
+        top if top > LOWEST + 1_000 => top,
+        _ => 32_768u16.saturating_sub(offset).max(LOWEST + 1_000),
+    };
+    let free = |port: u16| TcpListener::bind(("127.0.0.1", port)).is_ok();
+    for attempt in 0u32..1_000 {
+        let draw = RandomState::new().hash_one((std::process::id(), attempt));
+        let port = LOWEST + u16::try_from(draw % u64::from(top - LOWEST)).unwrap_or(0);
+        if free(port) && (offset == 0 || port.checked_add(offset).is_some_and(free)) {
+            return port;
+        }
+    }
+    panic!("no free loopback port below {top}");
 }
 
 /// Whether something a test needs beyond a URL (server binaries on `PATH`, say) is there:

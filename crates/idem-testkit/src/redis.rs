@@ -8,7 +8,7 @@
 //! dropping a [`RedisServer`] stops it at once.
 
 use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -91,7 +91,7 @@ impl RedisServer {
     ///
     /// When the server cannot be started (a `redis-server` built without TLS, say).
     pub fn start_tls(cert: &str, key: &str, ca: &str) -> io::Result<(Self, u16)> {
-        let tls_port = free_port(false)?;
+        let tls_port = harness::free_port();
         let server = Self::start_with(&[
             "--tls-port",
             &tls_port.to_string(),
@@ -139,7 +139,7 @@ impl RedisServer {
     fn start_inner(binary: &Path, extra: &[&str], cluster: bool) -> io::Result<Self> {
         let mut last = None;
         for _ in 0..5 {
-            let port = free_port(cluster)?;
+            let port = harness::free_port_and(if cluster { 10_000 } else { 0 });
             let dir = std::env::temp_dir().join(format!(
                 "idem-redis-{}-{}-{port}",
                 std::process::id(),
@@ -315,21 +315,6 @@ impl RedisCluster {
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
     }
-}
-
-/// A loopback port that was free a moment ago; for a cluster node, its bus port (+10000)
-/// too.
-fn free_port(cluster: bool) -> io::Result<u16> {
-    for _ in 0..100 {
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        if !cluster {
-            return Ok(port);
-        }
-        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return Ok(port);
-        }
-    }
-    Err(io::Error::other("no free loopback port"))
 }
 
 fn cli(port: u16, args: &[&str]) -> io::Result<String> {
