@@ -30,31 +30,6 @@ fn handler_on(port: u16) -> Proc {
     proc
 }
 
-/// How many times `key` ran in the handler, with which `Idempotency-Attempt`s, and the
-/// headers of its last run.
-async fn runs(
-    client: &HttpClient,
-    handler: &str,
-    key: &str,
-) -> (u64, Vec<String>, serde_json::Value) {
-    let doc = call(
-        client,
-        "GET",
-        &format!("{handler}/count?key={key}"),
-        &[],
-        "",
-    )
-    .await
-    .json();
-    let attempts = doc["attempts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap_or("").to_owned())
-        .collect();
-    (doc["runs"].as_u64().unwrap(), attempts, doc["last"].clone())
-}
-
 /// A running `idem consume`, killed (SIGKILL) when dropped; what it wrote is kept.
 struct Consume {
     child: Option<Child>,
@@ -244,9 +219,9 @@ impl<B: Broker> Case<B> {
         Consume::start(&self.broker.from(), to, &args)
     }
 
-    /// [`runs`] of `key` in the handler.
+    /// [`support::runs`] of `key` in the handler.
     async fn runs(&self, key: &str) -> (u64, Vec<String>, serde_json::Value) {
-        runs(&self.client, &self.handler.printed, key).await
+        support::runs(&self.client, &self.handler.printed, key).await
     }
 
     /// The attempts `key` ran with, asserted to be `want` ("1", "2", ...).
@@ -334,7 +309,7 @@ async fn a_handler_down_then_up_loses_nothing<B: Broker>(case: &Case<B>) {
     eventually("a refused delivery", secs(20), ms(50), refused).await;
     let handler = handler_on(port);
     consume.until_acked(1).await;
-    let (count, attempts, _) = runs(&case.client, &handler.printed, &key).await;
+    let (count, attempts, _) = support::runs(&case.client, &handler.printed, &key).await;
     assert_eq!(count, 1, "{attempts:?}");
     assert_eq!(case.broker.dead_letters().await, 0);
 }

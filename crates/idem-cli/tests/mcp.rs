@@ -28,30 +28,9 @@ jsonrpc_methods = ["tools/call"]
 key_pointer = "/params/_meta/idempotencyKey"
 "#;
 
-/// `npm ci` in the example, once for all the tests of this binary (a second `npm ci` would
-/// empty `node_modules` under a server started from it); `false` (or a failure with
-/// `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
+/// `npm ci` in the example; `false` when node or npm is missing.
 fn install() -> bool {
-    static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INSTALLED.get_or_init(npm_ci)
-}
-
-fn npm_ci() -> bool {
-    let found = |tool: &str| {
-        let version = Command::new(tool).arg("--version").output();
-        version.is_ok_and(|out| out.status.success())
-    };
-    if !idem_testkit::harness::present(
-        found("node") && found("npm"),
-        "Node.js 18+ with npm (`apt-get install nodejs npm`, or https://nodejs.org)",
-    ) {
-        return false;
-    }
-    // npm's complaints go to the test's own stderr.
-    let ci = ["ci", "--no-audit", "--no-fund", "--ignore-scripts"];
-    let npm = Command::new("npm").args(ci).current_dir(EXAMPLE).status();
-    assert!(npm.expect("run npm ci").success(), "npm ci in examples/mcp");
-    true
+    support::npm_ci_once(EXAMPLE)
 }
 
 /// The example's MCP server on a free port, answering calls as SSE streams (or as JSON
@@ -70,10 +49,7 @@ fn mcp_server(json: bool) -> Proc {
 /// `idem proxy` to `upstream` on `store` with `flags`, and `routes` as its routes file;
 /// its base URL is `Proc::printed`.
 fn proxy(upstream: &str, store: &Store, routes: &str, flags: &[&str]) -> Proc {
-    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_mcp_"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("routes.toml");
-    std::fs::write(&file, routes).unwrap();
+    let file = support::temp_file("idem_mcp_", "routes.toml", routes);
     let args = ["proxy", "--listen", "127.0.0.1:0", "--upstream", upstream];
     let mut command = idem(&args);
     command

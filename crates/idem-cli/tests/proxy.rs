@@ -43,27 +43,15 @@ fn proxy(upstream: &str, store: &str, extra: &[&str]) -> Proc {
     Proc::listening(command)
 }
 
-/// `text` in a file named `name` in a directory of its own under the system's temporary
-/// directory.
+/// `text` in a file named `name` in a directory of its own.
 fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_proxy_"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, text).unwrap();
-    path
+    support::temp_file("idem_proxy_", name, text)
 }
 
 /// `POST <proxy>/charge` as alice with `key`, the upstream taking `delay_ms`.
 async fn charge(client: &HttpClient, proxy: &str, key: &str, delay_ms: u64) -> Reply {
-    let delay = delay_ms.to_string();
-    let headers = [
-        ("authorization", "Bearer alice"),
-        ("idempotency-key", key),
-        ("content-type", "application/json"),
-        ("x-delay-ms", delay.as_str()),
-    ];
-    let url = format!("{proxy}/charge");
-    call(client, "POST", &url, &headers, r#"{"amount": 1250}"#).await
+    let charge = support::charge(proxy, key, ms(delay_ms), r#"{"amount": 1250}"#);
+    send(client, charge).await.unwrap()
 }
 
 /// `POST <url>` as alice with `key` and the body `{}`.
@@ -74,15 +62,8 @@ async fn post(client: &HttpClient, url: &str, key: &str) -> Reply {
 
 /// How many times `key` ran upstream, and the `Idempotency-Attempt` of each run.
 async fn runs(client: &HttpClient, upstream: &Proc, key: &str) -> (u64, Vec<String>) {
-    let url = format!("{}/count?key={key}", upstream.printed);
-    let doc = call(client, "GET", &url, &[], "").await.json();
-    let attempts = doc["attempts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap_or("").to_owned())
-        .collect();
-    (doc["runs"].as_u64().unwrap(), attempts)
+    let (count, attempts, _) = support::runs(client, &upstream.printed, key).await;
+    (count, attempts)
 }
 
 /// 50 concurrent duplicates, half through each proxy: one upstream execution, every other
@@ -659,17 +640,9 @@ mod admin {
     /// Redis, and waiting for it would answer 503 for good.
     #[test]
     fn a_redis_url_at_a_postgresql_port_is_refused_at_start() {
-        let Some(postgres) = idem_testkit::harness::database_url() else {
+        let Some((store, _)) = crate::support::redis_url_at_the_postgresql_port() else {
             return;
         };
-        let pg_port = postgres
-            .rsplit(':')
-            .next()
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap();
-        let store = format!("redis://127.0.0.1:{pg_port}");
         let args = ["proxy", "--listen", "127.0.0.1:0", "--store", &store];
         let (code, _, err) = run(&[&args[..], &["--upstream", "http://127.0.0.1:9"]].concat());
         assert_eq!(code, 3, "{err}");
@@ -748,33 +721,9 @@ mod express {
 
     const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/express");
 
-    /// `npm ci` in the example, once for all the tests of this binary (a second `npm ci`
-    /// would empty `node_modules` under a service started from it); `false` (or a failure
-    /// with `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
+    /// `npm ci` in the example; `false` when node or npm is missing.
     fn install() -> bool {
-        static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *INSTALLED.get_or_init(npm_ci)
-    }
-
-    fn npm_ci() -> bool {
-        let found = |tool: &str| {
-            let version = Command::new(tool).arg("--version").output();
-            version.is_ok_and(|out| out.status.success())
-        };
-        if !idem_testkit::harness::present(
-            found("node") && found("npm"),
-            "Node.js 18+ with npm (`apt-get install nodejs npm`, or https://nodejs.org)",
-        ) {
-            return false;
-        }
-        // npm's complaints go to the test's own stderr.
-        let ci = ["ci", "--no-audit", "--no-fund", "--ignore-scripts"];
-        let npm = Command::new("npm").args(ci).current_dir(EXAMPLE).status();
-        assert!(
-            npm.expect("run npm ci").success(),
-            "npm ci in examples/express"
-        );
-        true
+        crate::support::npm_ci_once(EXAMPLE)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,10 +33,7 @@ fn proxy(upstream: &str, store: &str, routes: &str) -> Proc {
 
 /// [`proxy`] with `extra` flags (a key prefix or a schema of the test's own).
 fn proxy_with(upstream: &str, store: &str, routes: &str, extra: &[String]) -> Proc {
-    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name("idem_stream_"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("routes.toml");
-    std::fs::write(&file, routes).unwrap();
+    let file = support::temp_file("idem_stream_", "routes.toml", routes);
     let args = ["proxy", "--listen", "127.0.0.1:0", "--upstream", upstream];
     let mut command = idem(&args);
     command

@@ -256,18 +256,11 @@ mod relay {
     /// Redis port given as PostgreSQL.
     #[tokio::test]
     async fn run_refuses_a_redis_url_at_a_postgresql_port() {
-        let Some(db_url) = harness::database_url() else {
+        let Some((redis, db_url)) = super::support::redis_url_at_the_postgresql_port() else {
             return;
         };
         let pg = migrated(&db_url).await;
-        let pg_port = db_url
-            .rsplit(':')
-            .next()
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap();
-        let store = format!("tiered:redis://127.0.0.1:{pg_port}|{db_url}");
+        let store = format!("tiered:{redis}|{db_url}");
         let run = ["run", "--store", &store, "--schema", pg.schema()];
         let (code, _, err) = output(relay(&run)).await;
         assert_eq!(code, Some(3), "{err}");

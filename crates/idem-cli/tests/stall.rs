@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use idem_testkit::redis::{RedisCluster, RedisServer};
-use support::{call, client, idem, ms, request, send, signal, HttpClient, Proc, Reply};
+use support::{call, client, idem, ms, send, signal, HttpClient, Proc, Reply};
 
 const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
 
@@ -217,15 +217,7 @@ async fn charge(
     key: &str,
     work: Duration,
 ) -> Result<Reply, String> {
-    let delay = work.as_millis().to_string();
-    let headers = [
-        ("authorization", "Bearer alice"),
-        ("idempotency-key", key),
-        ("content-type", "application/json"),
-        ("x-delay-ms", delay.as_str()),
-    ];
-    let url = format!("{proxy}/charge");
-    send(client, request("POST", &url, &headers, "{}")).await
+    send(client, support::charge(proxy, key, work, "{}")).await
 }
 
 /// What a case saw: the first client's answer, every answer of the retrying client, the

@@ -100,17 +100,9 @@ mod errors {
     /// PostgreSQL port will never become a Redis.
     #[test]
     fn serve_refuses_a_redis_url_at_a_postgresql_port() {
-        let Some(postgres) = idem_testkit::harness::database_url() else {
+        let Some((redis, postgres)) = super::support::redis_url_at_the_postgresql_port() else {
             return;
         };
-        let pg_port = postgres
-            .rsplit(':')
-            .next()
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap();
-        let redis = format!("redis://127.0.0.1:{pg_port}");
         for store in [redis.clone(), format!("tiered:{redis}|{postgres}")] {
             let serve = ["serve", "--listen", "127.0.0.1:0", "--store", &store];
             let err = super::exits(3, super::run(&[&serve[..], &["--migrate"]].concat()));

@@ -55,6 +55,82 @@ impl TlsServers {
     }
 }
 
+/// `npm ci` in `example` (a directory of `examples/`, from its committed lock file), once
+/// for all the tests of the binary, which installs one example: a second `npm ci` would
+/// empty `node_modules` under a server started from it. `false` (or a failure with
+/// `IDEM_TEST_REQUIRE_BACKENDS=1`) when node or npm is missing.
+pub fn npm_ci_once(example: &'static str) -> bool {
+    static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INSTALLED.get_or_init(|| npm_ci(example))
+}
+
+fn npm_ci(example: &str) -> bool {
+    let found = |tool: &str| {
+        let version = Command::new(tool).arg("--version").output();
+        version.is_ok_and(|out| out.status.success())
+    };
+    if !idem_testkit::harness::present(
+        found("node") && found("npm"),
+        "Node.js 18+ with npm (`apt-get install nodejs npm`, or https://nodejs.org)",
+    ) {
+        return false;
+    }
+    // npm's complaints go to the test's own stderr.
+    let ci = ["ci", "--no-audit", "--no-fund", "--ignore-scripts"];
+    let npm = Command::new("npm").args(ci).current_dir(example).status();
+    assert!(npm.expect("run npm ci").success(), "npm ci in {example}");
+    true
+}
+
+/// `text` in a file named `name` in a directory of its own (named after `prefix`) under the
+/// system's temporary directory.
+pub fn temp_file(prefix: &str, name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(idem_testkit::harness::unique_name(prefix));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `POST <proxy>/charge` as alice with `key` and `body`, the upstream (`upstream.py`) taking
+/// `work` (its `x-delay-ms`).
+pub fn charge(proxy: &str, key: &str, work: Duration, body: &str) -> Request {
+    let delay = work.as_millis().to_string();
+    let headers = [
+        ("authorization", "Bearer alice"),
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+        ("x-delay-ms", delay.as_str()),
+    ];
+    request("POST", &format!("{proxy}/charge"), &headers, body)
+}
+
+/// How many times `key` ran in the test service at `base` (`upstream.py`, `handler.py`: their
+/// `GET /count?key=`), with which `Idempotency-Attempt`s, and the headers of its last run.
+pub async fn runs(
+    client: &HttpClient,
+    base: &str,
+    key: &str,
+) -> (u64, Vec<String>, serde_json::Value) {
+    let url = format!("{base}/count?key={key}");
+    let doc = call(client, "GET", &url, &[], "").await.json();
+    let attempts = doc["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap_or("").to_owned())
+        .collect();
+    (doc["runs"].as_u64().unwrap(), attempts, doc["last"].clone())
+}
+
+/// `IDEM_TEST_DATABASE_URL` and a `redis://` URL at its port, where PostgreSQL answers
+/// instead of Redis; `None` (the test returns) when the variable is not set.
+pub fn redis_url_at_the_postgresql_port() -> Option<(String, String)> {
+    let postgres = idem_testkit::harness::database_url()?;
+    let port = postgres.rsplit(':').next()?.split('/').next()?.to_owned();
+    Some((format!("redis://127.0.0.1:{port}"), postgres))
+}
+
 /// Whether the PostgreSQL database at `url` has the schema `schema`.
 pub async fn schema_exists(url: &str, schema: &str) -> bool {
     let pool = sqlx::PgPool::connect(url).await.unwrap();
