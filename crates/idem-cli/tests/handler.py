@@ -13,59 +13,21 @@ the first argument).
 """
 
 import json
-import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
-LOCK = threading.Lock()
-RUNS = {}  # key -> [attempt, ...]
-LAST = {}  # key -> {header: value} of its last run
+from counting import CountingHandler, serve
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, status, doc, headers=()):
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(CountingHandler):
     def do_GET(self):
-        url = urlsplit(self.path)
-        if url.path == "/counts":
-            with LOCK:
-                counts = {key: len(runs) for key, runs in RUNS.items()}
-            return self.reply(200, counts)
-        if url.path != "/count":
-            return self.reply(404, {"error": "no such route"})
-        key = parse_qs(url.query).get("key", [""])[0]
-        with LOCK:
-            attempts = list(RUNS.get(key, []))
-            last = dict(LAST.get(key, {}))
-        return self.reply(200, {"runs": len(attempts), "attempts": attempts, "last": last})
+        if not self.answer_counts(urlsplit(self.path)):
+            self.reply(404, {"error": "no such route"})
 
     def do_POST(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        key = self.headers.get("Idempotency-Key", "")
+        body = self.body()
         attempt = self.headers.get("Idempotency-Attempt", "")
-        with LOCK:
-            first = key not in RUNS
-            RUNS.setdefault(key, []).append(attempt)
-            last = {name.lower(): value for name, value in self.headers.items()}
-            last[":path"] = self.path
-            LAST[key] = last
-            serial = sum(len(runs) for runs in RUNS.values())
+        first, serial = self.count_run()
         try:
             order = json.loads(body or b"{}")
         except ValueError:
@@ -82,13 +44,5 @@ class Handler(BaseHTTPRequestHandler):
         return self.reply(status, {"run": serial, "attempt": attempt}, headers)
 
 
-def main():
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    print(f"listening on {server.server_address[1]}", flush=True)
-    server.serve_forever()
-
-
 if __name__ == "__main__":
-    main()
+    serve(Handler)

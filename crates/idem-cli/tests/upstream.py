@@ -21,52 +21,23 @@ as HTTP/1.0 and closes each connection, as Python's `http.server` does by defaul
 
 import json
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-LOCK = threading.Lock()
-RUNS = {}  # key -> [attempt, ...]
-SERIAL = [0]
+from counting import LOCK, CountingHandler, serve
+
 STREAMS = {}  # key -> {"sent": n, "ended": bool, "cut": bool}, of its last run
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def body(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
-
-    def reply(self, status, doc, headers=()):
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(CountingHandler):
     def side_effect(self):
-        key = self.headers.get("Idempotency-Key", "")
-        attempt = self.headers.get("Idempotency-Attempt", "")
-        with LOCK:
-            RUNS.setdefault(key, []).append(attempt)
-            SERIAL[0] += 1
-            return SERIAL[0]
+        """Counts one run of this request's key; returns the runs of every key so far."""
+        return self.count_run()[1]
 
     def do_GET(self):
         url = urlsplit(self.path)
-        if url.path == "/count":
-            key = parse_qs(url.query).get("key", [""])[0]
-            with LOCK:
-                attempts = list(RUNS.get(key, []))
-            return self.reply(200, {"runs": len(attempts), "attempts": attempts})
+        if self.answer_counts(url):
+            return None
         if url.path == "/events/status":
             key = parse_qs(url.query).get("key", [""])[0]
             with LOCK:
@@ -167,15 +138,7 @@ class Handler(BaseHTTPRequestHandler):
         }, [("X-Upstream", "python")])
 
 
-def main():
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+if __name__ == "__main__":
     if len(sys.argv) > 2:
         Handler.protocol_version = sys.argv[2]
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    print(f"listening on {server.server_address[1]}", flush=True)
-    server.serve_forever()
-
-
-if __name__ == "__main__":
-    main()
+    serve(Handler)
