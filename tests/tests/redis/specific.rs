@@ -673,11 +673,7 @@ pub(crate) mod fencing {
             tokio::time::Instant::now(),
         );
         assert!(bare.version().is_none());
-        store
-            .complete(&bare, &succeeded(201, "bare"), KEEP)
-            .await
-            .expect("complete without a version");
-        let record = store.get(&id).await.unwrap().expect("the record");
+        let record = completed_record(store, &bare, "bare").await;
         assert_eq!(record.fingerprint, Fingerprint::of_bytes(b"f"));
         assert_eq!(replay(store, &id).await.completion.response.body, "bare");
 
@@ -695,17 +691,22 @@ pub(crate) mod fencing {
             other => panic!("expected TookOver, got {other:?}"),
         };
         assert_eq!((first.attempt(), second.attempt()), (1, 2));
-        store
-            .complete(&second, &succeeded(201, "second"), KEEP)
-            .await
-            .expect("complete");
-        let record = store.get(&id).await.unwrap().expect("the record");
+        let record = completed_record(store, &second, "second").await;
         assert_eq!(record.fingerprint, Fingerprint::of_bytes(b"f"));
         assert_eq!(record.attempt, 2);
         assert!(matches!(
             store.complete(&first, &succeeded(201, "first"), KEEP).await,
             Err(Error::LeaseLost)
         ));
+    }
+
+    /// The record of `lease`'s key once `lease` completed it with a 201 and `body`.
+    async fn completed_record(store: &RedisStore, lease: &Lease, body: &str) -> idem_core::Record {
+        store
+            .complete(lease, &succeeded(201, body.to_owned()), KEEP)
+            .await
+            .expect("complete");
+        store.get(lease.id()).await.unwrap().expect("the record")
     }
 
     /// Thousands of keys, dozens of concurrent callers per key: the protected side effect runs
