@@ -127,17 +127,24 @@ mod relay {
         scope: Scope,
     }
 
+    /// A Redis store at `url` under a key prefix of its own (`<name>-<random>:`), and that
+    /// prefix.
+    async fn redis_under_a_prefix(url: &str, name: &str) -> (RedisStore, String) {
+        let prefix = format!("{name}-{}:", uuid::Uuid::new_v4().simple());
+        let redis = RedisStore::builder(url)
+            .with_prefix(prefix.clone())
+            .connect()
+            .await
+            .expect("connect to Redis");
+        (redis, prefix)
+    }
+
     /// `None` when a backend is missing and not required.
     async fn env() -> Option<Env> {
         let db_url = harness::database_url()?;
         let redis_url = harness::redis_url()?;
         let pg = migrated(&db_url).await;
-        let prefix = format!("idem-relay-cli-{}:", uuid::Uuid::new_v4().simple());
-        let redis = RedisStore::builder(&redis_url)
-            .with_prefix(prefix.clone())
-            .connect()
-            .await
-            .expect("connect to Redis");
+        let (redis, prefix) = redis_under_a_prefix(&redis_url, "idem-relay-cli").await;
         Some(Env {
             tiered: TieredStore::new(redis, pg),
             store: format!("tiered:{redis_url}|{db_url}"),
@@ -527,12 +534,7 @@ mod relay {
         let pg = PgStore::new(idem_testkit::postgres::connect(&db_url, 10).await)
             .with_schema(&schema)
             .expect("a valid schema name");
-        let prefix = format!("idem-relay-wait-{}:", uuid::Uuid::new_v4().simple());
-        let redis = RedisStore::builder(&redis_url)
-            .with_prefix(prefix.clone())
-            .connect()
-            .await
-            .expect("connect to Redis");
+        let (redis, prefix) = redis_under_a_prefix(&redis_url, "idem-relay-wait").await;
         let tiered = TieredStore::new(redis, pg);
         let scope = Scope::new(format!("relay-{}", uuid::Uuid::new_v4().simple())).unwrap();
         let store = format!("tiered:{redis_url}|{db_url}");
