@@ -161,9 +161,6 @@ async fn upstream() -> String {
     url
 }
 
-/// The future an object-safe [`Store`] method returns.
-type Call<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
 /// Forwards every call to `inner`, counts the `append`s (the store writes of the streams'
 /// recording, which goes to the store directly rather than through the engine's metrics)
 /// and times the `begin`s (the store's part of a guarded stream's first byte).
@@ -174,117 +171,54 @@ struct Counting {
     begins: std::sync::Mutex<Vec<Duration>>,
 }
 
-// Written out as `async_trait` expands it: the trait is declared with that macro, and this
-// example has no dependency on it.
+#[async_trait::async_trait]
 impl Store for Counting {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
-    fn begin<'s, 'r, 'f>(&'s self, req: BeginRequest<'r>) -> Call<'f, Result<Begin>>
-    where
-        's: 'f,
-        'r: 'f,
-        Self: 'f,
-    {
-        Box::pin(async move {
-            let started = Instant::now();
-            let begun = self.inner.begin(req).await;
-            self.begins.lock().unwrap().push(started.elapsed());
-            begun
-        })
+
+    async fn begin(&self, req: BeginRequest<'_>) -> Result<Begin> {
+        let started = Instant::now();
+        let begun = self.inner.begin(req).await;
+        self.begins.lock().unwrap().push(started.elapsed());
+        begun
     }
-    fn complete<'s, 'l, 'c, 'f>(
-        &'s self,
-        lease: &'l Lease,
-        completion: &'c Completion,
-        ttl: Duration,
-    ) -> Call<'f, Result<()>>
-    where
-        's: 'f,
-        'l: 'f,
-        'c: 'f,
-        Self: 'f,
-    {
-        self.inner.complete(lease, completion, ttl)
+
+    async fn complete(&self, lease: &Lease, completion: &Completion, ttl: Duration) -> Result<()> {
+        self.inner.complete(lease, completion, ttl).await
     }
-    fn release<'s, 'l, 'f>(&'s self, lease: &'l Lease) -> Call<'f, Result<()>>
-    where
-        's: 'f,
-        'l: 'f,
-        Self: 'f,
-    {
-        self.inner.release(lease)
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.inner.release(lease).await
     }
-    fn extend<'s, 'l, 'f>(&'s self, lease: &'l Lease, by: Duration) -> Call<'f, Result<Lease>>
-    where
-        's: 'f,
-        'l: 'f,
-        Self: 'f,
-    {
-        self.inner.extend(lease, by)
+
+    async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease> {
+        self.inner.extend(lease, by).await
     }
-    fn get<'s, 'i, 'f>(&'s self, id: &'i RecordId) -> Call<'f, Result<Option<Record>>>
-    where
-        's: 'f,
-        'i: 'f,
-        Self: 'f,
-    {
-        self.inner.get(id)
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>> {
+        self.inner.get(id).await
     }
-    fn evict<'s, 'i, 'f>(&'s self, id: &'i RecordId) -> Call<'f, Result<bool>>
-    where
-        's: 'f,
-        'i: 'f,
-        Self: 'f,
-    {
-        self.inner.evict(id)
+
+    async fn evict(&self, id: &RecordId) -> Result<bool> {
+        self.inner.evict(id).await
     }
-    fn watch<'s, 'i, 'f>(&'s self, id: &'i RecordId) -> Call<'f, Option<Watch>>
-    where
-        's: 'f,
-        'i: 'f,
-        Self: 'f,
-    {
-        self.inner.watch(id)
+
+    async fn watch(&self, id: &RecordId) -> Option<Watch> {
+        self.inner.watch(id).await
     }
-    fn append<'s, 'l, 'b, 'f>(
-        &'s self,
-        lease: &'l Lease,
-        at: u64,
-        bytes: &'b [u8],
-    ) -> Call<'f, Result<()>>
-    where
-        's: 'f,
-        'l: 'f,
-        'b: 'f,
-        Self: 'f,
-    {
+
+    async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
         self.appends.fetch_add(1, Ordering::Relaxed);
-        self.inner.append(lease, at, bytes)
+        self.inner.append(lease, at, bytes).await
     }
-    fn read_stream<'s, 'i, 'f>(
-        &'s self,
-        id: &'i RecordId,
-        from: u64,
-    ) -> Call<'f, Result<StreamRead>>
-    where
-        's: 'f,
-        'i: 'f,
-        Self: 'f,
-    {
-        self.inner.read_stream(id, from)
+
+    async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
+        self.inner.read_stream(id, from).await
     }
-    fn stats<'s, 'c, 'f>(
-        &'s self,
-        scope: Option<&'c Scope>,
-        stuck_after: Duration,
-    ) -> Call<'f, Result<Stats>>
-    where
-        's: 'f,
-        'c: 'f,
-        Self: 'f,
-    {
-        self.inner.stats(scope, stuck_after)
+
+    async fn stats(&self, scope: Option<&Scope>, stuck_after: Duration) -> Result<Stats> {
+        self.inner.stats(scope, stuck_after).await
     }
 }
 
@@ -374,6 +308,37 @@ struct Row {
     elapsed: Duration,
 }
 
+/// Runs `work(i)` for every `i` in `0..n` on `c` concurrent callers, each taking the next
+/// `i` when done with its last: the results, in no particular order.
+async fn by_callers<T, F, Fut>(n: usize, c: usize, work: F) -> Vec<T>
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = T> + Send,
+    T: Send + 'static,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..c)
+        .map(|_| {
+            let (work, next) = (work.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break got;
+                    }
+                    got.push(work(i).await);
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for worker in workers {
+        all.extend(worker.await.unwrap());
+    }
+    all
+}
+
 /// `n` streams of `shape` from `base` by `c` callers, stream `i` keyed `<keys>-<i>`.
 async fn streams(
     client: &HttpClient,
@@ -383,31 +348,18 @@ async fn streams(
     n: usize,
     c: usize,
 ) -> Row {
-    let next = Arc::new(AtomicUsize::new(0));
     let url = format!("{base}{}", shape.path);
+    let (client, keys) = (client.clone(), keys.to_owned());
     let started = Instant::now();
-    let workers: Vec<_> = (0..c)
-        .map(|_| {
-            let (client, url, keys, next) =
-                (client.clone(), url.clone(), keys.to_owned(), next.clone());
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break got;
-                    }
-                    let received = fetch(&client, &url, &format!("{keys}-{i}"), None).await;
-                    assert_eq!(received.bytes.len(), shape.events * EVENT_BYTES);
-                    got.push(received.first_byte);
-                }
-            })
-        })
-        .collect();
-    let mut first_bytes = Vec::new();
-    for worker in workers {
-        first_bytes.extend(worker.await.unwrap());
-    }
+    let first_bytes = by_callers(n, c, move |i| {
+        let (client, url, key) = (client.clone(), url.clone(), format!("{keys}-{i}"));
+        async move {
+            let received = fetch(&client, &url, &key, None).await;
+            assert_eq!(received.bytes.len(), shape.events * EVENT_BYTES);
+            received.first_byte
+        }
+    })
+    .await;
     Row {
         bytes: first_bytes.len() * shape.events * EVENT_BYTES,
         first_bytes,
@@ -426,42 +378,29 @@ async fn joins(
     c: usize,
     after: Duration,
 ) -> Vec<Duration> {
-    let next = Arc::new(AtomicUsize::new(0));
-    let workers: Vec<_> = (0..c)
-        .map(|_| {
-            let (client, keys, next) = (client.clone(), keys.to_owned(), next.clone());
-            let first = format!("{first}{}", SLOW.path);
-            let second = format!("{second}{}", SLOW.path);
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break got;
-                    }
-                    let key = format!("{keys}-{i}");
-                    let (told, started) = tokio::sync::oneshot::channel();
-                    let original = {
-                        let (client, first, key) = (client.clone(), first.clone(), key.clone());
-                        tokio::spawn(async move { fetch(&client, &first, &key, Some(told)).await })
-                    };
-                    started.await.expect("the first caller's first byte");
-                    tokio::time::sleep(after).await;
-                    let joined = fetch(&client, &second, &key, None).await;
-                    let original = original.await.unwrap();
-                    // Joined while the first caller's stream still ran, not replayed after it.
-                    assert!(joined.started + joined.first_byte < original.started + original.whole);
-                    assert_eq!(joined.bytes, original.bytes, "a joined stream differs");
-                    got.push(joined.first_byte);
-                }
-            })
-        })
-        .collect();
-    let mut first_bytes = Vec::new();
-    for worker in workers {
-        first_bytes.extend(worker.await.unwrap());
-    }
-    first_bytes
+    let (client, keys) = (client.clone(), keys.to_owned());
+    let first = format!("{first}{}", SLOW.path);
+    let second = format!("{second}{}", SLOW.path);
+    by_callers(n, c, move |i| {
+        let (client, first, second) = (client.clone(), first.clone(), second.clone());
+        let key = format!("{keys}-{i}");
+        async move {
+            let (told, started) = tokio::sync::oneshot::channel();
+            let original = {
+                let (client, first, key) = (client.clone(), first.clone(), key.clone());
+                tokio::spawn(async move { fetch(&client, &first, &key, Some(told)).await })
+            };
+            started.await.expect("the first caller's first byte");
+            tokio::time::sleep(after).await;
+            let joined = fetch(&client, &second, &key, None).await;
+            let original = original.await.unwrap();
+            // Joined while the first caller's stream still ran, not replayed after it.
+            assert!(joined.started + joined.first_byte < original.started + original.whole);
+            assert_eq!(joined.bytes, original.bytes, "a joined stream differs");
+            joined.first_byte
+        }
+    })
+    .await
 }
 
 /// Nearest-rank percentile, in per mille.
