@@ -9,111 +9,63 @@
 //!   cargo run --release -p idem-cli --example jsonrpc_bench -- [TOOL_MS] [N]
 //! ```
 
-use std::convert::Infallible;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use idem_core::{MemoryStore, Store};
 use idem_http::{Anonymous, JsonRpc};
-use idem_proxy::{Proxy, Route, UpstreamConfig};
-use tokio::net::TcpListener;
+use idem_proxy::Route;
+use support::HttpClient;
 
-type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+mod support;
 
 /// The upstream: `tools/call` answered after `tool` with a small result, as JSON.
 async fn upstream(tool: Duration) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let _ = stream.set_nodelay(true);
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    move |req: http::Request<hyper::body::Incoming>| async move {
-                        let body = req.into_body().collect().await.unwrap().to_bytes();
-                        let call: serde_json::Value = serde_json::from_slice(&body).unwrap();
-                        if !tool.is_zero() {
-                            tokio::time::sleep(tool).await;
-                        }
-                        let answer = serde_json::json!({"jsonrpc": "2.0", "id": call["id"],
-                            "result": {"content": [{"type": "text", "text": "charged"}]}});
-                        let mut response =
-                            http::Response::new(Full::new(Bytes::from(answer.to_string())));
-                        response.headers_mut().insert(
-                            http::header::CONTENT_TYPE,
-                            http::HeaderValue::from_static("application/json"),
-                        );
-                        Ok::<_, Infallible>(response)
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    url
-}
-
-/// A proxy to `upstream` on `store` with `routes`: its URL.
-async fn proxy(store: Arc<dyn Store>, upstream: &str, routes: Vec<Route>) -> String {
-    let config = UpstreamConfig::new(upstream).unwrap();
-    let proxy = Proxy::new(store, &config, routes).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(idem_proxy::serve(
-        listener,
-        proxy,
-        std::future::pending(),
-        Duration::ZERO,
-    ));
-    url
+    support::upstream(
+        "application/json",
+        move |req: http::Request<Incoming>| async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let call: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            if !tool.is_zero() {
+                tokio::time::sleep(tool).await;
+            }
+            let answer = serde_json::json!({"jsonrpc": "2.0", "id": call["id"],
+            "result": {"content": [{"type": "text", "text": "charged"}]}});
+            Full::new(Bytes::from(answer.to_string()))
+        },
+    )
+    .await
 }
 
 /// `n` `tools/call`s to `url` at concurrency `c`, call `i` keyed `<keys>-<i>`: per second.
 async fn hammer(client: &HttpClient, url: &str, keys: &str, n: usize, c: usize) -> f64 {
-    let next = Arc::new(AtomicUsize::new(0));
+    let (client, url, keys) = (client.clone(), url.to_owned(), keys.to_owned());
     let started = Instant::now();
-    let workers: Vec<_> = (0..c)
-        .map(|_| {
-            let (client, url, keys, next) = (
-                client.clone(),
-                url.to_owned(),
-                keys.to_owned(),
-                next.clone(),
-            );
-            tokio::spawn(async move {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    let body = serde_json::json!({"jsonrpc": "2.0", "id": i,
-                        "method": "tools/call", "params": {"name": "charge",
-                        "arguments": {"amount": 1250, "currency": "EUR"},
-                        "_meta": {"idempotencyKey": format!("{keys}-{i}")}}})
-                    .to_string();
-                    let req = http::Request::post(&url)
-                        .header("content-type", "application/json")
-                        .header("accept", "application/json, text/event-stream")
-                        .body(Full::new(Bytes::from(body)))
-                        .unwrap();
-                    let response = client.request(req).await.unwrap();
-                    assert!(response.status().is_success(), "{:?}", response.status());
-                    let body = response.into_body().collect().await.unwrap().to_bytes();
-                    assert!(body.windows(9).any(|w| w == b"\"result\":"), "{body:?}");
-                }
-            })
-        })
-        .collect();
-    for worker in workers {
-        worker.await.unwrap();
-    }
+    support::by_callers(n, c, move |i| {
+        let (client, url) = (client.clone(), url.clone());
+        let body = serde_json::json!({"jsonrpc": "2.0", "id": i,
+            "method": "tools/call", "params": {"name": "charge",
+            "arguments": {"amount": 1250, "currency": "EUR"},
+            "_meta": {"idempotencyKey": format!("{keys}-{i}")}}})
+        .to_string();
+        async move {
+            let req = http::Request::post(&url)
+                .header("content-type", "application/json")
+                .header("accept", "application/json, text/event-stream")
+                .body(Full::new(Bytes::from(body)))
+                .unwrap();
+            let response = client.request(req).await.unwrap();
+            assert!(response.status().is_success(), "{:?}", response.status());
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert!(body.windows(9).any(|w| w == b"\"result\":"), "{body:?}");
+        }
+    })
+    .await;
     n as f64 / started.elapsed().as_secs_f64()
 }
 
@@ -124,7 +76,7 @@ async fn main() {
     let n: usize = args.next().map_or(5000, |a| a.parse().unwrap());
     let up = upstream(Duration::from_millis(tool_ms)).await;
     let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let pass = proxy(memory.clone(), &up, Vec::new()).await;
+    let pass = support::proxy(memory.clone(), &up, Vec::new()).await;
     let route = || {
         let mut route = Route::default();
         route.path = "/mcp".into();
@@ -136,10 +88,16 @@ async fn main() {
             .with_jsonrpc(JsonRpc::new(["tools/call"]));
         vec![route]
     };
-    let mut targets = vec![("memory".to_owned(), proxy(memory, &up, route()).await)];
+    let mut targets = vec![(
+        "memory".to_owned(),
+        support::proxy(memory, &up, route()).await,
+    )];
     if let Ok(url) = std::env::var("IDEM_BENCH_REDIS_URL") {
         let store = idemkit::connect(&url).await.unwrap();
-        targets.push(("redis".to_owned(), proxy(store, &up, route()).await));
+        targets.push((
+            "redis".to_owned(),
+            support::proxy(store, &up, route()).await,
+        ));
     }
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(64)

@@ -23,18 +23,18 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Frame;
+use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use idem_core::{
     Begin, BeginRequest, Completion, Lease, MemoryStore, Record, RecordId, Result, Scope, Stats,
     Store, StreamRead, Watch,
 };
 use idem_http::Anonymous;
-use idem_proxy::{Proxy, Route, UpstreamConfig};
-use tokio::net::TcpListener;
+use idem_proxy::Route;
+use support::HttpClient;
 
-type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+mod support;
 
 /// Bytes of each event, `id:` line and blank line included.
 const EVENT_BYTES: usize = 100;
@@ -118,47 +118,26 @@ impl hyper::body::Body for Events {
 
 /// The upstream: `/fast` and `/slow` as `text/event-stream`, chunked.
 async fn upstream() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let (fast, slow) = (events(FAST.events), events(SLOW.events));
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let _ = stream.set_nodelay(true);
-            let (fast, slow) = (fast.clone(), slow.clone());
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                        let (fast, slow) = (fast.clone(), slow.clone());
-                        async move {
-                            let (events, gap) = if req.uri().path() == SLOW.path {
-                                (slow, SLOW.gap)
-                            } else {
-                                (fast, FAST.gap)
-                            };
-                            // Read the request whole, as a real service does.
-                            let _ = req.into_body().collect().await;
-                            let body = Events {
-                                events,
-                                sent: 0,
-                                gap,
-                                start: tokio::time::Instant::now(),
-                                sleep: None,
-                            };
-                            let mut response = http::Response::new(body);
-                            response.headers_mut().insert(
-                                http::header::CONTENT_TYPE,
-                                http::HeaderValue::from_static("text/event-stream"),
-                            );
-                            Ok::<_, Infallible>(response)
-                        }
-                    });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
+    support::upstream("text/event-stream", move |req: http::Request<Incoming>| {
+        let (events, gap) = if req.uri().path() == SLOW.path {
+            (slow.clone(), SLOW.gap)
+        } else {
+            (fast.clone(), FAST.gap)
+        };
+        async move {
+            // Read the request whole, as a real service does.
+            let _ = req.into_body().collect().await;
+            Events {
+                events,
+                sent: 0,
+                gap,
+                start: tokio::time::Instant::now(),
+                sleep: None,
+            }
         }
-    });
-    url
+    })
+    .await
 }
 
 /// Forwards every call to `inner`, counts the `append`s (the store writes of the streams'
@@ -232,17 +211,7 @@ async fn proxy(store: Arc<dyn Store>, upstream: &str, guarded: bool) -> String {
         route.engine.retention = Duration::from_secs(60);
         routes.push(route);
     }
-    let config = UpstreamConfig::new(upstream).unwrap();
-    let proxy = Proxy::new(store, &config, routes).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(idem_proxy::serve(
-        listener,
-        proxy,
-        std::future::pending(),
-        Duration::ZERO,
-    ));
-    url
+    support::proxy(store, upstream, routes).await
 }
 
 /// One stream as a client received it.
@@ -308,37 +277,6 @@ struct Row {
     elapsed: Duration,
 }
 
-/// Runs `work(i)` for every `i` in `0..n` on `c` concurrent callers, each taking the next
-/// `i` when done with its last: the results, in no particular order.
-async fn by_callers<T, F, Fut>(n: usize, c: usize, work: F) -> Vec<T>
-where
-    F: Fn(usize) -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = T> + Send,
-    T: Send + 'static,
-{
-    let next = Arc::new(AtomicUsize::new(0));
-    let workers: Vec<_> = (0..c)
-        .map(|_| {
-            let (work, next) = (work.clone(), next.clone());
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break got;
-                    }
-                    got.push(work(i).await);
-                }
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for worker in workers {
-        all.extend(worker.await.unwrap());
-    }
-    all
-}
-
 /// `n` streams of `shape` from `base` by `c` callers, stream `i` keyed `<keys>-<i>`.
 async fn streams(
     client: &HttpClient,
@@ -351,7 +289,7 @@ async fn streams(
     let url = format!("{base}{}", shape.path);
     let (client, keys) = (client.clone(), keys.to_owned());
     let started = Instant::now();
-    let first_bytes = by_callers(n, c, move |i| {
+    let first_bytes = support::by_callers(n, c, move |i| {
         let (client, url, key) = (client.clone(), url.clone(), format!("{keys}-{i}"));
         async move {
             let received = fetch(&client, &url, &key, None).await;
@@ -381,7 +319,7 @@ async fn joins(
     let (client, keys) = (client.clone(), keys.to_owned());
     let first = format!("{first}{}", SLOW.path);
     let second = format!("{second}{}", SLOW.path);
-    by_callers(n, c, move |i| {
+    support::by_callers(n, c, move |i| {
         let (client, first, second) = (client.clone(), first.clone(), second.clone());
         let key = format!("{keys}-{i}");
         async move {
