@@ -11,23 +11,16 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem_testkit::harness::{eventually, unique_name};
 use support::{call, client, idem, ms, run, secs, HttpClient, Proc};
 
-const HANDLER_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/handler.py");
-
 /// The Python handler on `port` (0: a free one); its base URL is `Proc::printed`.
 fn handler_on(port: u16) -> Proc {
-    let mut command = Command::new("python3");
-    command.arg(HANDLER_PY).arg(port.to_string());
-    let mut proc = Proc::spawn(command, "listening on");
-    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
-    proc.printed = format!("http://127.0.0.1:{port}");
-    proc
+    support::handler_py(port)
 }
 
 /// A running `idem consume`, killed (SIGKILL) when dropped; what it wrote is kept.

@@ -6,26 +6,18 @@
 
 mod support;
 
-use std::process::Command;
 use std::time::Instant;
 
 use hyper::StatusCode;
 use idem_testkit::harness::eventually;
 use support::{call, client, idem, ms, secs, HttpClient, Proc, Reply};
 
-const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
-
 const ALICE: (&str, &str) = ("authorization", "Bearer alice");
 const BOB: (&str, &str) = ("authorization", "Bearer bob");
 
 /// The Python upstream on a free port; its base URL is `Proc::printed`.
 fn upstream() -> Proc {
-    let mut command = Command::new("python3");
-    command.arg(UPSTREAM_PY).arg("0").arg("HTTP/1.1");
-    let mut proc = Proc::spawn(command, "listening on");
-    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
-    proc.printed = format!("http://127.0.0.1:{port}");
-    proc
+    support::upstream_py(0, "HTTP/1.1")
 }
 
 /// The store of one test: its `--store` URL and the flags that give the test a key prefix or
@@ -110,10 +102,7 @@ async fn get(client: &HttpClient, proxy: &Proc, who: (&str, &str), path: &str) -
 
 /// How many times `key` ran upstream.
 async fn runs(client: &HttpClient, upstream: &Proc, key: &str) -> u64 {
-    let url = format!("{}/count?key={key}", upstream.printed);
-    call(client, "GET", &url, &[], "").await.json()["runs"]
-        .as_u64()
-        .unwrap()
+    support::runs(client, &upstream.printed, key).await.0
 }
 
 fn fresh(what: &str) -> String {

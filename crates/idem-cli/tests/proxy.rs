@@ -17,8 +17,6 @@ use hyper_util::rt::TokioExecutor;
 use idem_testkit::harness::eventually;
 use support::{call, client, idem, ms, request, run, secs, send, HttpClient, Proc, Reply};
 
-const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
-
 /// The Python upstream on `port` (0: a free one); its base URL is `Proc::printed`.
 fn upstream_on(port: u16) -> Proc {
     upstream_speaking(port, "HTTP/1.1")
@@ -26,12 +24,7 @@ fn upstream_on(port: u16) -> Proc {
 
 /// The Python upstream on `port`, answering as `version` (`HTTP/1.1` or `HTTP/1.0`).
 fn upstream_speaking(port: u16, version: &str) -> Proc {
-    let mut command = Command::new("python3");
-    command.arg(UPSTREAM_PY).arg(port.to_string()).arg(version);
-    let mut proc = Proc::spawn(command, "listening on");
-    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
-    proc.printed = format!("http://127.0.0.1:{port}");
-    proc
+    support::upstream_py(port, version)
 }
 
 /// `idem proxy --upstream <upstream> --store <store> --migrate <extra>` on a free port; its

@@ -4,8 +4,6 @@
 
 mod support;
 
-use std::process::Command;
-
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -13,16 +11,9 @@ use hyper::StatusCode;
 use idem_testkit::harness::eventually;
 use support::{call, client, idem, ms, request, secs, HttpClient, Proc, Reply};
 
-const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
-
 /// The Python upstream on a free port; its base URL is `Proc::printed`.
 fn upstream() -> Proc {
-    let mut command = Command::new("python3");
-    command.arg(UPSTREAM_PY).arg("0").arg("HTTP/1.1");
-    let mut proc = Proc::spawn(command, "listening on");
-    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
-    proc.printed = format!("http://127.0.0.1:{port}");
-    proc
+    support::upstream_py(0, "HTTP/1.1")
 }
 
 /// `idem proxy` to `upstream` on `store`, with `routes` as its routes file; its base URL is

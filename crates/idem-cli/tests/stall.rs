@@ -15,30 +15,20 @@
 
 mod support;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use idem_testkit::redis::{RedisCluster, RedisServer};
-use support::{call, client, idem, ms, send, signal, HttpClient, Proc, Reply};
-
-const UPSTREAM_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/upstream.py");
+use support::{client, idem, ms, send, signal, HttpClient, Proc, Reply};
 
 /// The Python upstream on a free port; its base URL is `Proc::printed`.
 fn upstream() -> Proc {
-    let mut command = Command::new("python3");
-    command.arg(UPSTREAM_PY).arg("0");
-    let mut proc = Proc::spawn(command, "listening on");
-    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
-    proc.printed = format!("http://127.0.0.1:{port}");
-    proc
+    support::upstream_py(0, "HTTP/1.1")
 }
 
 /// How many times `key` ran upstream.
 async fn runs(client: &HttpClient, upstream: &Proc, key: &str) -> u64 {
-    let url = format!("{}/count?key={key}", upstream.printed);
-    let doc = call(client, "GET", &url, &[], "").await.json();
-    doc["runs"].as_u64().unwrap()
+    support::runs(client, &upstream.printed, key).await.0
 }
 
 /// What pauses a store and resumes it.

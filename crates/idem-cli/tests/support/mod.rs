@@ -55,6 +55,30 @@ impl TlsServers {
     }
 }
 
+/// `tests/upstream.py`, the upstream of the `idem proxy` tests, on `port` (0: a free one),
+/// answering as `version` (`HTTP/1.1` or `HTTP/1.0`); its base URL is `Proc::printed`.
+pub fn upstream_py(port: u16, version: &str) -> Proc {
+    python_service("upstream.py", &[&port.to_string(), version])
+}
+
+/// `tests/handler.py`, the message handler of the `idem consume` tests, on `port` (0: a
+/// free one); its base URL is `Proc::printed`.
+pub fn handler_py(port: u16) -> Proc {
+    python_service("handler.py", &[&port.to_string()])
+}
+
+/// One of the Python test services (`counting.py`'s), started with `args`, once it says
+/// it listens.
+fn python_service(script: &str, args: &[&str]) -> Proc {
+    let mut command = Command::new("python3");
+    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+    command.arg(script).args(args);
+    let mut proc = Proc::spawn(command, "listening on");
+    let port = proc.printed.rsplit(' ').next().unwrap().trim().to_owned();
+    proc.printed = format!("http://127.0.0.1:{port}");
+    proc
+}
+
 /// `npm ci` in `example` (a directory of `examples/`, from its committed lock file), once
 /// for all the tests of the binary, which installs one example: a second `npm ci` would
 /// empty `node_modules` under a server started from it. `false` (or a failure with
