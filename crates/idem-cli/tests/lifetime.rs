@@ -337,45 +337,22 @@ async fn an_expired_key_is_refused_until_its_tombstone_leaves(backend: &str) {
     }
 }
 
-macro_rules! on_every_store {
-    ($($backend:ident),* $(,)?) => {$(
-        mod $backend {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_duplicate_waits_as_long_as_it_prefers() {
-                super::a_duplicate_waits_as_long_as_it_prefers(stringify!($backend)).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn respond_async_answers_at_once_and_the_monitor_follows() {
-                super::respond_async_answers_at_once_and_the_monitor_follows(stringify!($backend))
-                    .await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn an_expired_key_is_refused_until_its_tombstone_leaves() {
-                super::an_expired_key_is_refused_until_its_tombstone_leaves(stringify!($backend))
-                    .await;
-            }
-        }
-    )*};
-}
-
-on_every_store!(memory, redis, postgres, tiered);
-
-macro_rules! on_every_shared_store {
-    ($($backend:ident),* $(,)?) => {$(
-        mod $backend {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_killed_worker_is_in_flight_until_its_lease_ends() {
-                super::super::a_killed_worker_is_in_flight_until_its_lease_ends(stringify!($backend))
-                    .await;
-            }
-        }
-    )*};
-}
+support::on_stores!(
+    [memory, redis, postgres, tiered],
+    [
+        a_duplicate_waits_as_long_as_it_prefers,
+        respond_async_answers_at_once_and_the_monitor_follows,
+        an_expired_key_is_refused_until_its_tombstone_leaves,
+    ]
+);
 
 mod killed {
-    on_every_shared_store!(redis, postgres, tiered);
+    use super::a_killed_worker_is_in_flight_until_its_lease_ends;
+
+    crate::support::on_stores!(
+        [redis, postgres, tiered],
+        [a_killed_worker_is_in_flight_until_its_lease_ends]
+    );
 }
 
 /// `idem serve` answers the same way: `Prefer: respond-async` and its monitor, `OPTIONS`

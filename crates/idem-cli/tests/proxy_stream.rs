@@ -326,21 +326,10 @@ async fn a_killed_holder_ends_a_joined_stream_with_an_error(backend: &str) {
     assert_eq!(runs(&client, &up, &key).await, 2);
 }
 
-macro_rules! on_every_shared_store {
-    ($($backend:ident),* $(,)?) => {$(
-        mod $backend {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_duplicate_on_another_proxy_joins_the_stream() {
-                super::a_duplicate_on_another_proxy_joins_the_stream(stringify!($backend)).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_killed_holder_ends_a_joined_stream_with_an_error() {
-                super::a_killed_holder_ends_a_joined_stream_with_an_error(stringify!($backend))
-                    .await;
-            }
-        }
-    )*};
-}
-
-on_every_shared_store!(redis, redis_cluster, postgres, tiered);
+support::on_stores!(
+    [redis, redis_cluster, postgres, tiered],
+    [
+        a_duplicate_on_another_proxy_joins_the_stream,
+        a_killed_holder_ends_a_joined_stream_with_an_error,
+    ]
+);

@@ -450,3 +450,25 @@ pub async fn call(
         .await
         .unwrap()
 }
+
+/// For each store named, a module of that name with a `#[tokio::test]` per case, each
+/// running `case("<store>")` of the module the macro is called in, so that `cargo test
+/// redis` runs one store's: `on_stores!([redis, postgres], [case_a, case_b]);`.
+#[allow(unused_macros)] // as the module's functions: each test file uses a part
+macro_rules! on_stores {
+    ([$($store:ident),* $(,)?], $cases:tt) => {
+        $($crate::support::on_stores!(@store $store, $cases);)*
+    };
+    (@store $store:ident, [$($case:ident),* $(,)?]) => {
+        mod $store {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(stringify!($store)).await;
+                }
+            )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_stores;
