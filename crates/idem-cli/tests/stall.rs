@@ -116,6 +116,19 @@ struct Stallable {
 
 impl Stallable {
     /// A throwaway Redis of this test's own (so that it can be paused).
+    /// The store named `name` (`redis`, `redis_cluster`, `postgres`, `tiered`), its servers
+    /// started off the runtime (they start blocking); `None` as each of them.
+    async fn open(name: &'static str) -> Option<Self> {
+        let open = match name {
+            "redis" => Self::redis,
+            "redis_cluster" => Self::redis_cluster,
+            "postgres" => Self::postgres,
+            "tiered" => Self::tiered,
+            other => panic!("no stallable store named {other}"),
+        };
+        tokio::task::spawn_blocking(open).await.unwrap()
+    }
+
     fn redis() -> Option<Self> {
         let server = idem_testkit::redis::throwaway(&[])?;
         Some(Self {
@@ -344,30 +357,22 @@ async fn a_stall_longer_than_the_lease(store: Stallable) {
     seen.every_2xx_is_the_stored_answer();
 }
 
-macro_rules! on_every_shared_store {
-    ($($backend:ident),* $(,)?) => {$(
-        mod $backend {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_stall_shorter_than_the_lease_never_costs_it() {
-                let Some(store) = tokio::task::spawn_blocking(Stallable::$backend).await.unwrap()
-                else {
-                    return;
-                };
-                a_stall_shorter_than_the_lease(store).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_stall_longer_than_the_lease_never_sends_a_stale_2xx() {
-                let Some(store) = tokio::task::spawn_blocking(Stallable::$backend).await.unwrap()
-                else {
-                    return;
-                };
-                a_stall_longer_than_the_lease(store).await;
-            }
-        }
-    )*};
+async fn a_stall_shorter_than_the_lease_never_costs_it(store: &'static str) {
+    if let Some(store) = Stallable::open(store).await {
+        a_stall_shorter_than_the_lease(store).await;
+    }
 }
 
-on_every_shared_store!(redis, redis_cluster, postgres, tiered);
+async fn a_stall_longer_than_the_lease_never_sends_a_stale_2xx(store: &'static str) {
+    if let Some(store) = Stallable::open(store).await {
+        a_stall_longer_than_the_lease(store).await;
+    }
+}
+
+support::on_stores!(
+    [redis, redis_cluster, postgres, tiered],
+    [
+        a_stall_shorter_than_the_lease_never_costs_it,
+        a_stall_longer_than_the_lease_never_sends_a_stale_2xx,
+    ]
+);
