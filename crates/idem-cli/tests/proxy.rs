@@ -714,19 +714,23 @@ mod express {
 
     const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/express");
 
-    /// `npm ci` in the example; `false` when node or npm is missing.
-    fn install() -> bool {
-        crate::support::npm_ci_once(EXAMPLE)
+    /// The example's service on a free port, installed with `npm ci` first; `None` when node
+    /// or npm is missing.
+    async fn service() -> Option<Proc> {
+        let install = || crate::support::npm_ci_once(EXAMPLE);
+        if !tokio::task::spawn_blocking(install).await.unwrap() {
+            return None;
+        }
+        let mut node = Command::new("node");
+        node.arg("server.js").current_dir(EXAMPLE).env("PORT", "0");
+        Some(Proc::listening(node))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_express_example_charges_once_behind_the_proxy() {
-        if !tokio::task::spawn_blocking(install).await.unwrap() {
+        let Some(service) = service().await else {
             return;
-        }
-        let mut node = Command::new("node");
-        node.arg("server.js").current_dir(EXAMPLE).env("PORT", "0");
-        let service = Proc::listening(node);
+        };
         let p = proxy(&service.printed, "memory", &[]);
         let client = client();
         let headers = [
@@ -762,12 +766,9 @@ mod express {
     /// of a key its ledger does not hold charges.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_express_example_checks_its_ledger_on_attempt_2() {
-        if !tokio::task::spawn_blocking(install).await.unwrap() {
+        let Some(service) = service().await else {
             return;
-        }
-        let mut node = Command::new("node");
-        node.arg("server.js").current_dir(EXAMPLE).env("PORT", "0");
-        let service = Proc::listening(node);
+        };
         let client = client();
         let pay = format!("{}/payments", service.printed);
         let body = r#"{"amount": 1250, "currency": "EUR"}"#;
