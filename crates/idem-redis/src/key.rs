@@ -101,6 +101,11 @@ mod tests {
         assert_ne!(stream_key("idem:", &record, FencingToken::random()), stream);
     }
 
+    /// Whether `scope` is one of idem's own (a leading U+0001), which `Scope::new` refuses.
+    fn is_reserved(scope: &str) -> bool {
+        scope.starts_with('\u{1}')
+    }
+
     fn id(scope: &str, key: &str) -> RecordId {
         RecordId::new(Scope::new(scope).unwrap(), Key::new(key).unwrap())
     }
@@ -146,6 +151,7 @@ mod tests {
             prefix in "[^{}]{0,8}",
         ) {
             let (s1, s2) = (s1.chars().take(20).collect::<String>(), s2.chars().take(20).collect::<String>());
+            prop_assume!(!is_reserved(&s1) && !is_reserved(&s2));
             let a = id(&s1, &k1);
             let b = id(&s2, &k2);
             prop_assert_eq!(a == b, record_key(&prefix, &a) == record_key(&prefix, &b));
@@ -167,6 +173,7 @@ mod tests {
             scope in "(.|[{}:0-9])*", k1 in "[!-~]{1,16}", k2 in "[!-~]{1,16}",
         ) {
             let scope: String = scope.chars().take(16).collect();
+            prop_assume!(!is_reserved(&scope));
             // The same bytes split differently between scope and key never collide.
             let joined = format!("{scope}{k1}");
             if let (Ok(s), Ok(k)) = (Scope::new(joined), Key::new(k2.clone())) {
@@ -182,6 +189,7 @@ mod tests {
             scope in "(.|[{}])*", key in "[!-~]{1,24}", prefix in "[^{}]{0,8}",
         ) {
             let scope: String = scope.chars().take(20).collect();
+            prop_assume!(!is_reserved(&scope));
             let k = record_key(&prefix, &id(&scope, &key));
             let open = prefix.len();
             prop_assert_eq!(&k[open..open + 1], "{");
