@@ -24,6 +24,7 @@
 //!     Begin::Replay(replay) => { /* hand back replay.completion.response */ }
 //!     Begin::InFlight { retry_after } => { /* 409, retry after `retry_after` */ }
 //!     Begin::Mismatch => { /* 422: the key was used for another request */ }
+//!     Begin::Expired { .. } => { /* 410: forgotten, under AfterRetention::Refuse */ }
 //! }
 //! # Ok(()) }
 //! ```
@@ -103,6 +104,8 @@
 //!         Begin::Replay(replay) => return Ok(replay.completion.response),
 //!         Begin::InFlight { .. } => return Ok(Response::new(409, "in flight")),
 //!         Begin::Mismatch => return Ok(Response::new(422, "key reused")),
+//!         // Only the engine answers it (after a key's retention, under its tombstone).
+//!         Begin::Expired { .. } => return Ok(Response::new(410, "key expired")),
 //!     };
 //!     let db = |e: sqlx::Error| Error::backend("postgres", e);
 //!     let mut tx = store.pool().begin().await.map_err(db)?;
