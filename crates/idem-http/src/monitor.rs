@@ -30,6 +30,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, LINK, LOCATION, RETRY_AFTER};
 use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
+use idem_core::telemetry::time_limit;
 use idem_core::{
     AfterRetention, Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Key,
     RecordId, RecordState, Replay, Scope,
@@ -66,7 +67,6 @@ async fn secret(shared: &Shared) -> Result<[u8; 32], Error> {
         let id = secret_id();
         let fingerprint = Fingerprint::of_bytes(PURPOSE);
         let limit = shared.idem.config().store_timeout;
-        let bounded = |e| Error::unavailable(store.name(), e);
         for _ in 0..100 {
             let req = BeginRequest {
                 id: &id,
@@ -75,9 +75,7 @@ async fn secret(shared: &Shared) -> Result<[u8; 32], Error> {
                 lease: Duration::from_secs(10),
                 retention: SECRET_TTL,
             };
-            let begun = tokio::time::timeout(limit, store.begin(req))
-                .await
-                .map_err(bounded)??;
+            let begun = time_limit(store.name(), limit, store.begin(req)).await?;
             match begun {
                 Begin::Acquired(lease) | Begin::TookOver(lease) => {
                     let mut drawn = [0u8; 32];
@@ -85,9 +83,8 @@ async fn secret(shared: &Shared) -> Result<[u8; 32], Error> {
                     drawn[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
                     let kept = idem_core::Response::new(0, Bytes::copy_from_slice(&drawn));
                     let completion = Completion::succeeded(kept);
-                    tokio::time::timeout(limit, store.complete(&lease, &completion, SECRET_TTL))
-                        .await
-                        .map_err(bounded)??;
+                    let kept = store.complete(&lease, &completion, SECRET_TTL);
+                    time_limit(store.name(), limit, kept).await?;
                     return Ok(drawn);
                 }
                 Begin::Replay(replay) => {

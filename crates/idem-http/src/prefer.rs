@@ -28,22 +28,15 @@ impl Prefer {
     pub(crate) fn of(headers: &HeaderMap) -> Self {
         let mut prefer = Self::default();
         let mut seen_wait = false;
-        for value in headers.get_all(PREFER) {
-            let Ok(value) = value.to_str() else { continue };
-            for preference in value.split(',') {
-                let preference = preference.split(';').next().unwrap_or("").trim();
-                let (token, value) = match preference.split_once('=') {
-                    Some((token, value)) => (token.trim(), Some(value.trim().trim_matches('"'))),
-                    None => (preference, None),
-                };
-                if token.eq_ignore_ascii_case("respond-async") {
-                    prefer.respond_async = true;
-                } else if token.eq_ignore_ascii_case("wait") && !seen_wait {
-                    seen_wait = true;
-                    prefer.wait = value
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .map(Duration::from_secs);
-                }
+        for preference in preferences(headers) {
+            let (token, value) = split(preference);
+            if token.eq_ignore_ascii_case("respond-async") {
+                prefer.respond_async = true;
+            } else if token.eq_ignore_ascii_case("wait") && !seen_wait {
+                seen_wait = true;
+                prefer.wait = value
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map(Duration::from_secs);
             }
         }
         prefer
@@ -54,23 +47,39 @@ impl Prefer {
 /// keeping every other one: the service behind the layer must not honour them a second
 /// time (its own `202` would be stored as the key's final answer).
 pub(crate) fn strip_honoured(headers: &mut HeaderMap) {
-    let kept: Vec<String> = headers
+    let kept: Vec<String> = preferences(headers)
+        .filter(|preference| {
+            let (token, _) = split(preference);
+            !token.eq_ignore_ascii_case("wait") && !token.eq_ignore_ascii_case("respond-async")
+        })
+        .map(str::to_owned)
+        .collect();
+    headers.remove(PREFER);
+    if kept.is_empty() {
+        return;
+    }
+    if let Ok(value) = http::HeaderValue::try_from(kept.join(", ")) {
+        headers.insert(PREFER, value);
+    }
+}
+
+/// Every preference of every `Prefer` header, as written (parameters included), trimmed.
+fn preferences(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    headers
         .get_all(PREFER)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
-        .filter(|preference| {
-            let token = preference.split([';', '=']).next().unwrap_or("").trim();
-            !token.eq_ignore_ascii_case("wait") && !token.eq_ignore_ascii_case("respond-async")
-        })
-        .map(|preference| preference.trim().to_owned())
+        .map(str::trim)
         .filter(|preference| !preference.is_empty())
-        .collect();
-    headers.remove(PREFER);
-    if let Ok(value) = http::HeaderValue::try_from(kept.join(", ")) {
-        if !kept.is_empty() {
-            headers.insert(PREFER, value);
-        }
+}
+
+/// A preference's token and value, its `;` parameters left out.
+fn split(preference: &str) -> (&str, Option<&str>) {
+    let preference = preference.split(';').next().unwrap_or("").trim();
+    match preference.split_once('=') {
+        Some((token, value)) => (token.trim(), Some(value.trim().trim_matches('"'))),
+        None => (preference, None),
     }
 }
 

@@ -291,7 +291,8 @@ where
                 let (ran, lease) = run(&shared, inner, id, &handle, req).await;
                 // Read to its end, so a streamed body is recorded whole with nobody reading.
                 if let Ok(response) = store(&shared, &handle, lease, ran).await {
-                    let _ = response.into_body().collect().await;
+                    let mut body = std::pin::pin!(response.into_body());
+                    while let Some(Ok(_)) = body.frame().await {}
                 }
             }
         };
