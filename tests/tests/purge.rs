@@ -1,4 +1,4 @@
-//! Stores opened by URL (`idemkit::connect_with`) purge their expired records in the
+//! Stores opened by URL (`idemkit::open`) purge their expired records in the
 //! background, so a long-running service on PostgreSQL does not grow forever.
 
 mod postgres {
@@ -6,7 +6,7 @@ mod postgres {
 
     use idem_core::{Begin, BeginRequest, FencingToken, Fingerprint, Key, RecordId, Scope};
     use idem_testkit::harness;
-    use idemkit::ConnectOptions;
+    use idemkit::OpenOptions;
     use tokio::time::Instant;
 
     const RECORDS: usize = 5;
@@ -20,9 +20,9 @@ mod postgres {
         let Some(url) = harness::database_url() else {
             return;
         };
-        let options =
-            ConnectOptions::default().with_purge_interval(Some(Duration::from_millis(200)));
-        let store = idemkit::connect_with(&url, &options).await.unwrap();
+        let options = OpenOptions::default().with_purge_interval(Some(Duration::from_millis(200)));
+        let opened = idemkit::open(&url, &options).await.unwrap();
+        let store = opened.store();
         let scope = Scope::new(harness::unique_name("purge")).unwrap();
         for i in 0..RECORDS {
             let id = RecordId::new(scope.clone(), Key::new(format!("k{i}")).unwrap());
@@ -60,6 +60,6 @@ mod postgres {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        drop(store);
+        drop((store, opened));
     }
 }

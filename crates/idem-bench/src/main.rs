@@ -258,9 +258,10 @@ async fn open(args: &Args, run_id: &str) -> Result<(Arc<dyn Store>, Server), Str
         }
         // Everything else through the facade, which names what this build can open.
         _ => Ok((
-            idemkit::connect_url(&url)
+            idemkit::open(&args.store, &idemkit::OpenOptions::default())
                 .await
-                .map_err(|e| format!("{url}: {e}"))?,
+                .map_err(|e| e.to_string())?
+                .store(),
             Server::None,
         )),
     }

@@ -20,6 +20,7 @@ use hyper_util::rt::TokioExecutor;
 use idem_core::{MemoryStore, Store};
 use idem_http::{Anonymous, JsonRpc};
 use idem_proxy::Route;
+use idemkit::OpenOptions;
 use support::HttpClient;
 
 mod support;
@@ -93,7 +94,10 @@ async fn main() {
         support::proxy(memory, &up, route()).await,
     )];
     if let Ok(url) = std::env::var("IDEM_BENCH_REDIS_URL") {
-        let store = idemkit::connect(&url).await.unwrap();
+        let store = idemkit::open(&url, &OpenOptions::default())
+            .await
+            .unwrap()
+            .store();
         targets.push((
             "redis".to_owned(),
             support::proxy(store, &up, route()).await,

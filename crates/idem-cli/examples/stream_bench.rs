@@ -32,6 +32,7 @@ use idem_core::{
 };
 use idem_http::Anonymous;
 use idem_proxy::Route;
+use idemkit::OpenOptions;
 use support::HttpClient;
 
 mod support;
@@ -386,14 +387,16 @@ async fn main() {
         })
     };
     let memory = counted(Arc::new(MemoryStore::new()));
-    let redis = counted(idemkit::connect(&redis_url).await.unwrap());
+    let options = OpenOptions::default();
+    let redis = counted(idemkit::open(&redis_url, &options).await.unwrap().store());
     let targets = [
         ("memory", proxy(memory.clone(), &up, true).await, memory),
         ("redis", proxy(redis.clone(), &up, true).await, redis),
     ];
     // A second proxy on the same Redis, with its own connection: the joining duplicates go
     // there, as to another instance.
-    let other = proxy(idemkit::connect(&redis_url).await.unwrap(), &up, true).await;
+    let other = idemkit::open(&redis_url, &options).await.unwrap().store();
+    let other = proxy(other, &up, true).await;
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(128)
         .build_http();

@@ -46,17 +46,14 @@ impl Backend {
     /// [`CliError::Open`] when the payments table cannot be created.
     pub async fn open(url: &StoreUrl, opened: Opened) -> Result<Self, CliError> {
         let store = opened.store();
-        let (pg, tiered) = match opened {
-            Opened::Postgres(pg) => (pg, None),
-            Opened::Tiered(tiered) => (tiered.pg().clone(), Some(tiered)),
-            // The memory and Redis stores: the payments live in this process.
-            _ => {
-                return Ok(Self {
-                    store,
-                    ledger: Ledger::Memory(Mutex::default()),
-                })
-            }
+        // The memory and Redis stores: the payments live in this process.
+        let Some(pg) = opened.pg().cloned() else {
+            return Ok(Self {
+                store,
+                ledger: Ledger::Memory(Mutex::default()),
+            });
         };
+        let tiered = opened.tiered().cloned();
         let ledger = Postgres { pg, tiered };
         ledger.migrate().await.map_err(|e| {
             // Drivers may quote the URL they were given: never let its password through.

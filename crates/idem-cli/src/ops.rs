@@ -105,17 +105,18 @@ pub async fn stats(opened: &Opened, survey: &Survey) -> Result<Done, CliError> {
     };
     // On a tiered store the states come from PostgreSQL, the arbiter, and the broken keys
     // from Redis, where a corrupt record fails the requests that read it first.
-    if !matches!(opened, Opened::Redis(_)) {
+    let redis_alone = opened.pg().is_none() && opened.redis().is_some();
+    if !redis_alone {
         counted.stats = db_stats(opened, survey).await?;
     }
     if let Some(pg) = opened.pg() {
         counted.pg_corrupt = Some(pg_corrupt(pg, survey).await?);
     }
-    if let Some(redis) = redis_tier(opened) {
+    if let Some(redis) = opened.redis() {
         let mut scan = redis.scan(survey.scope.as_ref(), survey.stuck_after);
         let left = survey.timeout.saturating_sub(started.elapsed());
         counted.complete = walk(&mut scan, left, "stats").await?;
-        if let Opened::Redis(_) = opened {
+        if redis_alone {
             counted.stats = scan.counts().stats;
         }
         counted.redis = Some(scan.counts().clone());
@@ -124,15 +125,6 @@ pub async fn stats(opened: &Opened, survey: &Survey) -> Result<Done, CliError> {
     let json = || stats_json(&counted, survey);
     let output = render(survey.json, json, || stats_text(&counted, survey));
     Ok(Done::partial_unless(counted.complete, output))
-}
-
-/// The Redis store, alone or the tiered store's first tier.
-fn redis_tier(opened: &Opened) -> Option<&idemkit::redis::RedisStore> {
-    match opened {
-        Opened::Redis(redis) => Some(redis),
-        Opened::Tiered(tiered) => Some(tiered.redis()),
-        _ => None,
-    }
 }
 
 /// [`Store::stats`] on a store that counts in one call (PostgreSQL, memory), within
@@ -377,7 +369,7 @@ pub async fn stuck(opened: &Opened, survey: &Survey, limit: u32) -> Result<Done,
     }
     // Redis: its stuck records (alone), its corrupt and foreign keys (alone or tiered).
     let mut complete = true;
-    if let Some(redis) = redis_tier(opened) {
+    if let Some(redis) = opened.redis() {
         let room = (limit as usize).saturating_sub(rows.len());
         let mut scan = redis
             .scan(survey.scope.as_ref(), survey.stuck_after)
@@ -532,17 +524,13 @@ pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Don
 ///
 /// Store errors (a role without the right to create tables, ...).
 pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
-    let (pg, outbox) = match opened {
-        Opened::Postgres(pg) => (pg, false),
-        Opened::Tiered(tiered) => (tiered.pg(), true),
-        _ => {
-            let text = "Redis keeps no schema: nothing to migrate";
-            let doc = || serde_json::json!({"applied": [], "note": text});
-            return Ok(Done::ok(render(json, doc, || format!("{text}\n"))));
-        }
+    let Some(pg) = opened.pg() else {
+        let text = "Redis keeps no schema: nothing to migrate";
+        let doc = || serde_json::json!({"applied": [], "note": text});
+        return Ok(Done::ok(render(json, doc, || format!("{text}\n"))));
     };
     let pending = opened.pending_migrations().await?;
-    if outbox {
+    if opened.tiered().is_some() {
         idemkit::outbox::migrate(pg).await?;
     } else {
         pg.migrate().await?;

@@ -5,7 +5,7 @@
 use idemkit::outbox::TieredStore;
 use idemkit::postgres::PgStore;
 use idemkit::url::StoreUrl;
-use idemkit::{ConnectOptions, OpenErrorKind};
+use idemkit::{OpenErrorKind, OpenOptions};
 pub use idemkit::{Opened, SchemaMode};
 
 use crate::{CliError, StoreArg};
@@ -36,12 +36,13 @@ pub async fn open(
     schema_mode: SchemaMode,
     serving: bool,
 ) -> Result<Opened, CliError> {
-    let options = ConnectOptions::default()
+    let options = OpenOptions::default()
+        .with_purge_interval(None)
         .with_prefix(args.prefix.clone())
         .with_schema(args.schema.clone())
         .with_schema_mode(schema_mode)
         .with_wait_for_redis(serving);
-    idemkit::open(url, &options)
+    idemkit::open(&url.as_str(), &options)
         .await
         .map_err(|e| match e.kind() {
             OpenErrorKind::Invalid => CliError::Usage(e.to_string()),
@@ -71,8 +72,8 @@ pub async fn open_relay(
         } else {
             SchemaMode::Leave
         };
-        if let Opened::Tiered(tiered) = open(&url, args, schema_mode, true).await? {
-            return Ok((url, tiered));
+        if let Some(tiered) = open(&url, args, schema_mode, true).await?.tiered() {
+            return Ok((url, tiered.clone()));
         }
     }
     Err(CliError::Usage(format!("--store {url}: {RELAY_STORES}")))
@@ -89,7 +90,8 @@ pub async fn open_outbox(args: &StoreArg) -> Result<PgStore, CliError> {
         StoreUrl::Tiered { postgres, .. } => StoreUrl::Postgres(postgres),
         url => url,
     };
-    let Opened::Postgres(pg) = open(&url, args, SchemaMode::Require, false).await? else {
+    let opened = open(&url, args, SchemaMode::Require, false).await?;
+    let Some(pg) = opened.pg().cloned() else {
         return Err(CliError::Usage(format!("--store {url}: {RELAY_STORES}")));
     };
     let pending = pg

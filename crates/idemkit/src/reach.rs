@@ -1,5 +1,5 @@
-//! Why a store's server cannot be reached, and what to do about it: the explanations the
-//! `idem` binary gives when opening a store fails (nothing listens, no answer, another
+//! Why a store's server cannot be reached, and what to do about it: the explanations an
+//! [`OpenError`](crate::OpenError) gives when opening a store fails (nothing listens, no answer, another
 //! protocol on that port, TLS asked of a server without it).
 
 use std::io::{Read as _, Write as _};
@@ -12,7 +12,7 @@ use idem_core::Error;
 /// with its fix: found by looking at the error's causes and, when they say nothing clear, at
 /// what answers on the port (a probe of at most two short exchanges, off the runtime's
 /// threads). `None` when neither tells more than `e` itself.
-pub async fn explain(url: &str, e: &Error) -> Option<String> {
+pub(crate) async fn explain(url: &str, e: &Error) -> Option<String> {
     let (host, port) = host_port(url)?;
     let addr = format!("{host}:{port}");
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
@@ -36,7 +36,7 @@ pub async fn explain(url: &str, e: &Error) -> Option<String> {
 /// and wait for a server that is not there yet, never for one that another server's port
 /// will never become.
 #[cfg(feature = "redis")]
-pub async fn foreign(url: &str) -> Option<String> {
+pub(crate) async fn foreign(url: &str) -> Option<String> {
     let (host, port) = host_port(url)?;
     let addr = format!("{host}:{port}");
     match ask(&addr).await {

@@ -1,4 +1,4 @@
-//! Store URLs: [`StoreUrl`] names a backend (parsed once, for [`crate::connect`], the `idem`
+//! Store URLs: [`StoreUrl`] names a backend (parsed once, for [`crate::open`], the `idem`
 //! binary and the bench), and its `Display` never shows a password. A new backend adds its
 //! scheme here, in the facade: the core names no backend.
 

@@ -1,10 +1,10 @@
-//! `idemkit::connect` on PostgreSQL: migrating is a visible choice
-//! (`ConnectOptions::migrate`), and without it a database lacking idem's tables says what to
+//! `idemkit::open` on PostgreSQL: migrating is a visible choice
+//! (`OpenOptions::with_migrate`), and without it a database lacking idem's tables says what to
 //! do. Runs when the facade is built with `postgres` (as the workspace's tests build it).
 #![cfg(feature = "postgres")]
 
 mod postgres {
-    use idemkit::{ConnectOptions, Error};
+    use idemkit::{OpenErrorKind, OpenOptions};
 
     #[tokio::test]
     async fn connect_migrates_only_when_asked() {
@@ -20,15 +20,16 @@ mod postgres {
             .unwrap();
         let fresh = format!("{}/{name}", url.rsplit_once('/').unwrap().0);
 
-        let check = ConnectOptions::default().with_migrate(false);
-        let err = idemkit::connect_with(&fresh, &check).await.err().unwrap();
-        assert!(matches!(err, Error::Invalid(_)), "{err}");
+        let check = OpenOptions::default().with_migrate(false);
+        let err = idemkit::open(&fresh, &check).await.err().unwrap();
+        assert_eq!(err.kind(), OpenErrorKind::Unmigrated, "{err}");
         assert!(err.to_string().contains("idem migrate"), "{err}");
 
-        idemkit::connect(&fresh).await.unwrap(); // migrates
-        let store = idemkit::connect_with(&fresh, &check).await.unwrap();
-        assert_eq!(store.name(), "postgres");
-        drop(store);
+        let migrated = idemkit::open(&fresh, &OpenOptions::default()).await; // migrates
+        drop(migrated.unwrap());
+        let opened = idemkit::open(&fresh, &check).await.unwrap();
+        assert_eq!(opened.store().name(), "postgres");
+        drop(opened);
 
         sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
             .execute(admin.pool())
