@@ -28,7 +28,9 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::{Deserialize, Serialize};
 use tower_service::Service as _;
 
-use crate::{parse_secs, CliError, Done, StoreArg};
+use crate::args::{parse_secs, StoreArg};
+use crate::error::{CliError, Done};
+use crate::store::{self, Use};
 
 /// The forms `--from` takes, for its errors.
 const FROM_FORMS: &str = "amqp://USER:PASS@HOST:PORT[/VHOST]/QUEUE (RabbitMQ), \
@@ -55,7 +57,7 @@ pub struct ConsumeArgs {
     #[arg(long)]
     check_config: bool,
     /// Serve `/metrics`, `/livez` and `/readyz` (broker and store reachable) on this address.
-    #[arg(long, value_name = "ADDR", value_parser = crate::parse_listen)]
+    #[arg(long, value_name = "ADDR", value_parser = crate::args::parse_listen)]
     admin_listen: Option<std::net::SocketAddr>,
     /// On SIGTERM, how long the handler calls in flight may take to finish and be settled;
     /// those still running then are cut off, unsettled, and the broker delivers their
@@ -832,10 +834,12 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
     if args.check_config {
         return Ok(Done::ok(format!("config OK\n{}", settings.describe())));
     }
-    let (url, opened, _purge) = args
-        .store
-        .open_serving(args.migrate, args.purge_every)
-        .await?;
+    let service = Use::Service {
+        migrate: args.migrate,
+        purge_every: args.purge_every,
+    };
+    let opened = store::open(&args.store, service).await?;
+    let url = opened.url();
     let config = idem_core::Config::default()
         .with_lease(settings.lease)
         .with_retention(settings.retention);
@@ -864,7 +868,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
     };
     // The signal is turned into a flag, so that the drain's time limit can start from it.
     let (stop, stopping) = tokio::sync::watch::channel(false);
-    let signal = crate::shutdown_signal("idem consume");
+    let signal = crate::signal::shutdown_signal("idem consume");
     tokio::spawn(async move {
         signal.await;
         stop.send_replace(true);
@@ -875,7 +879,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
             let _ = stopping.wait_for(|stop| *stop).await;
         }
     };
-    let exporter = crate::install_exporter()?;
+    let exporter = crate::telemetry::install_exporter()?;
     let admin = |probe: Probe| -> Result<(), CliError> {
         let Some(addr) = args.admin_listen else {
             return Ok(());
@@ -883,7 +887,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
         let listener = std::net::TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .and_then(tokio::net::TcpListener::from_std)
-            .map_err(|e| crate::listen_error(addr, &e))?;
+            .map_err(|e| crate::error::listen_error(addr, &e))?;
         let state = Admin {
             store: store.clone(),
             probe: Arc::new(probe),

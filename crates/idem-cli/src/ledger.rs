@@ -10,11 +10,10 @@ use idem_core::{Completion, Error, Store};
 use idem_http::LeaseHandle;
 use idemkit::outbox::TieredStore;
 use idemkit::postgres::{map_error, PgStore};
-use idemkit::url::StoreUrl;
 use serde::Serialize;
 
+use crate::error::CliError;
 use crate::store::Opened;
-use crate::CliError;
 
 /// One payment, as stored and as answered.
 #[derive(Debug, Clone, Serialize)]
@@ -38,14 +37,15 @@ pub struct Backend {
 }
 
 impl Backend {
-    /// The ledger that goes with the store `url` named, opened (and migrated) by
-    /// [`idemkit::open`]; on PostgreSQL, creates `idem_demo.payments` if it is missing.
+    /// The ledger that goes with the store `opened`, opened (and migrated) by
+    /// [`crate::store::open`]; on PostgreSQL, creates `idem_demo.payments` if it is missing.
     ///
     /// # Errors
     ///
     /// [`CliError::Open`] when the payments table cannot be created.
-    pub async fn open(url: &StoreUrl, opened: Opened) -> Result<Self, CliError> {
+    pub async fn open(opened: Opened) -> Result<Self, CliError> {
         let store = opened.store();
+        let url = opened.url();
         // The memory and Redis stores: the payments live in this process.
         let Some(pg) = opened.pg().cloned() else {
             return Ok(Self {

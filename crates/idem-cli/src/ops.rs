@@ -4,12 +4,30 @@ use std::fmt::Write as _;
 use std::io::{IsTerminal as _, Write as _};
 use std::time::Duration;
 
-use idem_core::{CompletionKind, Error, Record, RecordId, RecordState, Scope, Store};
+use idem_core::{CompletionKind, Error, Key, Record, RecordId, RecordState, Scope, Store};
 use idemkit::redis::{Problem, Scan};
 use tokio::time::Instant;
 
+use crate::args::{RecordArgs, SurveyArgs};
+use crate::error::{CliError, Done};
 use crate::store::Opened;
-use crate::{CliError, Done};
+
+/// The record `idem inspect` or `idem evict` names: the key, in `--scope` (or the scope of
+/// `--scope-header-value`).
+///
+/// # Errors
+///
+/// [`CliError::Usage`] for a key or scope idem refuses.
+pub fn record_id(args: &RecordArgs) -> Result<RecordId, CliError> {
+    let key = Key::new(args.key.clone())
+        .map_err(|e| CliError::Usage(format!("invalid key {:?}: {e}", args.key)))?;
+    let scope = match &args.scope_header_value {
+        Some(value) => crate::proxy::caller_scope(&args.scope_header, value)?,
+        None => Scope::new(args.scope.clone())
+            .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?,
+    };
+    Ok(RecordId::new(scope, key))
+}
 
 /// Reads one record and renders it, human-readable or as JSON.
 ///
@@ -71,6 +89,28 @@ pub struct Survey {
     pub timeout: Duration,
     /// Print JSON instead of text.
     pub json: bool,
+}
+
+impl Survey {
+    /// What the flags of `stats` or `stuck` ask to look at, printed as JSON with `json`.
+    ///
+    /// # Errors
+    ///
+    /// [`CliError::Usage`] for a scope idem refuses.
+    pub fn of(args: &SurveyArgs, json: bool) -> Result<Self, CliError> {
+        let scope = args
+            .scope
+            .clone()
+            .map(Scope::new)
+            .transpose()
+            .map_err(|e| CliError::Usage(format!("invalid scope: {e}")))?;
+        Ok(Self {
+            scope,
+            stuck_after: Duration::from_secs(args.stuck_after),
+            timeout: args.timeout,
+            json,
+        })
+    }
 }
 
 /// How a count ended.

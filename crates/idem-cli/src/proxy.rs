@@ -13,7 +13,9 @@ use idem_proxy::{
     MissingKeySpec, PathPrefix, Proxy, ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
 };
 
-use crate::{listen_error, parse_listen, parse_secs, CliError, Done, StoreArg};
+use crate::args::{parse_listen, parse_secs, StoreArg};
+use crate::error::{listen_error, CliError, Done};
+use crate::store::{self, Use};
 
 /// `idem proxy`'s flags. Route settings given here are the defaults of every route of
 /// `--config`, over the file's `[defaults]` and under each route's own.
@@ -267,17 +269,19 @@ pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     if args.check_config {
         return Ok(Done::ok(format!("config OK\n{}", describe(&settings))));
     }
-    let (url, opened, _purge) = args
-        .store
-        .open_serving(args.migrate, args.purge_every)
-        .await?;
+    let service = Use::Service {
+        migrate: args.migrate,
+        purge_every: args.purge_every,
+    };
+    let opened = store::open(&args.store, service).await?;
+    let url = opened.url();
     let store = opened.store();
     let proxy = Proxy::new(store.clone(), &settings.upstream, settings.routes.clone())
         .map_err(|e| CliError::Usage(e.to_string()))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| listen_error(args.listen, &e))?;
-    let exporter = crate::install_exporter()?;
+    let exporter = crate::telemetry::install_exporter()?;
     let admin = match args.admin_listen {
         Some(addr) => {
             let admin = tokio::net::TcpListener::bind(addr)
@@ -306,7 +310,7 @@ pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     let drained = idem_proxy::serve(
         listener,
         proxy,
-        crate::shutdown_signal("idem proxy"),
+        crate::signal::shutdown_signal("idem proxy"),
         args.shutdown_timeout,
     )
     .await;

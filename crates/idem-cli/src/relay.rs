@@ -13,7 +13,9 @@ use idemkit::url::StoreUrl;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 
-use crate::{listen_error, store, CliError, Done, StoreArg};
+use crate::args::StoreArg;
+use crate::error::{listen_error, CliError, Done};
+use crate::store::{self, Use};
 
 /// `idem relay`'s commands.
 #[derive(Debug, Subcommand)]
@@ -53,7 +55,7 @@ pub struct RunArgs {
     backoff_cap_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9187; port 0 picks
     /// a free port, printed on standard output).
-    #[arg(long, value_name = "ADDR", value_parser = |s: &str| crate::listen_address("--metrics-listen", s))]
+    #[arg(long, value_name = "ADDR", value_parser = |s: &str| crate::args::listen_address("--metrics-listen", s))]
     metrics_listen: Option<SocketAddr>,
     /// Log level: error, warn, info, debug or trace (`RUST_LOG`, when set, filters instead).
     #[arg(long, env = "IDEM_RELAY_LOG", default_value = "info")]
@@ -87,12 +89,14 @@ pub async fn run(command: RelayCommand, json: bool) -> Result<Done, CliError> {
     match command {
         RelayCommand::Run(args) => run_relay(*args).await,
         RelayCommand::Dead(DeadCommand::List { store, limit }) => {
-            let outbox = Outbox::new(store::open_outbox(&store).await?);
+            let opened = store::open(&store, Use::Outbox).await?;
+            let outbox = Outbox::new(store::outbox_pg(&opened)?);
             let entries = outbox.dead_entries(limit).await?;
             Ok(Done::ok(dead_list(outbox.schema(), &entries, json)))
         }
         RelayCommand::Dead(DeadCommand::Retry { store, ids }) => {
-            let outbox = Outbox::new(store::open_outbox(&store).await?);
+            let opened = store::open(&store, Use::Outbox).await?;
+            let outbox = Outbox::new(store::outbox_pg(&opened)?);
             let ids = (!ids.is_empty()).then_some(ids);
             let n = outbox.retry_dead(ids.as_deref()).await?;
             Ok(Done::ok(if json {
@@ -158,9 +162,16 @@ async fn run_relay(args: RunArgs) -> Result<Done, CliError> {
         ),
         None => None,
     };
-    let (url, tiered) = store::open_relay(&args.store, args.migrate).await?;
-    let mut shutdown = Box::pin(crate::shutdown_signal("idem relay"));
-    if !args.migrate && !schema_ready(&url, &tiered, shutdown.as_mut()).await? {
+    let opened = store::open(
+        &args.store,
+        Use::Relay {
+            migrate: args.migrate,
+        },
+    )
+    .await?;
+    let (url, tiered) = (opened.url(), store::tiered(&opened)?);
+    let mut shutdown = Box::pin(crate::signal::shutdown_signal("idem relay"));
+    if !args.migrate && !schema_ready(url, &tiered, shutdown.as_mut()).await? {
         return Ok(Done::ok("idem relay: stopped\n".into()));
     }
     let config = RelayConfig::default()
@@ -188,7 +199,7 @@ async fn run_relay(args: RunArgs) -> Result<Done, CliError> {
         tokio::spawn(serve_metrics(
             listener,
             relay.clone(),
-            crate::install_exporter()?,
+            crate::telemetry::install_exporter()?,
         ));
     }
     relay.run(shutdown).await;

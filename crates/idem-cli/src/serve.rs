@@ -21,7 +21,12 @@ use idem_core::{Error, Idem, Key, RecordId, Scope, Store};
 use idem_http::{Config, IdempotencyLayer, LeaseHandle, MissingKey};
 use metrics_exporter_prometheus::PrometheusHandle;
 
+use crate::args::ServeArgs;
+use crate::error::{listen_error, CliError, Done};
 use crate::ledger::{Backend, Ledger, Payment};
+use crate::signal::shutdown_signal;
+use crate::store::{self, Use};
+use crate::telemetry::install_exporter;
 
 /// The header that makes the handler sleep, to show races.
 pub const DELAY_HEADER: &str = "x-demo-delay-ms";
@@ -162,12 +167,61 @@ async fn method_not_allowed_as_problem(response: Response) -> Response {
     problem
 }
 
+/// Runs `idem serve` until SIGTERM or Ctrl-C.
+///
+/// # Errors
+///
+/// Bad flags, a store that cannot be opened, a port that cannot be listened on.
+pub async fn run(args: ServeArgs) -> Result<Done, CliError> {
+    let service = Use::Service {
+        migrate: args.migrate,
+        purge_every: args.purge_every,
+    };
+    let opened = store::open(&args.store, service).await?;
+    let url = opened.url().clone();
+    let backend = Backend::open(opened).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| listen_error(args.listen, &e))?;
+    let after_retention = match args.after_retention.as_str() {
+        "refuse" => idem_core::AfterRetention::Refuse,
+        _ if args.tombstone_secs.is_some() => {
+            return Err(CliError::Usage(
+                "--tombstone-secs applies only with --after-retention refuse: add it, \
+                 or remove --tombstone-secs"
+                    .into(),
+            ))
+        }
+        _ => idem_core::AfterRetention::Run,
+    };
+    let options = Options {
+        wait: args.wait_ms.map(Duration::from_millis),
+        max_wait: Duration::from_millis(args.max_wait_ms),
+        after_retention,
+        tombstone: args
+            .tombstone_secs
+            .unwrap_or_else(|| idem_core::Config::default().tombstone),
+        lease: args.lease,
+        retention: args.retention,
+        store: url.to_string(),
+        exporter: install_exporter()?,
+    };
+    tracing::info!(
+        store = %options.store,
+        listen = %args.listen,
+        wait_ms = args.wait_ms,
+        "idem serve starting"
+    );
+    serve(listener, backend, &options, shutdown_signal("idem demo")).await?;
+    Ok(Done::ok("idem demo: stopped\n".into()))
+}
+
 /// Serves the demo on `listener` until `shutdown` resolves, printing the URL first.
 ///
 /// # Errors
 ///
 /// I/O errors of the listener.
-pub async fn run(
+pub async fn serve(
     listener: tokio::net::TcpListener,
     backend: Backend,
     options: &Options,
