@@ -1,16 +1,35 @@
-//! The operator commands: `inspect`, `evict`, `stats`, `stuck`, `purge`, `migrate`.
+//! The operator commands: `inspect`, `evict`, `stats`, `stuck`, `purge`, `migrate`. Each
+//! result is one type, printed by [`print`]: as one line of JSON with `--json` (its
+//! `Serialize`), else as text (its `Display`).
 
-use std::fmt::Write as _;
+use std::borrow::Cow;
+use std::fmt;
 use std::io::{IsTerminal as _, Write as _};
 use std::time::Duration;
 
 use idem_core::{CompletionKind, Error, Key, Record, RecordId, RecordState, Scope, Store};
 use idemkit::redis::{Problem, Scan};
+use serde::{Serialize, Serializer};
 use tokio::time::Instant;
 
 use crate::args::{RecordArgs, SurveyArgs};
 use crate::error::{CliError, Done};
 use crate::store::Opened;
+
+/// A command's result as it prints: `result` as one line of JSON with `json`, else its text.
+///
+/// # Errors
+///
+/// [`CliError::Io`] when `result` cannot be written as JSON.
+fn print<T: Serialize + fmt::Display>(result: &T, json: bool) -> Result<String, CliError> {
+    if !json {
+        return Ok(result.to_string());
+    }
+    // Through a `Value`, whose objects hold their keys sorted: the order of every `--json`
+    // object does not depend on the order of the fields.
+    let doc = serde_json::to_value(result).map_err(std::io::Error::from)?;
+    Ok(format!("{doc}\n"))
+}
 
 /// The record `idem inspect` or `idem evict` names: the key, in `--scope` (or the scope of
 /// `--scope-header-value`).
@@ -40,20 +59,139 @@ pub async fn inspect(store: &dyn Store, id: &RecordId, json: bool) -> Result<Don
         .await
         .map_err(|e| unreadable(id, e))?
         .ok_or_else(|| CliError::NotFound(absent(id)))?;
-    let text = || record_text(&record);
-    Ok(Done::ok(render(json, || record_json(&record), text)))
+    Ok(Done::ok(print(&Inspected::of(&record), json)?))
 }
 
-/// The output of a command: `doc` as one line of JSON with `--json`, else `text`.
-fn render(
-    json: bool,
-    doc: impl FnOnce() -> serde_json::Value,
-    text: impl FnOnce() -> String,
-) -> String {
-    if json {
-        format!("{}\n", doc())
-    } else {
-        text()
+/// A record, as `idem inspect` shows it.
+#[derive(Serialize)]
+struct Inspected<'a> {
+    scope: &'a str,
+    key: &'a str,
+    fingerprint: String,
+    attempt: u32,
+    #[serde(rename = "expires_in_ms", serialize_with = "ms")]
+    expires_in: Duration,
+    #[serde(flatten)]
+    state: InspectedState<'a>,
+}
+
+/// A record's state: `"state"` and the lease or the completion.
+#[derive(Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+enum InspectedState<'a> {
+    InProgress { lease: Lease },
+    Completed { completion: Completed<'a> },
+}
+
+/// The lease of a record in progress.
+#[derive(Serialize)]
+struct Lease {
+    token: String,
+    #[serde(rename = "remaining_ms", serialize_with = "ms")]
+    remaining: Duration,
+    expired: bool,
+}
+
+/// The completion of a completed record: its response, body as (lossy) text.
+#[derive(Serialize)]
+struct Completed<'a> {
+    kind: &'static str,
+    status: u16,
+    headers: Vec<(&'a str, Cow<'a, str>)>,
+    body_bytes: usize,
+    body: Cow<'a, str>,
+}
+
+impl<'a> Inspected<'a> {
+    fn of(record: &'a Record) -> Self {
+        let state = match &record.state {
+            RecordState::InProgress {
+                token,
+                lease_remaining,
+            } => InspectedState::InProgress {
+                lease: Lease {
+                    token: token.to_string(),
+                    remaining: *lease_remaining,
+                    expired: lease_remaining.is_zero(),
+                },
+            },
+            RecordState::Completed(completion) => {
+                let response = &completion.response;
+                InspectedState::Completed {
+                    completion: Completed {
+                        kind: kind(completion.kind),
+                        status: response.status,
+                        headers: response
+                            .headers
+                            .iter()
+                            .map(|(n, v)| (n.as_str(), String::from_utf8_lossy(v)))
+                            .collect(),
+                        body_bytes: response.body.len(),
+                        body: String::from_utf8_lossy(&response.body),
+                    },
+                }
+            }
+        };
+        Self {
+            scope: record.id.scope().as_str(),
+            key: record.id.key().as_str(),
+            fingerprint: record.fingerprint.to_hex(),
+            attempt: record.attempt,
+            expires_in: record.expires_in,
+            state,
+        }
+    }
+}
+
+impl fmt::Display for Inspected<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scope = if self.scope.is_empty() {
+            "(global)"
+        } else {
+            self.scope
+        };
+        writeln!(f, "scope        {scope}")?;
+        writeln!(f, "key          {}", self.key)?;
+        match &self.state {
+            InspectedState::InProgress { lease } => {
+                writeln!(f, "state        in progress")?;
+                if lease.expired {
+                    writeln!(
+                        f,
+                        "lease        {}, expired (the next request takes it over)",
+                        lease.token
+                    )?;
+                } else {
+                    writeln!(
+                        f,
+                        "lease        {}, {} left",
+                        lease.token,
+                        human(lease.remaining)
+                    )?;
+                }
+            }
+            InspectedState::Completed { completion } => {
+                writeln!(
+                    f,
+                    "state        completed ({}, status {})",
+                    completion.kind, completion.status
+                )?;
+                for (name, value) in &completion.headers {
+                    writeln!(f, "header       {name}: {value}")?;
+                }
+                let body = &completion.body;
+                let shown: String = body.chars().take(200).collect();
+                let more = if shown.len() < body.len() { " ..." } else { "" };
+                writeln!(
+                    f,
+                    "body         {} bytes: {shown}{more}",
+                    completion.body_bytes
+                )?;
+            }
+        }
+        writeln!(f, "attempt      {}", self.attempt)?;
+        writeln!(f, "expires in   {}", human(self.expires_in))?;
+        writeln!(f, "fingerprint  {}", self.fingerprint)
     }
 }
 
@@ -69,12 +207,29 @@ pub async fn evict(store: &dyn Store, id: &RecordId, json: bool) -> Result<Done,
     if !record && !tombstone {
         return Err(CliError::NotFound(absent(id)));
     }
-    let doc = || {
-        let (scope, key) = (id.scope().as_str(), id.key().as_str());
-        serde_json::json!({"evicted": true, "scope": scope, "key": key, "tombstone": tombstone})
+    let evicted = Evicted {
+        evicted: true,
+        scope: id.scope().as_str(),
+        key: id.key().as_str(),
+        tombstone,
     };
-    let text = || format!("evicted {}\n", describe(id));
-    Ok(Done::ok(render(json, doc, text)))
+    Ok(Done::ok(print(&evicted, json)?))
+}
+
+/// What `idem evict` deleted.
+#[derive(Serialize)]
+struct Evicted<'a> {
+    evicted: bool,
+    scope: &'a str,
+    key: &'a str,
+    /// Whether the key's tombstone was deleted too.
+    tombstone: bool,
+}
+
+impl fmt::Display for Evicted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "evicted {}", describe(self.scope, self.key))
+    }
 }
 
 /// What `stats` and `stuck` look at, and for how long.
@@ -113,19 +268,6 @@ impl Survey {
     }
 }
 
-/// How a count ended.
-struct Counted {
-    stats: idem_core::Stats,
-    /// Redis only: corrupt and foreign keys, keys read.
-    redis: Option<idemkit::redis::ScanCounts>,
-    /// PostgreSQL only (alone or tiered): completed records that cannot be read.
-    pg_corrupt: Option<u64>,
-    /// `false` when the time limit stopped it.
-    complete: bool,
-    /// Where a partial count stopped: primaries `(i, n)`.
-    primaries: (usize, usize),
-}
-
 /// Counts records by state; in-progress records whose lease expired more than
 /// `stuck_after` ago are the "stuck" alarm. On Redis (alone, or the tiered store's first
 /// tier), also the corrupt and foreign keys under the store's prefix, page by page (with
@@ -136,35 +278,151 @@ struct Counted {
 /// Store errors; on PostgreSQL, a count that does not end within `timeout`.
 pub async fn stats(opened: &Opened, survey: &Survey) -> Result<Done, CliError> {
     let started = Instant::now();
-    let mut counted = Counted {
-        stats: idem_core::Stats::default(),
-        redis: None,
-        pg_corrupt: None,
-        complete: true,
-        primaries: (0, 0),
-    };
+    let mut stats = idem_core::Stats::default();
+    let mut pg_corrupt = None;
+    let mut redis = None;
+    let mut stopped_at = None;
     // On a tiered store the states come from PostgreSQL, the arbiter, and the broken keys
     // from Redis, where a corrupt record fails the requests that read it first.
     let redis_alone = opened.pg().is_none() && opened.redis().is_some();
     if !redis_alone {
-        counted.stats = db_stats(opened, survey).await?;
+        stats = db_stats(opened, survey).await?;
     }
     if let Some(pg) = opened.pg() {
-        counted.pg_corrupt = Some(pg_corrupt(pg, survey).await?);
+        pg_corrupt = Some(pg_corrupt_count(pg, survey).await?);
     }
-    if let Some(redis) = opened.redis() {
-        let mut scan = redis.scan(survey.scope.as_ref(), survey.stuck_after);
+    if let Some(store) = opened.redis() {
+        let mut scan = store.scan(survey.scope.as_ref(), survey.stuck_after);
         let left = survey.timeout.saturating_sub(started.elapsed());
-        counted.complete = walk(&mut scan, left, "stats").await?;
-        if redis_alone {
-            counted.stats = scan.counts().stats;
+        if !walk(&mut scan, left, "stats").await? {
+            stopped_at = Some(scan.primaries());
         }
-        counted.redis = Some(scan.counts().clone());
-        counted.primaries = scan.primaries();
+        if redis_alone {
+            stats = scan.counts().stats;
+        }
+        redis = Some(scan.counts().clone());
     }
-    let json = || stats_json(&counted, survey);
-    let output = render(survey.json, json, || stats_text(&counted, survey));
-    Ok(Done::partial_unless(counted.complete, output))
+    // Corrupt records in every tier counted: none when no tier counts them (memory).
+    let corrupt = match (redis.as_ref().map(|r| r.corrupt), pg_corrupt) {
+        (None, None) => None,
+        (redis, pg) => Some(redis.unwrap_or(0) + pg.unwrap_or(0)),
+    };
+    let counted = Counted {
+        complete: stopped_at.is_none(),
+        scope: survey.scope.as_ref().map(Scope::as_str),
+        in_flight: stats.in_flight,
+        expired_leases: stats.expired_leases,
+        stuck: stats.stuck,
+        stuck_after: survey.stuck_after,
+        succeeded: stats.succeeded,
+        failed: stats.failed,
+        corrupt,
+        foreign: redis.as_ref().map(|r| r.foreign),
+        keys_read: redis.as_ref().map(|r| r.keys),
+        stopped: stopped_at.map(|(primary, primaries)| Stopped {
+            reason: "timeout",
+            timeout: survey.timeout,
+            primary,
+            primaries,
+        }),
+    };
+    Ok(Done::partial_unless(
+        counted.complete,
+        print(&counted, survey.json)?,
+    ))
+}
+
+/// What `idem stats` counted.
+#[derive(Serialize)]
+struct Counted<'a> {
+    /// `false` when the time limit stopped it.
+    complete: bool,
+    scope: Option<&'a str>,
+    in_flight: u64,
+    expired_leases: u64,
+    stuck: u64,
+    #[serde(rename = "stuck_after_ms", serialize_with = "ms")]
+    stuck_after: Duration,
+    succeeded: u64,
+    failed: u64,
+    /// Corrupt records in every tier that counts them (Redis, PostgreSQL).
+    corrupt: Option<u64>,
+    /// Redis only: keys under the prefix that are not idem's.
+    foreign: Option<u64>,
+    /// Redis only: keys read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    keys_read: Option<u64>,
+    /// Where a partial count stopped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stopped: Option<Stopped>,
+}
+
+/// Where a count stopped at its time limit: primary `primary` of `primaries`.
+#[derive(Serialize)]
+struct Stopped {
+    reason: &'static str,
+    #[serde(rename = "timeout_ms", serialize_with = "ms")]
+    timeout: Duration,
+    primary: usize,
+    primaries: usize,
+}
+
+impl fmt::Display for Counted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(stopped) = &self.stopped {
+            writeln!(
+                f,
+                "PARTIAL         stopped at --timeout {} on primary {} of {}: the counts \
+                 below are a lower bound",
+                human(stopped.timeout),
+                stopped.primary,
+                stopped.primaries
+            )?;
+        }
+        let scope = self
+            .scope
+            .map_or("(all)", |s| if s.is_empty() { "(global)" } else { s });
+        writeln!(f, "scope           {scope}")?;
+        writeln!(f, "in flight       {}", self.in_flight)?;
+        writeln!(f, "expired leases  {}", self.expired_leases)?;
+        writeln!(
+            f,
+            "stuck           {} (lease expired over {} ago, no retry came){}",
+            self.stuck,
+            human(self.stuck_after),
+            alarm(self.stuck)
+        )?;
+        writeln!(f, "succeeded       {}", self.succeeded)?;
+        writeln!(f, "failed          {}", self.failed)?;
+        if let Some(corrupt) = self.corrupt {
+            writeln!(
+                f,
+                "corrupt         {corrupt} (not decodable: each answers every request with an \
+                 error){}",
+                alarm(corrupt)
+            )?;
+        }
+        if let (Some(foreign), Some(keys)) = (self.foreign, self.keys_read) {
+            writeln!(
+                f,
+                "foreign         {foreign} (under the prefix, not idem's: another type or name)"
+            )?;
+            writeln!(f, "keys read       {keys}")?;
+        }
+        if self.corrupt.unwrap_or(0) + self.foreign.unwrap_or(0) > 0 || self.stuck > 0 {
+            writeln!(f, "(`idem stuck` lists them)")?;
+        }
+        Ok(())
+    }
+}
+
+/// The mark of a count that should be zero.
+fn alarm(count: u64) -> &'static str {
+    if count > 0 {
+        "  <- ALARM"
+    } else {
+        ""
+    }
 }
 
 /// [`Store::stats`] on a store that counts in one call (PostgreSQL, memory), within
@@ -182,7 +440,10 @@ async fn db_stats(opened: &Opened, survey: &Survey) -> Result<idem_core::Stats, 
 
 /// How many records [`PgStore::corrupt`](idemkit::postgres::PgStore::corrupt) finds, within
 /// `survey.timeout`.
-async fn pg_corrupt(pg: &idemkit::postgres::PgStore, survey: &Survey) -> Result<u64, CliError> {
+async fn pg_corrupt_count(
+    pg: &idemkit::postgres::PgStore,
+    survey: &Survey,
+) -> Result<u64, CliError> {
     let count = pg.corrupt(survey.scope.as_ref(), 0);
     let (total, _) = within(survey, count, POSTGRES_LATE).await?;
     Ok(total)
@@ -204,107 +465,6 @@ async fn within<T>(
             CliError::Store(Error::unavailable(store, message))
         })?
         .map_err(CliError::from)
-}
-
-/// Corrupt records in every tier counted: `None` when no tier counts them (memory).
-fn corrupt(counted: &Counted) -> Option<u64> {
-    match (
-        counted.redis.as_ref().map(|r| r.corrupt),
-        counted.pg_corrupt,
-    ) {
-        (None, None) => None,
-        (redis, pg) => Some(redis.unwrap_or(0) + pg.unwrap_or(0)),
-    }
-}
-
-fn stats_json(counted: &Counted, survey: &Survey) -> serde_json::Value {
-    let stats = &counted.stats;
-    let mut doc = serde_json::json!({
-        "complete": counted.complete,
-        "scope": survey.scope.as_ref().map(Scope::as_str),
-        "in_flight": stats.in_flight,
-        "expired_leases": stats.expired_leases,
-        "stuck": stats.stuck,
-        "stuck_after_ms": millis(survey.stuck_after),
-        "succeeded": stats.succeeded,
-        "failed": stats.failed,
-        "corrupt": null,
-        "foreign": null,
-    });
-    if let Some(corrupt) = corrupt(counted) {
-        doc["corrupt"] = corrupt.into();
-    }
-    if let Some(redis) = &counted.redis {
-        doc["foreign"] = redis.foreign.into();
-        doc["keys_read"] = redis.keys.into();
-    }
-    if !counted.complete {
-        doc["stopped"] = serde_json::json!({
-            "reason": "timeout",
-            "timeout_ms": millis(survey.timeout),
-            "primary": counted.primaries.0,
-            "primaries": counted.primaries.1,
-        });
-    }
-    doc
-}
-
-fn stats_text(counted: &Counted, survey: &Survey) -> String {
-    let stats = &counted.stats;
-    let mut out = String::new();
-    if !counted.complete {
-        let _ = writeln!(
-            out,
-            "PARTIAL         stopped at --timeout {} on primary {} of {}: the counts below \
-             are a lower bound",
-            human(survey.timeout),
-            counted.primaries.0,
-            counted.primaries.1
-        );
-    }
-    let _ = writeln!(
-        out,
-        "scope           {}",
-        survey
-            .scope
-            .as_ref()
-            .map_or("(all)", |s| if s.as_str().is_empty() {
-                "(global)"
-            } else {
-                s.as_str()
-            })
-    );
-    let _ = writeln!(out, "in flight       {}", stats.in_flight);
-    let _ = writeln!(out, "expired leases  {}", stats.expired_leases);
-    let _ = writeln!(
-        out,
-        "stuck           {} (lease expired over {} ago, no retry came){}",
-        stats.stuck,
-        human(survey.stuck_after),
-        if stats.stuck > 0 { "  <- ALARM" } else { "" }
-    );
-    let _ = writeln!(out, "succeeded       {}", stats.succeeded);
-    let _ = writeln!(out, "failed          {}", stats.failed);
-    if let Some(corrupt) = corrupt(counted) {
-        let _ = writeln!(
-            out,
-            "corrupt         {corrupt} (not decodable: each answers every request with an error){}",
-            if corrupt > 0 { "  <- ALARM" } else { "" }
-        );
-    }
-    if let Some(redis) = &counted.redis {
-        let _ = writeln!(
-            out,
-            "foreign         {} (under the prefix, not idem's: another type or name)",
-            redis.foreign
-        );
-        let _ = writeln!(out, "keys read       {}", redis.keys);
-    }
-    let foreign = counted.redis.as_ref().map_or(0, |r| r.foreign);
-    if corrupt(counted).unwrap_or(0) + foreign > 0 || stats.stuck > 0 {
-        let _ = writeln!(out, "(`idem stuck` lists them)");
-    }
-    out
 }
 
 /// Walks a Redis scan until done or `timeout`, with progress on stderr when it is a
@@ -382,135 +542,176 @@ impl Progress {
 /// Store errors; on PostgreSQL, a listing that does not end within `timeout`.
 pub async fn stuck(opened: &Opened, survey: &Survey, limit: u32) -> Result<Done, CliError> {
     let started = Instant::now();
-    let mut rows: Vec<serde_json::Value> = Vec::new();
+    let mut records: Vec<Found> = Vec::new();
     if let Some(pg) = opened.pg() {
         let stuck = pg.stuck(survey.scope.as_ref(), survey.stuck_after, limit);
         let found = within(survey, stuck, POSTGRES_LATE).await?;
-        for record in found {
-            rows.push(serde_json::json!({
-                "scope": record.id.scope().as_str(),
-                "key": record.id.key().as_str(),
-                "problem": "stuck",
-                "attempt": record.attempt,
-                "expired_for_ms": millis(record.expired_for),
-            }));
-        }
-        let room = u32::try_from(rows.len()).map_or(0, |n| limit.saturating_sub(n));
+        records.extend(found.into_iter().map(|record| Found {
+            attempt: Some(record.attempt),
+            expired_for_ms: Some(millis(record.expired_for)),
+            ..Found::record(&record.id, "stuck")
+        }));
+        let room = u32::try_from(records.len()).map_or(0, |n| limit.saturating_sub(n));
         let corrupt = pg.corrupt(survey.scope.as_ref(), room);
         let (_, corrupt) = within(survey, corrupt, POSTGRES_LATE).await?;
-        for id in corrupt {
-            rows.push(serde_json::json!({
-                "scope": id.scope().as_str(),
-                "key": id.key().as_str(),
-                "problem": "corrupt",
-                "detail": "metadata of another version or an unknown completion kind",
-            }));
-        }
+        let detail = "metadata of another version or an unknown completion kind";
+        records.extend(corrupt.iter().map(|id| Found {
+            detail: Some(detail.into()),
+            ..Found::record(id, "corrupt")
+        }));
     }
     // Redis: its stuck records (alone), its corrupt and foreign keys (alone or tiered).
     let mut complete = true;
     if let Some(redis) = opened.redis() {
-        let room = (limit as usize).saturating_sub(rows.len());
+        let room = (limit as usize).saturating_sub(records.len());
         let mut scan = redis
             .scan(survey.scope.as_ref(), survey.stuck_after)
             .with_findings(room);
         let left = survey.timeout.saturating_sub(started.elapsed());
         complete = walk(&mut scan, left, "stuck").await?;
-        rows.extend(scan.findings().iter().map(finding_row));
+        records.extend(scan.findings().iter().map(Found::of));
     } else if opened.pg().is_none() {
         return Err(CliError::Unsupported(
             "no stuck records to list here".into(),
         ));
     }
-    let doc = || {
-        serde_json::json!({
-            "complete": complete,
-            "stuck_after_ms": millis(survey.stuck_after),
-            "limit": limit,
-            "records": rows,
-        })
+    let listed = Listed {
+        complete,
+        stuck_after: survey.stuck_after,
+        limit,
+        records,
+        timeout: survey.timeout,
     };
-    let output = render(survey.json, doc, || {
-        stuck_text(&rows, complete, survey, limit)
-    });
-    Ok(Done::partial_unless(complete, output))
+    Ok(Done::partial_unless(complete, print(&listed, survey.json)?))
 }
 
-/// One key a Redis scan found wrong, as `stuck --json` lists it.
-fn finding_row(finding: &idemkit::redis::Finding) -> serde_json::Value {
-    let mut row = serde_json::json!({
-        "redis_key": finding.key,
-        "scope": finding.id.as_ref().map(|id| id.scope().as_str()),
-        "key": finding.id.as_ref().map(|id| id.key().as_str()),
-    });
-    let (problem, detail) = match &finding.problem {
-        Problem::Stuck {
-            expired_for,
-            attempt,
-        } => {
-            row["attempt"] = (*attempt).into();
-            row["expired_for_ms"] = millis(*expired_for).into();
-            ("stuck", None)
+/// What `idem stuck` lists.
+#[derive(Serialize)]
+struct Listed {
+    /// `false` when the time limit stopped it.
+    complete: bool,
+    #[serde(rename = "stuck_after_ms", serialize_with = "ms")]
+    stuck_after: Duration,
+    limit: u32,
+    records: Vec<Found>,
+    /// The time limit, which a partial list names.
+    #[serde(skip)]
+    timeout: Duration,
+}
+
+/// One record or key found wrong.
+#[derive(Serialize)]
+struct Found {
+    /// The Redis key, for what a Redis scan found.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redis_key: Option<String>,
+    /// The record's scope and key: none for a Redis key that names no record.
+    scope: Option<String>,
+    key: Option<String>,
+    /// `stuck`, `corrupt`, `foreign` (or `other`).
+    problem: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attempt: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expired_for_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+impl Found {
+    /// A record found with `problem`, nothing more said.
+    fn record(id: &RecordId, problem: &'static str) -> Self {
+        Self {
+            redis_key: None,
+            scope: Some(id.scope().as_str().to_owned()),
+            key: Some(id.key().as_str().to_owned()),
+            problem,
+            attempt: None,
+            expired_for_ms: None,
+            detail: None,
         }
-        Problem::Corrupt(why) => ("corrupt", Some(why.clone())),
-        Problem::Foreign(what) => ("foreign", Some(what.clone())),
-        other => ("other", Some(other.to_string())),
-    };
-    row["problem"] = problem.into();
-    if let Some(detail) = detail {
-        row["detail"] = detail.into();
     }
-    row
+
+    /// One key a Redis scan found wrong.
+    fn of(finding: &idemkit::redis::Finding) -> Self {
+        let mut found = Self {
+            redis_key: Some(finding.key.clone()),
+            scope: finding.id.as_ref().map(|id| id.scope().as_str().to_owned()),
+            key: finding.id.as_ref().map(|id| id.key().as_str().to_owned()),
+            problem: "other",
+            attempt: None,
+            expired_for_ms: None,
+            detail: None,
+        };
+        (found.problem, found.detail) = match &finding.problem {
+            Problem::Stuck {
+                expired_for,
+                attempt,
+            } => {
+                found.attempt = Some(*attempt);
+                found.expired_for_ms = Some(millis(*expired_for));
+                ("stuck", None)
+            }
+            Problem::Corrupt(why) => ("corrupt", Some(why.clone())),
+            Problem::Foreign(what) => ("foreign", Some(what.clone())),
+            other => ("other", Some(other.to_string())),
+        };
+        found
+    }
 }
 
-fn stuck_text(rows: &[serde_json::Value], complete: bool, survey: &Survey, limit: u32) -> String {
-    let mut out = String::new();
-    if !complete {
-        let _ = writeln!(
-            out,
-            "PARTIAL: stopped at --timeout {}; the list below is what was found so far",
-            human(survey.timeout)
-        );
-    }
-    for row in rows {
-        let name = match (row["scope"].as_str(), row["key"].as_str()) {
-            (Some(""), Some(key)) => format!("key {key:?} (global scope)"),
-            (Some(scope), Some(key)) => format!("key {key:?} in scope {scope:?}"),
-            _ => format!("redis key {}", row["redis_key"]),
-        };
-        let detail = match row["problem"].as_str() {
-            Some("stuck") => format!(
-                "attempt {}, lease expired {} ago, no retry came",
-                row["attempt"],
-                human(Duration::from_millis(
-                    row["expired_for_ms"].as_u64().unwrap_or(0)
-                ))
+impl fmt::Display for Found {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match (self.scope.as_deref(), self.key.as_deref()) {
+            (Some(scope), Some(key)) => describe(scope, key),
+            // Quoted as JSON quotes it.
+            _ => format!(
+                "redis key {}",
+                serde_json::Value::from(self.redis_key.clone())
             ),
-            _ => row["detail"].as_str().unwrap_or_default().to_owned(),
         };
-        let _ = writeln!(
-            out,
-            "{:<8} {name}: {detail}",
-            row["problem"].as_str().unwrap_or_default()
-        );
+        let detail = match self.problem {
+            "stuck" => format!(
+                "attempt {}, lease expired {} ago, no retry came",
+                self.attempt.unwrap_or_default(),
+                human(Duration::from_millis(self.expired_for_ms.unwrap_or(0)))
+            ),
+            _ => self.detail.clone().unwrap_or_default(),
+        };
+        writeln!(f, "{:<8} {name}: {detail}", self.problem)
     }
-    if rows.is_empty() {
-        let _ = writeln!(
-            out,
-            "nothing stuck (no lease expired over {} ago without a retry){}",
-            human(survey.stuck_after),
-            if complete { "" } else { " so far" }
-        );
-    } else {
-        if rows.len() >= limit as usize {
-            let _ = writeln!(out, "(first {limit}; --limit shows more)");
+}
+
+impl fmt::Display for Listed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.complete {
+            writeln!(
+                f,
+                "PARTIAL: stopped at --timeout {}; the list below is what was found so far",
+                human(self.timeout)
+            )?;
         }
-        let _ = writeln!(
-            out,
-            "`idem evict KEY --scope SCOPE` deletes one, so that its key runs again"
-        );
+        for found in &self.records {
+            write!(f, "{found}")?;
+        }
+        if self.records.is_empty() {
+            writeln!(
+                f,
+                "nothing stuck (no lease expired over {} ago without a retry){}",
+                human(self.stuck_after),
+                if self.complete { "" } else { " so far" }
+            )?;
+        } else {
+            if self.records.len() >= self.limit as usize {
+                writeln!(f, "(first {}; --limit shows more)", self.limit)?;
+            }
+            writeln!(
+                f,
+                "`idem evict KEY --scope SCOPE` deletes one, so that its key runs again"
+            )?;
+        }
+        Ok(())
     }
-    out
 }
 
 /// Deletes expired records, in batches: on PostgreSQL (and the tiered store's PostgreSQL)
@@ -521,10 +722,15 @@ fn stuck_text(rows: &[serde_json::Value], complete: bool, survey: &Survey, limit
 /// Store errors; [`CliError::Unsupported`] on the memory store.
 pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Done, CliError> {
     let Some(pg) = opened.pg() else {
-        let text =
-            "Redis deletes expired records itself (each has a time to live): nothing to purge";
-        let doc = || serde_json::json!({"purged": 0, "complete": true, "note": text});
-        return Ok(Done::ok(render(json, doc, || format!("{text}\n"))));
+        let purged = Purged {
+            purged: 0,
+            complete: true,
+            schema: None,
+            note: Some(
+                "Redis deletes expired records itself (each has a time to live): nothing to purge",
+            ),
+        };
+        return Ok(Done::ok(print(&purged, json)?));
     };
     const BATCH: u32 = 1000;
     let deadline = Instant::now() + timeout;
@@ -542,19 +748,44 @@ pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Don
             Err(_) => break false,
         }
     };
-    let doc = || serde_json::json!({"purged": purged, "complete": complete, "schema": pg.schema()});
-    let partial = if complete {
-        ""
-    } else {
-        "PARTIAL (stopped at --timeout): "
+    let purged = Purged {
+        purged,
+        complete,
+        schema: Some(pg.schema()),
+        note: None,
     };
-    let output = render(json, doc, || {
-        format!(
-            "{partial}purged {purged} expired records from schema {:?}\n",
-            pg.schema()
+    Ok(Done::partial_unless(complete, print(&purged, json)?))
+}
+
+/// What `idem purge` deleted, from which schema; or why there was nothing to do.
+#[derive(Serialize)]
+struct Purged<'a> {
+    purged: u64,
+    /// `false` when the time limit stopped it.
+    complete: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    schema: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<&'static str>,
+}
+
+impl fmt::Display for Purged<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(note) = self.note {
+            return writeln!(f, "{note}");
+        }
+        let partial = if self.complete {
+            ""
+        } else {
+            "PARTIAL (stopped at --timeout): "
+        };
+        writeln!(
+            f,
+            "{partial}purged {} expired records from schema {:?}",
+            self.purged,
+            self.schema.unwrap_or_default()
         )
-    });
-    Ok(Done::partial_unless(complete, output))
+    }
 }
 
 /// Applies the migrations PostgreSQL's schema lacks (idem's, and the outbox's on a tiered
@@ -565,9 +796,12 @@ pub async fn purge(opened: &Opened, timeout: Duration, json: bool) -> Result<Don
 /// Store errors (a role without the right to create tables, ...).
 pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
     let Some(pg) = opened.pg() else {
-        let text = "Redis keeps no schema: nothing to migrate";
-        let doc = || serde_json::json!({"applied": [], "note": text});
-        return Ok(Done::ok(render(json, doc, || format!("{text}\n"))));
+        let migrated = Migrated {
+            schema: None,
+            applied: Vec::new(),
+            note: Some("Redis keeps no schema: nothing to migrate"),
+        };
+        return Ok(Done::ok(print(&migrated, json)?));
     };
     let pending = opened.pending_migrations().await?;
     if opened.tiered().is_some() {
@@ -575,14 +809,39 @@ pub async fn migrate(opened: &Opened, json: bool) -> Result<Done, CliError> {
     } else {
         pg.migrate().await?;
     }
-    let doc = || serde_json::json!({"schema": pg.schema(), "applied": pending});
-    Ok(Done::ok(render(json, doc, || {
-        if pending.is_empty() {
-            format!("schema {:?} is up to date: nothing to apply\n", pg.schema())
-        } else {
-            format!("schema {:?}: applied migrations {pending:?}\n", pg.schema())
+    let migrated = Migrated {
+        schema: Some(pg.schema()),
+        applied: pending,
+        note: None,
+    };
+    Ok(Done::ok(print(&migrated, json)?))
+}
+
+/// The migrations `idem migrate` applied, to which schema; or why there was nothing to do.
+#[derive(Serialize)]
+struct Migrated<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    schema: Option<&'a str>,
+    applied: Vec<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<&'static str>,
+}
+
+impl fmt::Display for Migrated<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let schema = self.schema.unwrap_or_default();
+        match self.note {
+            Some(note) => writeln!(f, "{note}"),
+            None if self.applied.is_empty() => {
+                writeln!(f, "schema {schema:?} is up to date: nothing to apply")
+            }
+            None => writeln!(
+                f,
+                "schema {schema:?}: applied migrations {:?}",
+                self.applied
+            ),
         }
-    })))
+    }
 }
 
 /// A record that cannot be read says what is wrong with it and how to clear it.
@@ -599,12 +858,12 @@ fn unreadable(id: &RecordId, e: Error) -> CliError {
     match &e {
         Error::Corrupt { detail, .. } => CliError::Corrupt(format!(
             "the record for {} is corrupt: {detail}; every request for it fails until {evict}",
-            describe(id)
+            name(id)
         )),
         Error::Backend { .. } if e.to_string().contains("WRONGTYPE") => CliError::Corrupt(format!(
             "the key of {} holds a Redis value of another type, not an idem record; \
                  {evict}",
-            describe(id)
+            name(id)
         )),
         _ => CliError::Store(e),
     }
@@ -613,7 +872,7 @@ fn unreadable(id: &RecordId, e: Error) -> CliError {
 /// The answer for a record that is not there; in the global scope it adds that `idem
 /// serve` keys its records by caller, the usual reason a key is not found there.
 fn absent(id: &RecordId) -> String {
-    let mut text = format!("no record for {}", describe(id));
+    let mut text = format!("no record for {}", name(id));
     if id.scope().as_str().is_empty() {
         text.push_str(
             "; `idem serve` keeps keys per caller: give the caller's name, e.g. --scope alice \
@@ -623,114 +882,18 @@ fn absent(id: &RecordId) -> String {
     text
 }
 
-fn describe(id: &RecordId) -> String {
-    if id.scope().as_str().is_empty() {
-        format!("key {:?} (global scope)", id.key().as_str())
+/// A record's name in a message: `key "k" in scope "s"`, or `key "k" (global scope)`.
+fn describe(scope: &str, key: &str) -> String {
+    if scope.is_empty() {
+        format!("key {key:?} (global scope)")
     } else {
-        format!(
-            "key {:?} in scope {:?}",
-            id.key().as_str(),
-            id.scope().as_str()
-        )
+        format!("key {key:?} in scope {scope:?}")
     }
 }
 
-fn record_json(record: &Record) -> serde_json::Value {
-    let mut doc = serde_json::json!({
-        "scope": record.id.scope().as_str(),
-        "key": record.id.key().as_str(),
-        "fingerprint": record.fingerprint.to_hex(),
-        "attempt": record.attempt,
-        "expires_in_ms": millis(record.expires_in),
-    });
-    match &record.state {
-        RecordState::InProgress {
-            token,
-            lease_remaining,
-        } => {
-            doc["state"] = "in_progress".into();
-            doc["lease"] = serde_json::json!({
-                "token": token.to_string(),
-                "remaining_ms": millis(*lease_remaining),
-                "expired": lease_remaining.is_zero(),
-            });
-        }
-        RecordState::Completed(completion) => {
-            doc["state"] = "completed".into();
-            let response = &completion.response;
-            doc["completion"] = serde_json::json!({
-                "kind": kind(completion.kind),
-                "status": response.status,
-                "headers": response
-                    .headers
-                    .iter()
-                    .map(|(n, v)| serde_json::json!([n, String::from_utf8_lossy(v)]))
-                    .collect::<Vec<_>>(),
-                "body_bytes": response.body.len(),
-                "body": String::from_utf8_lossy(&response.body),
-            });
-        }
-    }
-    doc
-}
-
-fn record_text(record: &Record) -> String {
-    let mut out = String::new();
-    let scope = record.id.scope().as_str();
-    let _ = writeln!(
-        out,
-        "scope        {}",
-        if scope.is_empty() { "(global)" } else { scope }
-    );
-    let _ = writeln!(out, "key          {}", record.id.key().as_str());
-    match &record.state {
-        RecordState::InProgress {
-            token,
-            lease_remaining,
-        } => {
-            let _ = writeln!(out, "state        in progress");
-            if lease_remaining.is_zero() {
-                let _ = writeln!(
-                    out,
-                    "lease        {token}, expired (the next request takes it over)"
-                );
-            } else {
-                let _ = writeln!(
-                    out,
-                    "lease        {token}, {} left",
-                    human(*lease_remaining)
-                );
-            }
-        }
-        RecordState::Completed(completion) => {
-            let response = &completion.response;
-            let _ = writeln!(
-                out,
-                "state        completed ({}, status {})",
-                kind(completion.kind),
-                response.status
-            );
-            for (name, value) in &response.headers {
-                let _ = writeln!(
-                    out,
-                    "header       {name}: {}",
-                    String::from_utf8_lossy(value)
-                );
-            }
-            let body = String::from_utf8_lossy(&response.body);
-            let shown: String = body.chars().take(200).collect();
-            let more = if shown.len() < body.len() { " ..." } else { "" };
-            let _ = writeln!(
-                out,
-                "body         {} bytes: {shown}{more}",
-                response.body.len()
-            );
-        }
-    }
-    let _ = writeln!(out, "attempt      {}", record.attempt);
-    let _ = writeln!(out, "expires in   {}", human(record.expires_in));
-    let _ = writeln!(out, "fingerprint  {}", record.fingerprint.to_hex());
-    out
+/// [`describe`] of `id`.
+fn name(id: &RecordId) -> String {
+    describe(id.scope().as_str(), id.key().as_str())
 }
 
 fn kind(kind: CompletionKind) -> &'static str {
@@ -742,6 +905,11 @@ fn kind(kind: CompletionKind) -> &'static str {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Writes a duration as whole milliseconds (the `_ms` fields).
+fn ms<S: Serializer>(d: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_u64(millis(*d))
 }
 
 /// `1h02m03s`, `4m05s`, `6.5s`.
