@@ -621,36 +621,28 @@ mod tests {
         assert!(weak.upgrade().is_none(), "the sweep keeps the store alive");
     }
 
+    /// The message of opening `url`, which must fail as bad input.
+    async fn refused(url: &str) -> String {
+        let err = open(url, &OpenOptions::default()).await.err().unwrap();
+        assert_eq!(err.kind(), OpenErrorKind::Invalid, "{err}");
+        err.to_string()
+    }
+
     #[cfg(not(feature = "redis"))]
     #[tokio::test]
     async fn a_backend_left_out_names_its_feature() {
-        let options = OpenOptions::default();
-        let err = open("redis://127.0.0.1:6379", &options)
-            .await
-            .err()
-            .unwrap();
-        assert_eq!(err.kind(), OpenErrorKind::Invalid);
-        let text = err.to_string();
+        let text = refused("redis://127.0.0.1:6379").await;
         assert!(text.contains("`redis` feature"), "{text}");
-        let err = open("tiered:redis://h|postgres://u@h/d", &options)
-            .await
-            .err()
-            .unwrap();
-        assert!(err.to_string().contains("`outbox` feature"), "{err}");
+        let text = refused("tiered:redis://h|postgres://u@h/d").await;
+        assert!(text.contains("`outbox` feature"), "{text}");
     }
 
     #[tokio::test]
     async fn open_names_what_it_cannot_open() {
-        let options = OpenOptions::default();
-        let opened = open("memory", &options).await.unwrap();
+        let opened = open("memory", &OpenOptions::default()).await.unwrap();
         assert_eq!(opened.store().name(), "memory");
         assert_eq!(opened.url(), &StoreUrl::Memory);
-        let err = open("mysql://root:hunter2@x", &options)
-            .await
-            .err()
-            .unwrap();
-        assert_eq!(err.kind(), OpenErrorKind::Invalid);
-        let text = err.to_string();
+        let text = refused("mysql://root:hunter2@x").await;
         assert!(
             text.contains("\"mysql://root:***@x\"") && text.contains("memory"),
             "{text}"
