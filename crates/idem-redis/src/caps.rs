@@ -6,10 +6,6 @@ use idem_core::Error;
 use crate::config::Scripting;
 use crate::STORE;
 
-/// The versions that have the commands, for the message refusing a server without them.
-const VERSIONS: &str = "Valkey 8.1 or newer (SET IFEQ; DELIFEQ from 9.0) or Redis 8.4 or \
-                        newer (SET IFEQ and DELEX)";
-
 /// How the store makes its fenced transitions: Lua scripts, or plain commands (`SET ..
 /// IFEQ`, and a release of the kind named).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,7 +109,8 @@ pub(crate) fn choose(servers: Option<&[Server]>, scripting: Scripting) -> Result
             STORE,
             format!(
                 "Scripting::NoScripts needs the compare-and-set commands on every primary, \
-                 which {VERSIONS} have; found {found}: upgrade the servers, or allow Lua \
+                 which Valkey 8.1 or newer (SET IFEQ; DELIFEQ from 9.0) or Redis 8.4 or newer \
+                 (SET IFEQ and DELEX) have; found {found}: upgrade the servers, or allow Lua \
                  scripts with Scripting::Auto"
             ),
         ));
@@ -139,20 +136,22 @@ mod tests {
         let redis70 = server("redis_version:7.0.15\n");
         let redis84 = server("redis_version:8.4.0\n");
         assert_eq!(valkey91.to_string(), "valkey 9.1.2");
-        let auto = |s: &[Server]| choose(Some(s), Scripting::Auto).unwrap();
-        assert_eq!(auto(&[valkey91]), Path::DelIfEq);
-        assert_eq!(auto(&[valkey81]), Path::SetReleased);
-        assert_eq!(auto(&[redis84]), Path::DelEx);
-        assert_eq!(auto(&[valkey80]), Path::Scripts);
-        assert_eq!(auto(&[redis70]), Path::Scripts);
-        assert_eq!(auto(&[valkey91, valkey91]), Path::DelIfEq);
-        assert_eq!(auto(&[valkey91, redis84]), Path::SetReleased);
-        assert_eq!(auto(&[valkey91, redis70]), Path::Scripts);
-        assert_eq!(choose(None, Scripting::Auto).unwrap(), Path::Scripts);
-        assert_eq!(
-            choose(Some(&[valkey91]), Scripting::Scripts).unwrap(),
-            Path::Scripts
-        );
+        use Scripting::{Auto, Scripts};
+        for (servers, scripting, path) in [
+            (&[valkey91][..], Auto, Path::DelIfEq),
+            (&[valkey81], Auto, Path::SetReleased),
+            (&[redis84], Auto, Path::DelEx),
+            (&[valkey80], Auto, Path::Scripts),
+            (&[redis70], Auto, Path::Scripts),
+            (&[valkey91, valkey91], Auto, Path::DelIfEq),
+            (&[valkey91, redis84], Auto, Path::SetReleased),
+            (&[valkey91, redis70], Auto, Path::Scripts),
+            (&[valkey91], Scripts, Path::Scripts),
+        ] {
+            let chosen = choose(Some(servers), scripting).unwrap();
+            assert_eq!(chosen, path, "{servers:?} {scripting:?}");
+        }
+        assert_eq!(choose(None, Auto).unwrap(), Path::Scripts);
         let Err(Error::Backend { source, .. }) =
             choose(Some(&[valkey91, redis70]), Scripting::NoScripts)
         else {

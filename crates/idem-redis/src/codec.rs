@@ -36,7 +36,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use idem_core::{
     decode_meta, encode_meta, Completion, CompletionKind, Error, FencingToken, Fingerprint,
-    RecordId, RecordState, Response,
+    RecordId, RecordState, Replay, Response,
 };
 
 use crate::config::{BodyLimit, OversizeBody};
@@ -87,64 +87,44 @@ pub(crate) fn identity(record: &[u8]) -> (Fingerprint, u32) {
 /// that lives a millisecond and reads as absent.
 pub(crate) const RELEASED: &[u8] = b"R";
 
+/// A value read from a record's key: `None` for [`RELEASED`], which reads as absent.
+pub(crate) fn live(value: Option<Vec<u8>>) -> Option<Bytes> {
+    value.filter(|v| v.as_slice() != RELEASED).map(Bytes::from)
+}
+
 /// A completion, encoded.
 #[derive(Debug)]
 pub(crate) struct EncodedCompletion {
     /// `C` (raw body), `Z` (LZ4 body) or `H` (body dropped).
-    pub tag: &'static [u8],
+    pub tag: u8,
     /// The metadata, compact or length-prefixed (its first byte tells which).
     pub meta: Vec<u8>,
     /// The body as stored.
     pub body: Bytes,
 }
 
-/// The completed record as one command argument, written straight into it: the tag, the
-/// fingerprint, the expiry, the attempt, the metadata, the body.
-pub(crate) struct Completed<'a> {
-    pub encoded: &'a EncodedCompletion,
-    /// The fingerprint and attempt of the in-progress record it replaces.
-    pub identity: (&'a Fingerprint, u32),
-    /// When the record expires, in Unix seconds ([`expires_at`]).
-    pub expires_at: u32,
-}
-
-impl Completed<'_> {
-    /// The argument's length in bytes.
-    pub(crate) fn len(&self) -> usize {
-        1 + 32
-            + 4
-            + attempt_len(self.identity.1)
-            + self.encoded.meta.len()
-            + self.encoded.body.len()
-    }
-}
-
-impl redis::ToRedisArgs for Completed<'_> {
-    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        use bytes::BufMut as _;
-        let mut arg = out.bufmut_for_next_arg(self.len());
-        arg.put_slice(self.encoded.tag);
-        arg.put_slice(self.identity.0.as_bytes());
-        arg.put_u32(self.expires_at);
-        put_attempt(&mut arg, self.identity.1);
-        arg.put_slice(&self.encoded.meta);
-        arg.put_slice(&self.encoded.body);
-    }
-}
-
 /// The completed record that replaces an in-progress record of `identity` (its fingerprint
-/// and attempt, as [`identity`] reads them), as one value.
+/// and attempt, as [`identity`] reads them): the tag, the fingerprint, the expiry, the
+/// attempt (one byte under 255, else 255 and the u32), the metadata, the body.
 pub(crate) fn completed(
-    identity: (Fingerprint, u32),
+    (fingerprint, attempt): (Fingerprint, u32),
     encoded: &EncodedCompletion,
     expires_at: u32,
 ) -> Vec<u8> {
-    let record = Completed {
-        encoded,
-        identity: (&identity.0, identity.1),
-        expires_at,
-    };
-    redis::ToRedisArgs::to_redis_args(&record).remove(0)
+    let mut out = Vec::with_capacity(42 + encoded.meta.len() + encoded.body.len());
+    out.push(encoded.tag);
+    out.extend_from_slice(fingerprint.as_bytes());
+    out.extend_from_slice(&expires_at.to_be_bytes());
+    match u8::try_from(attempt) {
+        Ok(short) if short < LONG_ATTEMPT => out.push(short),
+        _ => {
+            out.push(LONG_ATTEMPT);
+            out.extend_from_slice(&attempt.to_be_bytes());
+        }
+    }
+    out.extend_from_slice(&encoded.meta);
+    out.extend_from_slice(&encoded.body);
+    out
 }
 
 /// Whether `stored` is the completed record that `encoded` makes of the in-progress record
@@ -158,44 +138,22 @@ pub(crate) fn completes(held: &[u8], encoded: &EncodedCompletion, stored: &[u8])
         && stored[expiry.end..] == ours[expiry.end..]
 }
 
-/// The bytes an attempt takes in a completed record: one under 255, else five.
-pub(crate) fn attempt_len(attempt: u32) -> usize {
-    if attempt < u32::from(LONG_ATTEMPT) {
-        1
-    } else {
-        5
-    }
-}
-
-/// Writes an attempt in a completed record's form ([`attempt_len`]).
-pub(crate) fn put_attempt(out: &mut impl bytes::BufMut, attempt: u32) {
-    match u8::try_from(attempt) {
-        Ok(short) if short < LONG_ATTEMPT => out.put_u8(short),
-        _ => {
-            out.put_u8(LONG_ATTEMPT);
-            out.put_u32(attempt);
-        }
-    }
-}
-
 /// When a record written now and kept for `ttl` expires, in Unix seconds by this host's
 /// clock, rounded down (so never later than the key's expiry, by a clock in step with the
 /// server's); saturated at `u32::MAX` (in 2106).
 pub(crate) fn expires_at(ttl: Duration) -> u32 {
-    let at = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .saturating_add(ttl)
-        .as_secs();
-    u32::try_from(at).unwrap_or(u32::MAX)
+    u32::try_from(unix_now().saturating_add(ttl).as_secs()).unwrap_or(u32::MAX)
 }
 
 /// The time left until `expires_at` (Unix seconds), by this host's clock; zero once passed.
 pub(crate) fn expires_in(expires_at: u32) -> Duration {
-    let now = SystemTime::now()
+    Duration::from_secs(u64::from(expires_at)).saturating_sub(unix_now())
+}
+
+fn unix_now() -> Duration {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    Duration::from_secs(u64::from(expires_at)).saturating_sub(now)
+        .unwrap_or_default()
 }
 
 /// Encodes a completion, applying the body limit.
@@ -253,7 +211,7 @@ pub(crate) fn encode_completion(
         }
     };
     Ok(EncodedCompletion {
-        tag: [b"C", b"Z", b"H"][form],
+        tag: b"CZH"[form],
         meta,
         body,
     })
@@ -290,11 +248,7 @@ fn compact_meta(kind: CompletionKind, response: &Response) -> Option<Vec<u8>> {
 fn decode_compact_meta(bytes: &[u8]) -> Option<(CompletionKind, Response, usize)> {
     let mut r = Reader(bytes);
     let first = r.take(1)?[0];
-    let kind = if first & 0x40 == 0 {
-        CompletionKind::Succeeded
-    } else {
-        CompletionKind::Failed
-    };
+    let kind = kind(first & 0x40 != 0);
     let status = u16::from_be_bytes(r.take(2)?.try_into().ok()?);
     let count = first & 0x3f;
     let mut headers = Vec::with_capacity(usize::from(count));
@@ -309,6 +263,14 @@ fn decode_compact_meta(bytes: &[u8]) -> Option<(CompletionKind, Response, usize)
     Some((kind, response, bytes.len() - r.0.len()))
 }
 
+fn kind(failed: bool) -> CompletionKind {
+    if failed {
+        CompletionKind::Failed
+    } else {
+        CompletionKind::Succeeded
+    }
+}
+
 struct Reader<'a>(&'a [u8]);
 
 impl<'a> Reader<'a> {
@@ -319,43 +281,13 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// What a completed record starts with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Identity<'a> {
-    fingerprint: &'a [u8],
-    /// Unix seconds.
-    expires_at: u32,
-    attempt: u32,
-    /// Where the metadata starts.
-    meta_at: usize,
-}
-
-/// Reads the identity of a completed record (tag `C`, `Z` or `H`); `None` when it is not
-/// one, or too short to hold it.
-fn completed_identity(record: &[u8]) -> Option<Identity<'_>> {
-    match *record.first()? {
-        b'C' | b'Z' | b'H' if record.len() >= COMPLETED_IDENTITY_MIN => {
-            let (attempt, meta_at) = match record[37] {
-                LONG_ATTEMPT => (u32::from_be_bytes(read4(record.get(38..42)?)), 42),
-                short => (u32::from(short), 38),
-            };
-            Some(Identity {
-                fingerprint: &record[1..33],
-                expires_at: u32::from_be_bytes(read4(&record[33..37])),
-                attempt,
-                meta_at,
-            })
-        }
-        _ => None,
-    }
-}
-
-/// Decodes a completed record held in `record` (a slice of `owner`, so
-/// a raw body is handed out without a copy).
-pub(crate) fn decode_completion_in(owner: &Bytes, record: &[u8]) -> Result<Completion, Error> {
+/// Decodes a completed record (a raw body is handed out as a slice of it, without a copy).
+pub(crate) fn decode_completion(record: &Bytes) -> Result<Completion, Error> {
     let corrupt = |why: &str| Error::corrupt(STORE, why.to_owned());
-    let identity = completed_identity(record).ok_or_else(|| corrupt("not a completed record"))?;
-    let rest = &record[identity.meta_at..];
+    let Some(Head::Completed { meta_at, .. }) = decode_head(record, 0) else {
+        return Err(corrupt("not a completed record"));
+    };
+    let rest = &record[meta_at..];
     let (stored, meta) = match rest.first() {
         Some(first) if first & 0x80 != 0 => {
             let (kind, response, len) =
@@ -376,7 +308,7 @@ pub(crate) fn decode_completion_in(owner: &Bytes, record: &[u8]) -> Result<Compl
     };
     let body = match record[0] {
         b'Z' => Bytes::from(decompress(stored).ok_or_else(|| corrupt("bad LZ4 body"))?),
-        _ => owner.slice_ref(stored),
+        _ => record.slice_ref(stored),
     };
     match meta {
         Ok((kind, mut response)) => {
@@ -387,11 +319,22 @@ pub(crate) fn decode_completion_in(owner: &Bytes, record: &[u8]) -> Result<Compl
     }
 }
 
-/// Decodes a completed record for tests and callers holding a plain slice.
-#[cfg(test)]
-pub(crate) fn decode_completion(record: &[u8]) -> Result<Completion, Error> {
-    let owner = Bytes::copy_from_slice(record);
-    decode_completion_in(&owner, &owner)
+/// The replay of a completed record whose head says it expires at `expires_at`.
+pub(crate) fn replay(record: &Bytes, expires_at: u32) -> Result<Replay, Error> {
+    Ok(Replay {
+        completion: decode_completion(record)?,
+        expires_in: expires_in(expires_at),
+    })
+}
+
+/// Answers a `value` whose head does not decode, read with its key's `pttl`: absent when it
+/// is an in-progress record whose key expired between the `GET` and the `PTTL`, else corrupt.
+pub(crate) fn vanished(value: &[u8], pttl: i64) -> Result<(), Error> {
+    if pttl < 0 && value.first() == Some(&b'P') {
+        Ok(())
+    } else {
+        Err(Error::corrupt(STORE, "not a record"))
+    }
 }
 
 fn decompress(stored: &[u8]) -> Option<Vec<u8>> {
@@ -407,62 +350,64 @@ fn decompress(stored: &[u8]) -> Option<Vec<u8>> {
 
 /// What a record's head says, decoded for the store's decisions and for `stats`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Head<'a> {
+pub(crate) enum Head {
     /// In progress: the holder's token, the attempt, and the lease time left by the
     /// server's clock (negative once the deadline passed).
     InProgress {
-        fingerprint: &'a [u8],
-        token: &'a [u8],
+        fingerprint: Fingerprint,
+        token: FencingToken,
         attempt: u32,
         lease_left_ms: i64,
     },
-    /// Completed, with its kind (read from the head alone) and its expiry (Unix seconds).
+    /// Completed, with its kind (read from the head alone), its expiry (Unix seconds) and
+    /// where its metadata starts.
     Completed {
-        fingerprint: &'a [u8],
+        fingerprint: Fingerprint,
         attempt: u32,
         kind: Option<CompletionKind>,
         expires_at: u32,
+        meta_at: usize,
     },
 }
 
 /// Decodes the head of a record (at least its first 59 bytes, or all of it when shorter).
 /// `pttl_ms` is the key's `PTTL`. `None` when the bytes are not a record, or an in-progress
 /// record has no expiry.
-pub(crate) fn decode_head(head: &[u8], pttl_ms: i64) -> Option<Head<'_>> {
+pub(crate) fn decode_head(head: &[u8], pttl_ms: i64) -> Option<Head> {
     match *head.first()? {
         b'P' if head.len() == IN_PROGRESS_LEN => {
             if pttl_ms < 0 {
                 return None;
             }
+            let (fingerprint, attempt) = identity(head);
             Some(Head::InProgress {
-                fingerprint: &head[23..55],
-                token: &head[1..17],
-                attempt: u32::from_be_bytes(read4(&head[55..59])),
+                fingerprint,
+                token: FencingToken::from_slice(&head[1..17])?,
+                attempt,
                 lease_left_ms: pttl_ms.saturating_sub(read_u48(&head[17..23])),
             })
         }
-        _ => {
-            let identity = completed_identity(head)?;
-            let kind = match head.get(identity.meta_at) {
+        b'C' | b'Z' | b'H' if head.len() >= COMPLETED_IDENTITY_MIN => {
+            let (attempt, meta_at) = match head[37] {
+                LONG_ATTEMPT => (u32::from_be_bytes(read4(head.get(38..42)?)), 42),
+                short => (u32::from(short), 38),
+            };
+            let kind = match head.get(meta_at) {
                 Some(first) if first & 0x80 != 0 => Some(first & 0x40 != 0),
                 // The length-prefixed metadata: length (4), version (1), kind (1).
                 _ => head
-                    .get(identity.meta_at + 5)
+                    .get(meta_at + 5)
                     .and_then(|b| (*b < 2).then_some(*b == 1)),
             };
             Some(Head::Completed {
-                fingerprint: identity.fingerprint,
-                attempt: identity.attempt,
-                expires_at: identity.expires_at,
-                kind: kind.map(|failed| {
-                    if failed {
-                        CompletionKind::Failed
-                    } else {
-                        CompletionKind::Succeeded
-                    }
-                }),
+                fingerprint: fingerprint_of(&head[1..33]),
+                attempt,
+                expires_at: u32::from_be_bytes(read4(&head[33..37])),
+                kind: kind.map(self::kind),
+                meta_at,
             })
         }
+        _ => None,
     }
 }
 
@@ -479,7 +424,6 @@ pub(crate) fn decode_record(
     pttl_ms: i64,
 ) -> Result<idem_core::Record, Error> {
     check_tag(&record)?;
-    let corrupt = || Error::corrupt(STORE, "bad fencing token");
     let head = decode_head(&record, pttl_ms).ok_or_else(|| {
         Error::corrupt(
             STORE,
@@ -500,7 +444,7 @@ pub(crate) fn decode_record(
             fingerprint,
             attempt,
             RecordState::InProgress {
-                token: FencingToken::from_slice(token).ok_or_else(corrupt)?,
+                token,
                 lease_remaining: millis(lease_left_ms),
             },
         ),
@@ -511,12 +455,12 @@ pub(crate) fn decode_record(
         } => (
             fingerprint,
             attempt,
-            RecordState::Completed(decode_completion_in(&record, &record)?),
+            RecordState::Completed(decode_completion(&record)?),
         ),
     };
     Ok(idem_core::Record {
         id: id.clone(),
-        fingerprint: fingerprint_of(fingerprint),
+        fingerprint,
         attempt,
         state,
         expires_in: millis(pttl_ms),
@@ -568,9 +512,9 @@ mod tests {
     const AT: u32 = 1_900_000_000;
 
     /// Builds the record the `complete` script writes over the in-progress record `p`, by
-    /// the layout's table (not by [`Completed`], which the tests check against it).
+    /// the layout's table (not by [`completed`], which the tests check against it).
     fn as_stored(p: &[u8; IN_PROGRESS_LEN], e: &EncodedCompletion) -> Vec<u8> {
-        let mut out = e.tag.to_vec();
+        let mut out = vec![e.tag];
         out.extend_from_slice(&p[23..55]);
         out.extend_from_slice(&AT.to_be_bytes());
         match p[55..59] {
@@ -585,42 +529,8 @@ mod tests {
         out
     }
 
-    /// What [`Completed`] writes as its argument.
-    fn argument(completed: &Completed<'_>) -> Vec<u8> {
-        let mut args = redis::ToRedisArgs::to_redis_args(completed);
-        assert_eq!(args.len(), 1);
-        let arg = args.remove(0);
-        assert_eq!(arg.len(), completed.len());
-        arg
-    }
-
-    #[test]
-    fn the_argument_is_the_stored_record() {
-        let fp = Fingerprint::of_bytes(b"x");
-        let e = encode_completion(&completion(b"body".to_vec()), &BodyLimit::default()).unwrap();
-        for attempt in [1, 254, 255, 70_000, u32::MAX] {
-            let whole = Completed {
-                encoded: &e,
-                identity: (&fp, attempt),
-                expires_at: AT,
-            };
-            assert_eq!(argument(&whole), as_stored(&held(&fp, attempt), &e));
-        }
-    }
-
-    #[test]
-    fn the_stored_expiry_is_rounded_down_and_read_back_by_the_clock() {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-        let at = expires_at(Duration::from_millis(2_500));
-        assert!(
-            u64::from(at) * 1000 <= (now + Duration::from_millis(2_500)).as_millis() as u64 + 5
-        );
-        assert!(u64::from(at) + 1 >= (now + Duration::from_millis(2_500)).as_secs());
-        let left = expires_in(at);
-        assert!(left <= Duration::from_millis(2_500), "{left:?}");
-        assert!(left >= Duration::from_millis(1_000), "{left:?}");
-        assert_eq!(expires_in(0), Duration::ZERO);
-        assert_eq!(expires_at(Duration::MAX), u32::MAX);
+    fn decode(stored: &[u8]) -> Result<Completion, Error> {
+        decode_completion(&Bytes::copy_from_slice(stored))
     }
 
     fn id() -> RecordId {
@@ -641,103 +551,111 @@ mod tests {
         }
     }
 
-    #[test]
-    fn in_progress_head_reads_back() {
-        let (fp, token) = (Fingerprint::of_bytes(b"x"), FencingToken::random());
-        let record = in_progress(&token, 5_000, &fp, 7);
-        let head = decode_head(&record, 12_000).unwrap();
-        assert_eq!(
-            head,
-            Head::InProgress {
-                fingerprint: fp.as_bytes(),
-                token: token.as_bytes(),
-                attempt: 7,
-                lease_left_ms: 7_000,
-            }
-        );
-        // No expiry: the deadline cannot be told.
-        assert_eq!(decode_head(&record, -1), None);
-        // A deadline passed: negative time left.
-        let Some(Head::InProgress { lease_left_ms, .. }) = decode_head(&record, 4_000) else {
-            panic!()
-        };
-        assert_eq!(lease_left_ms, -1_000);
-    }
-
-    /// The attempt, kind and expiry the head of a completed record says.
-    fn completed_head(stored: &[u8]) -> Option<(u32, Option<CompletionKind>, u32)> {
-        match decode_head(stored, 10)? {
-            Head::Completed {
-                attempt,
-                kind,
-                expires_at,
-                ..
-            } => Some((attempt, kind, expires_at)),
-            Head::InProgress { .. } => None,
+    fn limit(max_bytes: usize, oversize: OversizeBody) -> BodyLimit {
+        BodyLimit {
+            max_bytes,
+            oversize,
         }
     }
 
     #[test]
-    fn a_plain_success_is_41_bytes_plus_its_body() {
+    fn the_written_record_is_the_layouts() {
         let fp = Fingerprint::of_bytes(b"x");
-        let ok = Completion::succeeded(Response::new(201, "0123456789"));
-        let e = encode_completion(&ok, &BodyLimit::default()).unwrap();
-        assert_eq!(e.tag, b"C");
-        assert_eq!(e.meta[0], 0x80);
-        let stored = as_stored(&held(&fp, 1), &e);
-        assert_eq!(stored.len(), 41 + 10);
-        assert_eq!(decode_completion(&stored).unwrap(), ok);
-        let head = (1, Some(CompletionKind::Succeeded), AT);
-        assert_eq!(completed_head(&stored), Some(head));
+        let e = encode_completion(&completion(b"body".to_vec()), &BodyLimit::default()).unwrap();
+        for attempt in [1, 254, 255, 70_000, u32::MAX] {
+            let written = completed((fp, attempt), &e, AT);
+            assert_eq!(written, as_stored(&held(&fp, attempt), &e));
+        }
     }
 
     #[test]
-    fn what_the_compact_metadata_cannot_hold_is_length_prefixed() {
+    fn the_stored_expiry_is_rounded_down_and_read_back_by_the_clock() {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let at = expires_at(Duration::from_millis(2_500));
+        assert!(
+            u64::from(at) * 1000 <= (now + Duration::from_millis(2_500)).as_millis() as u64 + 5
+        );
+        assert!(u64::from(at) + 1 >= (now + Duration::from_millis(2_500)).as_secs());
+        let left = expires_in(at);
+        assert!(left <= Duration::from_millis(2_500), "{left:?}");
+        assert!(left >= Duration::from_millis(1_000), "{left:?}");
+        assert_eq!(expires_in(0), Duration::ZERO);
+        assert_eq!(expires_at(Duration::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn in_progress_head_reads_back() {
+        let (fp, token) = (Fingerprint::of_bytes(b"x"), FencingToken::random());
+        let record = in_progress(&token, 5_000, &fp, 7);
+        // The lease time left is the PTTL minus the margin: negative once the deadline
+        // passed, unknown without an expiry.
+        for (pttl, left) in [(12_000, Some(7_000)), (4_000, Some(-1_000)), (-1, None)] {
+            let head = left.map(|lease_left_ms| Head::InProgress {
+                fingerprint: fp,
+                token,
+                attempt: 7,
+                lease_left_ms,
+            });
+            assert_eq!(decode_head(&record, pttl), head, "PTTL {pttl}");
+        }
+    }
+
+    #[test]
+    fn completions_read_back_in_either_metadata_form() {
         let fp = Fingerprint::of_bytes(b"x");
+        let plain = Completion::succeeded(Response::new(201, "0123456789"));
         let many = (0..64).fold(Response::new(200, "x"), |r, i| {
             r.with_header(format!("h{i}"), "v")
         });
-        for response in [
-            many,
-            Response::new(200, "x").with_header("h".repeat(300), "v"),
-            Response::new(200, "x").with_header("h", vec![b'v'; 70_000]),
-        ] {
-            let c = Completion::failed(response);
+        let long_name = Response::new(200, "x").with_header("h".repeat(300), "v");
+        let long_value = Response::new(200, "x").with_header("h", vec![b'v'; 70_000]);
+        // (completion, attempt, the metadata's first byte, the stored length when fixed):
+        // a plain success is 41 bytes plus its body; what the compact metadata cannot hold
+        // is length-prefixed.
+        let cases = [
+            (plain, 1, 0x80, Some(41 + 10)),
+            (Completion::failed(many), 2, 0, None),
+            (Completion::failed(long_name), 2, 0, None),
+            (Completion::failed(long_value), 2, 0, None),
+        ];
+        for (c, attempt, meta, len) in cases {
             let e = encode_completion(&c, &BodyLimit::default()).unwrap();
-            assert_eq!((e.tag, e.meta[0]), (&b"C"[..], 0));
-            let stored = as_stored(&held(&fp, 2), &e);
-            assert_eq!(decode_completion(&stored).unwrap(), c);
-            let head = (2, Some(CompletionKind::Failed), AT);
-            assert_eq!(completed_head(&stored), Some(head));
+            assert_eq!((e.tag, e.meta[0]), (b'C', meta));
+            let stored = as_stored(&held(&fp, attempt), &e);
+            if let Some(len) = len {
+                assert_eq!(stored.len(), len);
+            }
+            assert_eq!(decode(&stored).unwrap(), c);
+            let head = Head::Completed {
+                fingerprint: fp,
+                attempt,
+                kind: Some(c.kind),
+                expires_at: AT,
+                meta_at: 38,
+            };
+            assert_eq!(decode_head(&stored, 10), Some(head));
         }
     }
 
     #[test]
     fn every_tag_passes_the_tag_check() {
-        let id = id();
         let fp = Fingerprint::of_bytes(b"x");
         let p = held(&fp, 3);
-        let limit = |oversize| BodyLimit {
-            max_bytes: 100,
-            oversize,
-        };
         let big = completion(vec![b'a'; 1000]);
         let mut records = vec![p.to_vec()];
-        for oversize in [OversizeBody::Compress, OversizeBody::StatusAndHeaders] {
-            records.push(as_stored(
-                &p,
-                &encode_completion(&big, &limit(oversize)).unwrap(),
-            ));
+        for (c, oversize) in [
+            (&big, OversizeBody::Compress),
+            (&big, OversizeBody::StatusAndHeaders),
+            (&completion(b"ok".to_vec()), OversizeBody::Refuse),
+        ] {
+            let e = encode_completion(c, &limit(100, oversize)).unwrap();
+            records.push(as_stored(&p, &e));
         }
-        records.push(as_stored(
-            &p,
-            &encode_completion(&completion(b"ok".to_vec()), &limit(OversizeBody::Refuse)).unwrap(),
-        ));
         let mut tags: Vec<u8> = records.iter().map(|r| r[0]).collect();
         tags.sort_unstable();
         assert_eq!(tags, b"CHPZ");
         for record in records {
-            let back = decode_record(&id, Bytes::from(record), 5_000).unwrap();
+            let back = decode_record(&id(), Bytes::from(record), 5_000).unwrap();
             assert_eq!((back.fingerprint, back.attempt), (fp, 3));
         }
         // A known tag on a value of the wrong shape is corrupt, and says why.
@@ -747,7 +665,7 @@ mod tests {
             (&b"C0123"[..], "completed record too short"),
         ] {
             let Err(Error::Corrupt { detail, .. }) =
-                decode_record(&id, Bytes::copy_from_slice(value), -1)
+                decode_record(&id(), Bytes::copy_from_slice(value), -1)
             else {
                 panic!("{value:?} decoded");
             };
@@ -757,60 +675,43 @@ mod tests {
 
     #[test]
     fn body_policies() {
-        let fp = Fingerprint::of_bytes(b"x");
+        let stored = |e: &EncodedCompletion| as_stored(&held(&Fingerprint::of_bytes(b"x"), 2), e);
         let big = completion(b"abcd".repeat(1000));
-        let limit = |oversize| BodyLimit {
-            max_bytes: 1000,
-            oversize,
-        };
 
-        let z = encode_completion(&big, &limit(OversizeBody::Compress)).unwrap();
-        assert_eq!(z.tag, b"Z");
+        let z = encode_completion(&big, &limit(1000, OversizeBody::Compress)).unwrap();
+        assert_eq!(z.tag, b'Z');
         assert!(z.body.len() < 1000);
-        assert_eq!(
-            decode_completion(&as_stored(&held(&fp, 2), &z)).unwrap(),
-            big
-        );
+        assert_eq!(decode(&stored(&z)).unwrap(), big);
 
-        let h = encode_completion(&big, &limit(OversizeBody::StatusAndHeaders)).unwrap();
-        assert_eq!(h.tag, b"H");
-        let back = decode_completion(&as_stored(&held(&fp, 2), &h)).unwrap();
+        let h = encode_completion(&big, &limit(1000, OversizeBody::StatusAndHeaders)).unwrap();
+        assert_eq!(h.tag, b'H');
+        let back = decode(&stored(&h)).unwrap();
         assert_eq!(back.response.status, 503);
         assert_eq!(back.response.headers, big.response.headers);
         assert!(back.response.body.is_empty());
 
-        assert!(matches!(
-            encode_completion(&big, &limit(OversizeBody::Refuse)),
-            Err(Error::Invalid(_))
-        ));
-        // Incompressible data over the limit is refused even when compressing.
+        // Refused over the limit; incompressible data too, even when compressing.
         let noise: Vec<u8> = (0..5000u32)
             .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
             .collect();
-        assert!(matches!(
-            encode_completion(&completion(noise), &limit(OversizeBody::Compress)),
-            Err(Error::Invalid(_))
-        ));
+        for (c, oversize) in [
+            (big, OversizeBody::Refuse),
+            (completion(noise), OversizeBody::Compress),
+        ] {
+            let refused = encode_completion(&c, &limit(1000, oversize));
+            assert!(matches!(refused, Err(Error::Invalid(_))), "{oversize:?}");
+        }
     }
 
     #[test]
     fn corrupt_lz4_length_is_refused_without_allocating() {
         let fp = Fingerprint::of_bytes(b"x");
-        let z = encode_completion(
-            &completion(vec![7; 4000]),
-            &BodyLimit {
-                max_bytes: 100,
-                oversize: OversizeBody::Compress,
-            },
-        )
-        .unwrap();
+        let c = completion(vec![7; 4000]);
+        let z = encode_completion(&c, &limit(100, OversizeBody::Compress)).unwrap();
         let mut stored = as_stored(&held(&fp, 1), &z);
         let at = stored.len() - z.body.len();
         stored[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(matches!(
-            decode_completion(&stored),
-            Err(Error::Corrupt { .. })
-        ));
+        assert!(matches!(decode(&stored), Err(Error::Corrupt { .. })));
     }
 
     proptest! {
@@ -825,15 +726,14 @@ mod tests {
             let mut c = completion(body);
             c.response.status = status;
             c.response.headers = headers;
-            let e = encode_completion(&c, &BodyLimit { max_bytes: 100, oversize: OversizeBody::Compress });
-            if let Ok(e) = e {
+            if let Ok(e) = encode_completion(&c, &limit(100, OversizeBody::Compress)) {
                 let stored = as_stored(&held(&fp, attempt), &e);
                 let head = decode_head(&stored, 10);
                 prop_assert!(
-                    matches!(head, Some(Head::Completed { fingerprint, attempt: a, kind: Some(CompletionKind::Failed), expires_at: AT }) if fingerprint == fp.as_bytes() && a == attempt),
+                    matches!(head, Some(Head::Completed { fingerprint, attempt: a, kind: Some(CompletionKind::Failed), expires_at: AT, .. }) if fingerprint == fp && a == attempt),
                     "{:?}", head
                 );
-                prop_assert_eq!(decode_completion(&stored).unwrap(), c);
+                prop_assert_eq!(decode(&stored).unwrap(), c);
             }
         }
 

@@ -12,11 +12,12 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
 };
-use redis::{Cmd, PushInfo, RedisFuture, Value};
+use redis::{Cmd, ProtocolVersion, RedisFuture, Value};
 use tokio::sync::{mpsc, OnceCell};
 
 use crate::config::RedisConfig;
 use crate::error::classify;
+use crate::notify::{self, PubSub};
 
 /// The URL scheme that selects Redis Cluster.
 pub(crate) const CLUSTER_SCHEME: &str = "redis+cluster://";
@@ -28,6 +29,9 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
 /// The query parameter naming a PEM file of certificate authorities to trust instead of the
 /// system's roots (a private CA): `rediss://host:6380/?tls_ca_file=/etc/idem/ca.pem`.
 const TLS_CA_FILE: &str = "tls_ca_file";
+/// The refusal of a TLS URL by a build without TLS.
+const NO_TLS: &str = "redis url: rediss:// needs TLS, and idem-redis was built without it: \
+                      enable its `tls-rustls` (or `tls-native-tls`) feature";
 
 /// Where the store's connections go. Cheap to clone.
 #[derive(Clone)]
@@ -61,14 +65,13 @@ impl Connection {
     pub(crate) fn open(url: &str, config: &RedisConfig) -> Result<(Self, PubSub), Error> {
         let (url, ca_file) = split_ca_file(url)?;
         let url = url.as_str();
-        let cluster = cluster_rest(url);
+        // A cluster: the URL after its scheme, and whether the scheme asks for TLS.
+        let cluster = [(CLUSTER_SCHEME, false), (CLUSTER_TLS_SCHEME, true)]
+            .into_iter()
+            .find_map(|(scheme, tls)| Some((url.strip_prefix(scheme)?, tls)));
         let tls = cluster.map_or(url.starts_with("rediss://"), |(_, tls)| tls);
         if tls && !cfg!(any(feature = "tls-rustls", feature = "tls-native-tls")) {
-            return Err(Error::Invalid(
-                "redis url: rediss:// needs TLS, and idem-redis was built without it: enable \
-                 its `tls-rustls` (or `tls-native-tls`) feature"
-                    .into(),
-            ));
+            return Err(Error::Invalid(NO_TLS.into()));
         }
         if ca_file.is_some() && !tls {
             return Err(Error::Invalid(format!(
@@ -76,7 +79,16 @@ impl Connection {
                  {CLUSTER_TLS_SCHEME})"
             )));
         }
-        let certs = ca_file.map(|path| read_ca(&path)).transpose()?;
+        let certs = ca_file.map(|path| {
+            std::fs::read(&path).map(CaCerts).map_err(|e| {
+                let path = path.display();
+                Error::Invalid(format!("redis url: cannot read {TLS_CA_FILE} {path}: {e}"))
+            })
+        });
+        let certs = certs.transpose()?;
+        // The waiters' subscriptions speak RESP3, which redis-rs needs for pub/sub on a
+        // multiplexed connection; what their servers push goes to `pushes`.
+        let (push, pushes) = mpsc::unbounded_channel();
         if let Some((rest, tls)) = cluster {
             let nodes = cluster_nodes(rest, tls)?;
             let count = nodes.len();
@@ -90,15 +102,19 @@ impl Connection {
                     // which a redirection during a failover easily outlasts.
                     .overall_response_timeout(None);
                 match certs {
-                    Some(certs) => with_cluster_certs(builder, certs),
                     None => Ok(builder),
+                    #[cfg(feature = "tls-rustls")]
+                    Some(certs) => Ok(builder.certs(certs.tls())),
+                    #[cfg(not(feature = "tls-rustls"))]
+                    Some(_) => Err(Error::Invalid(format!(
+                        "redis url: {TLS_CA_FILE} on a cluster needs idem-redis's `tls-rustls` \
+                         feature"
+                    ))),
                 }
             };
             let client = builder(certs.clone())?.build().map_err(invalid)?;
-            // RESP3, which redis-rs needs for pub/sub on a cluster.
-            let (push, pushes) = mpsc::unbounded_channel();
             let subscriber = builder(certs)?
-                .use_protocol(redis::ProtocolVersion::RESP3)
+                .use_protocol(ProtocolVersion::RESP3)
                 .push_sender(push)
                 .build()
                 .map_err(invalid)?;
@@ -107,14 +123,15 @@ impl Connection {
                 nodes: count,
                 connection: OnceCell::new(),
             };
-            return Ok((
-                Self::Cluster(Arc::new(handle)),
-                PubSub::Cluster(subscriber, pushes),
-            ));
+            let client = notify::Client::Cluster(subscriber);
+            return Ok((Self::Cluster(Arc::new(handle)), PubSub { client, pushes }));
         }
         let client = match certs {
-            Some(certs) => client_with_certs(url, certs)?,
             None => redis::Client::open(url).map_err(invalid)?,
+            #[cfg(any(feature = "tls-rustls", feature = "tls-native-tls"))]
+            Some(certs) => redis::Client::build_with_tls(url, certs.tls()).map_err(invalid)?,
+            #[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
+            Some(_) => return Err(Error::Invalid(NO_TLS.into())),
         };
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
@@ -122,10 +139,17 @@ impl Connection {
             .set_number_of_retries(config.reconnect_retries)
             .set_min_delay(Duration::from_millis(20))
             .set_max_delay(RECONNECT_MAX_DELAY);
-        let manager = ConnectionManager::new_lazy_with_config(client.clone(), manager);
+        let info = client.get_connection_info().clone();
+        let resp3 = info
+            .redis_settings()
+            .clone()
+            .set_protocol(ProtocolVersion::RESP3);
+        let subscriber = redis::Client::open(info.set_redis_settings(resp3)).map_err(invalid)?;
+        let manager = ConnectionManager::new_lazy_with_config(client, manager);
+        let client = notify::Client::One(subscriber, push);
         Ok((
             Self::Standalone(manager.map_err(invalid)?),
-            PubSub::One(client),
+            PubSub { client, pushes },
         ))
     }
 
@@ -144,32 +168,8 @@ impl Connection {
     }
 }
 
-/// The client of the waiters' subscriptions (see `notify.rs`).
-#[expect(
-    clippy::large_enum_variant,
-    reason = "made once per store and taken apart at once"
-)]
-pub(crate) enum PubSub {
-    /// One server: a client of its own.
-    One(redis::Client),
-    /// Redis Cluster: a cluster client of its own, whose nodes' pushes (messages,
-    /// confirmations, disconnections) go to the receiver.
-    Cluster(ClusterClient, mpsc::UnboundedReceiver<PushInfo>),
-}
-
 fn invalid(e: redis::RedisError) -> Error {
     Error::Invalid(format!("redis url: {e}"))
-}
-
-/// The part of a cluster `url` after its scheme, and whether the scheme asks for TLS;
-/// `None` for a one-server URL.
-fn cluster_rest(url: &str) -> Option<(&str, bool)> {
-    url.strip_prefix(CLUSTER_SCHEME)
-        .map(|rest| (rest, false))
-        .or_else(|| {
-            url.strip_prefix(CLUSTER_TLS_SCHEME)
-                .map(|rest| (rest, true))
-        })
 }
 
 /// One handle on the store's connection, for the length of a call.
@@ -238,14 +238,6 @@ impl Conn {
         Ok(texts)
     }
 
-    /// The `maxmemory_policy` of every primary (`INFO memory`); empty when not reported.
-    pub(crate) async fn eviction_policies(&mut self) -> Result<Vec<String>, redis::RedisError> {
-        let texts = self.info("memory").await?;
-        Ok(values(&texts, "maxmemory_policy")
-            .map(str::to_owned)
-            .collect())
-    }
-
     /// Whether every primary persists nothing: no append-only file (`INFO persistence`) and
     /// no RDB save points (`CONFIG GET save`). `false` when it cannot be told (a managed
     /// service that refuses `CONFIG`).
@@ -277,29 +269,26 @@ impl Conn {
             )
             .await
             .map_err(classify)?;
-        let mut nodes = Vec::new();
         let Value::Array(ranges) = &reply else {
             return Err(crate::error::unexpected("CLUSTER SLOTS", &reply));
         };
+        let mut nodes = Vec::new();
         for range in ranges {
             // [start, end, [host, port, id, ...], replicas...]
             let primary = match range {
                 Value::Array(parts) => parts.get(2),
                 _ => None,
             };
-            let node = match primary {
-                Some(Value::Array(addr)) => match (addr.first(), addr.get(1)) {
-                    (Some(Value::BulkString(host)), Some(Value::Int(port))) => {
-                        Some(Node::Primary {
-                            host: String::from_utf8_lossy(host).into_owned(),
-                            port: u16::try_from(*port).unwrap_or(0),
-                        })
-                    }
-                    _ => None,
-                },
-                _ => None,
+            let Some(Value::Array(addr)) = primary else {
+                return Err(crate::error::unexpected("CLUSTER SLOTS", &reply));
             };
-            let node = node.ok_or_else(|| crate::error::unexpected("CLUSTER SLOTS", &reply))?;
+            let [Value::BulkString(host), Value::Int(port), ..] = addr.as_slice() else {
+                return Err(crate::error::unexpected("CLUSTER SLOTS", &reply));
+            };
+            let node = Node::Primary {
+                host: String::from_utf8_lossy(host).into_owned(),
+                port: u16::try_from(*port).unwrap_or(0),
+            };
             if !nodes.contains(&node) {
                 nodes.push(node);
             }
@@ -343,7 +332,7 @@ fn by_address(host: &str, port: u16) -> SingleNodeRoutingInfo {
 }
 
 /// The values of the `name:` lines of `INFO` texts.
-fn values<'a>(texts: &'a [String], name: &'a str) -> impl Iterator<Item = &'a str> {
+pub(crate) fn values<'a>(texts: &'a [String], name: &'a str) -> impl Iterator<Item = &'a str> {
     let lines = texts.iter().flat_map(|text| text.lines());
     lines.filter_map(move |line| Some(line.strip_prefix(name)?.strip_prefix(':')?.trim()))
 }
@@ -433,60 +422,23 @@ fn split_ca_file(url: &str) -> Result<(String, Option<std::path::PathBuf>), Erro
     Ok((out, ca_file))
 }
 
-fn read_ca(path: &std::path::Path) -> Result<CaCerts, Error> {
-    std::fs::read(path).map(CaCerts).map_err(|e| {
-        Error::Invalid(format!(
-            "redis url: cannot read {TLS_CA_FILE} {}: {e}",
-            path.display()
-        ))
-    })
-}
-
 #[cfg(any(feature = "tls-rustls", feature = "tls-native-tls"))]
-fn tls_certificates(certs: CaCerts) -> redis::TlsCertificates {
-    redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(certs.0),
+impl CaCerts {
+    fn tls(self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(self.0),
+        }
     }
-}
-
-#[cfg(any(feature = "tls-rustls", feature = "tls-native-tls"))]
-fn client_with_certs(url: &str, certs: CaCerts) -> Result<redis::Client, Error> {
-    redis::Client::build_with_tls(url, tls_certificates(certs)).map_err(invalid)
-}
-
-/// `open` refuses TLS URLs before this point when no TLS feature is on.
-#[cfg(not(any(feature = "tls-rustls", feature = "tls-native-tls")))]
-fn client_with_certs(_: &str, _: CaCerts) -> Result<redis::Client, Error> {
-    Err(Error::Invalid(
-        "redis url: TLS needs idem-redis's `tls-rustls` (or `tls-native-tls`) feature".into(),
-    ))
-}
-
-#[cfg(feature = "tls-rustls")]
-fn with_cluster_certs(
-    builder: ClusterClientBuilder,
-    certs: CaCerts,
-) -> Result<ClusterClientBuilder, Error> {
-    Ok(builder.certs(tls_certificates(certs)))
-}
-
-#[cfg(not(feature = "tls-rustls"))]
-fn with_cluster_certs(_: ClusterClientBuilder, _: CaCerts) -> Result<ClusterClientBuilder, Error> {
-    Err(Error::Invalid(format!(
-        "redis url: {TLS_CA_FILE} on a cluster needs idem-redis's `tls-rustls` feature"
-    )))
 }
 
 /// Splits `[user[:password]@]host:port[,host:port...][/]` into one `redis://` (or, with
 /// `tls`, `rediss://`) URL per node.
 fn cluster_nodes(rest: &str, tls: bool) -> Result<Vec<String>, Error> {
-    let scheme = if tls {
-        CLUSTER_TLS_SCHEME
-    } else {
-        CLUSTER_SCHEME
+    let (scheme, node_scheme) = match tls {
+        true => (CLUSTER_TLS_SCHEME, "rediss://"),
+        false => (CLUSTER_SCHEME, "redis://"),
     };
-    let node_scheme = if tls { "rediss://" } else { "redis://" };
     // The hosts only: the user and password stay out of the message.
     let shown = rest.rsplit_once('@').map_or(rest, |(_, hosts)| hosts);
     let invalid = |why: &str| {

@@ -15,8 +15,6 @@
 //! record's tag (one slot, so a pipeline of both goes to one node), and never equals a
 //! record's key: an encoded id starts with a digit, a stream's part after the tag with `s`.
 
-use std::fmt::Write as _;
-
 use idem_core::{Error, FencingToken, RecordId};
 use sha2::{Digest, Sha256};
 
@@ -33,36 +31,17 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// The Redis key of a record, built in one allocation: the encoded id is written in place
-/// after a placeholder tag, then hashed where it lies.
+/// The Redis key of a record.
 pub(crate) fn record_key(prefix: &str, id: &RecordId) -> String {
-    let (scope, key) = (id.scope().as_str(), id.key().as_str());
-    let mut out = String::with_capacity(prefix.len() + TAG_HEX + 2 + 21 + scope.len() + key.len());
+    let encoded = id.encoded();
+    let mut out = String::with_capacity(prefix.len() + TAG_HEX + 2 + encoded.len());
     out.push_str(prefix);
     out.push('{');
-    for _ in 0..TAG_HEX {
-        out.push('0');
-    }
+    push_hex(&mut out, &Sha256::digest(&encoded)[..TAG_HEX / 2]);
     out.push('}');
-    let start = out.len();
-    // `RecordId::encoded`'s form: the scope's length, `:`, the scope, the key.
-    let _ = write!(out, "{}:{scope}{key}", scope.len());
-    debug_assert_eq!(&out[start..], id.encoded());
-    let digest = Sha256::digest(&out.as_bytes()[start..]);
-    let mut tag = [0u8; TAG_HEX];
-    for (i, byte) in digest[..TAG_HEX / 2].iter().enumerate() {
-        tag[2 * i] = HEX[usize::from(byte >> 4)];
-        tag[2 * i + 1] = HEX[usize::from(byte & 0xf)];
-    }
-    let at = prefix.len() + 1;
-    out.replace_range(
-        at..at + TAG_HEX,
-        std::str::from_utf8(&tag).unwrap_or("00000000"),
-    );
+    out.push_str(&encoded);
     out
 }
-
-const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// The key of the stream that `token`'s lease writes for the record whose key is
 /// `record_key` (made with `prefix`).
@@ -72,12 +51,17 @@ pub(crate) fn stream_key(prefix: &str, record_key: &str, token: FencingToken) ->
     let mut out = String::with_capacity(record_key.len() + 33);
     out.push_str(head);
     out.push('s');
-    for byte in token.as_bytes() {
+    push_hex(&mut out, token.as_bytes());
+    out.push_str(encoded);
+    out
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
         out.push(char::from(HEX[usize::from(byte >> 4)]));
         out.push(char::from(HEX[usize::from(byte & 0xf)]));
     }
-    out.push_str(encoded);
-    out
 }
 
 #[cfg(test)]

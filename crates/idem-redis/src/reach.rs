@@ -8,34 +8,11 @@ use idem_core::{Error, Key, RecordId, Scope, Store as _};
 use crate::{RedisStore, RedisStoreBuilder};
 
 impl RedisStoreBuilder {
-    /// Connects as [`RedisStoreBuilder::connect`]; when Redis is out of reach (nothing
-    /// listens, no answer in time, the connection dropped), builds the store anyway, as
-    /// [`RedisStoreBuilder::connect_lazy`], and spawns a task that logs
-    /// `Redis reachable` once it answers (trying every second). Returns the store and
-    /// whether Redis answered now. `name` is how the log names this Redis (without its
-    /// password).
-    ///
-    /// # Errors
-    ///
-    /// As [`RedisStoreBuilder::connect`] when Redis was reached and refused us (a
-    /// certificate from another authority, a wrong password, an evicting policy under
-    /// [`crate::EvictionCheck::Refuse`]), or for a bad URL or setting.
-    pub async fn connect_or_wait(self, name: &str) -> Result<(RedisStore, bool), Error> {
-        match self.clone().connect().await {
-            Ok(redis) => Ok((redis, true)),
-            Err(error) if is_unreachable(&error) => {
-                tracing::debug!(redis = name, %error, "Redis out of reach at start");
-                Ok((self.connect_later(name)?, false))
-            }
-            Err(error) => Err(error),
-        }
-    }
-
     /// Builds the store without connecting, as [`RedisStoreBuilder::connect_lazy`], and
-    /// spawns a task that logs `Redis reachable` once it answers (trying every second): the
-    /// second half of [`RedisStoreBuilder::connect_or_wait`], for a caller that looks at why
-    /// [`RedisStoreBuilder::connect`] failed before starting without Redis. `name` is how the
-    /// log names this Redis (without its password).
+    /// spawns a task that logs `Redis reachable` once it answers (trying every second): for
+    /// a caller whose [`RedisStoreBuilder::connect`] failed with an error that
+    /// [`is_unreachable`] accepts, and that starts without Redis. `name` is how the log
+    /// names this Redis (without its password).
     ///
     /// # Errors
     ///

@@ -181,11 +181,6 @@ impl Scan {
         }
     }
 
-    /// Whether every key was read.
-    pub fn is_done(&self) -> bool {
-        self.done
-    }
-
     /// The counts so far (of whole pages).
     pub fn counts(&self) -> &ScanCounts {
         &self.counts
@@ -231,27 +226,25 @@ impl Scan {
             self.done = true;
             return Ok(());
         };
-        let size = if self.cursor == 0 {
+        if self.cursor == 0 {
             // A primary's first page: its size, for the progress estimate.
-            let reply = conn.on_node(&node, redis::cmd("DBSIZE")).await?;
-            match reply {
-                Value::Int(n) => Some(u64::try_from(n).unwrap_or(0)),
+            self.node_size = match conn.on_node(&node, redis::cmd("DBSIZE")).await? {
+                Value::Int(n) => u64::try_from(n).unwrap_or(0),
                 other => return Err(unexpected("DBSIZE", &other)),
-            }
-        } else {
-            None
-        };
+            };
+            self.node_pages = 0;
+        }
         let mut scan = redis::cmd("SCAN");
-        scan.arg(self.cursor)
-            .arg("MATCH")
-            .arg(&self.pattern)
-            .arg("COUNT")
-            .arg(PAGE);
+        scan.arg(self.cursor).arg("MATCH").arg(&self.pattern);
+        scan.arg("COUNT").arg(PAGE);
         let reply = conn.on_node(&node, scan).await?;
         let (next, keys): (u64, Vec<Vec<u8>>) =
             redis::from_redis_value_ref(&reply).map_err(|_| unexpected("SCAN", &reply))?;
 
-        let mut page = ScanCounts::default();
+        // Counted on a copy, kept once the page was read whole.
+        let mut counts = self.counts.clone();
+        // Every key once, whatever it turns out to be (one gone since the SCAN too).
+        counts.keys += keys.len() as u64;
         let mut found = Vec::new();
         if !keys.is_empty() {
             // The types first: reading a hash as a string would fail the whole pipeline.
@@ -270,10 +263,9 @@ impl Scan {
                 match kind {
                     "string" => strings.push(key),
                     // Gone since the SCAN: expired or deleted.
-                    "none" => page.keys += 1,
+                    "none" => {}
                     other => {
-                        page.keys += 1;
-                        page.foreign += 1;
+                        counts.foreign += 1;
                         found.push((key.clone(), Problem::Foreign(format!("a {other}"))));
                     }
                 }
@@ -289,7 +281,6 @@ impl Scan {
                     .pipeline_on_node(&node, read, 2 * strings.len())
                     .await?;
                 for (key, pair) in strings.iter().zip(replies.chunks(2)) {
-                    page.keys += 1;
                     let (value, pttl) = match pair {
                         // Gone between the two round trips (GETRANGE of a missing key is
                         // empty, its PTTL -2).
@@ -297,7 +288,7 @@ impl Scan {
                         [Value::BulkString(value), Value::Int(pttl)] => (value.clone(), *pttl),
                         // Made another type between the two round trips.
                         [Value::ServerError(e), _] if e.code() == "WRONGTYPE" => {
-                            page.foreign += 1;
+                            counts.foreign += 1;
                             found.push(((*key).clone(), Problem::Foreign("not a string".into())));
                             continue;
                         }
@@ -315,11 +306,11 @@ impl Scan {
                     } else {
                         value
                     };
-                    if value.as_slice() == codec::RELEASED {
-                        // Released a moment ago (Valkey 8.1): as good as absent.
+                    // Released a moment ago (Valkey 8.1): as good as absent.
+                    let Some(value) = codec::live(Some(value)) else {
                         continue;
-                    }
-                    if let Some(problem) = self.count(&mut page, key, Bytes::from(value), pttl) {
+                    };
+                    if let Some(problem) = self.count(&mut counts, key, value, pttl) {
                         found.push(((*key).clone(), problem));
                     }
                 }
@@ -327,7 +318,7 @@ impl Scan {
         }
 
         // The page was read whole: count it, and move the cursor.
-        add(&mut self.counts, &page);
+        self.counts = counts;
         for (key, problem) in found {
             if self.findings.len() >= self.max_findings {
                 break;
@@ -338,10 +329,6 @@ impl Scan {
                 id,
                 problem,
             });
-        }
-        if let Some(size) = size {
-            self.node_size = size;
-            self.node_pages = 0;
         }
         self.node_pages += 1;
         if next == 0 {
@@ -355,26 +342,31 @@ impl Scan {
     }
 
     /// Counts one string; answers its problem when it is stuck, corrupt or foreign.
-    fn count(&self, page: &mut ScanCounts, key: &[u8], value: Bytes, pttl: i64) -> Option<Problem> {
+    fn count(
+        &self,
+        counts: &mut ScanCounts,
+        key: &[u8],
+        value: Bytes,
+        pttl: i64,
+    ) -> Option<Problem> {
         let id = match record_id(&self.store.config().prefix, key) {
             Ok(id) => id,
             Err(why) => {
-                page.foreign += 1;
+                counts.foreign += 1;
                 return Some(Problem::Foreign(why.to_owned()));
             }
         };
         let record = match codec::decode_record(&id, value.clone(), pttl) {
             Ok(record) => record,
-            Err(Error::Corrupt { detail, .. }) => {
-                page.corrupt += 1;
-                return Some(Problem::Corrupt(detail));
-            }
-            Err(other) => {
-                page.corrupt += 1;
-                return Some(Problem::Corrupt(other.to_string()));
+            Err(e) => {
+                counts.corrupt += 1;
+                return Some(Problem::Corrupt(match e {
+                    Error::Corrupt { detail, .. } => detail,
+                    other => other.to_string(),
+                }));
             }
         };
-        let stats = &mut page.stats;
+        let stats = &mut counts.stats;
         match &record.state {
             RecordState::InProgress { .. } => {
                 // The signed lease time left, by the server's clock: the key's PTTL minus the
@@ -421,18 +413,6 @@ fn record_id(prefix: &str, key: &[u8]) -> Result<RecordId, &'static str> {
         return Err("the key's hash tag is not its record's");
     }
     Ok(id)
-}
-
-fn add(total: &mut ScanCounts, page: &ScanCounts) {
-    let (t, p) = (&mut total.stats, &page.stats);
-    t.in_flight += p.in_flight;
-    t.expired_leases += p.expired_leases;
-    t.stuck += p.stuck;
-    t.succeeded += p.succeeded;
-    t.failed += p.failed;
-    total.corrupt += page.corrupt;
-    total.foreign += page.foreign;
-    total.keys += page.keys;
 }
 
 /// The `SCAN MATCH` pattern of the store's keys: `<prefix>{????????}<scope length>:<scope>*`

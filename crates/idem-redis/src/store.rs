@@ -1,6 +1,6 @@
 //! [`RedisStore`], its builder, and what every call goes through: a ready connection (the
-//! eviction policy checked, the servers' path read), the call's time limit, and one send
-//! again after a dropped connection. The calls themselves are in `transitions.rs`.
+//! eviction policy checked, the servers' path read) and one send again after a dropped
+//! connection. The calls themselves are in `transitions.rs`.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -14,7 +14,7 @@ use tokio::sync::OnceCell;
 use crate::caps::{self, Path, Server};
 use crate::codec;
 use crate::config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
-use crate::connection::{Conn, Connection, CLUSTER_SCHEME};
+use crate::connection::{values, Conn, Connection, CLUSTER_SCHEME};
 use crate::error::{classify, EvictionPolicyError, ReplicationError};
 use crate::key;
 use crate::notify::Waiters;
@@ -28,14 +28,13 @@ const MAX_MS: u64 = 1 << 40;
 /// was read, before it answers [`Error::Unavailable`].
 pub(crate) const CAS_ROUNDS: usize = 8;
 
-/// Runs one store call: `$body` with a connection in `$conn`. When the connection fails
-/// under it (refused, dropped, reset), `$body` runs
-/// once more on a fresh connection with `$resent` set: the first send may or may not have
-/// reached the server, and every call answers the second send as if only one had run
-/// (`begin` hands the same token its own lease back; `complete` and `release` with
-/// `$resent` also accept finding their own write done; `extend` and `append` write the same
-/// thing again). This is also what makes the first call after a server restart succeed,
-/// where the connection manager would hand back the error of its last failed reconnect.
+/// Runs one store call: `$body` with a connection in `$conn`, and once more on a fresh one
+/// with `$resent` set when the connection fails under it ([`RedisStore::send_again`]). The
+/// first send may or may not have reached the server; every call answers the second as if
+/// only one had run (`begin` hands the same token its own lease back; `complete` and
+/// `release` with `$resent` also accept their own write done; `extend` and `append` write
+/// the same thing again). So the first call after a server restart succeeds, where the
+/// connection manager would hand back the error of its last failed reconnect.
 macro_rules! call {
     ($store:expr, |$conn:ident, $resent:ident| $body:expr) => {
         async {
@@ -72,7 +71,7 @@ pub(crate) struct Inner {
     /// Set once the eviction policy was checked and found acceptable (or warned about).
     checked: OnceCell<()>,
     /// Waiters' pub/sub: classic on one server, sharded on a cluster.
-    pub(crate) notifier: Waiters,
+    pub(crate) notifier: Arc<Waiters>,
     /// The [`Path`] of the transitions (`as u8`), 0 until the servers were read (and
     /// again when a node refuses a command, so that they are read again).
     path: AtomicU8,
@@ -294,14 +293,7 @@ impl RedisStore {
         let servers: Option<Vec<Server>> = match conn.info("server").await {
             Ok(texts) => texts.iter().map(|t| Server::parse(t)).collect(),
             Err(e) => {
-                // An answer that is not RESP: another server at that port, an error to
-                // return (the caller says which), not a check to skip with a warning.
-                let foreign = e.kind() == redis::ErrorKind::Parse;
-                let e = classify(e);
-                if e.is_retryable() || foreign {
-                    return Err(e);
-                }
-                // INFO may be disabled (managed services rename it).
+                let e = unreadable(e)?;
                 tracing::warn!(error = %e, "could not read the redis servers' versions");
                 None
             }
@@ -372,21 +364,12 @@ impl RedisStore {
 /// per `config.persistence_check`, warns when they persist nothing.
 async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Error> {
     let check = config.eviction;
-    let policies = match conn.eviction_policies().await {
-        Ok(policies) => policies,
+    let policies: Vec<String> = match conn.info("memory").await {
+        Ok(texts) => values(&texts, "maxmemory_policy")
+            .map(str::to_owned)
+            .collect(),
         Err(e) => {
-            // A server that refuses us (a wrong password, none given) is the error to
-            // report, not a check to skip with a warning first.
-            let refused = e.kind() == redis::ErrorKind::AuthenticationFailed
-                || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"));
-            // Nor is an answer that is not RESP (another server at that port): the caller
-            // names what answered instead of a driver's parse error after this warning.
-            let foreign = e.kind() == redis::ErrorKind::Parse;
-            let e = classify(e);
-            if e.is_retryable() || refused || foreign {
-                return Err(e);
-            }
-            // INFO may be disabled (managed services rename it): the check cannot be made.
+            let e = unreadable(e)?;
             tracing::warn!(
                 error = %e,
                 "could not read redis maxmemory-policy; make sure it is noeviction, or records \
@@ -426,6 +409,22 @@ async fn check_eviction(conn: &mut Conn, config: &RedisConfig) -> Result<(), Err
     Ok(())
 }
 
+/// A failed read of the servers' settings (`INFO` may be disabled: managed services rename
+/// it): `Ok` with the error when the check is to be skipped with a warning; `Err` when it is
+/// the error to return: Redis out of reach, refusing us (a wrong password, none given), or
+/// answering what is not RESP (another server at that port, which the caller names).
+fn unreadable(e: redis::RedisError) -> Result<Error, Error> {
+    let refused = e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"));
+    let foreign = e.kind() == redis::ErrorKind::Parse;
+    let e = classify(e);
+    if e.is_retryable() || refused || foreign {
+        Err(e)
+    } else {
+        Ok(e)
+    }
+}
+
 pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).min(MAX_MS)
 }
@@ -435,7 +434,6 @@ pub(crate) fn millis(d: Duration) -> u64 {
 pub(crate) async fn read(conn: &mut Conn, key: &str) -> Result<(Option<Bytes>, i64), Error> {
     let mut pipe = redis::pipe();
     pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
-    let (value, pttl): (Option<Vec<u8>>, i64) = pipe.query_async(conn).await.map_err(classify)?;
-    let value = value.filter(|v| v.as_slice() != codec::RELEASED);
-    Ok((value.map(Bytes::from), pttl))
+    let (value, pttl) = pipe.query_async(conn).await.map_err(classify)?;
+    Ok((codec::live(value), pttl))
 }

@@ -12,14 +12,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, RecordId, Replay,
+    Begin, BeginRequest, Completion, Error, FencingToken, Fingerprint, Lease, RecordId,
 };
-use redis::{Cmd, Value};
+use redis::Value;
 
 use crate::codec::{self, Head};
 use crate::error::classify;
 use crate::store::{call, millis, read, RedisStore, CAS_ROUNDS};
-use crate::transitions::{held_by, Answer};
+use crate::transitions::{held_by, set_nx_get, Answer};
 use crate::STORE;
 
 /// What [`Tier::apply_completion`] did.
@@ -68,52 +68,37 @@ impl Tier<'_> {
         let Some(record) = record else {
             return Ok(None);
         };
-        let fingerprint = req.fingerprint.as_bytes().as_slice();
-        match codec::decode_head(&record, pttl) {
-            Some(Head::Completed {
-                fingerprint: f,
-                expires_at,
-                ..
-            }) => {
-                if f != fingerprint {
-                    return Ok(Some(Begin::Mismatch));
-                }
-                Ok(Some(Begin::Replay(Replay {
-                    completion: codec::decode_completion_in(&record, &record)?,
-                    expires_in: codec::expires_in(expires_at),
-                })))
-            }
-            Some(Head::InProgress {
-                fingerprint: f,
+        let Some(head) = codec::decode_head(&record, pttl) else {
+            return codec::vanished(&record, pttl).map(|()| None);
+        };
+        Ok(match head {
+            Head::InProgress {
                 token,
                 lease_left_ms,
                 ..
-            }) => Ok(
-                if token == req.token.as_bytes().as_slice() || lease_left_ms <= 0 {
-                    None
-                } else if f != fingerprint {
-                    Some(Begin::Mismatch)
-                } else {
-                    Some(Begin::InFlight {
-                        retry_after: codec::millis(lease_left_ms),
-                    })
-                },
-            ),
-            // A key that vanished between the two commands, or expired under them.
-            None if pttl < 0 && record.first() == Some(&b'P') => Ok(None),
-            None => Err(Error::corrupt(STORE, "not a record")),
-        }
+            } if token == req.token || lease_left_ms <= 0 => None,
+            Head::Completed { fingerprint: f, .. } | Head::InProgress { fingerprint: f, .. }
+                if f != req.fingerprint =>
+            {
+                Some(Begin::Mismatch)
+            }
+            Head::Completed { expires_at, .. } => {
+                Some(Begin::Replay(codec::replay(&record, expires_at)?))
+            }
+            Head::InProgress { lease_left_ms, .. } => Some(Begin::InFlight {
+                retry_after: codec::millis(lease_left_ms),
+            }),
+        })
     }
 
     /// Writes `lease`'s in-progress record (with `fingerprint`, kept no longer than the
-    /// lease) into an absent key: a claim granted by the arbiter, made visible here so that
-    /// [`Tier::peek`] answers in flight for it. `SET .. NX PX`: a key that holds anything (a
+    /// lease) into an absent key with `SET .. NX PX`: a claim granted by the arbiter, made
+    /// visible so that [`Tier::peek`] answers in flight for it. A key that holds anything (a
     /// completion that landed first, an older holder's record) is left as it is.
     ///
-    /// Returns `lease` carrying the record it wrote (or meant to write) as its version, so
-    /// that the Redis store's fenced writes of it (extend, release) compare with exactly
-    /// that: where the key holds anything else, they find the lease lost here and change
-    /// nothing.
+    /// Returns `lease` with the record it meant to write as its version: the Redis store's
+    /// extend and release compare with exactly that, so where the key holds anything else
+    /// they find the lease lost and change nothing.
     ///
     /// # Errors
     ///
@@ -168,30 +153,28 @@ impl Tier<'_> {
         let expires_at = codec::expires_at(ttl);
         let ms = millis(ttl).max(1);
         // The record read, then the completion written with `SET .. NX GET` (absent) or a
-        // compare-and-set (held by `token`), read again when it changed in between. Applying
-        // twice is applying once: a re-send after a dropped connection needs no marker.
+        // compare-and-set (held by `token`), read again when it changed in between. A re-send
+        // after a dropped connection applies once more, which changes nothing.
         call!(store, |conn, _resent| async {
             let conn = &mut conn;
             for _ in 0..CAS_ROUNDS {
                 let current = store.get_value(conn, &key).await?;
-                let (record, held) = match current.as_deref().map(|v| (v, codec::decode_head(v, 0)))
-                {
-                    None => match identity {
-                        Some((fp, attempt)) => {
-                            (codec::completed((*fp, attempt), &encoded, expires_at), None)
-                        }
-                        None => return Ok(Applied::Absent),
+                let held = match current.as_deref() {
+                    None => None,
+                    Some(value) => match codec::decode_head(value, 0) {
+                        None => return Err(Error::corrupt(STORE, "not a record")),
+                        Some(Head::Completed { .. }) => return Ok(Applied::AlreadyCompleted),
+                        Some(_) if held_by(value, token) => Some(value),
+                        Some(_) => return Ok(Applied::HeldByAnotherLease),
                     },
-                    Some((_, Some(Head::Completed { .. }))) => {
-                        return Ok(Applied::AlreadyCompleted)
-                    }
-                    Some((held, Some(_))) if held_by(held, token) => {
-                        let identity = codec::identity(held);
-                        (codec::completed(identity, &encoded, expires_at), Some(held))
-                    }
-                    Some((_, Some(_))) => return Ok(Applied::HeldByAnotherLease),
-                    Some((_, None)) => return Err(Error::corrupt(STORE, "not a record")),
                 };
+                // The fingerprint and attempt: the held record's, else the ones given.
+                let written_as = match (held, identity) {
+                    (Some(held), _) => codec::identity(held),
+                    (None, Some((fp, attempt))) => (*fp, attempt),
+                    (None, None) => return Ok(Applied::Absent),
+                };
+                let record = codec::completed(written_as, &encoded, expires_at);
                 let (written, waiters) = match held {
                     Some(held) => {
                         let (answer, waiters) =
@@ -199,9 +182,7 @@ impl Tier<'_> {
                         (matches!(answer, Answer::Matched), waiters)
                     }
                     None => {
-                        let mut cmd = Cmd::with_capacity(8, key.len() + record.len() + 30);
-                        cmd.arg("SET").arg(&key).arg(&record).arg("NX").arg("GET");
-                        cmd.arg("PX").arg(ms);
+                        let cmd = set_nx_get(&key, &record, ms);
                         let (old, waiters) = store.counted(conn, &key, cmd, true).await?;
                         (old == Value::Nil, waiters)
                     }

@@ -1,24 +1,19 @@
 //! The store's calls: [`Store`] for [`RedisStore`]. `begin` is one plain `SET .. NX GET`
-//! in the common cases; the fenced transitions are written once for both paths (see
-//! [`crate::Scripting`]): each is a compare-and-set of the whole record the lease holds,
-//! sent as the server's own command (`SET .. IFEQ .. GET`, `DELIFEQ`, `DELEX .. IFEQ`)
-//! where every primary has it, else as `set_if.lua` or `end_if.lua`, which do the same
-//! compare in one script.
-//!
-//! A lease carries the exact bytes of the in-progress record its `begin` wrote
-//! ([`Lease::version`]), and every fenced write compares against exactly those, so each is
-//! one round trip and nothing is rebuilt or guessed: when the record holds anything else,
-//! the lease is lost. (A lease handed out without them, such as the release of a claim
-//! whose `begin` answer was lost, reads the record first and writes only if the lease's
-//! token holds it.)
+//! in the common cases; each fenced transition is written once for both paths
+//! ([`crate::Scripting`]): a compare-and-set with the exact record the lease holds
+//! ([`Lease::version`]), sent as the server's own command (`SET .. IFEQ .. GET`, `DELIFEQ`,
+//! `DELEX .. IFEQ`) or as `set_if.lua` / `end_if.lua`. When the record holds anything else,
+//! the lease is lost. (A lease handed out without a version, such as the release of a claim
+//! whose `begin` answer was lost, reads the record first and writes only if its token
+//! holds it.)
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    Begin, BeginRequest, Completion, Error, FencingToken, Lease, Record, RecordId, Replay, Result,
-    Scope, Stats, Store, StreamRead, Watch,
+    Begin, BeginRequest, Completion, Error, FencingToken, Lease, Record, RecordId, Result, Scope,
+    Stats, Store, StreamRead, Watch,
 };
 use redis::aio::ConnectionLike as _;
 use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
@@ -38,8 +33,6 @@ pub(crate) enum Answer {
     Matched,
     /// It did nothing: the key held this value instead (`None`: absent).
     Found(Option<Bytes>),
-    /// It did nothing, and did not say what the key holds (a compare-and-delete).
-    Unknown,
 }
 
 /// A transition of a lease's record.
@@ -56,14 +49,11 @@ enum Write<'a> {
 }
 
 impl RedisStore {
-    /// `begin`: one plain `SET key <in-progress record> NX GET PX <lease + retention>`, one
-    /// round trip in the common cases. An absent key is acquired by the `SET` itself;
-    /// otherwise the record it hands back decides: a completed record is replayed (it
-    /// carries its own expiry), a record of another fingerprint is a mismatch. A record in
-    /// progress needs the server's clock: its key's `PTTL` minus its margin is the lease
-    /// time left, which tells in flight, or the caller's own lease sent again; an expired
-    /// lease is taken over with a compare-and-set of the record read, whose answer is
-    /// decided again when the record changed in between.
+    /// `begin`: `SET key <in-progress record> NX GET PX <lease + retention>` acquires an
+    /// absent key, else hands back the record that decides: completed, a replay; another
+    /// fingerprint, a mismatch. A record in progress also needs its key's `PTTL` (the
+    /// server's clock): minus its margin, the lease time left. An expired lease is taken
+    /// over with a compare-and-set of the record read, decided again if it changed.
     async fn begin_once(
         &self,
         conn: &mut Conn,
@@ -80,13 +70,7 @@ impl RedisStore {
         };
         let full = Duration::from_millis(lease_ms);
         let first = codec::in_progress(&req.token, margin_ms, &req.fingerprint, 1);
-        let mut set = redis::Cmd::with_capacity(7, key.len() + first.len() + 30);
-        set.arg("SET")
-            .arg(key)
-            .arg(first.as_slice())
-            .arg("NX")
-            .arg("GET");
-        set.arg("PX").arg(lease_ms + margin_ms);
+        let set = set_nx_get(key, &first, lease_ms + margin_ms);
         let mut found = self.set_nx(conn, &set).await?;
         for _ in 0..CAS_ROUNDS {
             let Some(old) = found else {
@@ -101,17 +85,15 @@ impl RedisStore {
                     Some(
                         Head::Completed { fingerprint: f, .. }
                         | Head::InProgress { fingerprint: f, .. },
-                    ) if f != req.fingerprint.as_bytes() => return Ok(Begin::Mismatch),
+                    ) if f != req.fingerprint => return Ok(Begin::Mismatch),
                     Some(Head::Completed { expires_at, .. }) => {
-                        return Ok(Begin::Replay(Replay {
-                            completion: codec::decode_completion_in(&old, &old)?,
-                            expires_in: codec::expires_in(expires_at),
-                        }))
+                        return Ok(Begin::Replay(codec::replay(&old, expires_at)?))
                     }
                     Some(Head::InProgress { .. }) => {}
                     None => return Err(Error::corrupt(STORE, "not a record")),
                 }
-                let pttl = self.pttl(conn, key).await?;
+                let pttl = redis::cmd("PTTL").arg(key).query_async(conn).await;
+                let pttl: i64 = pttl.map_err(classify)?;
                 let Some(Head::InProgress {
                     token,
                     attempt,
@@ -124,7 +106,7 @@ impl RedisStore {
                         "in-progress record without an expiry",
                     ));
                 };
-                if token == req.token.as_bytes() {
+                if token == req.token {
                     // The same attempt asking again (its reply was lost): its own lease back.
                     let left = codec::millis(lease_left_ms);
                     return self.hold(conn, key, granted(attempt, left, &old)).await;
@@ -145,7 +127,7 @@ impl RedisStore {
                     return self.hold(conn, key, granted(attempt, full, &write)).await
                 }
                 // Gone meanwhile: start over.
-                Answer::Found(None) | Answer::Unknown => self.set_nx(conn, &set).await?,
+                Answer::Found(None) => self.set_nx(conn, &set).await?,
                 Answer::Found(Some(other)) => Some(other),
             };
         }
@@ -165,15 +147,6 @@ impl RedisStore {
         }
     }
 
-    /// The key's `PTTL`.
-    async fn pttl(&self, conn: &mut Conn, key: &str) -> Result<i64, Error> {
-        redis::cmd("PTTL")
-            .arg(key)
-            .query_async(conn)
-            .await
-            .map_err(classify)
-    }
-
     /// Hands a lease to the caller: `Acquired` for attempt 1, `TookOver` after, once enough
     /// replicas hold it when durability is on (otherwise it is given back).
     async fn hold(&self, conn: &mut Conn, key: &str, lease: Lease) -> Result<Begin, Error> {
@@ -190,12 +163,12 @@ impl RedisStore {
         })
     }
 
-    /// `PUBSUB` counts a record's waiters with: `SHARDNUMSUB` on a cluster.
-    fn numsub(&self) -> &'static str {
+    /// The pub/sub command of a record's waiters: `sharded` on a cluster, else `classic`.
+    fn pubsub(&self, sharded: &'static str, classic: &'static str) -> &'static str {
         if self.is_cluster() {
-            "SHARDNUMSUB"
+            sharded
         } else {
-            "NUMSUB"
+            classic
         }
     }
 
@@ -214,7 +187,11 @@ impl RedisStore {
         if self.path() == Path::Scripts {
             let mut call = scripts::SET_IF.key(key);
             call.arg(expected).arg(value).arg(ms);
-            call.arg(if wake { self.numsub() } else { "" });
+            call.arg(if wake {
+                self.pubsub("SHARDNUMSUB", "NUMSUB")
+            } else {
+                ""
+            });
             return Ok((answer(invoke(&call, conn).await?, expected)?, 0));
         }
         let mut cmd = Cmd::with_capacity(8, key.len() + expected.len() + value.len() + 30);
@@ -237,7 +214,9 @@ impl RedisStore {
         match self.path() {
             Path::Scripts => {
                 let mut call = scripts::END_IF.key(key);
-                call.arg(expected).arg(ms).arg(self.numsub());
+                call.arg(expected)
+                    .arg(ms)
+                    .arg(self.pubsub("SHARDNUMSUB", "NUMSUB"));
                 return Ok((answer(invoke(&call, conn).await?, expected)?, 0));
             }
             // No compare-and-expire command: the same value set again, with the new expiry.
@@ -252,7 +231,8 @@ impl RedisStore {
         let (deleted, waiters) = self.counted(conn, key, cmd, true).await?;
         match deleted {
             Value::Int(1) => Ok((Answer::Matched, waiters)),
-            Value::Int(0) => Ok((Answer::Unknown, 0)),
+            // It does not say what the key holds instead: read it.
+            Value::Int(0) => Ok((Answer::Found(self.get_value(conn, key).await?), 0)),
             other => Err(unexpected("a compare-and-delete", &other)),
         }
     }
@@ -273,20 +253,17 @@ impl RedisStore {
         }
         let mut pipe = redis::Pipeline::with_capacity(2);
         pipe.add_command(cmd);
-        pipe.cmd("PUBSUB").arg(self.numsub()).arg(key);
+        pipe.cmd("PUBSUB")
+            .arg(self.pubsub("SHARDNUMSUB", "NUMSUB"))
+            .arg(key);
         let replies = conn
             .req_packed_commands(&pipe, 0, 2)
             .await
             .map_err(classify)?;
         let [answer, count] = <[Value; 2]>::try_from(replies)
             .map_err(|_| Error::backend(STORE, "a reply is missing"))?;
-        let waiters = match count {
-            Value::Array(items) => match items.get(1) {
-                Some(Value::Int(n)) => *n,
-                _ => 0,
-            },
-            _ => 0,
-        };
+        // `[channel, subscribers]`.
+        let waiters = redis::from_redis_value_ref::<(Value, i64)>(&count).map_or(0, |(_, n)| n);
         Ok((answer.extract_error().map_err(classify)?, waiters))
     }
 
@@ -296,12 +273,7 @@ impl RedisStore {
         if waiters <= 0 {
             return;
         }
-        let publish = if self.is_cluster() {
-            "SPUBLISH"
-        } else {
-            "PUBLISH"
-        };
-        if let Err(e) = redis::cmd(publish)
+        if let Err(e) = redis::cmd(self.pubsub("SPUBLISH", "PUBLISH"))
             .arg(key)
             .arg("")
             .query_async::<i64>(conn)
@@ -311,19 +283,14 @@ impl RedisStore {
         }
     }
 
+    /// The value of `key`, as [`crate::store::read`] reads it, without its `PTTL`.
     pub(crate) async fn get_value(
         &self,
         conn: &mut Conn,
         key: &str,
     ) -> Result<Option<Bytes>, Error> {
-        let value: Option<Vec<u8>> = redis::cmd("GET")
-            .arg(key)
-            .query_async(conn)
-            .await
-            .map_err(classify)?;
-        Ok(value
-            .filter(|v| v.as_slice() != codec::RELEASED)
-            .map(Bytes::from))
+        let value = redis::cmd("GET").arg(key).query_async(conn).await;
+        Ok(codec::live(value.map_err(classify)?))
     }
 
     /// Makes `write` on the record `lease` holds: the version it carries, or (for a lease
@@ -372,8 +339,6 @@ impl RedisStore {
         match answer {
             Answer::Matched => Ok(Ok(waiters)),
             Answer::Found(value) => other(value),
-            // A compare-and-delete that did nothing: what the key holds tells why.
-            Answer::Unknown => other(self.get_value(conn, key).await?),
         }
     }
 
@@ -409,10 +374,9 @@ impl RedisStore {
             Err(_) => return Err(Error::LeaseLost),
         };
         self.wake(conn, key, waiters).await;
-        match self.replicate(conn, key, "complete", true).await? {
-            Some(error) => Err(error),
-            None => Ok(()),
-        }
+        self.replicate(conn, key, "complete", true)
+            .await?
+            .map_or(Ok(()), Err)
     }
 
     /// `release`: the record the lease holds deleted. A call sent again (`resent`) also
@@ -433,139 +397,14 @@ impl RedisStore {
             Err(_) => Err(Error::LeaseLost),
         }
     }
-
-    /// `extend`: the deadline moved to `by` from now, the key's expiry with it (the margin
-    /// kept after the deadline stays what `begin` set).
-    pub(crate) async fn extend_on(
-        &self,
-        conn: &mut Conn,
-        key: &str,
-        lease: &Lease,
-        by: Duration,
-    ) -> Result<Lease, Error> {
-        let sent_at = Instant::now();
-        let by_ms = millis(by);
-        match self
-            .on_lease(conn, key, lease, &Write::Extend { by_ms })
-            .await?
-        {
-            Ok(_) => Ok(lease.renewed(lease.attempt(), Duration::from_millis(by_ms), sent_at)),
-            Err(_) => Err(Error::LeaseLost),
-        }
-    }
 }
 
-/// How long a stream's key outlives its last append: twice the lease time left, and a
-/// minute more, so that a holder renewing its lease through a long pause still finds it.
-fn stream_ttl_ms(lease: &Lease) -> u64 {
-    millis(lease.remaining())
-        .saturating_mul(2)
-        .saturating_add(60_000)
-}
-
-impl RedisStore {
-    /// The key of the stream `token`'s lease writes for the record at `key`.
-    fn stream_key(&self, key: &str, token: FencingToken) -> String {
-        crate::key::stream_key(&self.config().prefix, key, token)
-    }
-
-    /// `append`, in two round trips: the record and the stream's length read (to tell a lost
-    /// lease, and to refuse a gap before anything is written), then the bytes written at
-    /// `at` (`SETRANGE`: the same bytes again change nothing), the stream's expiry pushed
-    /// back and the record's waiters woken. The write needs no compare: a stream's key is
-    /// its holder's token's, and readers read only the stream of the token the record
-    /// holds, so what a holder that lost its lease in between writes is never read, and
-    /// expires.
-    async fn append_on(
-        &self,
-        conn: &mut Conn,
-        key: &str,
-        lease: &Lease,
-        at: u64,
-        bytes: &[u8],
-    ) -> Result<(), Error> {
-        let stream = self.stream_key(key, lease.token());
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(key).cmd("STRLEN").arg(&stream);
-        let (record, len): (Option<Vec<u8>>, u64) =
-            pipe.query_async(conn).await.map_err(classify)?;
-        let held = match (lease.version(), record.as_deref()) {
-            (Some(version), Some(record)) => version == record,
-            (None, Some(record)) => held_by(record, lease.token()),
-            (_, None) => false,
-        };
-        if !held {
-            return Err(Error::LeaseLost);
-        }
-        if at > len {
-            // The caller skipped bytes, or the stream expired during a pause longer than
-            // its time to live.
-            return Err(Error::Invalid(format!(
-                "append at byte {at} of a stream of {len} bytes: append at its end"
-            )));
-        }
-        let publish = if self.is_cluster() {
-            "SPUBLISH"
-        } else {
-            "PUBLISH"
-        };
-        let mut pipe = redis::pipe();
-        pipe.cmd("SETRANGE")
-            .arg(&stream)
-            .arg(at)
-            .arg(bytes)
-            .ignore();
-        pipe.cmd("PEXPIRE")
-            .arg(&stream)
-            .arg(stream_ttl_ms(lease))
-            .ignore();
-        pipe.cmd(publish).arg(key).arg("").ignore();
-        pipe.query_async::<()>(conn).await.map_err(classify)
-    }
-
-    /// `read_stream`: the record and its time to live, then, in progress, the holder's
-    /// stream from `from` (two round trips: the stream's key depends on the holder).
-    async fn read_stream_on(
-        &self,
-        conn: &mut Conn,
-        key: &str,
-        from: u64,
-    ) -> Result<StreamRead, Error> {
-        let (value, pttl) = read(conn, key).await?;
-        let Some(value) = value else {
-            return Ok(StreamRead::Absent);
-        };
-        match codec::decode_head(&value, pttl) {
-            Some(Head::Completed { .. }) => Ok(StreamRead::Completed(codec::decode_completion_in(
-                &value, &value,
-            )?)),
-            Some(Head::InProgress {
-                token,
-                lease_left_ms,
-                ..
-            }) => {
-                let token = FencingToken::from_slice(token)
-                    .ok_or_else(|| Error::corrupt(STORE, "a token of the wrong length"))?;
-                let stream = self.stream_key(key, token);
-                let start = i64::try_from(from).unwrap_or(i64::MAX);
-                let bytes: Vec<u8> = redis::cmd("GETRANGE")
-                    .arg(&stream)
-                    .arg(start)
-                    .arg(-1)
-                    .query_async(conn)
-                    .await
-                    .map_err(classify)?;
-                Ok(StreamRead::Live {
-                    token,
-                    bytes: Bytes::from(bytes),
-                    lease_remaining: codec::millis(lease_left_ms),
-                })
-            }
-            // A key that expired between the two commands.
-            None if pttl < 0 && value.first() == Some(&b'P') => Ok(StreamRead::Absent),
-            None => Err(Error::corrupt(STORE, "not a record")),
-        }
-    }
+/// `SET key value NX GET PX ms`: writes an absent key, else answers what it holds.
+pub(crate) fn set_nx_get(key: &str, value: &[u8], ms: u64) -> Cmd {
+    let mut cmd = Cmd::with_capacity(7, key.len() + value.len() + 30);
+    cmd.arg("SET").arg(key).arg(value).arg("NX").arg("GET");
+    cmd.arg("PX").arg(ms);
+    cmd
 }
 
 /// Runs a script through `invoke_async` (which loads it on `NOSCRIPT` and sends it once
@@ -595,7 +434,7 @@ fn answer(old: Value, expected: &[u8]) -> Result<Answer, Error> {
 /// Whether `value` is an in-progress record held by `token`.
 pub(crate) fn held_by(value: &[u8], token: FencingToken) -> bool {
     matches!(codec::decode_head(value, 0),
-        Some(Head::InProgress { token: t, .. }) if t == token.as_bytes())
+        Some(Head::InProgress { token: t, .. }) if t == token)
 }
 
 #[async_trait]
@@ -628,12 +467,21 @@ impl Store for RedisStore {
         })
     }
 
+    /// The deadline moved to `by` from now, the key's expiry with it (the margin kept after
+    /// the deadline stays what `begin` set). Extending twice to the same `by` from now is
+    /// what one extend does.
     async fn extend(&self, lease: &Lease, by: Duration) -> Result<Lease, Error> {
         let key = self.record_key(lease.id());
-        // Extending twice to the same `by` from now is what one extend does.
-        call!(self, |conn, _resent| {
-            self.extend_on(&mut conn, &key, lease, by).await
-        })
+        let by_ms = millis(by);
+        let (write, by) = (Write::Extend { by_ms }, Duration::from_millis(by_ms));
+        call!(self, |conn, _resent| async {
+            let sent_at = Instant::now();
+            match self.on_lease(&mut conn, &key, lease, &write).await? {
+                Ok(_) => Ok(lease.renewed(lease.attempt(), by, sent_at)),
+                Err(_) => Err(Error::LeaseLost),
+            }
+        }
+        .await)
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
@@ -652,19 +500,85 @@ impl Store for RedisStore {
             .map_err(classify))
     }
 
+    /// In two round trips: the record and the stream's length read (a lost lease and a gap
+    /// refused before anything is written), then `SETRANGE` at `at`, the stream's expiry
+    /// pushed back, the waiters woken. Sent again after a dropped connection, it writes the
+    /// same bytes at the same offset, which changes nothing. No compare needed: the stream's
+    /// key is its holder's token's, and readers read only the stream of the token the
+    /// record holds, so a lost lease's writes are never read.
     async fn append(&self, lease: &Lease, at: u64, bytes: &[u8]) -> Result<()> {
         let key = self.record_key(lease.id());
-        // Sent again after a dropped connection: the same bytes at the same offset.
-        call!(self, |conn, _resent| {
-            self.append_on(&mut conn, &key, lease, at, bytes).await
-        })
+        let stream = crate::key::stream_key(&self.config().prefix, &key, lease.token());
+        let held = |record: &[u8]| match lease.version() {
+            Some(version) => version == record,
+            None => held_by(record, lease.token()),
+        };
+        call!(self, |conn, _resent| async {
+            let mut pipe = redis::pipe();
+            pipe.cmd("GET").arg(&key).cmd("STRLEN").arg(&stream);
+            let (record, len): (Option<Vec<u8>>, u64) =
+                pipe.query_async(&mut conn).await.map_err(classify)?;
+            if !record.as_deref().is_some_and(held) {
+                return Err(Error::LeaseLost);
+            }
+            if at > len {
+                // The caller skipped bytes, or the stream expired during a pause longer than
+                // its time to live.
+                return Err(Error::Invalid(format!(
+                    "append at byte {at} of a stream of {len} bytes: append at its end"
+                )));
+            }
+            // The stream outlives its last append by twice the lease time left and a minute,
+            // so that a holder renewing its lease through a long pause still finds it.
+            let ttl_ms = millis(lease.remaining()).saturating_mul(2);
+            let ttl_ms = ttl_ms.saturating_add(60_000);
+            let mut pipe = redis::pipe();
+            pipe.cmd("SETRANGE")
+                .arg(&stream)
+                .arg(at)
+                .arg(bytes)
+                .ignore();
+            pipe.cmd("PEXPIRE").arg(&stream).arg(ttl_ms).ignore();
+            let publish = self.pubsub("SPUBLISH", "PUBLISH");
+            pipe.cmd(publish).arg(&key).arg("").ignore();
+            pipe.query_async::<()>(&mut conn).await.map_err(classify)
+        }
+        .await)
     }
 
+    /// The record and its time to live, then, in progress, the holder's stream from `from`
+    /// (two round trips: the stream's key depends on the holder).
     async fn read_stream(&self, id: &RecordId, from: u64) -> Result<StreamRead> {
         let key = self.record_key(id);
-        call!(self, |conn, _resent| {
-            self.read_stream_on(&mut conn, &key, from).await
-        })
+        let start = i64::try_from(from).unwrap_or(i64::MAX);
+        call!(self, |conn, _resent| async {
+            let (value, pttl) = read(&mut conn, &key).await?;
+            let Some(value) = value else {
+                return Ok(StreamRead::Absent);
+            };
+            match codec::decode_head(&value, pttl) {
+                Some(Head::Completed { .. }) => {
+                    Ok(StreamRead::Completed(codec::decode_completion(&value)?))
+                }
+                Some(Head::InProgress {
+                    token,
+                    lease_left_ms,
+                    ..
+                }) => {
+                    let stream = crate::key::stream_key(&self.config().prefix, &key, token);
+                    let mut range = redis::cmd("GETRANGE");
+                    range.arg(&stream).arg(start).arg(-1);
+                    let bytes: Vec<u8> = range.query_async(&mut conn).await.map_err(classify)?;
+                    Ok(StreamRead::Live {
+                        token,
+                        bytes: Bytes::from(bytes),
+                        lease_remaining: codec::millis(lease_left_ms),
+                    })
+                }
+                None => codec::vanished(&value, pttl).map(|()| StreamRead::Absent),
+            }
+        }
+        .await)
     }
 
     /// Pub/sub (see the [crate docs](crate#waiters)): the waiter subscribes to the record's
@@ -711,38 +625,27 @@ mod on_redis {
         }
     }
 
-    /// `complete` as the store sends it again after its connection dropped.
-    async fn complete_resent(store: &RedisStore, lease: &Lease, c: &Completion) -> Result<()> {
-        let encoded = codec::encode_completion(c, &store.config().body)?;
-        let key = store.record_key(lease.id());
-        let mut conn = store.ready().await?;
-        store
-            .complete_on(&mut conn, &key, lease, &encoded, KEEP, true)
-            .await
-    }
-
-    /// `release` as the store sends it again after its connection dropped.
-    async fn release_resent(store: &RedisStore, lease: &Lease) -> Result<()> {
-        let key = store.record_key(lease.id());
-        let mut conn = store.ready().await?;
-        store.release_on(&mut conn, &key, lease, true).await
-    }
-
     /// A re-sent complete that finds its own completion, and a re-sent release that finds
     /// the key gone, succeed; the same calls not marked as re-sent are lease-lost, and a
     /// re-sent complete of another completion too.
     async fn resent_calls_count_once_on(store: &RedisStore) {
+        let mut conn = store.ready().await.unwrap();
         let body = Completion::succeeded(Response::new(200, "body"));
+        let other = Completion::succeeded(Response::new(200, "other"));
         let lease = acquired(store, "complete").await;
+        let key = store.record_key(lease.id());
         store.complete(&lease, &body, KEEP).await.unwrap();
         let again = store.complete(&lease, &body, KEEP).await;
         assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
-        complete_resent(store, &lease, &body)
-            .await
-            .expect("the same completion, sent again");
-        let other = Completion::succeeded(Response::new(200, "other"));
-        let other = complete_resent(store, &lease, &other).await;
-        assert!(matches!(other, Err(Error::LeaseLost)), "{other:?}");
+        for (c, lost) in [(&body, false), (&other, true)] {
+            let encoded = codec::encode_completion(c, &store.config().body).unwrap();
+            let resent = store.complete_on(&mut conn, &key, &lease, &encoded, KEEP, true);
+            match resent.await {
+                Err(Error::LeaseLost) if lost => {}
+                Ok(()) if !lost => {}
+                other => panic!("a completion sent again answered {other:?}"),
+            }
+        }
         let stored = store.get(lease.id()).await.unwrap().expect("the record");
         match stored.state {
             idem_core::RecordState::Completed(c) => assert_eq!(c.response.body, "body"),
@@ -750,12 +653,12 @@ mod on_redis {
         }
 
         let lease = acquired(store, "release").await;
+        let key = store.record_key(lease.id());
         store.release(&lease).await.unwrap();
         let again = store.release(&lease).await;
         assert!(matches!(again, Err(Error::LeaseLost)), "{again:?}");
-        release_resent(store, &lease)
-            .await
-            .expect("a release sent again");
+        let resent = store.release_on(&mut conn, &key, &lease, true).await;
+        resent.expect("a release sent again");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
