@@ -204,8 +204,17 @@ impl FingerprintBuilder {
     }
 }
 
-/// Removes the value at an RFC 6901 pointer, if there is one.
-fn remove_pointer(value: &mut Value, pointer: &str) {
+/// Removes the value at an RFC 6901 pointer, if there is one: what
+/// [`JsonSelection::Except`] leaves out, for a caller that prunes a document before it
+/// fingerprints it.
+///
+/// ```
+/// let mut doc = serde_json::json!({"params": {"key": "k1", "amount": 5}, "list": [1, 2]});
+/// idem_core::remove_pointer(&mut doc, "/params/key");
+/// idem_core::remove_pointer(&mut doc, "/list/0");
+/// assert_eq!(doc, serde_json::json!({"params": {"amount": 5}, "list": [2]}));
+/// ```
+pub fn remove_pointer(value: &mut Value, pointer: &str) {
     let Some((parent, last)) = pointer.rsplit_once('/') else {
         return;
     };

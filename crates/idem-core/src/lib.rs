@@ -91,7 +91,7 @@ pub mod watch;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{AfterRetention, Config, Failure, FailurePolicy, Idem, OnLost, Once, OnceError};
 pub use error::{BoxError, Error, Result};
-pub use fingerprint::{Fingerprint, FingerprintBuilder, JsonError, JsonSelection};
+pub use fingerprint::{remove_pointer, Fingerprint, FingerprintBuilder, JsonError, JsonSelection};
 pub use key::{Key, KeyError, RecordId, Scope, MAX_KEY_LEN, MAX_SCOPE_LEN};
 pub use memory::{CapacityError, MemoryCapacity, MemoryStore, RECORD_OVERHEAD};
 pub use record::{

@@ -47,36 +47,32 @@
 //! caller id an authorizing gateway sets).
 
 use std::collections::HashMap;
-use std::panic::{resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use futures_util::FutureExt;
 use http::header::{HeaderValue, CONTENT_ENCODING, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited, StreamBody};
-use idem_core::telemetry::KeyHash;
 use idem_core::{
-    Begin, BoxError, Fingerprint, FingerprintBuilder, JsonSelection, Key, Lease, OnLost, RecordId,
-    Replay, Scope,
+    remove_pointer, Begin, BoxError, Fingerprint, FingerprintBuilder, JsonSelection, Key, Lease,
+    RecordId, Replay, Scope,
 };
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
-use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::body::{Prefixed, RequestBody, ResponseBody};
 use crate::config::{Anonymous, Config, MissingKey, Unstored};
-use crate::future::Detach;
 use crate::handle::LeaseHandle;
-use crate::outcome::{IdempotencyInfo, KeepInFlight, Outcome};
+use crate::outcome::{KeepInFlight, Outcome};
 use crate::request::read_key;
 use crate::response::{insert_expires, REPLAYED};
-use crate::settle::{not_completed, release, Kept};
+use crate::service::{answered, pass, record_on_span, run_leased, Admission};
+use crate::settle::{keep_or_release, release, Kept};
 use crate::shared::Shared;
 
 /// The error codes of the layer's JSON-RPC answers, all in the range JSON-RPC leaves to
@@ -200,23 +196,25 @@ struct Call {
     key: Key,
 }
 
-/// A request on a JSON-RPC route: read its body, then guard it when it is a guarded call,
-/// refuse a batch holding one, and hand every other message on untouched.
-pub(crate) async fn guarded<S, ReqBody, ResBody>(
-    shared: Arc<Shared>,
-    inner: S,
-    req: Request<ReqBody>,
-) -> Result<Response<ResponseBody>, S::Error>
+/// A guarded call as [`admit`] hands it to [`claim`]: the route's settings, its record and
+/// its fingerprint.
+pub(crate) struct Guarded {
+    rpc: JsonRpc,
+    id: RecordId,
+    fingerprint: Fingerprint,
+    call: Call,
+}
+
+/// A request on a JSON-RPC route: reads its body, then guards it when it is a guarded call,
+/// refuses a batch holding one, and hands every other message on untouched.
+pub(crate) async fn admit<B>(
+    shared: &Shared,
+    rpc: JsonRpc,
+    req: Request<B>,
+) -> Admission<B, Guarded>
 where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
-    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
-    let Some(rpc) = shared.config.jsonrpc.clone() else {
-        return pass(inner, req.map(Either::Right)).await;
-    };
     let (parts, body) = req.into_parts();
     let encoded = parts
         .headers
@@ -229,7 +227,7 @@ where
                       find its method and idempotency key";
         let kind = "request-body-unreadable";
         let error = RpcError::new(codes::BODY_REFUSED, kind, "Request body refused", detail);
-        return Ok(refuse(&shared, Outcome::Rejected, error, &Value::Null));
+        return Admission::Refuse(refuse(shared, Outcome::Rejected, error, &Value::Null));
     }
     let limit = shared.config.max_request_body;
     let bytes = match Limited::new(body, limit).collect().await {
@@ -243,27 +241,21 @@ where
                 ("request-body-unreadable", detail)
             };
             let error = RpcError::new(codes::BODY_REFUSED, kind, "Request body refused", detail);
-            return Ok(refuse(&shared, Outcome::Rejected, error, &Value::Null));
+            return Admission::Refuse(refuse(shared, Outcome::Rejected, error, &Value::Null));
         }
     };
-    let (call, fingerprint) = match admit(&shared, &rpc, &parts, &bytes) {
-        Admission::Guard(call, fingerprint) => (call, fingerprint),
-        Admission::Other => {
-            return pass(
-                inner,
-                Request::from_parts(parts, Either::Left(Full::new(bytes))),
-            )
-            .await
+    let (call, fingerprint) = match read_message(shared, &rpc, &parts, &bytes) {
+        Message::Guard(call, fingerprint) => (call, fingerprint),
+        Message::Other => {
+            return Admission::Pass(Request::from_parts(parts, Either::Left(Full::new(bytes))))
         }
-        Admission::Unguarded => {
+        Message::Unguarded => {
             shared.observe(Outcome::Unguarded);
-            return pass(
-                inner,
-                Request::from_parts(parts, Either::Left(Full::new(bytes))),
-            )
-            .await;
+            return Admission::Pass(Request::from_parts(parts, Either::Left(Full::new(bytes))));
         }
-        Admission::Refuse(error, id) => return Ok(refuse(&shared, Outcome::Rejected, error, &id)),
+        Message::Refuse(error, id) => {
+            return Admission::Refuse(refuse(shared, Outcome::Rejected, error, &id))
+        }
     };
     let scope = match shared.scope.as_ref().and_then(|scope| scope(&parts)) {
         Some(scope) => scope,
@@ -277,26 +269,27 @@ where
                 "Caller unknown",
                 detail,
             );
-            let mut response = refuse(&shared, Outcome::Rejected, error, &call.id);
+            let mut response = refuse(shared, Outcome::Rejected, error, &call.id);
             *response.status_mut() = StatusCode::UNAUTHORIZED;
             let challenge = shared.config.challenge.clone();
             response.headers_mut().insert(WWW_AUTHENTICATE, challenge);
-            return Ok(response);
+            return Admission::Refuse(response);
         }
     };
     let id = RecordId::new(scope, call.key.clone());
-    let span = tracing::Span::current();
-    // Hashing the key costs a SHA-256: only for a span that is recorded.
-    if !span.is_disabled() {
-        span.record("scope", tracing::field::display(id.scope()));
-        span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
-    }
+    record_on_span(&id);
     let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
-    Detach::new(claim(shared, rpc, inner, id, fingerprint, call, req)).await
+    let guarded = Guarded {
+        rpc,
+        id,
+        fingerprint,
+        call,
+    };
+    Admission::Guard(guarded, req)
 }
 
-/// What admission decided about a request's body.
-enum Admission {
+/// What a request's body is.
+enum Message {
     /// A guarded call with its key, under this fingerprint.
     Guard(Call, Fingerprint),
     /// Not a guarded call: handed on untouched, and not reported.
@@ -309,10 +302,10 @@ enum Admission {
 
 /// Reads the message: a guarded call (an object with an `id` and a guarded `method`) is
 /// keyed and fingerprinted; a batch holding one is refused; anything else is not ours.
-fn admit(shared: &Shared, rpc: &JsonRpc, parts: &Parts, bytes: &[u8]) -> Admission {
+fn read_message(shared: &Shared, rpc: &JsonRpc, parts: &Parts, bytes: &[u8]) -> Message {
     let Ok(message) = serde_json::from_slice::<Value>(bytes) else {
         // The service answers a parse error in its own words.
-        return Admission::Other;
+        return Message::Other;
     };
     let guarded = |m: &Value| {
         m.as_object().is_some_and(|o| {
@@ -335,10 +328,10 @@ fn admit(shared: &Shared, rpc: &JsonRpc, parts: &Parts, bytes: &[u8]) -> Admissi
                 "Batch refused",
                 detail,
             );
-            return Admission::Refuse(error, Value::Null);
+            return Message::Refuse(error, Value::Null);
         }
         m if guarded(m) => {}
-        _ => return Admission::Other,
+        _ => return Message::Other,
     }
     let id = message["id"].clone();
     let from_body = rpc
@@ -346,55 +339,38 @@ fn admit(shared: &Shared, rpc: &JsonRpc, parts: &Parts, bytes: &[u8]) -> Admissi
         .as_deref()
         .and_then(|pointer| message.pointer(pointer))
         .and_then(Value::as_str);
-    let key = match from_body {
-        Some(text) => match Key::new(text) {
-            Ok(key) => key,
-            Err(e) => {
-                let error = RpcError::new(
-                    codes::KEY_INVALID,
-                    "idempotency-key-invalid",
-                    "Idempotency key malformed",
-                    e.to_string(),
-                );
-                return Admission::Refuse(error, id);
-            }
-        },
-        None => match read_key(&parts.headers, &shared.config.header) {
-            Ok(Some(key)) => key,
-            Ok(None) if shared.config.missing_key == MissingKey::PassThrough => {
-                return Admission::Unguarded
-            }
-            Ok(None) => {
-                let method = message["method"].as_str().unwrap_or_default();
-                let header = &shared.config.header;
-                let detail = match &rpc.key_pointer {
-                    Some(pointer) => format!(
-                        "{method} requires an idempotency key: a string at {pointer} in the \
-                         request, or an {header} header"
-                    ),
-                    None => format!("{method} requires an {header} header"),
-                };
-                let error = RpcError::new(
-                    codes::KEY_MISSING,
-                    "idempotency-key-missing",
-                    "Idempotency key missing",
-                    detail,
-                );
-                return Admission::Refuse(error, id);
-            }
-            Err(detail) => {
-                let error = RpcError::new(
-                    codes::KEY_INVALID,
-                    "idempotency-key-invalid",
-                    "Idempotency key malformed",
-                    detail,
-                );
-                return Admission::Refuse(error, id);
-            }
-        },
+    // A string at the pointer is the key, well-formed or not; the header only without one.
+    let read = match from_body {
+        Some(text) => Key::new(text).map(Some).map_err(|e| e.to_string()),
+        None => read_key(&parts.headers, &shared.config.header),
     };
-    let fingerprint = fingerprint(&shared.config, rpc, message);
-    Admission::Guard(Call { id, key }, fingerprint)
+    let refused = match read {
+        Ok(Some(key)) => {
+            let fingerprint = fingerprint(&shared.config, rpc, message);
+            return Message::Guard(Call { id, key }, fingerprint);
+        }
+        Ok(None) if shared.config.missing_key == MissingKey::PassThrough => {
+            return Message::Unguarded
+        }
+        Ok(None) => {
+            let method = message["method"].as_str().unwrap_or_default();
+            let header = &shared.config.header;
+            let detail = match &rpc.key_pointer {
+                Some(pointer) => format!(
+                    "{method} requires an idempotency key: a string at {pointer} in the \
+                     request, or an {header} header"
+                ),
+                None => format!("{method} requires an {header} header"),
+            };
+            let title = "Idempotency key missing";
+            RpcError::new(codes::KEY_MISSING, "idempotency-key-missing", title, detail)
+        }
+        Err(detail) => {
+            let title = "Idempotency key malformed";
+            RpcError::new(codes::KEY_INVALID, "idempotency-key-invalid", title, detail)
+        }
+    };
+    Message::Refuse(refused, id)
 }
 
 /// What a call means: its `method` and `params` in canonical JSON, without the key (found
@@ -437,42 +413,24 @@ fn fingerprint(config: &Config, rpc: &JsonRpc, message: Value) -> Fingerprint {
         .finish()
 }
 
-/// Removes the value at `pointer` (RFC 6901), if there is one.
-fn remove_pointer(value: &mut Value, pointer: &str) {
-    let Some((parent, last)) = pointer.rsplit_once('/') else {
-        return;
-    };
-    let last = last.replace("~1", "/").replace("~0", "~");
-    match value.pointer_mut(parent) {
-        Some(Value::Object(map)) => {
-            map.remove(&last);
-        }
-        Some(Value::Array(items)) => {
-            if let Ok(i) = last.parse::<usize>() {
-                if i < items.len() {
-                    items.remove(i);
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
 /// The work that runs to its end once begun: the store's `begin`, then the service and
 /// the storing of its answer when the key is ours.
-async fn claim<S, ReqBody, ResBody>(
+pub(crate) async fn claim<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
-    rpc: JsonRpc,
-    inner: S,
-    id: RecordId,
-    fingerprint: Fingerprint,
-    call: Call,
+    mut inner: S,
+    guarded: Guarded,
     req: Request<RequestBody<ReqBody>>,
 ) -> Result<Response<ResponseBody>, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
+    let Guarded {
+        rpc,
+        id,
+        fingerprint,
+        call,
+    } = guarded;
     let config = &shared.config;
     let key = Some(&call.key);
     let lease = match shared.idem.begin(&id, fingerprint).await {
@@ -544,20 +502,19 @@ where
     };
     let retention = shared.idem.config().retention;
     let handle = LeaseHandle::new(lease, retention, shared.clone());
-    let (ran, lease) = run(&shared, inner, id, &handle, req).await;
-    let (parts, read) = match ran {
-        Ok(Ok(answer)) => answer,
-        Ok(Err(e)) => {
-            release(&shared.idem, &lease, "the service returned an error").await;
-            shared.observe(Outcome::NotStored);
-            return Err(e);
+    // The service runs and its answer is read to the end (an SSE answer is a stream that
+    // ends after its response event), under the lease: the time measured is the service's
+    // and its answer's, as for an HTTP route's handler.
+    let limit = config.max_response_body;
+    let work = |req| async move {
+        let (parts, body) = inner.call(req).await?.into_parts();
+        if crate::join::is_sse(&parts.headers) {
+            return Ok((parts, Read::Live(body)));
         }
-        Err(panic) => {
-            release(&shared.idem, &lease, "the service panicked").await;
-            shared.observe(Outcome::NotStored);
-            resume_unwind(panic)
-        }
+        Ok::<_, S::Error>((parts, read(body, limit).await))
     };
+    let (ran, lease) = run_leased(&shared, id, &handle, req, work).await;
+    let (parts, read) = answered(&shared, &lease, ran).await?;
     Ok(store(&shared, &rpc, &handle, &lease, &call, parts, read).await)
 }
 
@@ -572,62 +529,6 @@ enum Read<B> {
     /// A stream of events (Server-Sent Events), not read: it goes to the client as it
     /// comes, and is stored at its end.
     Live(B),
-}
-
-/// The service's head and its body as read, or its error, or its panic.
-type Ran<B, E> = Result<Result<(http::response::Parts, Read<B>), E>, Box<dyn std::any::Any + Send>>;
-
-/// Runs the service and reads its answer to the end (an SSE answer is a stream that ends
-/// after its response event), under the lease, which the heartbeat renews meanwhile.
-async fn run<S, ReqBody, ResBody>(
-    shared: &Shared,
-    mut inner: S,
-    id: RecordId,
-    handle: &LeaseHandle,
-    mut req: Request<RequestBody<ReqBody>>,
-) -> (Ran<ResBody, S::Error>, Lease)
-where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes, Error: Into<BoxError>>,
-{
-    let attempt = handle.attempt();
-    req.extensions_mut().insert(IdempotencyInfo { id, attempt });
-    req.extensions_mut().insert(handle.clone());
-    tracing::Span::current().record("attempt", attempt);
-    let limit = shared.config.max_response_body;
-    // `call` itself may panic, before any future exists: it is inside the caught future.
-    let work = AssertUnwindSafe(async move {
-        match inner.call(req).await {
-            Ok(response) => {
-                let (parts, body) = response.into_parts();
-                if crate::join::is_sse(&parts.headers) {
-                    return Ok((parts, Read::Live(body)));
-                }
-                Ok((parts, read(body, limit).await))
-            }
-            Err(e) => Err(e),
-        }
-    })
-    .catch_unwind();
-    let mut work = std::pin::pin!(work);
-    let granted = handle.lease().clone();
-    let started = Instant::now();
-    let (ran, lease) = if shared.config.heartbeat {
-        let beating = shared
-            .idem
-            .run_with_heartbeat(granted, OnLost::Finish, work.as_mut());
-        // `Finish` never gives the work up; were it to, the work still ends here.
-        match beating.await {
-            Ok((lease, ran)) => (ran, lease),
-            Err(_) => (work.await, handle.lease().clone()),
-        }
-    } else {
-        (work.await, granted)
-    };
-    // The service's time and its answer's, as for an HTTP route's handler.
-    metrics::histogram!("idem_http_handler_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
-    (ran, lease)
 }
 
 /// Reads `body` to its end, or until it is over `limit` bytes.
@@ -701,56 +602,32 @@ where
         shared.observe(Outcome::NotStored);
         return Response::from_parts(parts, ResponseBody::full(bytes));
     }
+    let storable = storable(rpc, parts.status, &parts.headers, &bytes);
     let stored = config.to_stored(parts.status, &parts.headers, bytes.clone());
-    let kept = if let Some(committed) = handle.committed_response() {
-        // The service completed the record in its own transaction: nothing to store.
-        if committed != stored {
-            tracing::warn!(
-                "the service committed an answer other than the one it returned; retries \
-                 are replayed the committed one"
-            );
-        }
-        shared.idem.completed_elsewhere(lease).await;
-        Kept::Stored
-    } else if !storable(rpc, parts.status, &parts.headers, &bytes) {
-        release(&shared.idem, lease, "a failed call").await;
-        Kept::Unstored
-    } else {
-        match shared.idem.complete(lease, stored.clone()).await {
-            Ok(()) => Kept::Stored,
-            Err(e) => not_completed(shared, lease, stored, e).await,
-        }
-    };
-    let retry = config.store_retry_after;
-    let (outcome, error) = match kept {
+    let kept = keep_or_release(shared, handle, lease, stored, storable, "a failed call").await;
+    // Not recorded: the call ran, and a retry with the same key gets the recorded answer.
+    let (outcome, unrecorded) = match kept {
         Kept::Stored => (Outcome::Executed, None),
         Kept::Unstored => (Outcome::NotStored, None),
         Kept::Unrecorded => {
             let detail = "the call ran, but its answer could not be recorded yet; retry with \
                           the same idempotency key to receive it once it is recorded";
-            let error = RpcError::new(
-                codes::NOT_RECORDED,
-                "outcome-not-recorded",
-                "Outcome not recorded",
-                detail,
-            );
-            (Outcome::StoreError, Some(error.with_retry_after(retry)))
+            let why = ("outcome-not-recorded", "Outcome not recorded", detail);
+            (Outcome::StoreError, Some(why))
         }
         Kept::Superseded => {
             let detail = "the call ran, but its hold on the idempotency key ran out before its \
                           answer was recorded, and another attempt may hold the key now: retry \
                           with the same idempotency key to receive the key's recorded answer";
-            let error = RpcError::new(
-                codes::NOT_RECORDED,
-                "lease-lost",
-                "Idempotency lease lost",
-                detail,
-            );
-            (Outcome::LeaseLost, Some(error.with_retry_after(retry)))
+            let why = ("lease-lost", "Idempotency lease lost", detail);
+            (Outcome::LeaseLost, Some(why))
         }
     };
-    if let Some(error) = error {
-        return refuse(shared, outcome, error.with_key(Some(&call.key)), &call.id);
+    if let Some((kind, title, detail)) = unrecorded {
+        let error = RpcError::new(codes::NOT_RECORDED, kind, title, detail)
+            .with_key(Some(&call.key))
+            .with_retry_after(config.store_retry_after);
+        return refuse(shared, outcome, error, &call.id);
     }
     shared.observe(outcome);
     if matches!(kept, Kept::Stored) {
@@ -983,19 +860,6 @@ fn refuse(
         headers.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
     response
-}
-
-/// Hands a request on without idempotency.
-async fn pass<S, ReqBody, ResBody>(
-    mut inner: S,
-    req: Request<RequestBody<ReqBody>>,
-) -> Result<Response<ResponseBody>, S::Error>
-where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
-{
-    let response = inner.call(req).await?;
-    Ok(response.map(ResponseBody::new))
 }
 
 #[cfg(test)]

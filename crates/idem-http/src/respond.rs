@@ -21,7 +21,7 @@ use crate::error::Problem;
 use crate::handle::LeaseHandle;
 use crate::outcome::{KeepInFlight, Outcome};
 use crate::response::{insert_expires, Buffer};
-use crate::settle::{not_completed, release, Kept};
+use crate::settle::{keep_or_release, release, Kept};
 use crate::shared::Shared;
 
 /// Stores the handler's response when it should be, and answers with it: left in flight
@@ -431,25 +431,9 @@ async fn keep(
 ) -> Kept {
     let config = &shared.config;
     let stored = config.to_stored(status, headers, bytes);
-    let kept = if let Some(committed) = handle.committed_response() {
-        // The handler completed the record in its own transaction: nothing to store.
-        if committed != stored {
-            tracing::warn!(
-                "the handler committed a response other than the one it returned; \
-                 retries are replayed the committed one"
-            );
-        }
-        shared.idem.completed_elsewhere(lease).await;
-        Kept::Stored
-    } else if !shared.stores(status, headers, &stored.body) {
-        release(&shared.idem, lease, "a response that is not stored").await;
-        Kept::Unstored
-    } else {
-        match shared.idem.complete(lease, stored.clone()).await {
-            Ok(()) => Kept::Stored,
-            Err(e) => not_completed(shared, lease, stored, e).await,
-        }
-    };
+    let storable = shared.stores(status, headers, &stored.body);
+    let unstored = "a response that is not stored";
+    let kept = keep_or_release(shared, handle, lease, stored, storable, unstored).await;
     shared.observe(match kept {
         Kept::Stored => Outcome::Executed,
         Kept::Unstored => Outcome::NotStored,

@@ -2,6 +2,7 @@
 //! [`decide`], [`run`] and [`store`].
 
 use std::fmt;
+use std::future::Future;
 use std::panic::{resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -130,11 +131,6 @@ where
             outcome = Empty,
             status = Empty,
         );
-        if self.shared.config.jsonrpc.is_some() {
-            // A protocol inside HTTP: its calls are found in the body, not in the method.
-            let call = crate::jsonrpc::guarded(self.shared.clone(), inner, req);
-            return ResponseFuture::new(call, span);
-        }
         ResponseFuture::new(guarded(self.shared.clone(), inner, req), span)
     }
 }
@@ -158,8 +154,18 @@ where
     ReqBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
-    let (id, fingerprint, req) = match admit(&shared, req).await {
-        Admission::Guard(id, fingerprint, req) => (id, fingerprint, req),
+    if let Some(rpc) = shared.config.jsonrpc.clone() {
+        // A protocol inside HTTP: its calls are found in the body, not in the method.
+        return match crate::jsonrpc::admit(&shared, rpc, req).await {
+            Admission::Guard(call, req) => {
+                Detach::new(crate::jsonrpc::claim(shared, inner, call, req)).await
+            }
+            Admission::Pass(req) => pass(inner, req).await,
+            Admission::Refuse(response) => Ok(response),
+        };
+    }
+    let ((id, fingerprint), req) = match admit(&shared, req).await {
+        Admission::Guard(guard, req) => (guard, req),
         Admission::Pass(req) => return pass(inner, req).await,
         Admission::Refuse(response) => return Ok(response),
     };
@@ -171,11 +177,12 @@ where
     Ok(response)
 }
 
-/// What admission decided.
-enum Admission<B> {
-    /// Guard the request under this record and fingerprint; its body is read.
-    Guard(RecordId, Fingerprint, Request<RequestBody<B>>),
-    /// Hand it on unguarded (no key, and keys are optional).
+/// What admission decided, on an HTTP route (`G` the record and fingerprint) or a JSON-RPC
+/// route (`G` the call, see [`crate::jsonrpc::admit`]).
+pub(crate) enum Admission<B, G> {
+    /// Guard the request under `G`; its body is read.
+    Guard(G, Request<RequestBody<B>>),
+    /// Hand it on unguarded (not a guarded call, or no key where keys are optional).
     Pass(Request<RequestBody<B>>),
     /// Refuse it with this answer.
     Refuse(Response<ResponseBody>),
@@ -184,7 +191,7 @@ enum Admission<B> {
 /// Step 1, admit: decides whether the request is guarded, handed on or refused, from its
 /// key, its scope and its body (read within [`crate::Config::max_request_body`]), and
 /// fingerprints it. Nothing is claimed yet: a client that goes away here leaves nothing.
-async fn admit<B>(shared: &Shared, req: Request<B>) -> Admission<B>
+async fn admit<B>(shared: &Shared, req: Request<B>) -> Admission<B, (RecordId, Fingerprint)>
 where
     B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
@@ -202,15 +209,20 @@ where
         Ok(bytes) => bytes,
         Err(problem) => return Admission::Refuse(refuse(shared, Outcome::Rejected, problem)),
     };
+    record_on_span(&id);
+    let fingerprint = fingerprint(config, &parts, &bytes);
+    let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
+    Admission::Guard((id, fingerprint), req)
+}
+
+/// Names the guarded record in the request's span, by its scope and its key's hash.
+pub(crate) fn record_on_span(id: &RecordId) {
     let span = tracing::Span::current();
     // Hashing the key costs a SHA-256: only for a span that is recorded.
     if !span.is_disabled() {
         span.record("scope", tracing::field::display(id.scope()));
-        span.record("key_hash", tracing::field::display(KeyHash::of(&id)));
+        span.record("key_hash", tracing::field::display(KeyHash::of(id)));
     }
-    let fingerprint = fingerprint(config, &parts, &bytes);
-    let req = Request::from_parts(parts, Either::Left(Full::new(bytes)));
-    Admission::Guard(id, fingerprint, req)
 }
 
 /// The request's record, from its key header and its scope: `None` to hand it on
@@ -432,30 +444,48 @@ async fn decide_within(
 }
 
 /// How the handler ended: its response or error, or the payload of its panic.
-type Ran<R, E> = Result<Result<R, E>, Box<dyn std::any::Any + Send>>;
+pub(crate) type Ran<R, E> = Result<Result<R, E>, Box<dyn std::any::Any + Send>>;
 
-/// Step 3, run: the inner service under the lease, which the engine's heartbeat renews
-/// while it works ([`Idem::run_with_heartbeat`] with [`OnLost::Finish`]: a handler whose
-/// lease is lost still runs to its end, and storing its outcome then finds the lease
-/// lost). A panic of the service is caught, so that [`store`] can release the key first.
-/// Returns how it ended and the lease as last renewed.
+/// Step 3, run: the inner service under the lease (see [`run_leased`]).
 async fn run<S, ReqBody, ResBody>(
     shared: &Shared,
     mut inner: S,
     id: RecordId,
     handle: &LeaseHandle,
-    mut req: Request<RequestBody<ReqBody>>,
+    req: Request<RequestBody<ReqBody>>,
 ) -> (Ran<S::Response, S::Error>, Lease)
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+{
+    run_leased(shared, id, handle, req, |req| inner.call(req)).await
+}
+
+/// The handler's run on HTTP and JSON-RPC routes alike: `work` gets the request, carrying
+/// [`IdempotencyInfo`] and the [`LeaseHandle`], and runs under the lease, which the engine's
+/// heartbeat renews while it works ([`Idem::run_with_heartbeat`] with [`OnLost::Finish`]: a
+/// handler whose lease is lost still runs to its end, and storing its outcome then finds
+/// the lease lost). A panic in it is caught, so that the key can be released first.
+/// Returns how it ended and the lease as last renewed.
+///
+/// [`Idem::run_with_heartbeat`]: idem_core::Idem::run_with_heartbeat
+pub(crate) async fn run_leased<B, F>(
+    shared: &Shared,
+    id: RecordId,
+    handle: &LeaseHandle,
+    mut req: Request<B>,
+    work: impl FnOnce(Request<B>) -> F,
+) -> (Result<F::Output, Box<dyn std::any::Any + Send>>, Lease)
+where
+    F: Future,
 {
     let attempt = handle.attempt();
     req.extensions_mut().insert(IdempotencyInfo { id, attempt });
     req.extensions_mut().insert(handle.clone());
     tracing::Span::current().record("attempt", attempt);
     let started = Instant::now();
-    // `call` itself may panic, before any future exists: it is inside the caught future.
-    let work = AssertUnwindSafe(async move { inner.call(req).await }).catch_unwind();
+    // `work` itself (the service's `call`) may panic before any future exists: it is
+    // inside the caught future.
+    let work = AssertUnwindSafe(async move { work(req).await }).catch_unwind();
     let mut work = std::pin::pin!(work);
     let granted = handle.lease().clone();
     let (lease, ran) = if shared.config.heartbeat {
@@ -475,6 +505,24 @@ where
     (ran, lease)
 }
 
+/// The handler's answer; after its error or its panic, the key released, then the error
+/// returned or the panic resumed.
+pub(crate) async fn answered<R, E>(shared: &Shared, lease: &Lease, ran: Ran<R, E>) -> Result<R, E> {
+    match ran {
+        Ok(Ok(response)) => Ok(response),
+        Ok(Err(e)) => {
+            release(&shared.idem, lease, "the service returned an error").await;
+            shared.observe(Outcome::NotStored);
+            Err(e)
+        }
+        Err(panic) => {
+            release(&shared.idem, lease, "the service panicked").await;
+            shared.observe(Outcome::NotStored);
+            resume_unwind(panic)
+        }
+    }
+}
+
 /// Step 4, store: after an error or a panic of the service, releases the key (then returns
 /// the error, or resumes the panic); after a response, see [`store_response`].
 async fn store<R, E>(
@@ -486,23 +534,12 @@ async fn store<R, E>(
 where
     R: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
-    match ran {
-        Ok(Ok(response)) => Ok(store_response(shared, handle, lease, response).await),
-        Ok(Err(e)) => {
-            release(&shared.idem, &lease, "the service returned an error").await;
-            shared.observe(Outcome::NotStored);
-            Err(e)
-        }
-        Err(panic) => {
-            release(&shared.idem, &lease, "the service panicked").await;
-            shared.observe(Outcome::NotStored);
-            resume_unwind(panic)
-        }
-    }
+    let response = answered(shared, &lease, ran).await?;
+    Ok(store_response(shared, handle, lease, response).await)
 }
 
 /// Hands a request on without idempotency.
-async fn pass<S, ReqBody, ResBody>(
+pub(crate) async fn pass<S, ReqBody, ResBody>(
     mut inner: S,
     req: Request<RequestBody<ReqBody>>,
 ) -> Result<Response<ResponseBody>, S::Error>

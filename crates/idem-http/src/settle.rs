@@ -9,6 +9,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use crate::handle::LeaseHandle;
 use crate::shared::Shared;
 
 /// What became of a whole response.
@@ -22,6 +23,38 @@ pub(crate) enum Kept {
     /// It should have been stored and the lease was lost (taken over, released or
     /// evicted): the key will never replay it, so it must not be sent as the answer.
     Superseded,
+}
+
+/// Stores a whole response under the lease when it is `storable`, else releases the key
+/// (`unstored` saying why, for the log), unless the handler completed the record in its
+/// own transaction already.
+pub(crate) async fn keep_or_release(
+    shared: &Shared,
+    handle: &LeaseHandle,
+    lease: &Lease,
+    stored: idem_core::Response,
+    storable: bool,
+    unstored: &str,
+) -> Kept {
+    if let Some(committed) = handle.committed_response() {
+        // Nothing to store; a retry is replayed what the record holds.
+        if committed != stored {
+            tracing::warn!(
+                "the handler committed a response other than the one it returned; retries \
+                 are replayed the committed one"
+            );
+        }
+        shared.idem.completed_elsewhere(lease).await;
+        Kept::Stored
+    } else if !storable {
+        release(&shared.idem, lease, unstored).await;
+        Kept::Unstored
+    } else {
+        match shared.idem.complete(lease, stored.clone()).await {
+            Ok(()) => Kept::Stored,
+            Err(e) => not_completed(shared, lease, stored, e).await,
+        }
+    }
 }
 
 /// What became of a whole response whose `complete` failed with `e`.
