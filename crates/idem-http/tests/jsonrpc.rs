@@ -192,6 +192,42 @@ mod cases {
 
     const ALICE: (&str, &str) = ("authorization", "Bearer alice");
 
+    /// `POST /mcp` of `body` as alice.
+    async fn post_mcp(server: &Server, body: &str) -> Reply {
+        post_mcp_with(server, &[], body).await
+    }
+
+    /// `POST /mcp` of `body` as alice, with the `extra` headers.
+    async fn post_mcp_with(server: &Server, extra: &[(&str, &str)], body: &str) -> Reply {
+        let headers: Vec<_> = [ALICE, JSON]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect();
+        server.post("/mcp", &headers, body).await
+    }
+
+    /// As alice, the `tools/call` of [`call`].
+    async fn charge(server: &Server, id: Value, key: Option<&str>, arguments: Value) -> Reply {
+        post_mcp(server, &call(id, key, arguments)).await
+    }
+
+    /// Twenty copies of the call of `key` with `arguments` (ids 0 to 19), sent at once, each
+    /// from a task of its own: the replies, in the order of their ids.
+    async fn twenty_copies(server: &Server, key: &str, arguments: Value) -> Vec<Reply> {
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let server = server.clone();
+                let body = call(json!(i), Some(key), arguments.clone());
+                tokio::spawn(async move { post_mcp(&server, &body).await })
+            })
+            .collect();
+        let mut replies = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            replies.push(task.await.unwrap());
+        }
+        replies
+    }
+
     /// A `tools/call` of `charge` with `id`, `key` (none: no `_meta`) and `arguments`.
     fn call(id: Value, key: Option<&str>, arguments: Value) -> String {
         let mut params = json!({"name": "charge", "arguments": arguments});
@@ -221,13 +257,7 @@ mod cases {
 
     pub async fn a_retry_with_a_new_id_gets_the_first_result_with_its_id(store: Arc<dyn Store>) {
         let (server, counts, outcomes) = mcp_on(store).await;
-        let first = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON],
-                &call(json!(1), Some("pay-1"), json!({"amount": 5})),
-            )
-            .await;
+        let first = charge(&server, json!(1), Some("pay-1"), json!({"amount": 5})).await;
         assert_eq!(first.status, StatusCode::OK);
         assert!(!first.replayed());
         assert!(first.header("idempotency-expires").is_some(), "{first:?}");
@@ -237,7 +267,7 @@ mod cases {
         );
         // The retry: a new id and progress token, the arguments written otherwise.
         let retry_body = call(json!("two"), Some("pay-1"), json!({"amount": 5.0}));
-        let retry = server.post("/mcp", &[ALICE, JSON], &retry_body).await;
+        let retry = post_mcp(&server, &retry_body).await;
         assert!(retry.replayed(), "{retry:?}");
         assert_eq!(retry.status, StatusCode::OK);
         // Byte for byte the first answer, but for its id.
@@ -254,13 +284,8 @@ mod cases {
         assert_eq!(counts.charge.get(), 2);
         // The session header takes no part.
         let session = ("mcp-session-id", "another-session");
-        let again = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON, session],
-                &call(json!(3), Some("pay-1"), json!({"amount": 5})),
-            )
-            .await;
+        let body = call(json!(3), Some("pay-1"), json!({"amount": 5}));
+        let again = post_mcp_with(&server, &[session], &body).await;
         assert!(again.replayed());
         assert_eq!(doc(&again)["id"], 3);
         assert_eq!(counts.charge.get(), 2);
@@ -268,27 +293,17 @@ mod cases {
 
     pub async fn twenty_concurrent_copies_run_the_tool_once(store: Arc<dyn Store>) {
         let (server, counts, outcomes) = mcp_on(store).await;
-        let tasks: Vec<_> = (0..20)
-            .map(|i| {
-                let server = server.clone();
-                let body = call(
-                    json!(i),
-                    Some("burst-1"),
-                    json!({"amount": 7, "delay_ms": 300}),
-                );
-                tokio::spawn(async move { server.post("/mcp", &[ALICE, JSON], &body).await })
-            })
-            .collect();
+        let arguments = json!({"amount": 7, "delay_ms": 300});
+        let replies = twenty_copies(&server, "burst-1", arguments.clone()).await;
         let mut answered = 0;
-        for (i, task) in tasks.into_iter().enumerate() {
-            let reply = task.await.unwrap();
-            let doc = doc(&reply);
+        for (i, reply) in replies.iter().enumerate() {
+            let doc = doc(reply);
             if doc.get("result").is_some() {
                 answered += 1;
                 assert_eq!(doc["id"], i);
                 assert_eq!(doc["result"]["content"][0]["text"], "charged 7 (run 1)");
             } else {
-                let data = assert_error(&reply, codes::IN_FLIGHT, json!(i));
+                let data = assert_error(reply, codes::IN_FLIGHT, json!(i));
                 assert_eq!(data["idempotencyKey"], "burst-1");
                 assert!(data["retryAfterSeconds"].as_u64().unwrap() >= 1);
                 assert!(reply.header("retry-after").is_some());
@@ -298,17 +313,7 @@ mod cases {
         assert!(answered >= 1);
         assert_eq!(outcomes.count(Outcome::Executed), 1);
         // Once it is done, each retry gets its result.
-        let late = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON],
-                &call(
-                    json!(99),
-                    Some("burst-1"),
-                    json!({"amount": 7, "delay_ms": 300}),
-                ),
-            )
-            .await;
+        let late = charge(&server, json!(99), Some("burst-1"), arguments).await;
         assert!(late.replayed());
         assert_eq!(doc(&late)["id"], 99);
         assert_eq!(counts.charge.get(), 1);
@@ -318,19 +323,13 @@ mod cases {
         let engine = idem_core::Config::default().with_wait(Duration::from_secs(10));
         let rpc = JsonRpc::new(["tools/call"]);
         let (server, counts, _) = serve_rpc(store, engine, rpc, Config::default()).await;
-        let tasks: Vec<_> = (0..20)
-            .map(|i| {
-                let server = server.clone();
-                let body = call(
-                    json!(i),
-                    Some("wait-1"),
-                    json!({"amount": 8, "delay_ms": 300}),
-                );
-                tokio::spawn(async move { server.post("/mcp", &[ALICE, JSON], &body).await })
-            })
-            .collect();
-        for (i, task) in tasks.into_iter().enumerate() {
-            let doc = doc(&task.await.unwrap());
+        let arguments = json!({"amount": 8, "delay_ms": 300});
+        for (i, reply) in twenty_copies(&server, "wait-1", arguments)
+            .await
+            .iter()
+            .enumerate()
+        {
+            let doc = doc(reply);
             assert_eq!(doc["id"], i, "{doc}");
             assert_eq!(doc["result"]["content"][0]["text"], "charged 8 (run 1)");
         }
@@ -341,20 +340,8 @@ mod cases {
         store: Arc<dyn Store>,
     ) {
         let (server, counts, outcomes) = mcp_on(store).await;
-        server
-            .post(
-                "/mcp",
-                &[ALICE, JSON],
-                &call(json!(1), Some("pay-2"), json!({"amount": 5})),
-            )
-            .await;
-        let other = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON],
-                &call(json!(2), Some("pay-2"), json!({"amount": 500})),
-            )
-            .await;
+        charge(&server, json!(1), Some("pay-2"), json!({"amount": 5})).await;
+        let other = charge(&server, json!(2), Some("pay-2"), json!({"amount": 500})).await;
         let data = assert_error(&other, codes::KEY_REUSED, json!(2));
         assert_eq!(data["idempotencyKey"], "pay-2");
         assert_eq!(data["type"], "urn:idem:problem:idempotency-key-reused");
@@ -367,30 +354,24 @@ mod cases {
         let (server, counts, outcomes) = mcp_on(store).await;
         let list = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"_meta":{"idempotencyKey":"k"}}}"#;
         for _ in 0..2 {
-            let reply = server.post("/mcp", &[ALICE, JSON], list).await;
+            let reply = post_mcp(&server, list).await;
             assert!(!reply.replayed());
             assert_eq!(doc(&reply)["result"]["tools"][0]["name"], "charge");
         }
         assert_eq!(counts.list.get(), 2);
         // A notification, even of a guarded method (it has no id, so no answer to keep).
         let note = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-        assert_eq!(
-            server.post("/mcp", &[ALICE, JSON], note).await.status,
-            StatusCode::ACCEPTED
-        );
+        assert_eq!(post_mcp(&server, note).await.status, StatusCode::ACCEPTED);
         let note = r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"charge"}}"#;
-        assert_eq!(
-            server.post("/mcp", &[ALICE, JSON], note).await.status,
-            StatusCode::ACCEPTED
-        );
+        assert_eq!(post_mcp(&server, note).await.status, StatusCode::ACCEPTED);
         assert_eq!(counts.notified.get(), 2);
         // A response the client sends back, and a body that is not JSON: the server's.
         let response = r#"{"jsonrpc":"2.0","id":"s-1","result":{}}"#;
         assert_eq!(
-            server.post("/mcp", &[ALICE, JSON], response).await.status,
+            post_mcp(&server, response).await.status,
             StatusCode::ACCEPTED
         );
-        let garbage = server.post("/mcp", &[ALICE, JSON], "{nope").await;
+        let garbage = post_mcp(&server, "{nope").await;
         assert_eq!(doc(&garbage)["error"]["code"], -32700);
         assert_eq!(counts.charge.get(), 0);
         // None of them is reported as guarded.
@@ -399,13 +380,7 @@ mod cases {
 
     pub async fn a_call_without_a_key_follows_missing_key(store: Arc<dyn Store>) {
         let (server, counts, _) = mcp_on(store.clone()).await;
-        let reply = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON],
-                &call(json!(4), None, json!({"amount": 1})),
-            )
-            .await;
+        let reply = charge(&server, json!(4), None, json!({"amount": 1})).await;
         let data = assert_error(&reply, codes::KEY_MISSING, json!(4));
         assert!(data["detail"]
             .as_str()
@@ -415,18 +390,12 @@ mod cases {
         // The key header is read when the body has none.
         let header = ("idempotency-key", "from-header");
         let body = call(json!(5), None, json!({"amount": 1}));
-        server.post("/mcp", &[ALICE, JSON, header], &body).await;
-        let retry = server.post("/mcp", &[ALICE, JSON, header], &body).await;
+        post_mcp_with(&server, &[header], &body).await;
+        let retry = post_mcp_with(&server, &[header], &body).await;
         assert!(retry.replayed());
         assert_eq!(counts.charge.get(), 1);
         // A malformed key is refused.
-        let bad = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON],
-                &call(json!(6), Some("a b"), json!({"amount": 1})),
-            )
-            .await;
+        let bad = charge(&server, json!(6), Some("a b"), json!({"amount": 1})).await;
         assert_error(&bad, codes::KEY_INVALID, json!(6));
         // Keys optional: handed on unguarded, each time.
         let rpc = JsonRpc::new(["tools/call"]);
@@ -434,7 +403,7 @@ mod cases {
         let (server, counts, outcomes) =
             serve_rpc(store, idem_core::Config::default(), rpc, config).await;
         for _ in 0..2 {
-            let reply = server.post("/mcp", &[ALICE, JSON], &body).await;
+            let reply = post_mcp(&server, &body).await;
             assert!(doc(&reply).get("result").is_some());
         }
         assert_eq!(counts.charge.get(), 2);
@@ -445,7 +414,7 @@ mod cases {
         let (server, counts, outcomes) = mcp_on(store.clone()).await;
         let failing = call(json!(1), Some("fail-1"), json!({"amount": 1, "fail": true}));
         for run in 1..=2 {
-            let reply = server.post("/mcp", &[ALICE, JSON], &failing).await;
+            let reply = post_mcp(&server, &failing).await;
             assert!(!reply.replayed());
             assert_eq!(doc(&reply)["result"]["isError"], true);
             assert_eq!(counts.charge.get(), run);
@@ -456,7 +425,7 @@ mod cases {
             "params":{"name":"refund","_meta":{"idempotencyKey":"fail-2"}}})
         .to_string();
         for _ in 0..2 {
-            let reply = server.post("/mcp", &[ALICE, JSON], &unknown).await;
+            let reply = post_mcp(&server, &unknown).await;
             assert!(!reply.replayed());
             assert_eq!(doc(&reply)["error"]["code"], -32602);
         }
@@ -465,8 +434,8 @@ mod cases {
         let rpc = JsonRpc::new(["tools/call"]).with_store_errors(true);
         let (server, counts, _) =
             serve_rpc(store, idem_core::Config::default(), rpc, Config::default()).await;
-        server.post("/mcp", &[ALICE, JSON], &failing).await;
-        let retry = server.post("/mcp", &[ALICE, JSON], &failing).await;
+        post_mcp(&server, &failing).await;
+        let retry = post_mcp(&server, &failing).await;
         assert!(retry.replayed());
         assert_eq!(doc(&retry)["result"]["isError"], true);
         assert_eq!(counts.charge.get(), 1);
@@ -488,8 +457,8 @@ mod cases {
         for (n, v) in headers {
             req = req.header(n, v);
         }
-        let body = call(json!(1), Some("live-1"), json!({"amount": 9}));
-        let body = http_body_util::Full::new(Bytes::from(body)).boxed();
+        let live = |id| call(json!(id), Some("live-1"), json!({"amount": 9}));
+        let body = http_body_util::Full::new(Bytes::from(live(1))).boxed();
         let started = tokio::time::Instant::now();
         let response = server
             .client
@@ -513,13 +482,8 @@ mod cases {
         let rest = body.collect().await.expect("a clean end").to_bytes();
         let text = String::from_utf8([first, rest].concat()).unwrap();
         assert!(text.contains(r#""id":1"#), "{text}");
-        let retry = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON, ("accept", "text/event-stream")],
-                &call(json!(2), Some("live-1"), json!({"amount": 9})),
-            )
-            .await;
+        let sse = ("accept", "text/event-stream");
+        let retry = post_mcp_with(&server, &[sse], &live(2)).await;
         assert!(retry.replayed(), "{retry:?}");
         let expected = text.replace(r#""id":1,"#, r#""id":2,"#);
         assert_eq!(String::from_utf8(retry.body.to_vec()).unwrap(), expected);
@@ -529,26 +493,15 @@ mod cases {
     pub async fn an_sse_answer_is_replayed_with_the_id_inside_its_event(store: Arc<dyn Store>) {
         let (server, counts, _) = mcp_on(store.clone()).await;
         let sse = ("accept", "text/event-stream");
-        let first = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON, sse],
-                &call(json!(1), Some("sse-1"), json!({"amount": 9})),
-            )
-            .await;
+        let body = |id| call(json!(id), Some("sse-1"), json!({"amount": 9}));
+        let first = post_mcp_with(&server, &[sse], &body(1)).await;
         assert_eq!(first.header("content-type"), Some("text/event-stream"));
         let text = String::from_utf8(first.body.to_vec()).unwrap();
         assert!(
             text.starts_with(": opening\n\nevent: message\nid: ev-1\ndata: {"),
             "{text}"
         );
-        let retry = server
-            .post(
-                "/mcp",
-                &[ALICE, JSON, sse],
-                &call(json!(2), Some("sse-1"), json!({"amount": 9})),
-            )
-            .await;
+        let retry = post_mcp_with(&server, &[sse], &body(2)).await;
         assert!(retry.replayed());
         assert_eq!(retry.header("content-type"), Some("text/event-stream"));
         let expected = text.replace(r#""id":1,"#, r#""id":2,"#);
@@ -560,8 +513,8 @@ mod cases {
         let config = Config::default().with_replay_headers([]);
         let (server, counts, _) = serve_rpc(store, idem_core::Config::default(), rpc, config).await;
         let body = |id| call(json!(id), Some("sse-2"), json!({"amount": 9}));
-        let first = server.post("/mcp", &[ALICE, JSON, sse], &body(1)).await;
-        let retry = server.post("/mcp", &[ALICE, JSON, sse], &body(2)).await;
+        let first = post_mcp_with(&server, &[sse], &body(1)).await;
+        let retry = post_mcp_with(&server, &[sse], &body(2)).await;
         assert!(retry.replayed());
         assert_eq!(retry.header("content-type"), None);
         let text = String::from_utf8(first.body.to_vec()).unwrap();
@@ -577,7 +530,7 @@ mod cases {
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
             call(json!(2), Some("batch-1"), json!({"amount": 1}))
         );
-        let reply = server.post("/mcp", &[ALICE, JSON], &batch).await;
+        let reply = post_mcp(&server, &batch).await;
         let data = assert_error(&reply, codes::BATCH_REFUSED, Value::Null);
         assert!(data["detail"].as_str().unwrap().contains("tools/call"));
         assert_eq!(counts.charge.get(), 0);
@@ -594,32 +547,20 @@ mod cases {
         );
         // A batch of other calls is the server's.
         let others = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#;
-        let reply = server.post("/mcp", &[ALICE, JSON], others).await;
+        let reply = post_mcp(&server, others).await;
         assert_eq!(doc(&reply)[0]["result"]["batched"], true);
     }
 
     pub async fn a_client_that_gives_up_gets_the_answer_on_retry(store: Arc<dyn Store>) {
         let (server, counts, _) = mcp_on(store).await;
-        let body = call(
-            json!(1),
-            Some("dropped-1"),
-            json!({"amount": 3, "delay_ms": 600}),
-        );
+        let arguments = json!({"amount": 3, "delay_ms": 600});
         // The client gives up after 100 ms, the answer lost; the call runs on.
-        let gave_up = tokio::time::timeout(
-            Duration::from_millis(100),
-            server.post("/mcp", &[ALICE, JSON], &body),
-        )
-        .await;
+        let first = charge(&server, json!(1), Some("dropped-1"), arguments.clone());
+        let gave_up = tokio::time::timeout(Duration::from_millis(100), first).await;
         assert!(gave_up.is_err());
         tokio::time::sleep(Duration::from_millis(1200)).await;
         assert_eq!(counts.charge.get(), 1);
-        let retry_body = call(
-            json!(2),
-            Some("dropped-1"),
-            json!({"amount": 3, "delay_ms": 600}),
-        );
-        let retry = server.post("/mcp", &[ALICE, JSON], &retry_body).await;
+        let retry = charge(&server, json!(2), Some("dropped-1"), arguments).await;
         assert!(retry.replayed(), "{retry:?}");
         assert_eq!(doc(&retry)["id"], 2);
         assert_eq!(

@@ -80,6 +80,18 @@ async fn serve_events(
     serve_events_with(Idem::from_arc(store), config, count, gap, pad).await
 }
 
+/// [`serve_events`] on a memory store of its own with the default config, no padding.
+async fn serve_plain_events(count: usize, gap: Duration) -> (Server, Runs, Outcomes, Probe) {
+    serve_events(
+        Arc::new(MemoryStore::new()),
+        Config::default(),
+        count,
+        gap,
+        0,
+    )
+    .await
+}
+
 /// [`serve_events`] on `idem`.
 async fn serve_events_with(
     idem: Idem,
@@ -149,9 +161,7 @@ async fn next_data(body: &mut Incoming) -> Bytes {
 
 #[tokio::test]
 async fn the_first_event_reaches_the_client_live_and_the_retry_replays_the_stream() {
-    let store = Arc::new(MemoryStore::new());
-    let gap = Duration::from_millis(300);
-    let (server, runs, outcomes, probe) = serve_events(store, Config::default(), 4, gap, 0).await;
+    let (server, runs, outcomes, probe) = serve_plain_events(4, ms(300)).await;
 
     let response = open(&server).await;
     assert_eq!(response.status(), StatusCode::OK);
@@ -180,9 +190,7 @@ async fn the_first_event_reaches_the_client_live_and_the_retry_replays_the_strea
 
 #[tokio::test]
 async fn a_client_that_leaves_mid_stream_gets_the_whole_stream_replayed_on_retry() {
-    let store = Arc::new(MemoryStore::new());
-    let gap = Duration::from_millis(150);
-    let (server, runs, outcomes, probe) = serve_events(store, Config::default(), 5, gap, 0).await;
+    let (server, runs, outcomes, probe) = serve_plain_events(5, ms(150)).await;
 
     let mut body = open(&server).await.into_body();
     assert_eq!(next_data(&mut body).await, event(1, 0, 0));
@@ -382,9 +390,7 @@ async fn resume(server: &Server, last: &'static str) -> Reply {
 /// running; the work runs once.
 #[tokio::test]
 async fn a_dropped_client_resumes_after_its_last_event_id() {
-    let store = Arc::new(MemoryStore::new());
-    let gap = Duration::from_millis(200);
-    let (server, runs, _, _) = serve_events(store, Config::default(), 6, gap, 0).await;
+    let (server, runs, _, _) = serve_plain_events(6, ms(200)).await;
 
     let mut body = open(&server).await.into_body();
     next_data(&mut body).await;
