@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use idem_consumer::rabbitmq::{with_idempotency_key, Topology, Worker};
 use idem_core::Key;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 #[tokio::main]
@@ -38,15 +38,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (key, amount) in shared::PAYMENTS {
         let properties = with_idempotency_key(BasicProperties::default(), &Key::new(key)?, None);
         let payload = shared::payment(amount);
-        channel
-            .basic_publish(
-                "".into(),
-                topology.queue.as_str().into(),
-                BasicPublishOptions::default(),
-                payload.as_bytes(),
-                properties,
-            )
-            .await?
+        topology
+            .publish(&channel, payload.as_bytes(), properties)
             .await?;
     }
 

@@ -231,9 +231,8 @@ impl Topology {
 /// `examples/nats.rs` runs one from a fresh clone.
 #[derive(Debug, Clone)]
 pub struct Worker {
-    consumer: Consumer,
+    settings: worker::Settings,
     topology: Topology,
-    concurrency: usize,
     batch: usize,
 }
 
@@ -241,9 +240,8 @@ impl Worker {
     /// A worker for `topology`'s consumer, with concurrency 4 and batches of 16.
     pub fn new(consumer: Consumer, topology: Topology) -> Self {
         Self {
-            consumer,
+            settings: worker::Settings::new(consumer),
             topology,
-            concurrency: 4,
             batch: 16,
         }
     }

@@ -80,6 +80,12 @@ pub enum Error {
         /// What the worker did before.
         summary: Summary,
     },
+    /// The broker refused (nacked) a message published to `queue`.
+    #[error("the broker refused a message published to {queue:?}")]
+    Refused {
+        /// The queue published to.
+        queue: String,
+    },
     /// A queue name or consumer tag is longer than AMQP allows.
     #[error("{what} {name:?} is longer than 255 bytes")]
     NameTooLong {
@@ -178,6 +184,46 @@ impl Topology {
         Ok(())
     }
 
+    /// Publishes `payload` with `properties` to the queue (through the default exchange)
+    /// and, on a channel in confirm mode (`confirm_select`), waits until the broker
+    /// confirms it: a producer's hand-over. [`with_idempotency_key`] adds the key to the
+    /// properties.
+    ///
+    /// ```no_run
+    /// # async fn producer(channel: lapin::Channel) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_consumer::rabbitmq::{with_idempotency_key, Topology};
+    /// use idem_core::Key;
+    /// let topology = Topology::for_queue("payments");
+    /// let persistent = lapin::BasicProperties::default().with_delivery_mode(2);
+    /// let properties = with_idempotency_key(persistent, &Key::new("3f9c-payment")?, None);
+    /// topology.publish(&channel, br#"{"amount": 5}"#, properties).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Amqp`] from the broker; [`Error::Refused`] when it nacks the message;
+    /// [`Error::NameTooLong`].
+    pub async fn publish(
+        &self,
+        channel: &Channel,
+        payload: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), Error> {
+        let queue = short("queue", &self.queue)?;
+        let options = BasicPublishOptions::default();
+        let confirm = channel
+            .basic_publish(ShortString::from(""), queue, options, payload, properties)
+            .await?;
+        if confirm.await?.is_nack() {
+            return Err(Error::Refused {
+                queue: self.queue.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// Deletes the three queues and the messages in them (for tests and teardown).
     ///
     /// # Errors
@@ -198,10 +244,9 @@ impl Topology {
 /// `examples/consumer.rs` runs one from a fresh clone.
 #[derive(Debug, Clone)]
 pub struct Worker {
-    consumer: Consumer,
+    settings: worker::Settings,
     topology: Topology,
     prefetch: u16,
-    concurrency: usize,
     consumer_tag: String,
 }
 
@@ -210,10 +255,9 @@ impl Worker {
     /// broker picks.
     pub fn new(consumer: Consumer, topology: Topology) -> Self {
         Self {
-            consumer,
+            settings: worker::Settings::new(consumer),
             topology,
             prefetch: 16,
-            concurrency: 4,
             consumer_tag: String::new(),
         }
     }

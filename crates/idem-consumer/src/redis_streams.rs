@@ -186,9 +186,8 @@ impl Topology {
 /// `examples/redis_streams.rs` runs one from a fresh clone.
 #[derive(Debug, Clone)]
 pub struct Worker {
-    consumer: Consumer,
+    settings: worker::Settings,
     topology: Topology,
-    concurrency: usize,
     batch: usize,
     name: String,
 }
@@ -197,18 +196,14 @@ impl Worker {
     /// A worker for `topology`, with concurrency 4, batches of 16, and a consumer name of
     /// its own (`idem-<process id>-<start time>`).
     pub fn new(consumer: Consumer, topology: Topology) -> Self {
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
         Self {
-            consumer,
+            settings: worker::Settings::new(consumer),
             topology,
-            concurrency: 4,
             batch: 16,
-            name: format!(
-                "idem-{}-{:x}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos())
-            ),
+            name: format!("idem-{}-{started:x}", std::process::id()),
         }
     }
 

@@ -133,6 +133,24 @@ pub(crate) enum Next<B, E> {
     End,
 }
 
+/// What every worker holds besides its topology and its broker's options: its consumer, and
+/// how many handlers run at once.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) consumer: Consumer,
+    pub(crate) concurrency: usize,
+}
+
+impl Settings {
+    /// `consumer`, with concurrency 4.
+    pub(crate) fn new(consumer: Consumer) -> Self {
+        Self {
+            consumer,
+            concurrency: 4,
+        }
+    }
+}
+
 /// A worker's `with_concurrency` option and its `run`, the same for every worker (the
 /// bounds on the handler said once): `run` takes the broker connection `$conn: $Conn`,
 /// starts the worker's [`Source`] with its `source(&self, $conn)`, runs it, and reports a
@@ -142,7 +160,7 @@ macro_rules! run_method {
     ($(#[$doc:meta])* $conn:ident: $Conn:ty, Error::$failed:ident) => {
         /// How many handlers run at once (at least 1). Default: 4.
         pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-            self.concurrency = concurrency.max(1);
+            self.settings.concurrency = concurrency.max(1);
             self
         }
 
@@ -160,7 +178,8 @@ macro_rules! run_method {
             Fut: Future<Output = Result<T, Failure<E>>> + Send + 'static,
         {
             let source = self.source($conn).await?;
-            worker::run(source, &self.consumer, self.concurrency, handler, shutdown)
+            let settings = &self.settings;
+            worker::run(source, &settings.consumer, settings.concurrency, handler, shutdown)
                 .await
                 .map_err(|(source, summary)| Error::$failed { source, summary })
         }

@@ -196,25 +196,16 @@ async fn a_retry_waits_for_what_the_handler_asked_within_the_longest_delay() {
             }
         }
     };
-    assert_eq!(
-        nack_after(msg("ra-1", "{}"), None).await,
-        Duration::from_millis(100)
-    );
-    let asked = Some(Duration::from_secs(3));
-    assert_eq!(
-        nack_after(msg("ra-2", "{}"), asked).await,
-        Duration::from_secs(3)
-    );
-    let shorter = Some(Duration::from_millis(10));
-    assert_eq!(
-        nack_after(msg("ra-3", "{}"), shorter).await,
-        Duration::from_millis(100)
-    );
-    let longer = Some(Duration::from_secs(3600));
-    assert_eq!(
-        nack_after(msg("ra-4", "{}"), longer).await,
-        Duration::from_secs(10)
-    );
+    let (ms, secs) = (Duration::from_millis, Duration::from_secs);
+    // What the handler asks for (none, within the bounds, shorter, longer), and the delay.
+    for (key, asked, nacked) in [
+        ("ra-1", None, ms(100)),
+        ("ra-2", Some(secs(3)), secs(3)),
+        ("ra-3", Some(ms(10)), ms(100)),
+        ("ra-4", Some(secs(3600)), secs(10)),
+    ] {
+        assert_eq!(nack_after(msg(key, "{}"), asked).await, nacked, "{key}");
+    }
 }
 
 #[tokio::test]
@@ -483,30 +474,69 @@ async fn six_seconds_of_work(runs: &AtomicU32) -> Result<u32, Failure<String>> {
     Ok(1)
 }
 
+/// What a stall of the store's renewals did to a message's two deliveries.
+struct Stalled {
+    /// The consumer of the first delivery.
+    a: Consumer,
+    store: Arc<FaultyStore>,
+    m: Message,
+    runs: AtomicU32,
+    /// The first delivery's decision, after [`six_seconds_of_work`].
+    first: Delivery<u32>,
+    /// The redelivery's, to the other consumer, whose handler answers 2.
+    redelivered: Delivery<u32>,
+}
+
+/// Consumer `a` runs [`six_seconds_of_work`] on the message `key` while the store's
+/// renewals stall from `stall_from` to `stall_until` (`None`: past the end of the test) into
+/// the work, and the other consumer gets a redelivery at `redelivery_at`. With
+/// `start_paused`, to the millisecond.
+async fn stall_while_working(
+    key: &str,
+    stall_from: Duration,
+    stall_until: Option<Duration>,
+    redelivery_at: Duration,
+) -> Stalled {
+    let (a, b, store) = two_on_a_stallable_store();
+    let m = msg(key, "{}");
+    let runs = AtomicU32::new(0);
+    let start = tokio::time::Instant::now();
+    let first = a.process(&m, |_| six_seconds_of_work(&runs));
+    let redelivered = async {
+        tokio::time::sleep_until(start + stall_from).await;
+        store.set_extend_stalled(true);
+        if let Some(until) = stall_until {
+            tokio::time::sleep_until(start + until).await;
+            store.set_extend_stalled(false);
+        }
+        tokio::time::sleep_until(start + redelivery_at).await;
+        b.process(&m, |_| counted(&runs, Ok(2))).await
+    };
+    let (first, redelivered) = tokio::join!(first, redelivered);
+    Stalled {
+        a,
+        store,
+        m,
+        runs,
+        first,
+        redelivered,
+    }
+}
+
 /// The store stalls from 0.5 s to 2.9 s into a 3 s lease while the handler works 6 s: the
 /// lease is kept, a redelivery to the other consumer at 3.2 s is handed back (requeued),
 /// and the handler runs once.
 #[tokio::test(start_paused = true)]
 async fn a_store_stall_shorter_than_the_lease_never_costs_it() {
-    let (a, b, store) = two_on_a_stallable_store();
-    let m = msg("stall", "{}");
-    let runs = AtomicU32::new(0);
-    let first = a.process(&m, |_| six_seconds_of_work(&runs));
-    let redelivered = async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        store.set_extend_stalled(true);
-        tokio::time::sleep(Duration::from_millis(2400)).await;
-        store.set_extend_stalled(false);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        b.process(&m, |_| counted(&runs, Ok(2))).await
-    };
-    let (first, redelivered) = tokio::join!(first, redelivered);
-    assert_executed(&first, 1, 1);
+    let ms = Duration::from_millis;
+    let stalled = stall_while_working("stall", ms(500), Some(ms(2900)), ms(3200)).await;
+    assert_executed(&stalled.first, 1, 1);
+    let redelivered = &stalled.redelivered;
     assert!(
         matches!(redelivered, Delivery::Requeue { .. }),
         "{redelivered:?}"
     );
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(stalled.runs.load(Ordering::SeqCst), 1);
 }
 
 /// The store stalls for longer than the lease while the handler works: the handler is
@@ -515,17 +545,15 @@ async fn a_store_stall_shorter_than_the_lease_never_costs_it() {
 /// later copy, the first one's included, is acked with.
 #[tokio::test(start_paused = true)]
 async fn a_store_stall_longer_than_the_lease_never_acks_a_value_the_key_will_not_replay() {
-    let (a, b, store) = two_on_a_stallable_store();
-    let m = msg("long-stall", "{}");
-    let runs = AtomicU32::new(0);
-    let first = a.process(&m, |_| six_seconds_of_work(&runs));
-    let redelivered = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        store.set_extend_stalled(true);
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        b.process(&m, |_| counted(&runs, Ok(2))).await
-    };
-    let (first, redelivered) = tokio::join!(first, redelivered);
+    let ms = Duration::from_millis;
+    let Stalled {
+        a,
+        store,
+        m,
+        runs,
+        first,
+        redelivered,
+    } = stall_while_working("long-stall", ms(200), None, ms(4200)).await;
     assert!(matches!(first, Delivery::Requeue { .. }), "{first:?}");
     assert_executed(&redelivered, 2, 2);
     store.set_extend_stalled(false);

@@ -86,15 +86,12 @@ mod nats {
         }
 
         fn worker(&self, spawn: Spawn, stop: Stop) -> Running {
-            let (tuning, handler) = (spawn.tuning, spawn.handler);
-            let worker = Worker::new(spawn.consumer, self.topology.clone())
-                .with_concurrency(tuning.concurrency)
-                .with_batch(tuning.batch);
             let url = self.url.clone();
-            Box::pin(async move {
-                let js = connect(&url).await;
-                let run = worker.run(&js, move |m, c| handler(m, c), stop).await;
-                run.expect("the worker runs")
+            let js = async move { connect(&url).await };
+            support::run_test_worker!(spawn, stop, js, |consumer, tuning| {
+                Worker::new(consumer, self.topology.clone())
+                    .with_concurrency(tuning.concurrency)
+                    .with_batch(tuning.batch)
             })
         }
 

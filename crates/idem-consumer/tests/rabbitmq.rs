@@ -22,8 +22,7 @@ mod rabbitmq {
     };
     use idem_core::{Config, Failure, Idem, Key, MemoryStore, Scope, Store};
     use lapin::options::{
-        BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-        QueueDeclareOptions,
+        BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions,
     };
     use lapin::types::{AMQPValue, FieldTable};
     use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -103,35 +102,22 @@ mod rabbitmq {
                 &Key::new(key).expect("test keys are valid"),
                 None,
             );
-            let confirm = self
-                .admin
-                .basic_publish(
-                    "".into(),
-                    self.topology.queue.as_str().into(),
-                    BasicPublishOptions::default(),
-                    payload.as_bytes(),
-                    props,
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("confirm");
-            assert!(confirm.is_ack(), "the broker refused a test message");
+            let published = self
+                .topology
+                .publish(&self.admin, payload.as_bytes(), props);
+            published.await.expect("the broker confirms a test message");
         }
 
         /// `tuning.batch` is the prefetch, at least twice the concurrency: deliveries held
         /// for a delayed requeue count against it.
         fn worker(&self, spawn: Spawn, stop: Stop) -> Running {
-            let (tuning, handler) = (spawn.tuning, spawn.handler);
-            let prefetch = tuning.batch.max(2 * tuning.concurrency);
-            let worker = Worker::new(spawn.consumer, self.topology.clone())
-                .with_prefetch(prefetch.try_into().expect("a prefetch"))
-                .with_concurrency(tuning.concurrency);
             let url = self.url.clone();
-            Box::pin(async move {
-                let conn = connect(&url).await;
-                let run = worker.run(&conn, move |m, c| handler(m, c), stop).await;
-                run.expect("the worker runs")
+            let conn = async move { connect(&url).await };
+            support::run_test_worker!(spawn, stop, conn, |consumer, tuning| {
+                let prefetch = tuning.batch.max(2 * tuning.concurrency);
+                Worker::new(consumer, self.topology.clone())
+                    .with_prefetch(prefetch.try_into().expect("a prefetch"))
+                    .with_concurrency(tuning.concurrency)
             })
         }
 

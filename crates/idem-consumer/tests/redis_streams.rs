@@ -99,15 +99,13 @@ mod redis_streams {
             .expect("XADD");
         }
 
+        /// The worker makes its connections from the client.
         fn worker(&self, spawn: Spawn, stop: Stop) -> Running {
-            let (tuning, handler) = (spawn.tuning, spawn.handler);
-            let worker = Worker::new(spawn.consumer, self.topology.clone())
-                .with_concurrency(tuning.concurrency)
-                .with_batch(tuning.batch);
-            let client = self.client.clone();
-            Box::pin(async move {
-                let run = worker.run(&client, move |m, c| handler(m, c), stop).await;
-                run.expect("the worker runs")
+            let client = std::future::ready(self.client.clone());
+            support::run_test_worker!(spawn, stop, client, |consumer, tuning| {
+                Worker::new(consumer, self.topology.clone())
+                    .with_concurrency(tuning.concurrency)
+                    .with_batch(tuning.batch)
             })
         }
 

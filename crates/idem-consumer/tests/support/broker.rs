@@ -95,6 +95,27 @@ pub type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// A test worker's run, to what it did.
 pub type Running = Pin<Box<dyn Future<Output = Summary> + Send>>;
 
+/// The body of a [`TestBroker::worker`]: the worker `$worker` makes of the spawn's consumer
+/// and tuning (bound to the names given) runs the spawn's handler on the connection that
+/// `$connect` (a future) makes, until `$stop`; the test fails if the worker fails.
+macro_rules! run_test_worker {
+    ($spawn:expr, $stop:expr, $connect:expr, |$consumer:ident, $tuning:ident| $worker:expr) => {{
+        let $crate::support::Spawn {
+            consumer: $consumer,
+            tuning: $tuning,
+            handler,
+        } = $spawn;
+        let (worker, connect, stop) = ($worker, $connect, $stop);
+        let running: $crate::support::Running = Box::pin(async move {
+            let conn = connect.await;
+            let run = worker.run(&conn, move |m, c| handler(m, c), stop).await;
+            run.expect("the worker runs")
+        });
+        running
+    }};
+}
+pub(crate) use run_test_worker;
+
 pub fn tuning(concurrency: usize, batch: usize) -> Tuning {
     Tuning { concurrency, batch }
 }
