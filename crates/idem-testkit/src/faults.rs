@@ -56,45 +56,6 @@ impl FaultyStore {
         }
     }
 
-    /// While `down`, every `begin` fails without reaching the inner store.
-    pub fn set_begin_down(&self, down: bool) {
-        self.begin_down.store(down, Ordering::SeqCst);
-    }
-
-    /// While `hung`, every `begin` waits forever without reaching the inner store: a server
-    /// that stopped answering.
-    pub fn set_begin_hung(&self, hung: bool) {
-        self.begin_hung.store(hung, Ordering::SeqCst);
-    }
-
-    /// While `down`, every `complete` fails without reaching the inner store.
-    pub fn set_complete_down(&self, down: bool) {
-        self.complete_down.store(down, Ordering::SeqCst);
-    }
-
-    /// The next `n` calls of `complete` fail without reaching the inner store; later ones
-    /// work.
-    pub fn fail_next_completes(&self, n: usize) {
-        self.complete_failures.store(n, Ordering::SeqCst);
-    }
-
-    /// The next `n` calls of `complete` that reach the inner store write there, then report
-    /// a failure: an answer lost on the way back.
-    pub fn lose_next_complete_answers(&self, n: usize) {
-        self.complete_lost_answers.store(n, Ordering::SeqCst);
-    }
-
-    /// The next `n` calls of `begin` write to the inner store, then never answer: a server
-    /// paused right after it ran the command.
-    pub fn lose_next_begin_answers(&self, n: usize) {
-        self.begin_lost_answers.store(n, Ordering::SeqCst);
-    }
-
-    /// The next `n` calls of `extend` fail without reaching the inner store; later ones work.
-    pub fn fail_next_extends(&self, n: usize) {
-        self.extend_failures.store(n, Ordering::SeqCst);
-    }
-
     /// While `stalled`, every `extend` waits; when the stall ends, the waiting calls go on to
     /// the inner store and answer (unless their caller gave up on them): a server paused
     /// with `SIGSTOP` and resumed.
@@ -118,6 +79,41 @@ impl FaultyStore {
             std::io::Error::other("connection refused"),
         )
     }
+}
+
+/// The switches' setters, one line each: the setter, its argument, the field it stores.
+macro_rules! switches {
+    ($($(#[$doc:meta])* $setter:ident($arg:ident: $ty:ty) => $field:ident;)*) => {
+        impl FaultyStore {
+            $(
+                $(#[$doc])*
+                pub fn $setter(&self, $arg: $ty) {
+                    self.$field.store($arg, Ordering::SeqCst);
+                }
+            )*
+        }
+    };
+}
+
+switches! {
+    /// While `down`, every `begin` fails without reaching the inner store.
+    set_begin_down(down: bool) => begin_down;
+    /// While `hung`, every `begin` waits forever without reaching the inner store: a server
+    /// that stopped answering.
+    set_begin_hung(hung: bool) => begin_hung;
+    /// While `down`, every `complete` fails without reaching the inner store.
+    set_complete_down(down: bool) => complete_down;
+    /// The next `n` calls of `complete` fail without reaching the inner store; later ones
+    /// work.
+    fail_next_completes(n: usize) => complete_failures;
+    /// The next `n` calls of `complete` that reach the inner store write there, then report
+    /// a failure: an answer lost on the way back.
+    lose_next_complete_answers(n: usize) => complete_lost_answers;
+    /// The next `n` calls of `begin` write to the inner store, then never answer: a server
+    /// paused right after it ran the command.
+    lose_next_begin_answers(n: usize) => begin_lost_answers;
+    /// The next `n` calls of `extend` fail without reaching the inner store; later ones work.
+    fail_next_extends(n: usize) => extend_failures;
 }
 
 /// The clock of tokio's timer, which a test with `start_paused` moves: a
