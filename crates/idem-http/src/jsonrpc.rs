@@ -71,9 +71,9 @@ use crate::handle::LeaseHandle;
 use crate::outcome::{KeepInFlight, Outcome};
 use crate::request::read_key;
 use crate::response::{insert_expires, REPLAYED};
-use crate::service::{answered, pass, record_on_span, run_leased, Admission};
 use crate::settle::{keep_or_release, release, Kept};
 use crate::shared::Shared;
+use crate::steps::{answered, pass, record_on_span, run_leased, Admission};
 
 /// The error codes of the layer's JSON-RPC answers, all in the range JSON-RPC leaves to
 /// implementations (-32000 to -32099). Each error's `data.type` is

@@ -231,6 +231,7 @@ mod response;
 mod service;
 mod settle;
 mod shared;
+mod steps;
 
 pub use body::{RequestBody, ResponseBody};
 pub use config::{
