@@ -101,15 +101,7 @@ fn example(name: &str) -> Command {
 
 #[test]
 fn the_quick_start_runs_once_and_replays() {
-    let out = example("first_request")
-        .output()
-        .expect("run the first_request example");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = idem_testkit::harness::stdout_of(&mut example("first_request"));
     assert_eq!(
         text,
         "first call: 201 {\"charge\":\"ch_1\"}\nretry: 201 {\"charge\":\"ch_1\"}\n"

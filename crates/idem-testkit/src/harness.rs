@@ -139,6 +139,24 @@ where
     }
 }
 
+/// The standard output of `command`, run to its end.
+///
+/// # Panics
+///
+/// When the command cannot start or does not succeed: the message names the command and
+/// carries its standard error.
+pub fn stdout_of(command: &mut std::process::Command) -> String {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?} cannot start: {e}"));
+    assert!(
+        out.status.success(),
+        "{command:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// A schema (or key prefix) name of its own for one test: `<prefix><unix seconds>_<12 hex>`,
 /// so tests share a server without meeting, and [`is_stale`] can tell leftovers by age.
 pub fn unique_name(prefix: &str) -> String {

@@ -15,18 +15,11 @@ const BINARY_ONLY: [&str; 4] = [
 /// `features`.
 fn normal_dependencies(features: &str) -> Vec<String> {
     let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
-    let output = Command::new(env!("CARGO"))
-        .args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
+    let mut tree = Command::new(env!("CARGO"));
+    tree.args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
         .args(["--manifest-path", manifest, "-p", "idemkit"])
-        .args(["--features", features])
-        .output()
-        .expect("cargo runs");
-    assert!(
-        output.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout)
+        .args(["--features", features]);
+    idem_testkit::harness::stdout_of(&mut tree)
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .map(str::to_owned)
