@@ -78,18 +78,12 @@ enum Broker {
 }
 
 impl Broker {
-    fn label(self) -> &'static str {
+    /// Its names: in the report, and in the names of the run's streams and of its idem
+    /// scope.
+    fn names(self) -> (&'static str, &'static str) {
         match self {
-            Self::RedisStreams => "Redis Streams",
-            Self::JetStream => "NATS JetStream",
-        }
-    }
-
-    /// In the names of the run's streams and of its idem scope.
-    fn tag(self) -> &'static str {
-        match self {
-            Self::RedisStreams => "streams",
-            Self::JetStream => "jetstream",
+            Self::RedisStreams => ("Redis Streams", "streams"),
+            Self::JetStream => ("NATS JetStream", "jetstream"),
         }
     }
 }
@@ -134,6 +128,7 @@ pub async fn run(s: &Args, redis_url: &str, run_id: &str) -> Result<(), String> 
     let mut figures = Vec::new();
 
     for broker in [Broker::RedisStreams, Broker::JetStream] {
+        let (label, tag) = broker.names();
         let (mut bare, mut guarded, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..s.rounds {
             let mut rates = [0.0; 2];
@@ -145,7 +140,7 @@ pub async fn run(s: &Args, redis_url: &str, run_id: &str) -> Result<(), String> 
                 let idem = if side == 0 { &without } else { &with_idem };
                 // A scope of the run's own: a key completed in an earlier run would be
                 // replayed, and the handler would never run.
-                let name = format!("idem-bench-{run_id}-{}-{round}-{side}", broker.tag());
+                let name = format!("idem-bench-{run_id}-{tag}-{round}-{side}");
                 let scope = Scope::new(format!("bench-{name}")).map_err(|e| e.to_string())?;
                 let consumer = Consumer::new(idem.clone(), scope);
                 rates[side] = match broker {
@@ -160,7 +155,7 @@ pub async fn run(s: &Args, redis_url: &str, run_id: &str) -> Result<(), String> 
         let (b, i) = (median(&bare), median(&guarded));
         figures.push(
             Figure::new(
-                format!("{}: idem / bare messages/s", broker.label()),
+                format!("{label}: idem / bare messages/s"),
                 median(&ratios),
                 "",
                 format!(
