@@ -624,7 +624,7 @@ fn a_config_file_is_checked_and_flags_override_it() {
 
 /// RabbitMQ at `IDEM_TEST_AMQP_URL`.
 mod rabbitmq {
-    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+    use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
     use lapin::types::{AMQPValue, FieldTable};
     use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -666,20 +666,9 @@ mod rabbitmq {
                 .with_delivery_mode(2)
                 .with_content_type("application/json".into())
                 .with_headers(headers);
-            let confirm = self
-                .channel
-                .basic_publish(
-                    "".into(),
-                    self.queue.as_str().into(),
-                    BasicPublishOptions::default(),
-                    payload.as_bytes(),
-                    props,
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("confirm");
-            assert!(confirm.is_ack(), "the broker refused a test message");
+            let topology = idem_consumer::rabbitmq::Topology::for_queue(self.queue.clone());
+            let published = topology.publish(&self.channel, payload.as_bytes(), props);
+            published.await.expect("the broker confirms a test message");
         }
 
         async fn dead_letters(&self) -> u64 {

@@ -1,39 +1,39 @@
 """What the Python test services (`handler.py` for `idem consume`, `upstream.py` for `idem
-proxy`) share: a JSON reply, the count of runs per `Idempotency-Key` with the
-`Idempotency-Attempt` each came with and the headers of the last, `GET /count?key=K` and
-`GET /counts` answered from it, and the server started on the port of the first argument.
+proxy`) share: a JSON reply (the example handler's, `examples/consume/handler.py`), the
+count of runs per `Idempotency-Key` with the `Idempotency-Attempt` each came with and the
+headers of the last, `GET /count?key=K` and `GET /counts` answered from it, and the server
+started on the port of the first argument.
 """
 
-import json
+import importlib.util
+import os
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs
+
+# The README's example handler (examples/consume/handler.py) lends its JSON reply, so the
+# test services answer as the documented handler does; its own routes are overridden.
+_EXAMPLE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "consume",
+    "handler.py",
+)
+_SPEC = importlib.util.spec_from_file_location("orders_handler", _EXAMPLE)
+orders_handler = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(orders_handler)
 
 LOCK = threading.Lock()
 RUNS = {}  # key -> [attempt, ...]
 LAST = {}  # key -> {header: value} of its last run
 
 
-class CountingHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
+class CountingHandler(orders_handler.Handler):
     def log_message(self, *args):
         pass
 
     def body(self):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
-
-    def reply(self, status, doc, headers=()):
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
 
     def count_run(self):
         """Counts one run of this request's key; returns whether it is the key's first, and

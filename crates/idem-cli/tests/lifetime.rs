@@ -44,12 +44,40 @@ fn store(backend: &str) -> Option<(String, Vec<String>, Option<String>)> {
     })
 }
 
-/// `idem proxy` to `upstream` on `store` with `flags`; its base URL is `Proc::printed`.
-fn proxy(upstream: &str, store: &str, flags: &[String]) -> Proc {
-    let args = ["proxy", "--listen", "127.0.0.1:0", "--upstream", upstream];
-    let mut command = idem(&args);
-    command.args(["--store", store, "--migrate"]).args(flags);
-    Proc::listening(command)
+/// One test's world: the upstream, a client, and the store its proxies share.
+struct Life {
+    up: Proc,
+    client: HttpClient,
+    store: String,
+    flags: Vec<String>,
+    /// The PostgreSQL schema of the test, where it has one.
+    schema: Option<String>,
+}
+
+impl Life {
+    /// On the store `backend` (see [`store`]), the proxies taking `flags` too; `None` (the
+    /// test returns) when its server is missing and not required.
+    fn on(backend: &str, flags: &[&str]) -> Option<Self> {
+        let (store, mut store_flags, schema) = self::store(backend)?;
+        store_flags.extend(flags.iter().map(|flag| flag.to_string()));
+        Some(Self {
+            up: upstream(),
+            client: client(),
+            store,
+            flags: store_flags,
+            schema,
+        })
+    }
+
+    /// `idem proxy` to the upstream on the store; its base URL is `Proc::printed`.
+    fn proxy(&self) -> Proc {
+        let args = ["proxy", "--listen", "127.0.0.1:0", "--upstream"];
+        let mut command = idem(&args);
+        command.arg(&self.up.printed);
+        command.args(["--store", &self.store, "--migrate"]);
+        command.args(&self.flags);
+        Proc::listening(command)
+    }
 }
 
 /// `POST <proxy>/charge` as `who` with `key`, the upstream taking `delay_ms`, and `extra`
@@ -113,12 +141,10 @@ fn fresh(what: &str) -> String {
 /// and says so in `Preference-Applied`; `wait=0`, or a bound shorter than the work, is
 /// answered 409 once it passes.
 async fn a_duplicate_waits_as_long_as_it_prefers(backend: &str) {
-    let Some((store, mut flags, _)) = self::store(backend) else {
+    let Some(life) = Life::on(backend, &["--max-wait-ms", "2500"]) else {
         return;
     };
-    flags.extend(["--max-wait-ms".into(), "2500".into()]);
-    let (up, client) = (upstream(), client());
-    let p = proxy(&up.printed, &store, &flags);
+    let (up, client, p) = (&life.up, &life.client, life.proxy());
 
     // wait=2 against a 1 s handler: the stored 201.
     let key = fresh("wait");
@@ -159,14 +185,12 @@ async fn a_duplicate_waits_as_long_as_it_prefers(backend: &str) {
 /// response, to the same principal only (404 to another); the monitor by key answers
 /// alike; the upstream runs once.
 async fn respond_async_answers_at_once_and_the_monitor_follows(backend: &str) {
-    let Some((store, mut flags, _)) = self::store(backend) else {
+    // A route that makes duplicates wait: one that asked for an answer at once does not.
+    let Some(life) = Life::on(backend, &["--wait-ms", "5000"]) else {
         return;
     };
-    // A route that makes duplicates wait: one that asked for an answer at once does not.
-    flags.extend(["--wait-ms".into(), "5000".into()]);
-    let (up, client) = (upstream(), client());
-    let a = proxy(&up.printed, &store, &flags);
-    let b_proc = (backend != "memory").then(|| proxy(&up.printed, &store, &flags));
+    let (up, client, a) = (&life.up, &life.client, life.proxy());
+    let b_proc = (backend != "memory").then(|| life.proxy());
     let b = b_proc.as_ref().unwrap_or(&a);
     let key = fresh("async");
     let prefer = [("prefer", "respond-async")];
@@ -220,15 +244,11 @@ async fn respond_async_answers_at_once_and_the_monitor_follows(backend: &str) {
 /// other proxy the monitor answers in flight until the dead proxy's lease ends, then that
 /// the work did not complete (404), and a retry of the key runs it again.
 async fn a_killed_worker_is_in_flight_until_its_lease_ends(backend: &str) {
-    let Some((store, mut flags, _)) = self::store(backend) else {
+    let Some(life) = Life::on(backend, &["--lease", "2"]) else {
         return;
     };
-    flags.extend(["--lease".into(), "2".into()]);
-    let (up, client) = (upstream(), client());
-    let (mut a, b) = (
-        proxy(&up.printed, &store, &flags),
-        proxy(&up.printed, &store, &flags),
-    );
+    let client = &life.client;
+    let (mut a, b) = (life.proxy(), life.proxy());
     let key = fresh("killed");
 
     let accepted = charge(
@@ -264,14 +284,12 @@ async fn a_killed_worker_is_in_flight_until_its_lease_ends(backend: &str) {
 /// another key runs; once the tombstone's time is over (and the purge has run, where a
 /// store purges), the key is new again, and no tombstone row is left.
 async fn an_expired_key_is_refused_until_its_tombstone_leaves(backend: &str) {
-    let Some((store, mut flags, schema)) = self::store(backend) else {
+    let lifetime = ["--retention", "2", "--after-retention", "refuse"];
+    let tombstones = ["--tombstone-secs", "3", "--purge-every", "1"];
+    let Some(life) = Life::on(backend, &[lifetime, tombstones].concat()) else {
         return;
     };
-    let lifetime = ["--retention", "2", "--after-retention", "refuse"];
-    flags.extend(lifetime.map(String::from));
-    flags.extend(["--tombstone-secs", "3", "--purge-every", "1"].map(String::from));
-    let (up, client) = (upstream(), client());
-    let p = proxy(&up.printed, &store, &flags);
+    let (up, client, p) = (&life.up, &life.client, life.proxy());
     let key = fresh("stone");
 
     let first = charge(&client, &p, ALICE, &key, 0, &[]).await;
@@ -306,7 +324,7 @@ async fn an_expired_key_is_refused_until_its_tombstone_leaves(backend: &str) {
     let again = eventually("the tombstone to leave", secs(15), ms(200), new_again).await;
     assert!(!again.replayed(), "{again:?}");
     assert_eq!(runs(&client, &up, &key).await, 3);
-    if let Some(schema) = schema {
+    if let Some(schema) = &life.schema {
         // The purge (every second) deletes tombstones like any expired record.
         let pool = sqlx::PgPool::connect(&idem_testkit::harness::database_url().unwrap())
             .await

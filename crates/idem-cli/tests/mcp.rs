@@ -67,6 +67,16 @@ struct Store {
 }
 
 impl Store {
+    /// The store named `backend`, or `None` when its server is not configured.
+    fn named(backend: &str) -> Option<Self> {
+        match backend {
+            "memory" => Self::memory(),
+            "redis" => Self::redis(),
+            "postgres" => Self::postgres(),
+            other => panic!("no store named {other}"),
+        }
+    }
+
     fn memory() -> Option<Self> {
         Some(Self {
             url: "memory".into(),
@@ -116,8 +126,19 @@ async fn charges(server: &Proc) -> u64 {
     doc["count"].as_u64().unwrap()
 }
 
-/// Every case of the official client against the example behind the proxy on `store`.
-async fn the_official_client_charges_once_per_key(store: Store, json_answers: bool) {
+/// Every case of the official client against the example behind the proxy, on the store
+/// named `backend`.
+async fn the_official_mcp_client_charges_once_per_key(backend: &str) {
+    the_official_client_charges_once_per_key(backend, false).await;
+}
+
+/// Every case of the official client against the example behind the proxy on the store
+/// named `backend`, the server answering each call as one JSON body when `json_answers`,
+/// else as an SSE stream.
+async fn the_official_client_charges_once_per_key(backend: &str, json_answers: bool) {
+    let Some(store) = Store::named(backend) else {
+        return;
+    };
     if !tokio::task::spawn_blocking(install).await.unwrap() {
         return;
     }
@@ -186,7 +207,10 @@ async fn the_official_client_charges_once_per_key(store: Store, json_answers: bo
 
 /// An A2A `message/send`, keyed by `messageId`: a retry with a new id gets the first task
 /// with its id; the id reused for another message gets the JSON-RPC error; one run each.
-async fn an_a2a_message_is_sent_once_per_message_id(store: Store) {
+async fn an_a2a_message_is_sent_once_per_message_id(backend: &str) {
+    let Some(store) = Store::named(backend) else {
+        return;
+    };
     let found = Command::new("node").arg("--version").output();
     if !idem_testkit::harness::present(found.is_ok_and(|o| o.status.success()), "Node.js") {
         return;
@@ -272,7 +296,10 @@ fn event_data(reply: &support::Reply) -> Value {
 /// the in-flight error until the dead proxy's lease (2 s) ends, then runs as attempt 2,
 /// which the example answers from its ledger: one charge, and the retry gets it with its
 /// own id.
-async fn a_killed_proxy_leaves_the_call_to_its_lease(store: Store) {
+async fn a_killed_proxy_leaves_the_call_to_its_lease(backend: &str) {
+    let Some(store) = Store::named(backend) else {
+        return;
+    };
     if !tokio::task::spawn_blocking(install).await.unwrap() {
         return;
     }
@@ -323,59 +350,32 @@ async fn a_killed_proxy_leaves_the_call_to_its_lease(store: Store) {
     assert_eq!(charges(&server).await, 1);
 }
 
-/// The cases on one store, in a module named after it.
-macro_rules! on_store {
-    ($($backend:ident),* $(,)?) => {$(
-        mod $backend {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn the_official_mcp_client_charges_once_per_key() {
-                let Some(store) = Store::$backend() else { return };
-                the_official_client_charges_once_per_key(store, false).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn an_a2a_message_is_sent_once_per_message_id() {
-                let Some(store) = Store::$backend() else { return };
-                super::an_a2a_message_is_sent_once_per_message_id(store).await;
-            }
-        }
-    )*};
-}
-
-on_store!(memory, redis, postgres);
+support::on_stores!(
+    [memory, redis, postgres],
+    [
+        the_official_mcp_client_charges_once_per_key,
+        an_a2a_message_is_sent_once_per_message_id,
+    ]
+);
 
 /// The crash of a proxy, on the stores two proxies share.
-macro_rules! on_shared_store {
-    ($($backend:ident),* $(,)?) => {$(
-        mod $backend {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_killed_proxy_leaves_the_call_to_its_lease() {
-                let Some(store) = Store::$backend() else { return };
-                super::super::a_killed_proxy_leaves_the_call_to_its_lease(store).await;
-            }
-        }
-    )*};
-}
-
 mod crash {
-    use super::*;
+    use super::a_killed_proxy_leaves_the_call_to_its_lease;
 
-    on_shared_store!(redis, postgres);
+    crate::support::on_stores!(
+        [redis, postgres],
+        [a_killed_proxy_leaves_the_call_to_its_lease]
+    );
 }
 
 /// The same cases with the server answering each call as one JSON body, not an SSE stream.
 mod json_answers {
     mod memory {
-        use crate::{the_official_client_charges_once_per_key, Store};
+        use crate::the_official_client_charges_once_per_key;
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn the_official_mcp_client_charges_once_per_key() {
-            let store = Store::memory().unwrap();
-            the_official_client_charges_once_per_key(store, true).await;
+            the_official_client_charges_once_per_key("memory", true).await;
         }
     }
 }
