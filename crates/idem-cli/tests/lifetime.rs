@@ -148,35 +148,35 @@ async fn a_duplicate_waits_as_long_as_it_prefers(backend: &str) {
 
     // wait=2 against a 1 s handler: the stored 201.
     let key = fresh("wait");
-    let first = in_background(&client, &p, &key, 1000);
+    let first = in_background(client, &p, &key, 1000);
     tokio::time::sleep(ms(300)).await;
-    let waited = charge(&client, &p, ALICE, &key, 1000, &[("prefer", "wait=2")]).await;
+    let waited = charge(client, &p, ALICE, &key, 1000, &[("prefer", "wait=2")]).await;
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
     assert!(waited.replayed(), "{waited:?}");
     assert_eq!(waited.body, first.body);
     assert_eq!(waited.header("preference-applied"), Some("wait=2"));
-    assert_eq!(runs(&client, &up, &key).await, 1);
+    assert_eq!(runs(client, up, &key).await, 1);
 
     // Against a 5 s handler: wait=0 is answered at once, wait=9 after the bound (2.5 s,
     // said in whole seconds).
     let key = fresh("slow");
-    let slow = in_background(&client, &p, &key, 5000);
+    let slow = in_background(client, &p, &key, 5000);
     tokio::time::sleep(ms(300)).await;
     let started = Instant::now();
-    let at_once = charge(&client, &p, ALICE, &key, 5000, &[("prefer", "wait=0")]).await;
+    let at_once = charge(client, &p, ALICE, &key, 5000, &[("prefer", "wait=0")]).await;
     assert_eq!(at_once.status, StatusCode::CONFLICT, "{at_once:?}");
     assert_eq!(at_once.header("preference-applied"), Some("wait=0"));
     assert!(started.elapsed() < ms(1000), "{:?}", started.elapsed());
     let started = Instant::now();
-    let bounded = charge(&client, &p, ALICE, &key, 5000, &[("prefer", "wait=9")]).await;
+    let bounded = charge(client, &p, ALICE, &key, 5000, &[("prefer", "wait=9")]).await;
     let waited = started.elapsed();
     assert_eq!(bounded.status, StatusCode::CONFLICT, "{bounded:?}");
     assert_eq!(bounded.header("preference-applied"), Some("wait=2"));
     assert!(waited >= ms(2400) && waited < ms(4500), "{waited:?}");
     assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
-    assert_eq!(runs(&client, &up, &key).await, 1);
+    assert_eq!(runs(client, up, &key).await, 1);
 }
 
 /// `Prefer: respond-async` on two proxies over one store (one, on the memory store): 202
@@ -196,7 +196,7 @@ async fn respond_async_answers_at_once_and_the_monitor_follows(backend: &str) {
     let prefer = [("prefer", "respond-async")];
 
     let started = Instant::now();
-    let accepted = charge(&client, &a, ALICE, &key, 1500, &prefer).await;
+    let accepted = charge(client, &a, ALICE, &key, 1500, &prefer).await;
     assert!(started.elapsed() < ms(1000), "{:?}", started.elapsed());
     assert_eq!(accepted.status, StatusCode::ACCEPTED, "{accepted:?}");
     assert_eq!(accepted.header("preference-applied"), Some("respond-async"));
@@ -208,36 +208,36 @@ async fn respond_async_answers_at_once_and_the_monitor_follows(backend: &str) {
     );
 
     let started = Instant::now();
-    let duplicate = charge(&client, b, ALICE, &key, 1500, &prefer).await;
+    let duplicate = charge(client, b, ALICE, &key, 1500, &prefer).await;
     assert!(started.elapsed() < ms(1000), "{:?}", started.elapsed());
     assert_eq!(duplicate.status, StatusCode::ACCEPTED, "{duplicate:?}");
     assert_eq!(duplicate.header("location"), Some(location.as_str()));
 
-    let running = get(&client, b, ALICE, &location).await;
+    let running = get(client, b, ALICE, &location).await;
     assert_eq!(running.status, StatusCode::ACCEPTED, "{running:?}");
     assert!(running.header("retry-after").is_some());
-    let stranger = get(&client, b, BOB, &location).await;
+    let stranger = get(client, b, BOB, &location).await;
     assert_eq!(stranger.status, StatusCode::NOT_FOUND, "{stranger:?}");
     assert_eq!(stranger.problem_type(), "urn:idem:problem:not-completed");
 
     let done = || async {
-        let reply = get(&client, b, ALICE, &location).await;
+        let reply = get(client, b, ALICE, &location).await;
         (reply.status != StatusCode::ACCEPTED).then_some(reply)
     };
     let done = eventually("the work to complete", secs(10), ms(100), done).await;
     assert_eq!(done.status, StatusCode::CREATED, "{done:?}");
     assert!(done.replayed(), "{done:?}");
     assert_eq!(done.json()["attempt"], "1");
-    let by_key = get(&client, &a, ALICE, &format!("/.idem/keys/by-key/{key}")).await;
+    let by_key = get(client, &a, ALICE, &format!("/.idem/keys/by-key/{key}")).await;
     assert_eq!((by_key.status, &by_key.body), (done.status, &done.body));
-    let stranger = get(&client, &a, BOB, &format!("/.idem/keys/by-key/{key}")).await;
+    let stranger = get(client, &a, BOB, &format!("/.idem/keys/by-key/{key}")).await;
     assert_eq!(stranger.status, StatusCode::NOT_FOUND, "{stranger:?}");
     // Every guarded answer names the key's monitor.
-    let replay = charge(&client, b, ALICE, &key, 1500, &[]).await;
+    let replay = charge(client, b, ALICE, &key, 1500, &[]).await;
     assert_eq!(replay.body, done.body);
     let link = format!("</.idem/keys/by-key/{key}>; rel=\"monitor\"");
     assert_eq!(replay.header("link"), Some(link.as_str()));
-    assert_eq!(runs(&client, &up, &key).await, 1);
+    assert_eq!(runs(client, up, &key).await, 1);
 }
 
 /// The proxy doing a `respond-async` request's work is killed (`kill -9`): through the
@@ -252,7 +252,7 @@ async fn a_killed_worker_is_in_flight_until_its_lease_ends(backend: &str) {
     let key = fresh("killed");
 
     let accepted = charge(
-        &client,
+        client,
         &a,
         ALICE,
         &key,
@@ -264,17 +264,17 @@ async fn a_killed_worker_is_in_flight_until_its_lease_ends(backend: &str) {
     let location = accepted.header("location").unwrap().to_owned();
     a.stop();
     let killed = Instant::now();
-    let running = get(&client, &b, ALICE, &location).await;
+    let running = get(client, &b, ALICE, &location).await;
     assert_eq!(running.status, StatusCode::ACCEPTED, "{running:?}");
     let abandoned = || async {
-        let reply = get(&client, &b, ALICE, &location).await;
+        let reply = get(client, &b, ALICE, &location).await;
         (reply.status != StatusCode::ACCEPTED).then_some(reply)
     };
     let abandoned = eventually("the dead lease to end", secs(10), ms(100), abandoned).await;
     assert!(killed.elapsed() >= ms(1000), "{:?}", killed.elapsed());
     assert_eq!(abandoned.status, StatusCode::NOT_FOUND, "{abandoned:?}");
     assert_eq!(abandoned.problem_type(), "urn:idem:problem:not-completed");
-    let retry = charge(&client, &b, ALICE, &key, 0, &[]).await;
+    let retry = charge(client, &b, ALICE, &key, 0, &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert_eq!(retry.json()["attempt"], "2");
 }
@@ -292,38 +292,38 @@ async fn an_expired_key_is_refused_until_its_tombstone_leaves(backend: &str) {
     let (up, client, p) = (&life.up, &life.client, life.proxy());
     let key = fresh("stone");
 
-    let first = charge(&client, &p, ALICE, &key, 0, &[]).await;
+    let first = charge(client, &p, ALICE, &key, 0, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let replay = charge(&client, &p, ALICE, &key, 0, &[]).await;
+    let replay = charge(client, &p, ALICE, &key, 0, &[]).await;
     assert!(replay.replayed(), "{replay:?}");
     let expired = || async {
-        let reply = charge(&client, &p, ALICE, &key, 0, &[]).await;
+        let reply = charge(client, &p, ALICE, &key, 0, &[]).await;
         (reply.status != StatusCode::CREATED).then_some(reply)
     };
     let expired = eventually("the retention to end", secs(10), ms(100), expired).await;
     assert_eq!(expired.status, StatusCode::GONE, "{expired:?}");
     assert_eq!(expired.problem_type(), "urn:idem:problem:key-expired");
-    let monitor = get(&client, &p, ALICE, &format!("/.idem/keys/by-key/{key}")).await;
+    let monitor = get(client, &p, ALICE, &format!("/.idem/keys/by-key/{key}")).await;
     assert_eq!(monitor.status, StatusCode::GONE, "{monitor:?}");
     // Another principal's key of the same name was never used: it runs.
     assert_eq!(
-        charge(&client, &p, BOB, &key, 0, &[]).await.status,
+        charge(client, &p, BOB, &key, 0, &[]).await.status,
         StatusCode::CREATED
     );
     let other = fresh("other");
     assert_eq!(
-        charge(&client, &p, ALICE, &other, 0, &[]).await.status,
+        charge(client, &p, ALICE, &other, 0, &[]).await.status,
         StatusCode::CREATED
     );
-    assert_eq!(runs(&client, &up, &key).await, 2, "alice once, bob once");
+    assert_eq!(runs(client, up, &key).await, 2, "alice once, bob once");
 
     let new_again = || async {
-        let reply = charge(&client, &p, ALICE, &key, 0, &[]).await;
+        let reply = charge(client, &p, ALICE, &key, 0, &[]).await;
         (reply.status == StatusCode::CREATED).then_some(reply)
     };
     let again = eventually("the tombstone to leave", secs(15), ms(200), new_again).await;
     assert!(!again.replayed(), "{again:?}");
-    assert_eq!(runs(&client, &up, &key).await, 3);
+    assert_eq!(runs(client, up, &key).await, 3);
     if let Some(schema) = &life.schema {
         // The purge (every second) deletes tombstones like any expired record.
         let pool = sqlx::PgPool::connect(&idem_testkit::harness::database_url().unwrap())
