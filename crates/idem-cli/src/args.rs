@@ -175,16 +175,10 @@ pub fn listen_address(flag: &str, text: &str) -> Result<SocketAddr, String> {
     }
 }
 
-/// `--timeout`: seconds, fractions allowed, above zero.
+/// `--timeout` and every `SECS` flag: seconds, fractions allowed, above zero, read as every
+/// `_secs` field of idem is ([`idem_proxy::Secs`]).
 pub fn parse_secs(text: &str) -> Result<Duration, String> {
-    let secs: f64 = text
-        .trim()
-        .parse()
-        .map_err(|_| format!("a number of seconds expected (e.g. 30 or 0.5), not {text:?}"))?;
-    Duration::try_from_secs_f64(secs)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| format!("a number of seconds above zero expected, not {text:?}"))
+    text.parse::<idem_proxy::Secs>().map(|secs| secs.0)
 }
 
 #[cfg(test)]

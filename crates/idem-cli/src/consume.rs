@@ -28,9 +28,9 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::{Deserialize, Serialize};
 use tower_service::Service as _;
 
-use crate::args::{parse_secs, StoreArg};
+use crate::args::parse_secs;
 use crate::error::{CliError, Done};
-use crate::store::{self, Use};
+use crate::serving::ServingStore;
 
 /// The forms `--from` takes, for its errors.
 const FROM_FORMS: &str = "amqp://USER:PASS@HOST:PORT[/VHOST]/QUEUE (RabbitMQ), \
@@ -43,13 +43,7 @@ const FROM_FORMS: &str = "amqp://USER:PASS@HOST:PORT[/VHOST]/QUEUE (RabbitMQ), \
 #[derive(Debug, Args)]
 pub struct ConsumeArgs {
     #[command(flatten)]
-    store: StoreArg,
-    /// Apply idem's migrations at start (PostgreSQL and tiered stores).
-    #[arg(long)]
-    migrate: bool,
-    /// On PostgreSQL and tiered stores, delete expired records every SECS.
-    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
-    purge_every: Duration,
+    store: ServingStore,
     /// A TOML file of settings (see docs/consumers.md); flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -834,11 +828,7 @@ pub async fn run(args: ConsumeArgs) -> Result<Done, CliError> {
     if args.check_config {
         return Ok(Done::ok(format!("config OK\n{}", settings.describe())));
     }
-    let service = Use::Service {
-        migrate: args.migrate,
-        purge_every: args.purge_every,
-    };
-    let opened = store::open(&args.store, service).await?;
+    let opened = args.store.open().await?;
     let url = opened.url();
     let config = idem_core::Config::default()
         .with_lease(settings.lease)

@@ -16,6 +16,7 @@ mod proxy;
 mod relay;
 mod serve;
 mod signal;
+mod serving;
 mod store;
 mod telemetry;
 

@@ -8,34 +8,25 @@ use std::time::Duration;
 
 use clap::Args;
 use http::{HeaderName, Method};
-use idem_proxy::{
-    AfterRetentionSpec, AnonymousSpec, Drained, Header, HostHeader, HostSpec, MethodName,
-    MissingKeySpec, PathPrefix, Proxy, ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec,
-};
+use idem_proxy::{Drained, HostHeader, Proxy, ProxyFile, RouteSpec, Settings, UpstreamSpec};
 
-use crate::args::{parse_listen, parse_secs, StoreArg};
+use crate::args::{parse_listen, parse_secs};
 use crate::error::{listen_error, CliError, Done};
-use crate::store::{self, Use};
+use crate::serving::ServingStore;
 
 /// `idem proxy`'s flags. Route settings given here are the defaults of every route of
-/// `--config`, over the file's `[defaults]` and under each route's own.
+/// `--config`, over the file's `[defaults]` and under each route's own; the upstream and
+/// route settings are idem-proxy's own structs, which the file is read into too.
 #[derive(Debug, Args)]
 pub struct ProxyArgs {
     /// Address to listen on (HTTP/1.1 and HTTP/2 over cleartext); port 0 picks a free port
     /// (the URL is printed).
     #[arg(long, default_value = "127.0.0.1:8080", value_parser = parse_listen)]
     listen: SocketAddr,
-    /// The service requests go to: `http://HOST:PORT[/PREFIX]` or `https://...`.
-    #[arg(long, value_name = "URL")]
-    upstream: Option<String>,
     #[command(flatten)]
-    store: StoreArg,
-    /// Apply idem's migrations at start (PostgreSQL and tiered stores).
-    #[arg(long)]
-    migrate: bool,
-    /// On PostgreSQL and tiered stores, delete expired records every SECS.
-    #[arg(long, default_value = "60", value_name = "SECS", value_parser = parse_secs)]
-    purge_every: Duration,
+    upstream: UpstreamSpec,
+    #[command(flatten)]
+    store: ServingStore,
     /// A TOML routes file (see docs/proxy.md); flags override its `[defaults]`.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -48,138 +39,18 @@ pub struct ProxyArgs {
     /// On SIGTERM, how long requests in flight may take to finish (fractions allowed).
     #[arg(long, default_value = "30", value_name = "SECS", value_parser = parse_secs)]
     shutdown_timeout: Duration,
-    /// How long the upstream has to answer with a response head [default: 30].
-    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
-    upstream_timeout: Option<Duration>,
-    /// A PEM file of certificate authorities trusted for an `https://` upstream, besides
-    /// the system's.
-    #[arg(long, value_name = "FILE")]
-    upstream_ca_file: Option<PathBuf>,
-    /// The `Host` the upstream receives: the client's (`keep`) or the upstream URL's
-    /// [default: keep].
-    #[arg(long, value_parser = ["keep", "upstream"])]
-    host: Option<String>,
-    /// The guarded methods, comma-separated [default: POST,PATCH].
-    #[arg(long, value_delimiter = ',', value_parser = parse_method)]
-    methods: Option<Vec<Method>>,
-    /// The guarded path prefix [default: /].
-    #[arg(long, value_name = "PREFIX")]
-    path: Option<String>,
-    /// The header carrying the key [default: Idempotency-Key].
-    #[arg(long, value_name = "NAME", value_parser = parse_header)]
-    key_header: Option<HeaderName>,
-    /// A guarded request without a key: refused with 400, or passed through [default:
-    /// reject].
-    #[arg(long, value_parser = ["reject", "pass"])]
-    missing_key: Option<String>,
-    /// The request header whose value, hashed, scopes the keys [default: Authorization].
-    #[arg(long, value_name = "NAME", value_parser = parse_header)]
-    scope_header: Option<HeaderName>,
-    /// A request without the scope header: refused with 401, or keyed in one scope shared
-    /// by every such caller [default: refuse].
-    #[arg(long, value_parser = ["refuse", "shared"])]
-    anonymous: Option<String>,
-    /// How long a request holds its key while the upstream works; a crashed proxy's keys
-    /// are taken over by a retry after it [default: 30].
-    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
-    lease: Option<Duration>,
-    /// How long a stored response is replayed [default: 86400].
-    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
-    retention: Option<Duration>,
-    /// Make a request for a key in flight wait up to MS milliseconds for the first one's
-    /// response, instead of answering 409 at once.
-    #[arg(long, value_name = "MS")]
-    wait_ms: Option<u64>,
-    /// The longest a duplicate waits for the first response when it asks with
-    /// `Prefer: wait=N` [default: 10000].
-    #[arg(long, value_name = "MS")]
-    max_wait_ms: Option<u64>,
-    /// A request on a key whose stored response was forgotten (its retention ended): run
-    /// it again, or refuse it with 410 while the key's tombstone is kept [default: run].
-    #[arg(long, value_parser = ["run", "refuse"])]
-    after_retention: Option<String>,
-    /// How long a tombstone is kept after the stored response is forgotten, with
-    /// --after-retention refuse [default: 604800].
-    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
-    tombstone_secs: Option<Duration>,
-    /// When the upstream's answer is lost after the request was sent (a timeout, a reset),
-    /// release the key at once instead of leaving it in flight until its lease ends.
-    #[arg(long)]
-    release_unknown: bool,
-}
-
-fn parse_method(text: &str) -> Result<Method, String> {
-    let upper = text.trim().to_ascii_uppercase();
-    Method::from_bytes(upper.as_bytes())
-        .map_err(|_| format!("an HTTP method such as POST expected, not {text:?}"))
-}
-
-fn parse_header(text: &str) -> Result<HeaderName, String> {
-    HeaderName::from_bytes(text.trim().as_bytes())
-        .map_err(|_| format!("a header name such as X-Api-Key expected, not {text:?}"))
+    #[command(flatten)]
+    route: RouteSpec,
 }
 
 impl ProxyArgs {
-    /// The route settings the flags give.
-    fn route_flags(&self) -> Result<RouteSpec, CliError> {
-        let path = match &self.path {
-            Some(path) if !path.starts_with('/') => {
-                return Err(CliError::Usage(format!(
-                    "--path must start with /, such as /payments, not {path:?}"
-                )))
-            }
-            path => path.clone().map(PathPrefix),
-        };
-        Ok(RouteSpec {
-            path,
-            methods: self
-                .methods
-                .as_ref()
-                .map(|methods| methods.iter().cloned().map(MethodName).collect()),
-            key_header: self.key_header.clone().map(Header),
-            missing_key: self.missing_key.as_deref().map(|m| match m {
-                "pass" => MissingKeySpec::Pass,
-                _ => MissingKeySpec::Reject,
-            }),
-            scope_header: self.scope_header.clone().map(Header),
-            anonymous: self.anonymous.as_deref().map(|a| match a {
-                "shared" => AnonymousSpec::Shared,
-                _ => AnonymousSpec::Refuse,
-            }),
-            lease_secs: self.lease.map(Secs),
-            retention_secs: self.retention.map(Secs),
-            wait_ms: self.wait_ms,
-            max_wait_ms: self.max_wait_ms,
-            after_retention: self.after_retention.as_deref().map(|a| match a {
-                "refuse" => AfterRetentionSpec::Refuse,
-                _ => AfterRetentionSpec::Run,
-            }),
-            tombstone_secs: self.tombstone_secs.map(Secs),
-            release_unknown: self.release_unknown.then_some(true),
-            ..RouteSpec::default()
-        })
-    }
-
-    /// The upstream settings the flags give.
-    fn upstream_flags(&self) -> UpstreamSpec {
-        UpstreamSpec {
-            url: self.upstream.clone(),
-            timeout_secs: self.upstream_timeout.map(Secs),
-            ca_file: self.upstream_ca_file.clone(),
-            host: self.host.as_deref().map(|h| match h {
-                "upstream" => HostSpec::Upstream,
-                _ => HostSpec::Keep,
-            }),
-        }
-    }
-
     /// The settings of the flags over the file.
     fn settings(&self) -> Result<Settings, CliError> {
         let file = match &self.config {
             Some(path) => ProxyFile::read(path).map_err(|e| CliError::Usage(e.to_string()))?,
             None => ProxyFile::default(),
         };
-        Settings::resolve(&file, &self.route_flags()?, &self.upstream_flags())
+        Settings::resolve(&file, &self.route, &self.upstream)
             .map_err(|e| CliError::Usage(e.to_string()))
     }
 }
@@ -269,11 +140,7 @@ pub async fn run(args: ProxyArgs) -> Result<Done, CliError> {
     if args.check_config {
         return Ok(Done::ok(format!("config OK\n{}", describe(&settings))));
     }
-    let service = Use::Service {
-        migrate: args.migrate,
-        purge_every: args.purge_every,
-    };
-    let opened = store::open(&args.store, service).await?;
+    let opened = args.store.open().await?;
     let url = opened.url();
     let store = opened.store();
     let proxy = Proxy::new(store.clone(), &settings.upstream, settings.routes.clone())

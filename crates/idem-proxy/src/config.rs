@@ -1,8 +1,13 @@
-//! The routes file (`idem proxy --config FILE`): TOML, every field checked, and an error
-//! that names the file, the line, the field and what is expected. The guide's chapter
-//! docs/proxy.md shows a file with every field.
+//! The proxy's settings, written once: each is one field of [`UpstreamSpec`] or
+//! [`RouteSpec`], which the routes file (`idem proxy --config FILE`, TOML) deserialises into
+//! and the `idem proxy` flags fill (the structs are `clap::Args` too). Each kind of value
+//! (seconds, milliseconds, methods, header names, paths, JSON pointers, statuses) has one
+//! parser, its type's `FromStr`, which the flags use as it is and the file through
+//! `TryFrom<String>`. An error in the file names the file, the line, the field and what is
+//! expected. The guide's chapter docs/proxy.md shows a file with every field.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
@@ -15,179 +20,232 @@ use crate::forward::{HostHeader, UpstreamConfig};
 use crate::route::Route;
 use crate::ProxyError;
 
-/// The whole file.
+/// The routes file: `[upstream]`, `[defaults]` and the `[[route]]` tables.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProxyFile {
     /// `[upstream]`: where requests go.
     #[serde(default)]
-    pub upstream: UpstreamSpec,
+    upstream: UpstreamSpec,
     /// `[defaults]`: settings for every route, under the route's own.
     #[serde(default)]
-    pub defaults: RouteSpec,
+    defaults: RouteSpec,
     /// `[[route]]`: the guarded routes, first match wins. None: one route, `/`.
     #[serde(default, rename = "route")]
-    pub routes: Vec<RouteSpec>,
+    routes: Vec<RouteSpec>,
 }
 
-/// `[upstream]`; every field optional (the flags give them too).
-#[derive(Debug, Clone, Default, Deserialize)]
+/// Where requests go: `[upstream]` in the file, and the flags `--upstream`,
+/// `--upstream-timeout`, `--upstream-ca-file` and `--host`. Every field is optional; the
+/// flags win over the file. Each field's doc is its flag's help.
+#[derive(Debug, Clone, Default, clap::Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamSpec {
-    /// `url`: `http://` or `https://`, host, port, optional path prefix.
-    pub url: Option<String>,
-    /// `timeout_secs`: how long the upstream has to answer (default 30).
-    pub timeout_secs: Option<Secs>,
-    /// `ca_file`: a PEM file of extra certificate authorities.
-    pub ca_file: Option<std::path::PathBuf>,
-    /// `host`: `"keep"` (the client's `Host`, the default) or `"upstream"`.
-    pub host: Option<HostSpec>,
+    /// The service requests go to: `http://HOST:PORT[/PREFIX]` or `https://...`.
+    #[arg(long = "upstream", value_name = "URL")]
+    url: Option<String>,
+    /// How long the upstream has to answer with a response head [default: 30].
+    #[arg(long = "upstream-timeout", value_name = "SECS")]
+    timeout_secs: Option<Secs>,
+    /// A PEM file of certificate authorities trusted for an `https://` upstream, besides
+    /// the system's.
+    #[arg(long = "upstream-ca-file", value_name = "FILE")]
+    ca_file: Option<PathBuf>,
+    /// The `Host` the upstream receives: the client's (`keep`) or the upstream URL's
+    /// [default: keep].
+    #[arg(long, value_enum)]
+    host: Option<HostSpec>,
 }
 
+// The variants of the enums below carry `//` comments, not docs: clap would list docs under
+// each flag's `--help`, and the flag's own help already says what each value does.
+
 /// `host = "keep" | "upstream"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum HostSpec {
-    /// The client's `Host`.
+enum HostSpec {
+    // The client's `Host`.
     Keep,
-    /// The upstream's host and port.
+    // The upstream's host and port.
     Upstream,
 }
 
-/// A route's settings (`[[route]]`, or `[defaults]`); an absent field takes the value of
-/// `[defaults]`, then of the flags, then the built-in default written beside it.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// A route's settings: a `[[route]]` table, `[defaults]`, or the flags. An absent field
+/// takes the value of the flags, then of `[defaults]`, then the built-in default its doc
+/// names. A field's doc is its flag's help; a field without a flag (`#[arg(skip)]`) is
+/// documented for the file.
+#[derive(Debug, Clone, Default, clap::Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteSpec {
-    /// `path`: the path prefix, by whole segments (default `/`).
-    pub path: Option<PathPrefix>,
+    /// The guarded methods, comma-separated [default: POST,PATCH].
+    #[arg(long, value_delimiter = ',')]
+    methods: Option<Vec<MethodName>>,
+    /// The guarded path prefix [default: /].
+    #[arg(long, value_name = "PREFIX")]
+    path: Option<PathPrefix>,
     /// `jsonrpc_methods`: makes the route a JSON-RPC route guarding the calls of these
     /// methods (such as `["tools/call"]`); every other message passes through untouched,
     /// and `methods` defaults to `["POST"]` (default: not a JSON-RPC route).
-    pub jsonrpc_methods: Option<Vec<String>>,
+    #[arg(skip)]
+    jsonrpc_methods: Option<Vec<String>>,
     /// `key_pointer`: where a JSON-RPC call's key is, a JSON pointer into the request
     /// object; `key_header` is read when it finds no string, and `""` reads the header
     /// only (default `/params/_meta/idempotencyKey`).
-    pub key_pointer: Option<JsonPointer>,
+    #[arg(skip)]
+    key_pointer: Option<JsonPointer>,
     /// `ignore_meta`: `params._meta` entries left out of a JSON-RPC call's fingerprint
     /// (default `["progressToken"]`).
-    pub ignore_meta: Option<Vec<String>>,
+    #[arg(skip)]
+    ignore_meta: Option<Vec<String>>,
     /// `store_errors`: store and replay JSON-RPC errors and tool results with
     /// `isError: true` (default `false`: the key is released, and a retry runs again).
-    pub store_errors: Option<bool>,
-    /// `methods`: the guarded methods (default `["POST", "PATCH"]`).
-    pub methods: Option<Vec<MethodName>>,
-    /// `key_header` (default `Idempotency-Key`).
-    pub key_header: Option<Header>,
-    /// `missing_key`: `"reject"` (400, the default) or `"pass"` (sent on unguarded).
-    pub missing_key: Option<MissingKeySpec>,
-    /// `scope_header`: the header whose hashed value scopes the keys (default
-    /// `Authorization`).
-    pub scope_header: Option<Header>,
-    /// `anonymous`: `"refuse"` (401, the default) or `"shared"` (one scope for every
-    /// caller without the scope header).
-    pub anonymous: Option<AnonymousSpec>,
+    #[arg(skip)]
+    store_errors: Option<bool>,
+    /// The header carrying the key [default: Idempotency-Key].
+    #[arg(long, value_name = "NAME")]
+    key_header: Option<Header>,
+    /// A guarded request without a key: refused with 400, or passed through [default:
+    /// reject].
+    #[arg(long, value_enum)]
+    missing_key: Option<MissingKeySpec>,
+    /// The request header whose value, hashed, scopes the keys [default: Authorization].
+    #[arg(long, value_name = "NAME")]
+    scope_header: Option<Header>,
+    /// A request without the scope header: refused with 401, or keyed in one scope shared
+    /// by every such caller [default: refuse].
+    #[arg(long, value_enum)]
+    anonymous: Option<AnonymousSpec>,
     /// `fingerprint_headers`: request headers that take part in the fingerprint (default
     /// none).
-    pub fingerprint_headers: Option<Vec<Header>>,
+    #[arg(skip)]
+    fingerprint_headers: Option<Vec<Header>>,
     /// `ignore_json`: JSON pointers left out of the fingerprint (default none).
-    pub ignore_json: Option<Vec<JsonPointer>>,
-    /// `lease_secs` (default 30).
-    pub lease_secs: Option<Secs>,
-    /// `retention_secs` (default 86400).
-    pub retention_secs: Option<Secs>,
-    /// `wait_ms`: wait this long for an in-flight request's response instead of 409
-    /// (default: answer 409 at once).
-    pub wait_ms: Option<u64>,
-    /// `max_wait_ms`: the longest a duplicate waits when it asks with `Prefer: wait=N`
-    /// (default 10000).
-    pub max_wait_ms: Option<u64>,
-    /// `after_retention`: `"run"` (a key whose stored response was forgotten runs again,
-    /// the default) or `"refuse"` (a tombstone refuses it with 410 for `tombstone_secs`).
-    pub after_retention: Option<AfterRetentionSpec>,
-    /// `tombstone_secs`: how long a tombstone is kept after the stored response is
-    /// forgotten, with `after_retention = "refuse"` (default 604800, 7 days).
-    pub tombstone_secs: Option<Secs>,
+    #[arg(skip)]
+    ignore_json: Option<Vec<JsonPointer>>,
+    /// How long a request holds its key while the upstream works; a crashed proxy's keys
+    /// are taken over by a retry after it [default: 30].
+    #[arg(long = "lease", value_name = "SECS")]
+    lease_secs: Option<Secs>,
+    /// How long a stored response is replayed [default: 86400].
+    #[arg(long = "retention", value_name = "SECS")]
+    retention_secs: Option<Secs>,
+    /// Make a request for a key in flight wait up to MS milliseconds for the first one's
+    /// response, instead of answering 409 at once.
+    #[arg(long, value_name = "MS")]
+    wait_ms: Option<Millis>,
+    /// The longest a duplicate waits for the first response when it asks with
+    /// `Prefer: wait=N` [default: 10000].
+    #[arg(long, value_name = "MS")]
+    max_wait_ms: Option<Millis>,
+    /// A request on a key whose stored response was forgotten (its retention ended): run
+    /// it again, or refuse it with 410 while the key's tombstone is kept [default: run].
+    #[arg(long, value_enum)]
+    after_retention: Option<AfterRetentionSpec>,
+    /// How long a tombstone is kept after the stored response is forgotten, with
+    /// --after-retention refuse [default: 604800].
+    #[arg(long, value_name = "SECS")]
+    tombstone_secs: Option<Secs>,
     /// `max_request_body` in bytes (default 1 MiB).
-    pub max_request_body: Option<usize>,
+    #[arg(skip)]
+    max_request_body: Option<usize>,
     /// `max_response_body` in bytes (default 1 MiB).
-    pub max_response_body: Option<usize>,
+    #[arg(skip)]
+    max_response_body: Option<usize>,
     /// `store_status`: statuses stored, as classes (`"2xx"`) or codes (`"303"`); default:
     /// 2xx and the final 4xx (not 401, 403, 408, 409, 423, 425, 429).
-    pub store_status: Option<Vec<StatusSpec>>,
-    /// `release_unknown`: release the key when the outcome is unknown (default `false`).
-    pub release_unknown: Option<bool>,
+    #[arg(skip)]
+    store_status: Option<Vec<StatusSpec>>,
+    /// When the upstream's answer is lost after the request was sent (a timeout, a reset),
+    /// release the key at once instead of leaving it in flight until its lease ends.
+    // A switch on the command line: present is `true`, absent leaves the file's value.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    release_unknown: Option<bool>,
     /// `on_disconnect`: `"continue"` (a streamed response is read to its end and stored
     /// when its client leaves, the default) or `"cancel"` (the upstream connection is
     /// closed, the key released, nothing stored).
-    pub on_disconnect: Option<OnDisconnectSpec>,
+    #[arg(skip)]
+    on_disconnect: Option<OnDisconnectSpec>,
     /// `sse_ids`: number the events of a `text/event-stream` answer that carry no `id:`
     /// (default `false`).
-    pub sse_ids: Option<bool>,
+    #[arg(skip)]
+    sse_ids: Option<bool>,
 }
 
 /// `on_disconnect = "continue" | "cancel"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum OnDisconnectSpec {
-    /// Read on and store.
+enum OnDisconnectSpec {
+    // Read on and store.
     Continue,
-    /// Drop the stream and release the key.
+    // Drop the stream and release the key.
     Cancel,
 }
 
 /// `after_retention = "run" | "refuse"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum AfterRetentionSpec {
-    /// Run again.
+enum AfterRetentionSpec {
+    // Run again.
     Run,
-    /// Refuse with 410 while the tombstone is kept.
+    // Refuse with 410 while the tombstone is kept.
     Refuse,
 }
 
 /// `missing_key = "reject" | "pass"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum MissingKeySpec {
-    /// 400.
+enum MissingKeySpec {
+    // 400.
     Reject,
-    /// Sent on unguarded.
+    // Sent on unguarded.
     Pass,
 }
 
 /// `anonymous = "refuse" | "shared"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum AnonymousSpec {
-    /// 401.
+enum AnonymousSpec {
+    // 401.
     Refuse,
-    /// One shared scope.
+    // One shared scope.
     Shared,
 }
 
-/// Builds a newtype read from a TOML string with `$parse`, whose error says what is
-/// expected.
+/// Builds a newtype whose one parser, `$parse`, is its `FromStr` (what a flag's value goes
+/// through) and its `TryFrom<String>` (what a string of the file goes through), with an
+/// error that says what is expected.
 macro_rules! parsed_string {
     ($(#[$doc:meta])* $name:ident($inner:ty), $parse:expr) => {
         $(#[$doc])*
-        #[derive(Debug, Clone, PartialEq)]
-        pub struct $name(pub $inner);
+        #[derive(Debug, Clone, PartialEq, Deserialize)]
+        #[serde(try_from = "String")]
+        struct $name($inner);
 
-        impl<'de> Deserialize<'de> for $name {
-            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let text = String::deserialize(d)?;
+        impl FromStr for $name {
+            type Err = String;
+
+            fn from_str(text: &str) -> Result<Self, String> {
                 let parse: fn(&str) -> Result<$inner, String> = $parse;
-                parse(&text).map($name).map_err(de::Error::custom)
+                parse(text).map($name)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = String;
+
+            fn try_from(text: String) -> Result<Self, String> {
+                text.parse()
             }
         }
     };
 }
 
 parsed_string!(
-    /// An HTTP method in capitals.
+    /// An HTTP method in capitals: methods are case-sensitive (RFC 9110 section 9.1), so
+    /// `post` is not taken for `POST`.
     MethodName(Method),
     |text| {
+        let text = text.trim();
         if !text.is_empty() && text.bytes().all(|b| b.is_ascii_uppercase()) {
             Method::from_bytes(text.as_bytes()).map_err(|e| e.to_string())
         } else {
@@ -199,7 +257,7 @@ parsed_string!(
 parsed_string!(
     /// A header name.
     Header(HeaderName),
-    |text| HeaderName::from_bytes(text.as_bytes())
+    |text| HeaderName::from_bytes(text.trim().as_bytes())
         .map_err(|_| format!("expected a header name such as \"X-Api-Key\", not {text:?}"))
 );
 
@@ -243,7 +301,7 @@ parsed_string!(
 
 /// Statuses named in `store_status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StatusRange {
+enum StatusRange {
     /// Every status of a class: 2 for 2xx.
     Class(u8),
     /// One status.
@@ -259,9 +317,45 @@ impl StatusRange {
     }
 }
 
-/// A number of seconds above zero, fractions allowed.
+/// A number of seconds above zero, fractions allowed: the one reading of every `SECS` flag
+/// of `idem` (as text, [`FromStr`]) and every `_secs` field of its files (a TOML number).
+///
+/// ```
+/// use idem_proxy::Secs;
+/// let half: Secs = "0.5".parse().unwrap();
+/// assert_eq!(half.0, std::time::Duration::from_millis(500));
+/// assert!("0".parse::<Secs>().unwrap_err().contains("above zero"));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Secs(pub Duration);
+
+impl Secs {
+    /// What every reading of seconds says when it fails.
+    const EXPECTED: &'static str = "expected a number of seconds above zero, such as 30 or 0.5";
+
+    /// The one check of seconds, whether they came as text or as a number.
+    fn new(secs: f64) -> Option<Self> {
+        Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .map(Secs)
+    }
+}
+
+impl FromStr for Secs {
+    type Err = String;
+
+    /// # Errors
+    ///
+    /// What is expected and the text given, when it is not a number of seconds above zero.
+    fn from_str(text: &str) -> Result<Self, String> {
+        text.trim()
+            .parse()
+            .ok()
+            .and_then(Secs::new)
+            .ok_or_else(|| format!("{}, not {text:?}", Self::EXPECTED))
+    }
+}
 
 impl<'de> Deserialize<'de> for Secs {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -271,16 +365,32 @@ impl<'de> Deserialize<'de> for Secs {
             Int(u64),
             Float(f64),
         }
-        let expected = "expected a number of seconds above zero, such as 30 or 0.5";
-        let secs = match Number::deserialize(d).map_err(|_| de::Error::custom(expected))? {
+        let secs = match Number::deserialize(d).map_err(|_| de::Error::custom(Self::EXPECTED))? {
             Number::Int(n) => n as f64,
             Number::Float(f) => f,
         };
-        Duration::try_from_secs_f64(secs)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .map(Secs)
-            .ok_or_else(|| de::Error::custom(expected))
+        Secs::new(secs).ok_or_else(|| de::Error::custom(Self::EXPECTED))
+    }
+}
+
+/// A whole number of milliseconds (`wait_ms`, `max_wait_ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(from = "u64")]
+struct Millis(Duration);
+
+impl From<u64> for Millis {
+    fn from(ms: u64) -> Self {
+        Millis(Duration::from_millis(ms))
+    }
+}
+
+impl FromStr for Millis {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        text.trim().parse::<u64>().map(Millis::from).map_err(|_| {
+            format!("expected a whole number of milliseconds, such as 5000, not {text:?}")
+        })
     }
 }
 
@@ -305,7 +415,7 @@ impl ProxyFile {
     /// # Errors
     ///
     /// As [`ProxyFile::read`].
-    pub fn parse(name: &str, text: &str) -> Result<Self, ProxyError> {
+    pub(crate) fn parse(name: &str, text: &str) -> Result<Self, ProxyError> {
         toml::from_str(text).map_err(|e: toml::de::Error| {
             let message = e.message().trim_end();
             let Some(span) = e.span() else {
@@ -418,7 +528,7 @@ impl Settings {
 
 impl RouteSpec {
     /// These settings, with `under`'s where these have none.
-    pub fn over(&self, under: &RouteSpec) -> RouteSpec {
+    fn over(&self, under: &RouteSpec) -> RouteSpec {
         macro_rules! pick {
             ($($field:ident),*) => { RouteSpec { $($field: self.$field.clone().or_else(|| under.$field.clone())),* } };
         }
@@ -496,7 +606,7 @@ impl RouteSpec {
     }
 
     /// The route these settings describe; an absent field takes its built-in default.
-    pub fn to_route(&self) -> Route {
+    fn to_route(&self) -> Route {
         let mut route = Route::default();
         if let Some(PathPrefix(path)) = &self.path {
             route.path.clone_from(path);
@@ -587,11 +697,11 @@ impl RouteSpec {
         if let Some(Secs(retention)) = self.retention_secs {
             route.engine = route.engine.with_retention(retention);
         }
-        if let Some(ms) = self.wait_ms {
-            route.engine.wait = Some(Duration::from_millis(ms));
+        if let Some(Millis(wait)) = self.wait_ms {
+            route.engine.wait = Some(wait);
         }
-        if let Some(ms) = self.max_wait_ms {
-            route.http = route.http.with_max_wait(Duration::from_millis(ms));
+        if let Some(Millis(max_wait)) = self.max_wait_ms {
+            route.http = route.http.with_max_wait(max_wait);
         }
         if self.after_retention == Some(AfterRetentionSpec::Refuse) {
             route.engine.after_retention = AfterRetention::Refuse;
@@ -636,11 +746,15 @@ on_disconnect = "cancel"
 sse_ids = true
 "#;
 
+    /// The settings of `text`, with no flags.
+    fn resolved(text: &str) -> Settings {
+        let file = ProxyFile::parse("proxy.toml", text).unwrap();
+        Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap()
+    }
+
     #[test]
     fn the_example_file_resolves_to_its_routes() {
-        let file = ProxyFile::parse("proxy.toml", EXAMPLE).unwrap();
-        let settings =
-            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        let settings = resolved(EXAMPLE);
         assert_eq!(settings.upstream.timeout, Duration::from_millis(2500));
         assert_eq!(settings.upstream.host, HostHeader::Upstream);
         let [payments, orders] = &settings.routes[..] else {
@@ -677,6 +791,101 @@ sse_ids = true
         assert_eq!(settings.upstream.url, "http://127.0.0.1:4000/");
         assert_eq!(settings.routes[0].engine.lease, Duration::from_secs(5));
         assert_eq!(settings.routes[1].engine.lease, Duration::from_secs(60));
+    }
+
+    /// `idem proxy`'s settings flags, as idem-cli flattens them.
+    #[derive(Debug, clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        upstream: UpstreamSpec,
+        #[command(flatten)]
+        route: RouteSpec,
+    }
+
+    #[test]
+    fn flags_read_each_value_with_the_files_parser() {
+        use clap::Parser as _;
+        let flags = Flags::try_parse_from([
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:3000",
+            "--upstream-timeout",
+            "2.5",
+            "--host",
+            "upstream",
+            "--methods",
+            "POST,PUT",
+            "--path",
+            "/payments",
+            "--scope-header",
+            "X-Api-Key",
+            "--missing-key",
+            "pass",
+            "--lease",
+            "0.5",
+            "--wait-ms",
+            "250",
+            "--after-retention",
+            "refuse",
+            "--tombstone-secs",
+            "3600",
+            "--release-unknown",
+        ])
+        .unwrap();
+        let settings =
+            Settings::resolve(&ProxyFile::default(), &flags.route, &flags.upstream).unwrap();
+        assert_eq!(settings.upstream.timeout, Duration::from_millis(2500));
+        assert_eq!(settings.upstream.host, HostHeader::Upstream);
+        let [route] = &settings.routes[..] else {
+            panic!("one route expected: {:?}", settings.routes);
+        };
+        assert_eq!(route.path, "/payments");
+        assert_eq!(route.http.methods, [Method::POST, Method::PUT]);
+        assert_eq!(route.scope_header, "x-api-key");
+        assert_eq!(route.http.missing_key, MissingKey::PassThrough);
+        assert_eq!(route.engine.lease, Duration::from_millis(500));
+        assert_eq!(route.engine.wait, Some(Duration::from_millis(250)));
+        assert_eq!(route.engine.after_retention, AfterRetention::Refuse);
+        assert_eq!(route.engine.tombstone, Duration::from_secs(3600));
+        assert!(route.release_unknown);
+
+        // A switch left off leaves the file's value.
+        let file = ProxyFile::parse("proxy.toml", "[defaults]\nrelease_unknown = true\n").unwrap();
+        let flags =
+            Flags::try_parse_from(["proxy", "--upstream", "http://127.0.0.1:3000"]).unwrap();
+        let settings = Settings::resolve(&file, &flags.route, &flags.upstream).unwrap();
+        assert!(settings.routes[0].release_unknown);
+
+        // A bad value says what the file would say.
+        for (flag, value, expected) in [
+            (
+                "--methods",
+                "post",
+                "expected an HTTP method in capitals such as \"POST\", not \"post\"",
+            ),
+            (
+                "--lease",
+                "0",
+                "expected a number of seconds above zero, such as 30 or 0.5, not \"0\"",
+            ),
+            ("--path", "payments", "expected a path starting with /"),
+            (
+                "--scope-header",
+                "X Api",
+                "expected a header name such as \"X-Api-Key\"",
+            ),
+            (
+                "--wait-ms",
+                "soon",
+                "expected a whole number of milliseconds",
+            ),
+            ("--missing-key", "maybe", "reject"),
+        ] {
+            let e = Flags::try_parse_from(["proxy", flag, value])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(expected), "{flag} {value}: {e}");
+        }
     }
 
     #[test]
@@ -736,11 +945,9 @@ tombstone_secs = 3600
 [[route]]
 path = "/other"
 "#;
-        let file = ProxyFile::parse("proxy.toml", text).unwrap();
-        let settings =
-            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        let settings = resolved(text);
         let [payments, other] = &settings.routes[..] else {
-            panic!("two routes expected");
+            panic!("two routes expected: {:?}", settings.routes);
         };
         assert_eq!(payments.http.max_wait, Duration::from_millis(2500));
         assert_eq!(payments.engine.after_retention, AfterRetention::Refuse);
@@ -759,9 +966,7 @@ path = "/other"
                 "path = \"/other\"",
                 "path = \"/other\"\nafter_retention = \"run\"",
             );
-        let file = ProxyFile::parse("proxy.toml", &opted_out).unwrap();
-        let settings =
-            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        let settings = resolved(&opted_out);
         assert_eq!(
             settings.routes[0].engine.tombstone,
             Duration::from_secs(3600)
@@ -805,9 +1010,7 @@ path = "/rpc"
 jsonrpc_methods = ["pay"]
 key_pointer = ""
 "#;
-        let file = ProxyFile::parse("proxy.toml", text).unwrap();
-        let settings =
-            Settings::resolve(&file, &RouteSpec::default(), &UpstreamSpec::default()).unwrap();
+        let settings = resolved(text);
         let [mcp, a2a, rpc] = &settings.routes[..] else {
             panic!("three routes expected: {:?}", settings.routes);
         };

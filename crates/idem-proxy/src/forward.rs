@@ -49,7 +49,7 @@ const HOP_BY_HOP: [&str; 8] = [
 
 /// The client's address, put in each request's extensions by the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer(pub SocketAddr);
+pub(crate) struct Peer(pub(crate) SocketAddr);
 
 /// Which `Host` the upstream receives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

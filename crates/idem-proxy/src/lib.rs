@@ -8,7 +8,9 @@
 //!
 //! Routes ([`Route`]), forwarding by RFC 9110 ([`HostHeader`], the [`ATTEMPT`] header) and
 //! what becomes of a key when the outcome is unknown ([`idem_http::KeepInFlight`]): the guide's
-//! chapter docs/proxy.md.
+//! chapter docs/proxy.md. The settings of `idem proxy`, read from its routes file and its
+//! flags alike: [`ProxyFile`], [`UpstreamSpec`] and [`RouteSpec`] (which are `clap::Args`),
+//! resolved into [`Settings`].
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -29,13 +31,9 @@ mod forward;
 mod route;
 mod server;
 
-pub use config::{
-    AfterRetentionSpec, AnonymousSpec, Header, HostSpec, JsonPointer, MethodName, MissingKeySpec,
-    OnDisconnectSpec, PathPrefix, ProxyFile, RouteSpec, Secs, Settings, StatusRange, StatusSpec,
-    UpstreamSpec,
-};
-pub use forward::{Forward, HostHeader, Peer, ProxyBody, UpstreamConfig, UpstreamFailure, ATTEMPT};
-pub use route::{header_scope, scope_of, Proxy, Route};
+pub use config::{ProxyFile, RouteSpec, Secs, Settings, UpstreamSpec};
+pub use forward::{Forward, HostHeader, ProxyBody, UpstreamConfig, UpstreamFailure, ATTEMPT};
+pub use route::{scope_of, Proxy, Route};
 pub use server::{serve, serve_admin, Drained};
 
 /// Why a proxy could not be set up.

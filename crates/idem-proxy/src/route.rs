@@ -66,7 +66,7 @@ impl Route {
 
 /// The scope of a request from the value of `header`: [`scope_of`] its value, or `None`
 /// when the header is absent or empty.
-pub fn header_scope(header: &HeaderName, parts: &Parts) -> Option<Scope> {
+pub(crate) fn header_scope(header: &HeaderName, parts: &Parts) -> Option<Scope> {
     scope_of(header, parts.headers.get(header)?.as_bytes())
 }
 
