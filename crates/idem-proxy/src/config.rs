@@ -746,6 +746,9 @@ on_disconnect = "cancel"
 sse_ids = true
 "#;
 
+    /// An `[upstream]` for the files that test routes.
+    const UPSTREAM: &str = "[upstream]\nurl = \"http://127.0.0.1:3000\"\n";
+
     /// The settings of `text`, with no flags.
     fn resolved(text: &str) -> Settings {
         let file = ProxyFile::parse("proxy.toml", text).unwrap();
@@ -932,10 +935,9 @@ sse_ids = true
 
     #[test]
     fn a_key_lifetime_route_sets_its_engine_and_a_stray_tombstone_is_refused() {
-        let text = r#"
-[upstream]
-url = "http://127.0.0.1:3000"
-
+        let text = &[
+            UPSTREAM,
+            r#"
 [[route]]
 path = "/payments"
 max_wait_ms = 2500
@@ -944,7 +946,9 @@ tombstone_secs = 3600
 
 [[route]]
 path = "/other"
-"#;
+"#,
+        ]
+        .concat();
         let settings = resolved(text);
         let [payments, other] = &settings.routes[..] else {
             panic!("two routes expected: {:?}", settings.routes);
@@ -989,10 +993,9 @@ path = "/other"
 
     #[test]
     fn a_jsonrpc_route_guards_its_calls_and_posts_only() {
-        let text = r#"
-[upstream]
-url = "http://127.0.0.1:3000"
-
+        let text = &[
+            UPSTREAM,
+            r#"
 [[route]]
 path = "/mcp"
 jsonrpc_methods = ["tools/call"]
@@ -1009,7 +1012,9 @@ store_errors = true
 path = "/rpc"
 jsonrpc_methods = ["pay"]
 key_pointer = ""
-"#;
+"#,
+        ]
+        .concat();
         let settings = resolved(text);
         let [mcp, a2a, rpc] = &settings.routes[..] else {
             panic!("three routes expected: {:?}", settings.routes);
