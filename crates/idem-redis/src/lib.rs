@@ -159,7 +159,6 @@ mod connection;
 mod error;
 mod key;
 mod notify;
-mod reach;
 mod scripts;
 mod stats;
 mod store;
@@ -168,7 +167,6 @@ mod transitions;
 
 pub use config::{BodyLimit, Durability, EvictionCheck, OversizeBody, RedisConfig, Scripting};
 pub use error::{EvictionPolicyError, ReplicationError};
-pub use reach::is_unreachable;
 pub use stats::{Finding, Problem, Scan, ScanCounts};
 pub use store::{RedisStore, RedisStoreBuilder};
 

@@ -437,7 +437,7 @@ async fn open_redis(
         Ok(store) => return Ok(store),
         Err(error) => error,
     };
-    if !options.wait_for_redis || !idem_redis::is_unreachable(&error) {
+    if !options.wait_for_redis || !crate::reach::is_unreachable(&error) {
         return Err(OpenError::explained(url, redis, error).await);
     }
     // Another server at that port (PostgreSQL's, a broker's) drops or garbles the
@@ -452,9 +452,8 @@ async fn open_redis(
     }
     let name = crate::url::redact(redis);
     tracing::debug!(redis = %name, %error, "Redis out of reach at start");
-    let store = builder
-        .connect_later(&name)
-        .map_err(|e| OpenError::plain(url, e))?;
+    let store =
+        crate::reach::connect_later(builder, &name).map_err(|e| OpenError::plain(url, e))?;
     let meanwhile = if tiered {
         "PostgreSQL answers alone, and completions wait in its outbox, until it returns"
     } else {

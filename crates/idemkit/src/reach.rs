@@ -224,6 +224,70 @@ fn host_port(url: &str) -> Option<(String, u16)> {
     Some((host.to_owned(), port))
 }
 
+/// Whether `error` says Redis is out of reach (nothing listening, no answer, the connection
+/// dropped), as opposed to reached and refusing us (a certificate from another authority, a
+/// wrong password): only the first is worth starting without it.
+#[cfg(feature = "redis")]
+pub(crate) fn is_unreachable(error: &Error) -> bool {
+    use std::io::ErrorKind;
+    if !error.is_retryable() {
+        return false;
+    }
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(cause) = source {
+        // redis-rs keeps an I/O error in an `Arc`, whose own `source` skips it.
+        let io = cause.downcast_ref::<std::io::Error>().or_else(|| {
+            cause
+                .downcast_ref::<Shared>()
+                .and_then(|shared| shared.downcast_ref::<std::io::Error>())
+        });
+        if let Some(io) = io {
+            return matches!(
+                io.kind(),
+                ErrorKind::ConnectionRefused
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::NotConnected
+                    | ErrorKind::BrokenPipe
+                    | ErrorKind::TimedOut
+                    | ErrorKind::HostUnreachable
+                    | ErrorKind::NetworkUnreachable
+                    | ErrorKind::AddrNotAvailable
+                    | ErrorKind::NotFound
+            );
+        }
+        source = cause.source();
+    }
+    // No I/O error underneath: the call's own time limit ran out, or the server answered
+    // that it cannot serve yet (LOADING, ...).
+    true
+}
+
+/// Builds the Redis store without connecting and logs `Redis reachable` once it answers
+/// (trying every second): for a service whose other tier answers meanwhile (the tiered
+/// store, whose PostgreSQL decides alone, and the relay, whose outbox keeps the rows),
+/// after a connect failed with an error that [`is_unreachable`] accepts. `name` is how the
+/// log names this Redis (without its password).
+#[cfg(feature = "redis")]
+pub(crate) fn connect_later(
+    builder: idem_redis::RedisStoreBuilder,
+    name: &str,
+) -> Result<idem_redis::RedisStore, Error> {
+    use idem_core::{Key, RecordId, Scope, Store as _};
+    let redis = builder.connect_lazy()?;
+    let (probe, name) = (redis.clone(), name.to_owned());
+    tokio::spawn(async move {
+        let id = RecordId::new(Scope::global(), Key::new("idem-reachability-probe")?);
+        while probe.get(&id).await.is_err() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        tracing::info!(redis = %name, "Redis reachable");
+        Ok::<_, idem_core::KeyError>(())
+    });
+    Ok(redis)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
