@@ -15,8 +15,8 @@ mod ops;
 mod proxy;
 mod relay;
 mod serve;
-mod signal;
 mod serving;
+mod signal;
 mod store;
 mod telemetry;
 
